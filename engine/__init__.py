@@ -1,0 +1,1 @@
+"""Model execution on one device: config, requests, paged KV cache, scheduler, runner, sampling."""

@@ -1,0 +1,72 @@
+"""Frozen configuration for one engine process, built once and passed down.
+
+Nothing below this module reads environment variables or flags: every knob lives here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Which model, on which device, in which dtype."""
+
+    model: str = "smollm2-135m"
+    dtype: str = "float32"
+    device: str = "auto"  # "auto" picks cuda when available, else cpu
+    seed: int = 0
+    # Upper bound on prompt + output tokens; None takes the model's own limit.
+    max_model_len: int | None = None
+    # torch threads for this process; None leaves torch's default.
+    num_threads: int | None = None
+    # Attention kernel: "auto", "sdpa" (portable gather + SDPA) or "paged" (the
+    # compiled CPU paged-decode kernel, when it builds).
+    attention_backend: str = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Paged KV cache geometry. Either a block count or a memory budget sizes it."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    # Fraction of free device memory for the KV cache on CUDA.
+    gpu_memory_fraction: float = 0.8
+    # KV cache size on CPU, in GiB, when num_blocks is not given.
+    cpu_kv_cache_gib: float = 2.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(
+                f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """One token budget per step, shared by decodes (first) and prefill chunks (after)."""
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,0 +1,19 @@
+"""Errors the engine raises at its API boundary.
+
+Each names the offending field and what is allowed, so that the router can turn it into an
+INVALID_ARGUMENT answer without guessing.
+"""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """A request parameter is out of range. `field` names it; the message says the allowed range."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ModelNotFoundError(ValueError):
+    """A model name or path that pdserve cannot load; the message says what was looked for."""

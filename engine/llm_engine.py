@@ -1,0 +1,226 @@
+"""LLMEngine: the one-device engine API (add_request, abort, step, generate).
+
+One step is: schedule -> execute on the runner -> update request state -> detokenize and apply stop
+strings. Bad requests are refused at `add_request` with an InvalidRequestError naming the field;
+nothing already running is disturbed by them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError
+from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.loader import LoadedModel, load_model
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput, TokenLogprobs
+from engine.request import FinishReason, Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.stop_strings import StopStringMatcher
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A finished request as `generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+    logprobs: tuple[TokenLogprobs, ...]
+    num_cached_tokens: int
+
+
+@dataclass(slots=True)
+class _Stream:
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+    num_sent: int = 0  # output tokens already reported
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        if config.model.num_threads is not None:
+            torch.set_num_threads(config.model.num_threads)
+        self.config = config
+        self.loaded = loaded or load_model(config.model)
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = self.loaded.max_model_len
+        self.runner = ModelRunner(self.loaded.hf_model, config)
+        self.vocab_size = self.runner.model.vocab_size
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.eos_token_ids = self._eos_ids()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        gen = getattr(self.loaded.hf_model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(int(e) for e in eos)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return frozenset(ids)
+
+    # -- requests -----------------------------------------------------------------------------
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        if chat:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            if not isinstance(ids, list):  # transformers 5 may return a BatchEncoding
+                ids = ids["input_ids"]
+            return [int(t) for t in ids]
+        return [int(t) for t in self.tokenizer.encode(prompt, add_special_tokens=False)]
+
+    def validate_prompt(self, token_ids: Sequence[int]) -> None:
+        n = len(token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt", "must not be empty (at least 1 token)")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"has {n} tokens; it must be at most {self.max_model_len - 1} tokens "
+                f"(the model's context is {self.max_model_len})",
+            )
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                "prompt_token_ids", f"token id {bad} is outside [0, {self.vocab_size})"
+            )
+        need = cdiv(n + 1, self.config.cache.block_size)
+        if need > self.runner.num_blocks:
+            raise InvalidRequestError(
+                "prompt", f"needs {need} KV blocks; the cache holds {self.runner.num_blocks}"
+            )
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        token_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self.validate_prompt(token_ids)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._streams:
+            raise InvalidRequestError("request_id", f"{rid!r} is already in use")
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=token_ids,
+            sampling=params,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+        )
+        self.scheduler.add_request(req)
+        self._streams[rid] = _Stream(
+            IncrementalDetokenizer(self.tokenizer, token_ids), StopStringMatcher(params)
+        )
+        return rid
+
+    def abort(self, request_ids: str | Sequence[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.scheduler.finish_requests(ids, FinishReason.ABORT)
+        for rid in ids:
+            self._streams.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- stepping -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        result = self.runner.execute(so)
+        touched = self.scheduler.update_from_output(so, result)
+        lp_by_id = dict(zip(result.request_ids, result.logprobs)) if result.logprobs else {}
+        outs = []
+        for req in touched:
+            outs.append(self._emit(req, lp_by_id.get(req.request_id)))
+        return outs
+
+    def _emit(self, req: Request, lp: TokenLogprobs | None) -> RequestOutput:
+        st = self._streams[req.request_id]
+        new_ids = tuple(req.token_ids[req.num_prompt_tokens + st.num_sent :])
+        st.num_sent += len(new_ids)
+        for t in new_ids:
+            st.detok.add(t)
+        hit = st.stops.find(st.detok.text)
+        if hit is not None:
+            if not req.is_finished:
+                self.scheduler.finish_requests([req.request_id], FinishReason.STOP)
+            req.finish_reason = FinishReason.STOP
+            req.stop_reason = hit
+        finished = req.is_finished
+        if finished:
+            if hit is None:
+                st.detok.flush()
+            delta = st.stops.final_delta(st.detok.text)
+            del self._streams[req.request_id]
+        else:
+            delta = st.stops.safe_delta(st.detok.text)
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            text_delta=delta,
+            finished=finished,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            logprobs=(lp,) if lp is not None else (),
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Run prompts to completion offline; results in the order of `prompts`."""
+        plist = (
+            params if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        )
+        if len(plist) != len(prompts):
+            raise InvalidRequestError("params", f"{len(plist)} given for {len(prompts)} prompts")
+        rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        acc: dict[str, list[RequestOutput]] = {r: [] for r in rids}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.request_id in acc:
+                    acc[out.request_id].append(out)
+        results = []
+        for rid in rids:
+            outs = acc[rid]
+            last = outs[-1]
+            results.append(
+                Completion(
+                    request_id=rid,
+                    prompt_token_ids=(),
+                    token_ids=tuple(t for o in outs for t in o.new_token_ids),
+                    text="".join(o.text_delta for o in outs),
+                    finish_reason=last.finish_reason,
+                    stop_reason=last.stop_reason,
+                    logprobs=tuple(lp for o in outs for lp in o.logprobs),
+                    num_cached_tokens=last.num_cached_tokens,
+                )
+            )
+        return results

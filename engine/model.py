@@ -1,0 +1,126 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) run over the paged KV cache.
+
+Weights are taken from the transformers model (q/k/v and gate/up fused for fewer, larger matmuls);
+the math follows transformers' modeling code so greedy outputs match it token for token:
+RMSNorm in float32, rotary embeddings from the model's own rotary module (so every RoPE scaling
+variant it supports is honoured), optional q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_w: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up_w: torch.Tensor
+    down_w: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PagedDecoderModel:
+    def __init__(self, hf_model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+        cfg = hf_model.config
+        self.config = cfg
+        self.device = device
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.eps = cfg.rms_norm_eps
+        self.num_layers = cfg.num_hidden_layers
+        self.vocab_size = cfg.vocab_size
+        inner = hf_model.model
+
+        def t(x: torch.Tensor) -> torch.Tensor:
+            return x.detach().to(device=device, dtype=dtype).contiguous()
+
+        self.embed = t(inner.embed_tokens.weight)
+        self.final_norm = t(inner.norm.weight)
+        self.lm_head = t(hf_model.lm_head.weight)
+        self.rotary = inner.rotary_emb.to(device)
+        self.layers = []
+        for layer in inner.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            bias = att.q_proj.bias is not None
+            self.layers.append(
+                LayerWeights(
+                    input_norm=t(layer.input_layernorm.weight),
+                    qkv_w=t(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])),
+                    qkv_b=t(torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]))
+                    if bias
+                    else None,
+                    q_norm=t(att.q_norm.weight) if hasattr(att, "q_norm") else None,
+                    k_norm=t(att.k_norm.weight) if hasattr(att, "k_norm") else None,
+                    o_w=t(att.o_proj.weight),
+                    post_norm=t(layer.post_attention_layernorm.weight),
+                    gate_up_w=t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                    down_w=t(mlp.down_proj.weight),
+                )
+            )
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dummy = self.embed[:1]
+        cos, sin = self.rotary(dummy, positions.unsqueeze(0))
+        return cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, D]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        md: AttentionMetadata,
+        attention,  # SdpaAttention-like: write via cache, forward(layer, q, k, v, md)
+        logit_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run one step over T flattened tokens; return logits [len(logit_rows), vocab]."""
+        T = input_ids.shape[0]
+        x = self.embed[input_ids]
+        cos, sin = self.rope(positions)
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        cache = attention.cache
+        for i, w in enumerate(self.layers):
+            h = rms_norm(x, w.input_norm, self.eps)
+            qkv = F.linear(h, w.qkv_w, w.qkv_b)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(T, H, D)
+            k = k.view(T, Hkv, D)
+            v = v.view(T, Hkv, D)
+            if w.q_norm is not None and w.k_norm is not None:
+                q = rms_norm(q, w.q_norm, self.eps)
+                k = rms_norm(k, w.k_norm, self.eps)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            cache.write(i, k, v, md.slot_blocks, md.slot_offsets)
+            a = attention.forward(i, q, k, v, md)
+            x = x + F.linear(a.reshape(T, H * D), w.o_w)
+            h = rms_norm(x, w.post_norm, self.eps)
+            gate, up = F.linear(h, w.gate_up_w).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w.down_w)
+        x = rms_norm(x[logit_rows], self.final_norm, self.eps)
+        return F.linear(x, self.lm_head)

@@ -1,0 +1,150 @@
+"""Executes a SchedulerOutput on one device: flattens the batch, runs the model, samples.
+
+Lifecycle per step: prepare inputs (decodes first, then prefill chunks) -> forward over the paged
+cache -> sample the rows whose chunk ended its sequence -> ModelRunnerOutput. The runner keeps one
+torch.Generator per live request and drops it when the scheduler reports the request finished.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata, PrefillSegment, SdpaAttention
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache, KVCacheSpec
+from engine.model import PagedDecoderModel
+from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.sampler import sample
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, hf_model: torch.nn.Module, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype)
+        self.model = PagedDecoderModel(hf_model, self.device, self.dtype)
+        self.block_size = config.cache.block_size
+        self.spec = KVCacheSpec(
+            num_layers=self.model.num_layers,
+            num_kv_heads=self.model.num_kv_heads,
+            head_dim=self.model.head_dim,
+            block_size=self.block_size,
+            dtype=self.dtype,
+        )
+        self.num_blocks = self._num_blocks()
+        self.cache = KVCache(self.spec, self.num_blocks, self.device)
+        self.attention = SdpaAttention(self.cache, self.model.num_heads, self.model.scale)
+        self.generators: dict[str, torch.Generator] = {}
+        self._seed_source = torch.Generator().manual_seed(config.model.seed)
+
+    def _num_blocks(self) -> int:
+        cc = self.config.cache
+        if cc.num_blocks is not None:
+            return cc.num_blocks
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return self.spec.num_blocks_for_bytes(free * cc.gpu_memory_fraction)
+        return self.spec.num_blocks_for_bytes(cc.cpu_kv_cache_gib * (1 << 30))
+
+    def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
+        if s.sampling.greedy:
+            return None
+        g = self.generators.get(s.request_id)
+        if g is None:
+            seed = s.sampling.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
+            g = torch.Generator(device=self.device).manual_seed(seed)
+            self.generators[s.request_id] = g
+        return g
+
+    def _prepare(self, order: list[ScheduledRequest], num_decodes: int):
+        bs = self.block_size
+        dev = self.device
+        ids: list[int] = []
+        pos: list[int] = []
+        for s in order:
+            ids.extend(s.token_ids)
+            pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
+        decodes = order[:num_decodes]
+        max_nb = max((len(s.block_ids) for s in decodes), default=0)
+        table = [list(s.block_ids) + [0] * (max_nb - len(s.block_ids)) for s in decodes]
+        ctx = [s.start_pos + 1 for s in decodes]
+        block_of = [
+            s.block_ids[p // bs]
+            for s in order
+            for p in range(s.start_pos, s.start_pos + len(s.token_ids))
+        ]
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        decode_table = torch.tensor(table, dtype=torch.long, device=dev).view(len(decodes), max_nb)
+        ctx_t = torch.tensor(ctx, dtype=torch.int32, device=dev)
+        mask = None
+        if decodes and min(ctx) != max_nb * bs:
+            mask = (torch.arange(max_nb * bs, device=dev)[None, :] < ctx_t[:, None])[
+                :, None, None, :
+            ]
+        segs = []
+        row = num_decodes
+        for s in order[num_decodes:]:
+            segs.append(
+                PrefillSegment(
+                    row, len(s.token_ids), s.start_pos, torch.tensor(s.block_ids, device=dev)
+                )
+            )
+            row += len(s.token_ids)
+        md = AttentionMetadata(
+            slot_blocks=torch.tensor(block_of, dtype=torch.long, device=dev),
+            slot_offsets=positions % bs,
+            num_decodes=num_decodes,
+            decode_block_table=decode_table,
+            decode_context_lens=ctx_t,
+            decode_max_context=max(ctx, default=0),
+            decode_mask=mask,
+            prefills=tuple(segs),
+        )
+        return torch.tensor(ids, dtype=torch.long, device=dev), positions, md
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in so.finished_request_ids:
+            self.generators.pop(rid, None)
+        if so.is_empty:
+            return ModelRunnerOutput((), ())
+        decodes = [s for s in so.scheduled if len(s.token_ids) == 1]
+        chunks = [s for s in so.scheduled if len(s.token_ids) > 1]
+        order = decodes + chunks
+        input_ids, positions, md = self._prepare(order, len(decodes))
+        rows, samplers, row = [], [], 0
+        for s in order:
+            row += len(s.token_ids)
+            if s.sample:
+                rows.append(row - 1)
+                samplers.append(s)
+        if not samplers:
+            self.model.forward(
+                input_ids, positions, md, self.attention, torch.empty(0, dtype=torch.long)
+            )
+            return ModelRunnerOutput((), ())
+        logit_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+        logits = self.model.forward(input_ids, positions, md, self.attention, logit_rows)
+        tokens, lps = sample(
+            logits, [s.sampling for s in samplers], [self._generator(s) for s in samplers]
+        )
+        return ModelRunnerOutput(
+            request_ids=tuple(s.request_id for s in samplers),
+            token_ids=tuple(tokens),
+            logprobs=tuple(lps),
+        )

@@ -1,0 +1,67 @@
+"""Messages between scheduler, runner and engine user. Frozen: a step's facts never change."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step: compute `token_ids` at positions start_pos.."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_ids: tuple[int, ...]  # the request's whole block table
+    sample: bool  # the chunk ends the known sequence: sample the next token
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    scheduled: tuple[ScheduledRequest, ...]
+    num_batched_tokens: int
+    preempted_request_ids: tuple[str, ...] = ()
+    # requests that ended since the previous step: the runner drops their per-request state
+    finished_request_ids: tuple[str, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The chosen token's logprob and the top-n alternatives (id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRunnerOutput:
+    """Sampled tokens, one per scheduled request with `sample` set, in schedule order."""
+
+    request_ids: tuple[str, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs | None, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one request, as the engine's caller sees it."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    text_delta: str
+    finished: bool
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0

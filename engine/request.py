@@ -1,0 +1,111 @@
+"""Request state: the status machine and the token bookkeeping one sequence carries.
+
+Status transitions (no others are legal):
+
+    WAITING ──schedule──> RUNNING ──stop/length──> FINISHED_STOPPED | FINISHED_LENGTH
+       ^                    │
+       └──── PREEMPTED <────┘  (blocks ran out: recompute from prompt + outputs)
+    WAITING_FOR_KV ──kv arrived──> RUNNING          (disaggregated decode side)
+    any unfinished ──abort──> FINISHED_ABORTED
+
+Invariant: `num_computed_tokens <= len(token_ids)`; the KV of the first `num_computed_tokens`
+tokens is in `block_ids`, in order.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    WAITING_FOR_KV = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+)
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float
+    eos_token_ids: frozenset[int] = frozenset()
+    max_model_len: int = 1 << 30
+    status: RequestStatus = RequestStatus.WAITING
+    # prompt followed by outputs; the sequence whose KV the cache holds
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    # chained hashes of the full blocks of token_ids, extended lazily
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prefix-cache hit at first scheduling
+    num_registered_blocks: int = 0  # leading blocks already named in the prefix cache
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def check_stop_token(self) -> FinishReason | None:
+        """Stop on EOS, a stop token id, max_tokens or the model's context, in that order."""
+        last = self.token_ids[-1]
+        sp = self.sampling
+        if not sp.ignore_eos and last in self.eos_token_ids:
+            self.stop_reason = last
+            return FinishReason.STOP
+        if last in sp.stop_token_ids:
+            self.stop_reason = last
+            return FinishReason.STOP
+        if self.num_output_tokens >= sp.max_tokens or self.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None

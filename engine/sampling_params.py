@@ -1,0 +1,59 @@
+"""Per-request sampling parameters, validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    temperature 0 means greedy. top_k 0 (or -1) disables top-k; top_p 1 and min_p 0 disable
+    theirs. A seed makes the request's samples depend only on the seed and its own logits,
+    whatever batch it shares a step with.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs to return per token, besides the chosen
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(
+                "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}"
+            )
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise InvalidRequestError(
+                "top_k", f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}"
+            )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise InvalidRequestError("seed", f"must be an integer >= 0, got {self.seed!r}")
+        if any((not isinstance(s, str)) or s == "" for s in self.stop):
+            raise InvalidRequestError("stop", "every stop string must be a non-empty string")
+        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError(
+                "stop_token_ids", "every stop token id must be an integer >= 0"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InvalidRequestError("logprobs", f"must be in [0, 20], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

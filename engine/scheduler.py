@@ -1,0 +1,221 @@
+"""The step scheduler: pure Python, no tensors, testable with fake runner outputs.
+
+Each step has one token budget (`max_num_batched_tokens`) and at most `max_num_seqs` running
+requests. Every request's computed tokens catch up to its total tokens; there is no separate
+prefill or decode code path. Within a step:
+  1. running requests with one token left (decodes) are scheduled first, so a long prompt never
+     stalls them;
+  2. running requests still prefilling continue with the budget left, in admission order;
+  3. waiting requests (new or preempted) are admitted with what is left, chunked to fit.
+When blocks run out, the newest running request is preempted: its blocks are freed and it is
+recomputed later from prompt + outputs (recompute preemption).
+
+Invariants checked at the end of every `schedule()`: budget respected (a lone unchunkable prefill
+excepted), no request scheduled twice, running count <= max_num_seqs, every scheduled request
+holds enough blocks for its tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import ComputedBlocks, KVCacheManager, cdiv
+from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.request import FinishReason, Request, RequestStatus
+
+_FINISH_STATUS = {
+    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+    FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
+}
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+        # Requests ended by the scheduler itself (the pool can't hold them), for the engine to
+        # report; drained by `take_capacity_finished`.
+        self.capacity_finished: list[Request] = []
+
+    # -- admission and removal -------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish_requests(self, request_ids: Iterable[str], reason: FinishReason) -> list[Request]:
+        """End requests (abort, stop string): free their blocks; unknown ids are ignored."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            self._finish(req, reason)
+            done.append(req)
+        return done
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        req.status = _FINISH_STATUS[reason]
+        req.finish_reason = reason
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- scheduling ---------------------------------------------------------------------------
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: dict[str, int] = {}  # request_id -> tokens scheduled, in schedule order
+        preempted: list[str] = []
+
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + prefills:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                if len(self.running) == 1 and not chunks:
+                    # Alone and still out of blocks: the pool can never hold it.
+                    self._end_for_capacity(req)
+                    break
+                victim = self.running[-1]
+                if victim.request_id in chunks:
+                    budget += chunks.pop(victim.request_id)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                chunks[req.request_id] = n
+                budget -= n
+
+        if not preempted:
+            budget = self._admit_waiting(budget, chunks)
+
+        out = self._build_output(chunks, preempted)
+        self._check_invariants(out)
+        return out
+
+    def _end_for_capacity(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.stop_reason = "kv_cache_capacity"
+        self._finish(req, FinishReason.LENGTH)
+        self.capacity_finished.append(req)
+
+    def _admit_waiting(self, budget: int, chunks: dict[str, int]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if cdiv(req.num_tokens, self.kv.block_size) > self.kv.pool.num_blocks:
+                self._end_for_capacity(req)  # grew past the whole pool while preempted
+                continue
+            computed = (
+                self.kv.get_computed_blocks(req) if not req.block_ids else ComputedBlocks([], 0)
+            )
+            remaining = req.num_tokens - req.num_computed_tokens - computed.num_tokens
+            if not self.config.enable_chunked_prefill and remaining > budget:
+                # Unchunked: the whole prompt in one step, alone if it exceeds the budget.
+                if chunks or budget < self.config.max_num_batched_tokens:
+                    break
+                n = remaining
+            else:
+                n = min(remaining, budget)
+            if not self.kv.allocate_slots(req, n, computed):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chunks[req.request_id] = n
+            budget = max(0, budget - n)
+        return budget
+
+    def _build_output(self, chunks: dict[str, int], preempted: list[str]) -> SchedulerOutput:
+        scheduled = []
+        for rid, n in chunks.items():
+            req = self.requests[rid]
+            start = req.num_computed_tokens
+            scheduled.append(
+                ScheduledRequest(
+                    request_id=rid,
+                    token_ids=tuple(req.token_ids[start : start + n]),
+                    start_pos=start,
+                    block_ids=tuple(req.block_ids),
+                    sample=start + n == req.num_tokens,
+                    sampling=req.sampling,
+                )
+            )
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return SchedulerOutput(
+            scheduled=tuple(scheduled),
+            num_batched_tokens=sum(chunks.values()),
+            preempted_request_ids=tuple(preempted),
+            finished_request_ids=finished,
+        )
+
+    def _check_invariants(self, out: SchedulerOutput) -> None:
+        ids = [s.request_id for s in out.scheduled]
+        assert len(ids) == len(set(ids)), "request scheduled twice"
+        lone = len(ids) == 1 and not self.config.enable_chunked_prefill
+        assert lone or out.num_batched_tokens <= self.config.max_num_batched_tokens
+        assert len(self.running) <= self.config.max_num_seqs
+        for s in out.scheduled:
+            need = cdiv(s.start_pos + len(s.token_ids), self.kv.block_size)
+            assert len(s.block_ids) >= need, f"{s.request_id}: {len(s.block_ids)} < {need} blocks"
+            assert self.requests[s.request_id].status is RequestStatus.RUNNING
+
+    def take_capacity_finished(self) -> list[Request]:
+        done, self.capacity_finished = self.capacity_finished, []
+        return done
+
+    # -- results ------------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish on EOS/stop ids/length.
+
+        Returns the requests that received a token this step (finished ones included).
+        """
+        for s in out.scheduled:
+            req = self.requests[s.request_id]
+            req.num_computed_tokens += len(s.token_ids)
+            self.kv.cache_computed_blocks(req)
+        touched = []
+        for rid, tok in zip(result.request_ids, result.token_ids):
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            req.append_output(tok)
+            touched.append(req)
+            reason = req.check_stop_token()
+            if reason is not None:
+                self.running.remove(req)
+                self._finish(req, reason)
+        return touched

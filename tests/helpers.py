@@ -1,0 +1,71 @@
+"""Shared test helpers: tiny engines and transformers' own greedy reference."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.loader import LoadedModel, load_model
+
+_LOADED: dict[str, LoadedModel] = {}
+
+
+def loaded(name: str) -> LoadedModel:
+    if name not in _LOADED:
+        _LOADED[name] = load_model(ModelConfig(model=name))
+    return _LOADED[name]
+
+
+def make_engine(
+    name: str = "tiny-llama",
+    block_size: int = 4,
+    num_blocks: int = 256,
+    budget: int = 64,
+    max_num_seqs: int = 16,
+    chunked: bool = True,
+    caching: bool = True,
+    attention_backend: str = "auto",
+) -> LLMEngine:
+    cfg = EngineConfig(
+        model=ModelConfig(model=name, attention_backend=attention_backend),
+        cache=CacheConfig(
+            block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching
+        ),
+        scheduler=SchedulerConfig(budget, max_num_seqs, chunked),
+    )
+    return LLMEngine(cfg, loaded(name))
+
+
+def hf_greedy(name: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generation; stops at EOS like the engine does."""
+    model = loaded(name).hf_model
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def random_prompts(lengths: list[int], vocab: int = 256, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def drain(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, list[int]]:
+    """Step until idle (bounded); return each request's output tokens."""
+    toks: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return toks
+        for out in engine.step():
+            toks.setdefault(out.request_id, []).extend(out.new_token_ids)
+    raise AssertionError(f"engine still busy after {max_steps} steps")
+
+
+def assert_pool_free(engine: LLMEngine) -> None:
+    engine.kv.pool.check_invariants()
+    assert engine.kv.pool.all_free(), "blocks still held after every request ended"

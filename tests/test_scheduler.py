@@ -1,0 +1,184 @@
+"""Scheduler tests driven by fake runner outputs: no model, no tensors."""
+
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.request import FinishReason, Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+EOS = 999
+
+
+def make(budget=16, seqs=8, blocks=64, bs=4, chunked=True, caching=True):
+    kv = KVCacheManager(blocks, bs, caching)
+    return Scheduler(SchedulerConfig(budget, seqs, chunked), kv)
+
+
+def req(rid, n, max_tokens=4, start=0):
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(range(start, start + n)),
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        arrival_time=0.0,
+        eos_token_ids=frozenset({EOS}),
+    )
+
+
+def fake_run(out: SchedulerOutput, token=7) -> ModelRunnerOutput:
+    ids = tuple(s.request_id for s in out.scheduled if s.sample)
+    return ModelRunnerOutput(ids, tuple(token for _ in ids))
+
+
+def step(s: Scheduler, token=7):
+    out = s.schedule()
+    s.update_from_output(out, fake_run(out, token))
+    return out
+
+
+def test_chunked_prefill_then_decode_and_finish():
+    s = make(budget=8)
+    s.add_request(req("a", 20, max_tokens=3))
+    chunks = [len(step(s).scheduled[0].token_ids) for _ in range(3)]
+    assert chunks == [8, 8, 4]  # the third chunk ends the prompt and samples
+    r = s.requests["a"]
+    assert r.num_output_tokens == 1 and r.num_computed_tokens == 20
+    step(s)
+    step(s)
+    assert "a" not in s.requests and r.status is RequestStatus.FINISHED_LENGTH
+    assert r.output_token_ids == [7, 7, 7]
+    assert s.kv.pool.all_free()
+
+
+def test_decodes_scheduled_before_prefill_chunks():
+    s = make(budget=6)
+    s.add_request(req("d", 3, max_tokens=10))
+    step(s)  # d prefilled, now decoding
+    s.add_request(req("p", 40, start=100))
+    out = step(s)
+    ids = [x.request_id for x in out.scheduled]
+    assert ids == ["d", "p"]
+    assert [len(x.token_ids) for x in out.scheduled] == [1, 5]
+    assert out.num_batched_tokens == 6
+    s.finish_requests(["d", "p"], FinishReason.ABORT)
+    assert s.kv.pool.all_free()
+
+
+def test_budget_splits_prompt_mid_block():
+    s = make(budget=6, bs=4)
+    s.add_request(req("a", 10))
+    out = step(s)
+    assert out.scheduled[0].token_ids == tuple(range(6))
+    assert len(out.scheduled[0].block_ids) == 2  # 6 tokens need 2 blocks of 4
+    out = step(s)
+    assert out.scheduled[0].start_pos == 6 and out.scheduled[0].sample
+    s.finish_requests(["a"], FinishReason.ABORT)
+    assert s.kv.pool.all_free()
+
+
+def test_max_num_seqs_limits_running():
+    s = make(budget=100, seqs=2)
+    for i in range(4):
+        s.add_request(req(f"r{i}", 3, max_tokens=5, start=10 * i))
+    out = step(s)
+    assert len(out.scheduled) == 2 and len(s.running) == 2
+    s.finish_requests([f"r{i}" for i in range(4)], FinishReason.ABORT)
+    assert s.kv.pool.all_free()
+
+
+def test_preemption_newest_first_and_recompute():
+    s = make(budget=64, blocks=6, bs=4, caching=False)
+    s.add_request(req("old", 8, max_tokens=12))
+    s.add_request(req("new", 8, max_tokens=12, start=50))
+    step(s)  # 2 + 2 blocks held; 2 free
+    preempted = []
+    for _ in range(12):
+        out = step(s)
+        preempted += out.preempted_request_ids
+        s.kv.pool.check_invariants()
+    assert preempted and preempted[0] == "new"
+    new = s.requests["new"]
+    assert new.num_preemptions >= 1
+    # When it resumes it recomputes prompt + outputs from scratch.
+    for _ in range(40):
+        if new.is_finished:
+            break
+        out = step(s)
+        if "new" in [x.request_id for x in out.scheduled] and new.num_computed_tokens > 8:
+            # resumed: its first chunk covered prompt + outputs again
+            assert out.scheduled[0].start_pos == 0 or new.num_computed_tokens >= 9
+    assert s.requests == {} and new.num_output_tokens == 12
+    assert s.kv.pool.all_free()
+
+
+def test_request_larger_than_pool_ends_with_length_not_hang():
+    s = make(budget=64, blocks=3, bs=4, caching=False)
+    s.add_request(req("big", 8, max_tokens=20))
+    for _ in range(30):
+        step(s)
+        if not s.num_unfinished:
+            break
+    (r,) = s.take_capacity_finished()
+    assert r.finish_reason is FinishReason.LENGTH and r.stop_reason == "kv_cache_capacity"
+    assert r.num_tokens == 13  # 12 tokens of KV in 3 blocks, and the token they produced
+    assert s.kv.pool.all_free()
+
+
+def test_prefix_hit_skips_cached_blocks_and_caps_at_len_minus_one():
+    s = make(budget=64, bs=4)
+    s.add_request(req("a", 8, max_tokens=1))
+    step(s)  # a finishes; its two full blocks stay cached
+    s.add_request(req("b", 8, max_tokens=1))  # identical prompt
+    out = step(s)
+    b = out.scheduled[0]
+    assert b.start_pos == 4 and len(b.token_ids) == 4  # capped: last block recomputed
+    s.add_request(req("c", 12, max_tokens=1))  # same first 8 tokens, then more
+    out = step(s)
+    assert out.scheduled[0].start_pos == 8
+    assert s.kv.pool.all_free()
+    assert s.kv.pool.stats.hits == 12
+
+
+def test_eos_and_stop_token_ids_finish():
+    s = make()
+    s.add_request(req("a", 3, max_tokens=10))
+    step(s, token=EOS)
+    assert "a" not in s.requests
+    r = req("b", 3, max_tokens=10)
+    r.sampling = SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=(7,))
+    s.add_request(r)
+    step(s, token=7)
+    assert r.finish_reason is FinishReason.STOP and r.stop_reason == 7
+    r = req("c", 3, max_tokens=3)
+    r.sampling = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    s.add_request(r)
+    for _ in range(3):
+        step(s, token=EOS)
+    assert r.finish_reason is FinishReason.LENGTH and r.num_output_tokens == 3
+    assert s.kv.pool.all_free()
+
+
+def test_unchunked_prefill_runs_whole_prompt():
+    s = make(budget=8, chunked=False)
+    s.add_request(req("d", 3, max_tokens=10))
+    step(s)
+    s.add_request(req("long", 20, start=100))
+    out = step(s)
+    # The long prompt doesn't fit next to the decode: it waits, then runs alone and whole.
+    assert [x.request_id for x in out.scheduled] == ["d"]
+    s.finish_requests(["d"], FinishReason.ABORT)
+    out = step(s)
+    assert [len(x.token_ids) for x in out.scheduled] == [20]
+    s.finish_requests(["long"], FinishReason.ABORT)
+    assert s.kv.pool.all_free()
+
+
+def test_abort_waiting_and_running():
+    s = make(budget=4)
+    s.add_request(req("a", 10))
+    s.add_request(req("b", 10, start=20))
+    step(s)
+    s.finish_requests(["a", "b", "nope"], FinishReason.ABORT)
+    assert s.num_unfinished == 0 and s.kv.pool.all_free()
+    out = s.schedule()
+    assert set(out.finished_request_ids) == {"a", "b"}
