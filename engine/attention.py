@@ -8,6 +8,7 @@ cache before attention runs, so a chunk sees its own tokens and everything compu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,20 @@ class AttentionMetadata:
     prefills: tuple[PrefillSegment, ...]
 
 
+class AttentionBackend(Protocol):
+    """Stores a layer's new keys/values, then attends every row of the step."""
+
+    name: str
+
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
+    ) -> None: ...
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor: ...
+
+
 class SdpaAttention:
     """Portable backend: gather a request's blocks, then torch SDPA (any device, any dtype)."""
 
@@ -44,6 +59,9 @@ class SdpaAttention:
         self.cache = cache
         self.num_heads = num_heads
         self.scale = scale
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> None:
+        self.cache.write(layer, k, v, md.slot_blocks, md.slot_offsets)
 
     def decode(self, layer: int, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """q [Bd, H, D] -> [Bd, H, D]."""

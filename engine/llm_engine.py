@@ -84,9 +84,9 @@ class LLMEngine:
             ids = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
             )
-            if not isinstance(ids, list):  # transformers 5 may return a BatchEncoding
-                ids = ids["input_ids"]
-            return [int(t) for t in ids]
+            if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+                ids = ids["input_ids"]  # type: ignore[index]
+            return [int(t) for t in ids]  # type: ignore[arg-type]
         return [int(t) for t in self.tokenizer.encode(prompt, add_special_tokens=False)]
 
     def validate_prompt(self, token_ids: Sequence[int]) -> None:
@@ -155,6 +155,11 @@ class LLMEngine:
         outs = []
         for req in touched:
             outs.append(self._emit(req, lp_by_id.get(req.request_id)))
+        # A request that outgrew the whole pool ends inside schedule() without a new token; it
+        # must still be reported finished, or its caller waits forever and its stream leaks.
+        for req in self.scheduler.take_capacity_finished():
+            if req.request_id in self._streams:
+                outs.append(self._emit(req, None))
         return outs
 
     def _emit(self, req: Request, lp: TokenLogprobs | None) -> RequestOutput:
@@ -201,7 +206,14 @@ class LLMEngine:
         )
         if len(plist) != len(prompts):
             raise InvalidRequestError("params", f"{len(plist)} given for {len(prompts)} prompts")
-        rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        rids: list[str] = []
+        try:
+            for p, sp in zip(prompts, plist):
+                rids.append(self.add_request(p, sp))
+        except InvalidRequestError:
+            self.abort(rids)  # all or nothing: a refused prompt leaves no earlier one queued
+            raise
+        prompt_ids = {r: tuple(self.scheduler.requests[r].prompt_token_ids) for r in rids}
         acc: dict[str, list[RequestOutput]] = {r: [] for r in rids}
         while self.has_unfinished_requests():
             for out in self.step():
@@ -214,7 +226,7 @@ class LLMEngine:
             results.append(
                 Completion(
                     request_id=rid,
-                    prompt_token_ids=(),
+                    prompt_token_ids=prompt_ids[rid],
                     token_ids=tuple(t for o in outs for t in o.new_token_ids),
                     text="".join(o.text_delta for o in outs),
                     finish_reason=last.finish_reason,

@@ -103,8 +103,8 @@ def load_model(cfg: ModelConfig, cache_dir: Path | str | None = None) -> LoadedM
             model, tokenizer = _load_folder(path, dtype)
         else:
             raise ModelNotFoundError(
-                f"model {name!r} not found: it is not a built-in name {BUILTIN_MODELS}, not a .gguf "
-                f"file and not a folder with config.json (looked at {path.resolve()}). Supported "
+                f"model {name!r} not found: it is not a built-in name {BUILTIN_MODELS}, not a "
+                f".gguf file and not a folder with config.json (looked at {path.resolve()}). Supported "
                 f"architectures: {SUPPORTED_ARCHITECTURES}"
             )
     architecture = _architecture(model.config, name)

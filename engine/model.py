@@ -9,11 +9,12 @@ variant it supports is honoured), optional q/k/v bias (Qwen2) and per-head q/k R
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionBackend, AttentionMetadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,17 +43,21 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class PagedDecoderModel:
-    def __init__(self, hf_model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-        cfg = hf_model.config
+    def __init__(self, hf_model: Any, device: torch.device, dtype: torch.dtype) -> None:
+        cfg: Any = hf_model.config
         self.config = cfg
         self.device = device
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        self.eps = cfg.rms_norm_eps
-        self.num_layers = cfg.num_hidden_layers
-        self.vocab_size = cfg.vocab_size
-        inner = hf_model.model
+        self.num_heads = int(cfg.num_attention_heads)
+        self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
+        self.eps = float(cfg.rms_norm_eps)
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.vocab_size = int(cfg.vocab_size)
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+        if getattr(cfg, "mlp_bias", False):
+            raise ValueError("mlp_bias=True is not supported")
+        inner: Any = hf_model.model
 
         def t(x: torch.Tensor) -> torch.Tensor:
             return x.detach().to(device=device, dtype=dtype).contiguous()
@@ -82,7 +87,7 @@ class PagedDecoderModel:
             )
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = float(self.head_dim**-0.5)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dummy = self.embed[:1]
@@ -95,7 +100,7 @@ class PagedDecoderModel:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         md: AttentionMetadata,
-        attention,  # SdpaAttention-like: write via cache, forward(layer, q, k, v, md)
+        attention: AttentionBackend,
         logit_rows: torch.Tensor,
     ) -> torch.Tensor:
         """Run one step over T flattened tokens; return logits [len(logit_rows), vocab]."""
@@ -103,7 +108,6 @@ class PagedDecoderModel:
         x = self.embed[input_ids]
         cos, sin = self.rope(positions)
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        cache = attention.cache
         for i, w in enumerate(self.layers):
             h = rms_norm(x, w.input_norm, self.eps)
             qkv = F.linear(h, w.qkv_w, w.qkv_b)
@@ -116,7 +120,7 @@ class PagedDecoderModel:
                 k = rms_norm(k, w.k_norm, self.eps)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            cache.write(i, k, v, md.slot_blocks, md.slot_offsets)
+            attention.write(i, k, v, md)
             a = attention.forward(i, q, k, v, md)
             x = x + F.linear(a.reshape(T, H * D), w.o_w)
             h = rms_norm(x, w.post_norm, self.eps)

@@ -7,14 +7,28 @@ torch.Generator per live request and drops it when the scheduler reports the req
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-from engine.attention import AttentionMetadata, PrefillSegment, SdpaAttention
+from engine import paged_attention_cpu
+from engine.attention import AttentionBackend, AttentionMetadata, PrefillSegment, SdpaAttention
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.model import PagedDecoderModel
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.sampler import sample
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """The shape of one executed step: what a replay needs to redo the same work."""
+
+    decode_context_lens: tuple[int, ...]
+    prefills: tuple[tuple[int, int], ...]  # (tokens in the chunk, tokens already cached)
+    num_sampled: int
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,7 +46,7 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, hf_model: torch.nn.Module, config: EngineConfig) -> None:
+    def __init__(self, hf_model: Any, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype)
@@ -47,9 +61,26 @@ class ModelRunner:
         )
         self.num_blocks = self._num_blocks()
         self.cache = KVCache(self.spec, self.num_blocks, self.device)
-        self.attention = SdpaAttention(self.cache, self.model.num_heads, self.model.scale)
+        self.attention = self._attention_backend(config.model.attention_backend)
         self.generators: dict[str, torch.Generator] = {}
+        # When a list, every executed step's shape is appended (benchmarks replay them).
+        self.trace: list[StepShape] | None = None
         self._seed_source = torch.Generator().manual_seed(config.model.seed)
+
+    def _attention_backend(self, name: str) -> AttentionBackend:
+        heads, scale = self.model.num_heads, self.model.scale
+        if name not in ("auto", "sdpa", "paged"):
+            raise ValueError(f"attention_backend must be auto, sdpa or paged, got {name!r}")
+        if name in ("auto", "paged") and paged_attention_cpu.supported(self.cache):
+            lib = paged_attention_cpu.load_kernel()
+            if lib is not None:
+                return paged_attention_cpu.PagedCpuAttention(self.cache, heads, scale, lib)
+        if name == "paged":
+            raise ValueError(
+                "attention_backend 'paged' needs float32 on CPU and a C compiler to build "
+                "its kernel"
+            )
+        return SdpaAttention(self.cache, heads, scale)
 
     def _num_blocks(self) -> int:
         cc = self.config.cache
@@ -127,6 +158,14 @@ class ModelRunner:
         chunks = [s for s in so.scheduled if len(s.token_ids) > 1]
         order = decodes + chunks
         input_ids, positions, md = self._prepare(order, len(decodes))
+        if self.trace is not None:
+            self.trace.append(
+                StepShape(
+                    decode_context_lens=tuple(s.start_pos + 1 for s in decodes),
+                    prefills=tuple((len(s.token_ids), s.start_pos) for s in chunks),
+                    num_sampled=sum(1 for s in order if s.sample),
+                )
+            )
         rows, samplers, row = [], [], 0
         for s in order:
             row += len(s.token_ids)

@@ -204,10 +204,12 @@ class Scheduler:
         Returns the requests that received a token this step (finished ones included).
         """
         for s in out.scheduled:
-            req = self.requests[s.request_id]
-            req.num_computed_tokens += len(s.token_ids)
-            self.kv.cache_computed_blocks(req)
-        touched = []
+            live = self.requests.get(s.request_id)
+            if live is None:
+                continue  # ended (aborted) after it was scheduled
+            live.num_computed_tokens += len(s.token_ids)
+            self.kv.cache_computed_blocks(live)
+        touched: list[Request] = []
         for rid, tok in zip(result.request_ids, result.token_ids):
             req = self.requests.get(rid)
             if req is None:

@@ -1,0 +1,201 @@
+"""`pdserve bench-engine`: one process, one run, the same requests through four systems.
+
+  pdserve        the engine (paged KV, token-budget scheduler, batched decodes);
+  hf_sequential  transformers `generate`, one request at a time;
+  hf_continuous  transformers' own continuous batching (`generate_batch`), where it exists;
+  bare_forward   the engine's recorded step shapes replayed on the bare model with contiguous KV
+                 (the limit: no scheduler, no paging, no sampling).
+
+Requests: prompts of 128-512 random tokens, 128 output tokens each, greedy, EOS ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from engine.bare_forward import replay
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.loader import load_model
+from engine.model import PagedDecoderModel
+from engine.model_runner import StepShape
+from engine.sampling_params import SamplingParams
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--min-prompt", type=int, default=128)
+    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument(
+        "--hf-sequential-requests",
+        type=int,
+        default=None,
+        help="run one-at-a-time transformers on every k-th request only, k = requests / this "
+        "(it is the slowest system; tokens/s stays comparable)",
+    )
+    p.add_argument("--skip", default="", help="comma-separated systems not to run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write results to this file")
+
+
+def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    low = 0 if vocab <= 1024 else 1000  # keep clear of special tokens in large vocabularies
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [
+        torch.randint(low, min(vocab, 256) if vocab <= 1024 else vocab, (k,), generator=g).tolist()
+        for k in lens
+    ]
+
+
+def _timed(fn: Callable[[], int]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    try:
+        tokens = fn()
+    except Exception as e:  # a system that can't run here is reported, not fatal
+        return {"error": f"{type(e).__name__}: {e}"}
+    secs = time.perf_counter() - t0
+    return {"output_tok_s": tokens / secs, "seconds": secs, "output_tokens": tokens}
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(ModelConfig(model=args.model))
+    model = loaded.hf_model
+    prompts = make_prompts(
+        args.requests, args.min_prompt, args.max_prompt, model.config.vocab_size, args.seed
+    )
+    n_out = args.output_tokens
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    cfg = EngineConfig(
+        model=ModelConfig(model=args.model),
+        cache=CacheConfig(cpu_kv_cache_gib=4.0),
+        scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, True),
+    )
+    params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
+    systems: dict[str, dict[str, Any]] = {}
+    systems["pdserve"], steps, paged_model = _run_pdserve(cfg, loaded, prompts, params)
+    if "bare_forward" not in skip and steps:
+        secs = replay(paged_model, steps)
+        toks = systems["pdserve"].get("output_tokens", 0)
+        systems["bare_forward"] = {
+            "output_tok_s": toks / secs,
+            "seconds": secs,
+            "output_tokens": toks,
+        }
+    del paged_model
+
+    if "hf_continuous" not in skip:
+        systems["hf_continuous"] = _timed(lambda: _hf_continuous(model, prompts, n_out))
+    if "hf_sequential" not in skip:
+        k = args.hf_sequential_requests
+        subset = prompts if not k else prompts[:: max(1, len(prompts) // k)][:k]
+        systems["hf_sequential"] = _timed(lambda: _hf_sequential(model, subset, n_out))
+        systems["hf_sequential"]["requests"] = len(subset)
+
+    result = {
+        "model": args.model,
+        "requests": len(prompts),
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "output_tokens_per_request": n_out,
+        "threads": torch.get_num_threads(),
+        "systems": systems,
+    }
+    print_table(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def _run_pdserve(
+    cfg: EngineConfig, loaded: Any, prompts: list[list[int]], params: SamplingParams
+) -> tuple[dict[str, Any], list[StepShape], PagedDecoderModel]:
+    """Time the engine on all requests at once; also return its step shapes for the replay."""
+    engine = LLMEngine(cfg, loaded)
+    engine.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    engine.runner.trace = []
+
+    def run_engine() -> int:
+        for p in prompts:
+            engine.add_request(p, params)
+        n = 0
+        with tqdm(total=len(prompts) * params.max_tokens, desc="pdserve", unit="tok") as bar:
+            while engine.has_unfinished_requests():
+                k = sum(len(o.new_token_ids) for o in engine.step())
+                n += k
+                bar.update(k)
+        return n
+
+    result = _timed(run_engine)
+    steps = engine.runner.trace
+    engine.runner.trace = None
+    result["steps"] = len(steps)
+    result["attention_backend"] = engine.runner.attention.name
+    result["preemptions"] = engine.scheduler.num_preemptions
+    return result, steps, engine.runner.model
+
+
+def _hf_sequential(model: Any, prompts: list[list[int]], n_out: int) -> int:
+    n = 0
+    with torch.no_grad():
+        for p in tqdm(prompts, desc="hf_sequential", unit="req"):
+            ids = torch.tensor([p])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n_out,
+                min_new_tokens=n_out,
+                do_sample=False,
+            )
+            n += out.shape[1] - len(p)
+    return n
+
+
+def _hf_continuous(model: Any, prompts: list[list[int]], n_out: int) -> int:
+    if not hasattr(model, "generate_batch"):
+        raise RuntimeError("this transformers has no generate_batch")
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False)
+    outs = model.generate_batch(prompts, generation_config=gc, progress_bar=True)
+    return sum(len(o.generated_tokens) for o in outs.values())
+
+
+def print_table(result: dict[str, Any]) -> None:
+    sy = result["systems"]
+    base = sy.get("pdserve", {}).get("output_tok_s")
+    print(f"\nmodel {result['model']}, {result['requests']} requests, {result['threads']} threads")
+    print(f"{'system':<15}{'tok/s':>10}{'seconds':>10}{'pdserve / system':>18}")
+    for name in ("pdserve", "hf_sequential", "hf_continuous", "bare_forward"):
+        r = sy.get(name)
+        if r is None:
+            continue
+        if "error" in r:
+            print(f"{name:<15}{'error: ' + r['error'][:60]}")
+            continue
+        ratio = f"{base / r['output_tok_s']:.2f}x" if base else "-"
+        print(f"{name:<15}{r['output_tok_s']:>10.1f}{r['seconds']:>10.1f}{ratio:>18}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve bench-engine", description=__doc__)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

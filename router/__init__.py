@@ -1,0 +1,1 @@
+"""The request router: validation, admission, path policy, streaming, and the `pdserve` CLI."""

@@ -1,0 +1,127 @@
+"""The `pdserve` command line: argument parsing and dispatch to one handler per subcommand.
+
+Handlers import what they run lazily, so `pdserve generate` never pays for the benchmark's imports
+(or the engine's, for `--help`). Bad input (a sampling parameter out of range, an unknown model, a
+prompt the model can't take) ends with one `error: ...` line on stderr and exit status 2, like
+argparse's own usage errors; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+# Same status argparse uses for a usage error.
+EXIT_USAGE = 2
+
+Handler = Callable[[argparse.Namespace, list[str]], int]
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def _error(exc: Exception) -> int:
+    print(f"error: {exc}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="complete prompts offline with one in-process engine")
+    p.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 disables")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    p.add_argument("prompt", nargs="+")
+    p.set_defaults(handler=_generate, passthrough=False)
+
+
+def _generate(args: argparse.Namespace, _extra: list[str]) -> int:
+    from transformers.utils.logging import disable_progress_bar
+
+    from engine.config import EngineConfig, ModelConfig
+    from engine.errors import InvalidRequestError, ModelNotFoundError
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    # The weight-loading progress bar is noise for a one-shot command.
+    disable_progress_bar()
+    try:
+        # Parameters first: a typo should not wait for the model to load.
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=tuple(args.stop),
+        )
+        config = EngineConfig(model=ModelConfig(model=args.model, num_threads=args.threads))
+        engine = LLMEngine(config)
+    except ValueError as exc:  # InvalidRequestError and ModelNotFoundError included
+        return _error(exc)
+    try:
+        prompts = [engine.encode(p, chat=args.chat) for p in args.prompt]
+        completions = engine.generate(prompts, params)
+    except (InvalidRequestError, ModelNotFoundError) as exc:
+        return _error(exc)
+    if len(completions) == 1:
+        print(completions[0].text)
+        return 0
+    for i, (prompt, c) in enumerate(zip(args.prompt, completions), start=1):
+        print(f"=== [{i}] {prompt}")
+        print(c.text)
+    return 0
+
+
+def _add_bench_engine(sub: argparse._SubParsersAction) -> None:
+    # The benchmark's own arguments are defined by engine.bench_engine, which is imported only when
+    # this subcommand runs; everything after the subcommand name is handed to its parser.
+    p = sub.add_parser(
+        "bench-engine",
+        help="benchmark the engine offline (see `pdserve bench-engine -h`)",
+        add_help=False,
+    )
+    p.set_defaults(handler=_bench_engine, passthrough=True)
+
+
+def _bench_engine(_args: argparse.Namespace, extra: list[str]) -> int:
+    try:
+        from engine import bench_engine
+    except ModuleNotFoundError as exc:
+        if exc.name != "engine.bench_engine":
+            raise
+        return _error(RuntimeError("bench-engine is not available in this installation"))
+    parser = argparse.ArgumentParser(prog="pdserve bench-engine")
+    bench_engine.add_arguments(parser)
+    return int(bench_engine.run(parser.parse_args(extra)))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate(sub)
+    _add_bench_engine(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not args.passthrough:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    handler: Handler = args.handler
+    return handler(args, extra)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""LLMEngine's API: refusals that name the field, stops, limits, abort, streaming text."""
+
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.errors import InvalidRequestError, ModelNotFoundError
+from engine.llm_engine import LLMEngine
+from engine.loader import load_model
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+from tests.helpers import assert_pool_free, drain, hf_greedy, make_engine, random_prompts
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def _bad_requests(engine: LLMEngine, taken_id: str):
+    """(case, call, field, fragments the message must contain) for each kind of bad input."""
+    n, vocab = engine.max_model_len, engine.vocab_size
+    return [
+        ("empty list", lambda: engine.add_request([]), "prompt", ["empty"]),
+        ("empty text", lambda: engine.add_request(""), "prompt", ["empty"]),
+        ("too long", lambda: engine.add_request([1] * n), "prompt", [str(n - 1), str(n)]),
+        ("id >= vocab", lambda: engine.add_request([1, vocab]), "prompt_token_ids", [f"{vocab})"]),
+        ("id < 0", lambda: engine.add_request([1, -1]), "prompt_token_ids", ["-1", "[0, "]),
+        ("max_tokens 0", lambda: SamplingParams(max_tokens=0), "max_tokens", [">= 1"]),
+        ("temperature -1", lambda: SamplingParams(temperature=-1), "temperature", [">= 0"]),
+        ("top_p 0", lambda: SamplingParams(top_p=0.0), "top_p", ["(0, 1]"]),
+        ("top_p 1.5", lambda: SamplingParams(top_p=1.5), "top_p", ["(0, 1]"]),
+        (
+            "duplicate id",
+            lambda: engine.add_request([1, 2], request_id=taken_id),
+            "request_id",
+            [taken_id],
+        ),
+    ]
+
+
+def _check_refused(call, field: str, fragments: list[str]) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        call()
+    assert info.value.field == field
+    for frag in fragments:
+        assert frag in str(info.value), f"{frag!r} missing from {info.value}"
+    assert field in str(info.value)
+
+
+def test_each_bad_input_is_refused_naming_field_and_range():
+    engine = make_engine("tiny-llama")
+    engine.add_request([1, 2, 3], GREEDY, request_id="taken")
+    for case, call, field, fragments in _bad_requests(engine, "taken"):
+        _check_refused(call, field, fragments), case
+    engine.abort("taken")
+    assert not engine.has_unfinished_requests()
+    assert_pool_free(engine)
+
+
+def test_bad_inputs_while_running_leave_the_running_request_intact():
+    engine = make_engine("tiny-llama", block_size=4, budget=8)
+    prompt = random_prompts([13], seed=31)[0]
+    rid = engine.add_request(prompt, GREEDY, request_id="live")
+    toks: list[int] = []
+    for _ in range(3):  # mid-prefill, then the first tokens
+        for out in engine.step():
+            toks.extend(out.new_token_ids)
+    for _case, call, field, fragments in _bad_requests(engine, rid):
+        _check_refused(call, field, fragments)
+    toks.extend(drain(engine).get(rid, []))
+    assert toks == hf_greedy("tiny-llama", prompt, GREEDY.max_tokens)
+    assert not engine.scheduler.requests
+    assert_pool_free(engine)
+
+
+def test_unknown_model_is_named():
+    with pytest.raises(ModelNotFoundError, match="no-such-model"):
+        LLMEngine(EngineConfig(model=ModelConfig(model="no-such-model")))
+
+
+def _greedy_text(engine: LLMEngine, prompt: list[int]) -> str:
+    (res,) = engine.generate([prompt], GREEDY)
+    return res.text
+
+
+def _pick_stop(text: str) -> str:
+    """A 3-character piece of `text` from its middle, free of replacement characters."""
+    for i in range(len(text) // 3, len(text) - 3):
+        piece = text[i : i + 3]
+        if "\ufffd" not in piece and piece.strip():
+            return piece
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_ends_text_and_is_never_streamed(include):
+    engine = make_engine("tiny-llama")
+    prompt = random_prompts([9], seed=41)[0]
+    full = _greedy_text(engine, prompt)
+    stop = _pick_stop(full)
+    end = full.index(stop)
+    params = SamplingParams(
+        max_tokens=GREEDY.max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        stop=(stop, "never-produced"),
+        include_stop_str_in_output=include,
+    )
+    rid = engine.add_request(prompt, params)
+    deltas, last = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == rid
+            deltas.append(out.text_delta)
+            last = out
+    text = "".join(deltas)
+    assert last is not None and last.finished
+    assert last.finish_reason is FinishReason.STOP and last.stop_reason == stop
+    assert text == (full[: end + len(stop)] if include else full[:end])
+    if not include:
+        assert all(stop not in d for d in deltas)
+        assert stop not in text
+    assert_pool_free(engine)
+
+
+def test_stop_token_ids():
+    engine = make_engine("tiny-llama")
+    prompt = random_prompts([7], seed=43)[0]
+    (free,) = engine.generate([prompt], GREEDY)
+    target = free.token_ids[6]
+    first = free.token_ids.index(target)
+    params = SamplingParams(
+        max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=(target,)
+    )
+    (res,) = engine.generate([prompt], params)
+    assert res.token_ids == free.token_ids[: first + 1]
+    assert res.finish_reason is FinishReason.STOP and res.stop_reason == target
+    assert_pool_free(engine)
+
+
+def test_max_tokens_is_honoured():
+    engine = make_engine("tiny-llama")
+    prompts = random_prompts([5, 12], seed=44)
+    capped = engine.generate(
+        prompts, SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
+    )
+    for r in capped:
+        assert len(r.token_ids) == 7 and r.finish_reason is FinishReason.LENGTH
+    res = engine.generate(prompts, SamplingParams(max_tokens=7, temperature=0.9, seed=3))
+    for r in res:
+        assert len(r.token_ids) <= 7
+    assert [r.prompt_token_ids for r in res] == [tuple(p) for p in prompts]
+    assert_pool_free(engine)
+
+
+def test_abort_running_and_waiting_frees_blocks_and_others_continue():
+    # Two running slots: the third and fourth requests wait.
+    engine = make_engine("tiny-llama", max_num_seqs=2, budget=16)
+    prompts = random_prompts([6, 9, 5, 8], seed=45)
+    rids = [engine.add_request(p, GREEDY) for p in prompts]
+    toks: dict[str, list[int]] = {}
+    for _ in range(3):
+        for out in engine.step():
+            toks.setdefault(out.request_id, []).extend(out.new_token_ids)
+    running = {r.request_id for r in engine.scheduler.running}
+    waiting = {r.request_id for r in engine.scheduler.waiting}
+    assert rids[1] in running and rids[3] in waiting
+    engine.abort([rids[1], rids[3], "unknown-id"])
+    for rid, t in drain(engine).items():
+        assert rid not in (rids[1], rids[3])
+        toks.setdefault(rid, []).extend(t)
+    for i in (0, 2):
+        assert toks[rids[i]] == hf_greedy("tiny-llama", prompts[i], GREEDY.max_tokens)
+    assert_pool_free(engine)
+
+
+def test_context_limit_ends_with_length():
+    loaded = load_model(ModelConfig(model="tiny-llama", max_model_len=40))
+    cfg = EngineConfig(model=ModelConfig(model="tiny-llama"), cache=CacheConfig(4, 64))
+    engine = LLMEngine(cfg, loaded)
+    assert engine.max_model_len == 40
+    prompts = random_prompts([30, 39], seed=46)
+    res = engine.generate(prompts, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    assert [len(r.token_ids) for r in res] == [10, 1]
+    assert all(r.finish_reason is FinishReason.LENGTH for r in res)
+    _check_refused(lambda: engine.add_request([1] * 40), "prompt", ["39", "40"])
+    assert_pool_free(engine)
+
+
+def test_request_outgrowing_the_pool_is_reported_finished():
+    # 4 blocks of 4 tokens hold 16: the request is ended by the pool, not by max_tokens.
+    engine = make_engine("tiny-llama", block_size=4, num_blocks=4)
+    (res,) = engine.generate([[1, 2, 3, 4, 5]], GREEDY)
+    assert res.finish_reason is FinishReason.LENGTH and res.stop_reason == "kv_cache_capacity"
+    assert len(res.token_ids) < GREEDY.max_tokens
+    assert not engine.has_unfinished_requests()
+    assert_pool_free(engine)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_streamed_deltas_equal_final_decode_on_utf8_text(name):
+    engine = make_engine(name, budget=16)
+    texts = ["héllo wörld, ça va? ß ", "日本語のテキスト、中文", "emoji 🙂🚀 👩‍👩‍👧 🇫🇷"]
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    rids = [engine.add_request(t, params) for t in texts]
+    deltas: dict[str, list[str]] = {r: [] for r in rids}
+    toks: dict[str, list[int]] = {r: [] for r in rids}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas[out.request_id].append(out.text_delta)
+            toks[out.request_id].extend(out.new_token_ids)
+    for rid in rids:
+        expect = engine.tokenizer.decode(toks[rid], skip_special_tokens=True)
+        assert "".join(deltas[rid]) == expect
+    # The prompts really do split characters across tokens.
+    assert len(engine.encode(texts[1])) > len(texts[1])
+    assert_pool_free(engine)
