@@ -104,8 +104,8 @@ def load_model(cfg: ModelConfig, cache_dir: Path | str | None = None) -> LoadedM
         else:
             raise ModelNotFoundError(
                 f"model {name!r} not found: it is not a built-in name {BUILTIN_MODELS}, not a "
-                f".gguf file and not a folder with config.json (looked at {path.resolve()}). Supported "
-                f"architectures: {SUPPORTED_ARCHITECTURES}"
+                f".gguf file and not a folder with config.json (looked at {path.resolve()}). "
+                f"Supported architectures: {SUPPORTED_ARCHITECTURES}"
             )
     architecture = _architecture(model.config, name)
     return LoadedModel(

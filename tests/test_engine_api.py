@@ -6,7 +6,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.errors import InvalidRequestError, ModelNotFoundError
 from engine.llm_engine import LLMEngine
 from engine.loader import load_model
-from engine.request import FinishReason
+from engine.request import FinishReason, RequestStatus
 from engine.sampling_params import SamplingParams
 from tests.helpers import assert_pool_free, drain, hf_greedy, make_engine, random_prompts
 
@@ -35,20 +35,19 @@ def _bad_requests(engine: LLMEngine, taken_id: str):
     ]
 
 
-def _check_refused(call, field: str, fragments: list[str]) -> None:
+def _check_refused(call, field: str, fragments: list[str], case: str = "") -> None:
     with pytest.raises(InvalidRequestError) as info:
         call()
-    assert info.value.field == field
-    for frag in fragments:
-        assert frag in str(info.value), f"{frag!r} missing from {info.value}"
-    assert field in str(info.value)
+    assert info.value.field == field, case
+    for frag in fragments + [field]:
+        assert frag in str(info.value), f"{case}: {frag!r} missing from {info.value}"
 
 
 def test_each_bad_input_is_refused_naming_field_and_range():
     engine = make_engine("tiny-llama")
     engine.add_request([1, 2, 3], GREEDY, request_id="taken")
     for case, call, field, fragments in _bad_requests(engine, "taken"):
-        _check_refused(call, field, fragments), case
+        _check_refused(call, field, fragments, case)
     engine.abort("taken")
     assert not engine.has_unfinished_requests()
     assert_pool_free(engine)
@@ -59,11 +58,12 @@ def test_bad_inputs_while_running_leave_the_running_request_intact():
     prompt = random_prompts([13], seed=31)[0]
     rid = engine.add_request(prompt, GREEDY, request_id="live")
     toks: list[int] = []
-    for _ in range(3):  # mid-prefill, then the first tokens
+    for _ in range(3):  # two prefill chunks, then a decode
         for out in engine.step():
             toks.extend(out.new_token_ids)
-    for _case, call, field, fragments in _bad_requests(engine, rid):
-        _check_refused(call, field, fragments)
+    assert len(toks) == 2 and engine.scheduler.requests[rid].status is RequestStatus.RUNNING
+    for case, call, field, fragments in _bad_requests(engine, rid):
+        _check_refused(call, field, fragments, case)
     toks.extend(drain(engine).get(rid, []))
     assert toks == hf_greedy("tiny-llama", prompt, GREEDY.max_tokens)
     assert not engine.scheduler.requests
@@ -147,6 +147,14 @@ def test_max_tokens_is_honoured():
     for r in res:
         assert len(r.token_ids) <= 7
     assert [r.prompt_token_ids for r in res] == [tuple(p) for p in prompts]
+    assert_pool_free(engine)
+
+
+def test_generate_refusing_one_prompt_queues_none():
+    engine = make_engine("tiny-llama")
+    with pytest.raises(InvalidRequestError):
+        engine.generate([[1, 2], [3, 4], []], GREEDY)
+    assert not engine.has_unfinished_requests()
     assert_pool_free(engine)
 
 

@@ -1,6 +1,7 @@
 """Sampling: seeded requests are batch-invariant, filters keep the right sets, logprobs exact."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -63,15 +64,15 @@ def test_seeded_request_same_alone_and_in_a_changing_batch(name):
 
 def test_other_seed_gives_other_tokens():
     a = run_alone(SEEDED)
-    b = run_alone(SamplingParams(**{**_fields(SEEDED), "seed": 4321}))
+    b = run_alone(replace(SEEDED, seed=4321))
     assert len(a) == len(b) == SEEDED.max_tokens
     assert a != b
 
 
 def test_top_k_one_and_min_p_near_one_equal_greedy():
     greedy = run_alone(GREEDY)
-    assert run_alone(SamplingParams(**{**_fields(SEEDED), "top_k": 1})) == greedy
-    assert run_alone(SamplingParams(**{**_fields(SEEDED), "top_k": 0, "min_p": 0.99})) == greedy
+    assert run_alone(replace(SEEDED, top_k=1)) == greedy
+    assert run_alone(replace(SEEDED, top_k=0, min_p=0.99)) == greedy
     # The seeded sample itself is not greedy, or the two checks above prove nothing.
     assert run_alone(SEEDED) != greedy
 
@@ -83,10 +84,6 @@ def test_unseeded_sampling_completes():
     for r in res:
         assert len(r.token_ids) == 10 and r.finish_reason.value == "length"
     assert_pool_free(engine)
-
-
-def _fields(sp: SamplingParams) -> dict:
-    return {f: getattr(sp, f) for f in SamplingParams.__slots__}
 
 
 def _reference_logprobs(prompt: list[int], output: list[int]) -> torch.Tensor:

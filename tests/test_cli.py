@@ -1,0 +1,52 @@
+"""`pdserve generate` in-process: output on success, one-line errors with exit status 2."""
+
+import pytest
+
+from router.cli import main
+
+
+def run(argv: list[str]) -> int:
+    # argparse's own usage errors leave through SystemExit; handler errors return a status.
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+
+
+def test_generate_prints_a_completion(capsys):
+    argv = ["generate", "--model", "tiny-llama", "--temperature", "0", "--max-tokens", "5"]
+    assert run([*argv, "hello"]) == 0
+    out = capsys.readouterr().out
+    assert out.strip()
+    assert "===" not in out  # one prompt: just its text
+
+
+def test_generate_labels_each_of_several_prompts(capsys):
+    argv = ["generate", "--model", "tiny-llama", "--temperature", "0", "--max-tokens", "3"]
+    assert run([*argv, "first prompt", "second prompt"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("first prompt") < out.index("second prompt")
+
+
+def test_bad_top_p_exits_2_naming_the_field(capsys):
+    assert run(["generate", "--model", "tiny-llama", "--top-p", "2", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "top_p" in err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_unknown_model_exits_2_naming_it(capsys):
+    assert run(["generate", "--model", "no-such-model", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "no-such-model" in err
+    assert "Traceback" not in err
+
+
+def test_empty_prompt_exits_2(capsys):
+    assert run(["generate", "--model", "tiny-llama", ""]) == 2
+    assert "prompt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["generate"], ["generate", "--bogus", "x"], []])
+def test_usage_errors_exit_2(argv):
+    assert run(argv) == 2
