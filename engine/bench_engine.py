@@ -46,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(it is the slowest system; tokens/s stays comparable)",
     )
     p.add_argument("--skip", default="", help="comma-separated systems not to run")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "paged"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results to this file")
 
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     n_out = args.output_tokens
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     cfg = EngineConfig(
-        model=ModelConfig(model=args.model),
+        model=ModelConfig(model=args.model, attention_backend=args.attention_backend),
         cache=CacheConfig(cpu_kv_cache_gib=4.0),
         scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, True),
     )

@@ -24,7 +24,7 @@ from engine.attention import AttentionMetadata, SdpaAttention
 from engine.kv_cache import KVCache
 
 _SRC = Path(__file__).parent / "csrc" / "paged_decode.c"
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
 _LIB: ctypes.CDLL | None = None
 _TRIED = False
 
@@ -41,7 +41,7 @@ def _build(src: Path, out: Path) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
         subprocess.run(
-            [cc, *_FLAGS, str(src), "-o", str(tmp_out), "-lm"],
+            [cc, *_FLAGS, str(src), "-o", str(tmp_out), "-lm", "-lmvec"],
             check=True,
             capture_output=True,
             timeout=120,
