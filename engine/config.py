@@ -7,6 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTENTION_BACKENDS = ("auto", "sdpa", "paged")
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -23,6 +28,27 @@ class ModelConfig:
     # Attention kernel: "auto", "sdpa" (portable gather + SDPA) or "paged" (the
     # compiled CPU paged-decode kernel, when it builds).
     attention_backend: str = "auto"
+    # Where converted models are cached; None means ~/.cache/pdserve/models.
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +68,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not self.cpu_kv_cache_gib > 0:
+            raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(
                 f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}"
@@ -63,6 +91,12 @@ class SchedulerConfig:
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            # Otherwise every step's decodes can't all fit the budget and the last ones starve.
+            raise ValueError(
+                f"max_num_seqs ({self.max_num_seqs}) must be <= max_num_batched_tokens "
+                f"({self.max_num_batched_tokens})"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ _MAX_HELD = 16
 class IncrementalDetokenizer:
     """Turns one request's output token ids into text deltas."""
 
-    __slots__ = ("_emitted", "_ids", "_parts", "_read_offset", "_skip_special", "_tokenizer")
+    __slots__ = ("_emitted", "_ids", "_read_offset", "_skip_special", "_text", "_tokenizer")
 
     def __init__(
         self,
@@ -49,12 +49,12 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         # Characters of decode(self._ids) already accounted for (emitted, or prompt context).
         self._emitted = len(self._decode(self._ids))
-        self._parts: list[str] = []
+        self._text = ""
 
     @property
     def text(self) -> str:
         """All output text emitted so far (excluding anything still held back)."""
-        return "".join(self._parts)
+        return self._text
 
     def add(self, token_id: int) -> str:
         """Append one output token; return the new text it completes (often "", never partial)."""
@@ -67,7 +67,7 @@ class IncrementalDetokenizer:
         if stable == len(window_text):
             self._slide()
         if delta:
-            self._parts.append(delta)
+            self._text += delta
         return delta
 
     def flush(self) -> str:
@@ -77,7 +77,7 @@ class IncrementalDetokenizer:
         self._emitted = len(window_text)
         self._slide()
         if delta:
-            self._parts.append(delta)
+            self._text += delta
         return delta
 
     def _slide(self) -> None:

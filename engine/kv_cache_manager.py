@@ -32,13 +32,19 @@ class KVCacheManager:
             return ComputedBlocks([], 0)
         limit = prefix_hash.max_cacheable_tokens(req.num_tokens, self.block_size) // self.block_size
         blocks = self.pool.lookup(self._hashes(req)[:limit])
-        self.pool.stats.queries += req.num_tokens
-        self.pool.stats.hits += len(blocks) * self.block_size
         return ComputedBlocks(blocks, len(blocks) * self.block_size)
 
     def blocks_needed(self, req: Request, num_new_tokens: int, computed: ComputedBlocks) -> int:
         total = req.num_computed_tokens + computed.num_tokens + num_new_tokens
         return max(0, cdiv(total, self.block_size) - len(req.block_ids) - len(computed.block_ids))
+
+    def free_slots(self, req: Request, computed: ComputedBlocks | None = None) -> int:
+        """Tokens `req` could take now: the rest of its last block plus the free blocks."""
+        computed = computed or ComputedBlocks([], 0)
+        reused_free = sum(1 for b in computed.block_ids if self.pool.ref_cnt[b] == 0)
+        held = (len(req.block_ids) + len(computed.block_ids)) * self.block_size
+        slack = held - req.num_computed_tokens - computed.num_tokens
+        return slack + (self.pool.num_free_blocks - reused_free) * self.block_size
 
     def can_allocate(self, req: Request, num_new_tokens: int, computed: ComputedBlocks) -> bool:
         # Touching a cached block that sits in the free queue takes it out of the free pool.
@@ -53,6 +59,10 @@ class KVCacheManager:
         computed = computed or ComputedBlocks([], 0)
         if not self.can_allocate(req, num_new_tokens, computed):
             return False
+        if req.num_computed_tokens == 0 and not req.block_ids and self.pool.enable_caching:
+            # Counted once, when the request is admitted (not on every failed attempt).
+            self.pool.stats.queries += req.num_tokens
+            self.pool.stats.hits += computed.num_tokens
         if computed.block_ids:
             self.pool.touch(computed.block_ids)
             req.block_ids.extend(computed.block_ids)

@@ -21,7 +21,7 @@ from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, TokenLogprobs
-from engine.request import FinishReason, Request
+from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stop_strings import StopStringMatcher
@@ -55,7 +55,8 @@ class LLMEngine:
         self.config = config
         self.loaded = loaded or load_model(config.model)
         self.tokenizer = self.loaded.tokenizer
-        self.max_model_len = self.loaded.max_model_len
+        limit = config.model.max_model_len
+        self.max_model_len = min(self.loaded.max_model_len, limit or self.loaded.max_model_len)
         self.runner = ModelRunner(self.loaded.hf_model, config)
         self.vocab_size = self.runner.model.vocab_size
         self.kv = KVCacheManager(
@@ -87,7 +88,7 @@ class LLMEngine:
             if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
                 ids = ids["input_ids"]  # type: ignore[index]
             return [int(t) for t in ids]  # type: ignore[arg-type]
-        return [int(t) for t in self.tokenizer.encode(prompt, add_special_tokens=False)]
+        return [int(t) for t in self.tokenizer.encode(prompt)]
 
     def validate_prompt(self, token_ids: Sequence[int]) -> None:
         n = len(token_ids)
@@ -168,16 +169,18 @@ class LLMEngine:
         st.num_sent += len(new_ids)
         for t in new_ids:
             st.detok.add(t)
+        if req.is_finished:
+            st.detok.flush()  # nothing held back is lost at the end
         hit = st.stops.find(st.detok.text)
         if hit is not None:
-            if not req.is_finished:
+            if req.is_finished:  # EOS or length in the same step: the stop string still wins
+                req.status = RequestStatus.FINISHED_STOPPED
+            else:
                 self.scheduler.finish_requests([req.request_id], FinishReason.STOP)
             req.finish_reason = FinishReason.STOP
             req.stop_reason = hit
         finished = req.is_finished
         if finished:
-            if hit is None:
-                st.detok.flush()
             delta = st.stops.final_delta(st.detok.text)
             del self._streams[req.request_id]
         else:
@@ -206,6 +209,9 @@ class LLMEngine:
         )
         if len(plist) != len(prompts):
             raise InvalidRequestError("params", f"{len(plist)} given for {len(prompts)} prompts")
+        if self.has_unfinished_requests():
+            # generate() drives the engine to idle; it would swallow other callers' outputs.
+            raise RuntimeError("generate() needs an idle engine; use add_request/step instead")
         rids: list[str] = []
         try:
             for p, sp in zip(prompts, plist):
@@ -215,10 +221,13 @@ class LLMEngine:
             raise
         prompt_ids = {r: tuple(self.scheduler.requests[r].prompt_token_ids) for r in rids}
         acc: dict[str, list[RequestOutput]] = {r: [] for r in rids}
-        while self.has_unfinished_requests():
-            for out in self.step():
-                if out.request_id in acc:
+        try:
+            while self.has_unfinished_requests():
+                for out in self.step():
                     acc[out.request_id].append(out)
+        except BaseException:
+            self.abort(rids)  # a failed step leaves no request holding blocks
+            raise
         results = []
         for rid in rids:
             outs = acc[rid]

@@ -61,7 +61,6 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +78,9 @@ def default_cache_dir() -> Path:
 
 def load_model(cfg: ModelConfig, cache_dir: Path | str | None = None) -> LoadedModel:
     """Load `cfg.model` in `cfg.dtype`; `cache_dir` is the root of converted GGUF models."""
-    dtype = _torch_dtype(cfg.dtype)
+    dtype = cfg.torch_dtype
+    if cache_dir is None and cfg.cache_dir is not None:
+        cache_dir = cfg.cache_dir
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     name = cfg.model
     model: PreTrainedModel
@@ -115,12 +116,6 @@ def load_model(cfg: ModelConfig, cache_dir: Path | str | None = None) -> LoadedM
         architecture=architecture,
         max_model_len=_max_model_len(model.config, cfg.max_model_len),
     )
-
-
-def _torch_dtype(dtype: str) -> torch.dtype:
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype: must be one of {tuple(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
 
 
 def _max_model_len(config: PretrainedConfig, requested: int | None) -> int:

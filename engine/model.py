@@ -8,6 +8,7 @@ variant it supports is honoured), optional q/k/v bias (Qwen2) and per-head q/k R
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ class LayerWeights:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     o_w: torch.Tensor
+    o_b: torch.Tensor | None
     post_norm: torch.Tensor
     gate_up_w: torch.Tensor
     down_w: torch.Tensor
@@ -65,7 +67,10 @@ class PagedDecoderModel:
         self.embed = t(inner.embed_tokens.weight)
         self.final_norm = t(inner.norm.weight)
         self.lm_head = t(hf_model.lm_head.weight)
-        self.rotary = inner.rotary_emb.to(device)
+        # A copy: moving the transformers model's own module would change it for other users.
+        self.rotary = copy.deepcopy(inner.rotary_emb).to(device)
+        # Qwen3 normalises q and k per head before RoPE; the others don't.
+        qk_norm = cfg.model_type == "qwen3"
         self.layers = []
         for layer in inner.layers:
             att, mlp = layer.self_attn, layer.mlp
@@ -77,9 +82,10 @@ class PagedDecoderModel:
                     qkv_b=t(torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]))
                     if bias
                     else None,
-                    q_norm=t(att.q_norm.weight) if hasattr(att, "q_norm") else None,
-                    k_norm=t(att.k_norm.weight) if hasattr(att, "k_norm") else None,
+                    q_norm=t(att.q_norm.weight) if qk_norm else None,
+                    k_norm=t(att.k_norm.weight) if qk_norm else None,
                     o_w=t(att.o_proj.weight),
+                    o_b=t(att.o_proj.bias) if att.o_proj.bias is not None else None,
                     post_norm=t(layer.post_attention_layernorm.weight),
                     gate_up_w=t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
                     down_w=t(mlp.down_proj.weight),
@@ -122,7 +128,7 @@ class PagedDecoderModel:
             k = k * cos + rotate_half(k) * sin
             attention.write(i, k, v, md)
             a = attention.forward(i, q, k, v, md)
-            x = x + F.linear(a.reshape(T, H * D), w.o_w)
+            x = x + F.linear(a.reshape(T, H * D), w.o_w, w.o_b)
             h = rms_norm(x, w.post_norm, self.eps)
             gate, up = F.linear(h, w.gate_up_w).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, w.down_w)

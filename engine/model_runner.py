@@ -30,26 +30,17 @@ class StepShape:
     num_sampled: int
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
-    return _DTYPES[name]
-
-
 class ModelRunner:
     def __init__(self, hf_model: Any, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.model.device)
-        self.dtype = resolve_dtype(config.model.dtype)
+        self.dtype = config.model.torch_dtype
         self.model = PagedDecoderModel(hf_model, self.device, self.dtype)
         self.block_size = config.cache.block_size
         self.spec = KVCacheSpec(

@@ -44,7 +44,7 @@ class TokenLogprobs:
 
 @dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
-    """Sampled tokens, one per scheduled request with `sample` set, in schedule order."""
+    """Sampled tokens, one per scheduled request with `sample` set (decodes first)."""
 
     request_ids: tuple[str, ...]
     token_ids: tuple[int, ...]

@@ -77,6 +77,16 @@ def load_kernel() -> ctypes.CDLL | None:
     return lib
 
 
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """One shared pool per thread count for the process: engines come and go, threads don't."""
+    if threads not in _POOLS:
+        _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="paged-decode")
+    return _POOLS[threads]
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -97,7 +107,7 @@ class PagedCpuAttention(SdpaAttention):
         self.fn = lib.paged_decode_f32
         self.spec = cache.spec
         self.threads = max(1, torch.get_num_threads())
-        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="paged-decode")
+        self.pool = _pool(self.threads)
 
     def decode(self, layer: int, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         q = q.contiguous()

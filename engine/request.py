@@ -17,8 +17,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.sampling_params import SamplingParams
 
 
@@ -47,7 +45,7 @@ class FinishReason(enum.Enum):
     ABORT = "abort"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: two requests are never 'equal'
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -65,7 +63,6 @@ class Request:
     num_cached_tokens: int = 0  # prefix-cache hit at first scheduling
     num_registered_blocks: int = 0  # leading blocks already named in the prefix cache
     num_preemptions: int = 0
-    generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 

@@ -49,6 +49,7 @@ def sample(
         probs = _filter(logits[i], sp).softmax(-1)
         # Exponential race (Gumbel-max in another form): argmax p / E with E ~ Exp(1).
         noise = torch.empty_like(probs).exponential_(generator=generators[i])
+        noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # a 0 draw would give 0/0 = NaN
         tokens.append(int(torch.argmax(probs / noise)))
     lps: list[TokenLogprobs | None] = [None] * len(params)
     want = [i for i, sp in enumerate(params) if sp.logprobs is not None]

@@ -6,14 +6,16 @@ from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
 
+_MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How one request samples and when it stops.
 
-    temperature 0 means greedy. top_k 0 (or -1) disables top-k; top_p 1 and min_p 0 disable
-    theirs. A seed makes the request's samples depend only on the seed and its own logits,
-    whatever batch it shares a step with.
+    temperature 0 (or below 1e-5) means greedy. top_k 0 (or -1) disables top-k; top_p 1 and
+    min_p 0 disable theirs. A seed makes the request's samples depend only on the seed and its
+    own logits, whatever batch it shares a step with.
     """
 
     max_tokens: int = 256
@@ -29,6 +31,20 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        # A lone string or id is a common slip; take it as a one-element list, and store tuples
+        # so the params stay hashable and immutable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if isinstance(self.stop_token_ids, int):
+            object.__setattr__(self, "stop_token_ids", (self.stop_token_ids,))
+        if not isinstance(self.stop, (tuple, list)):
+            raise InvalidRequestError("stop", f"must be a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (tuple, list)):
+            raise InvalidRequestError(
+                "stop_token_ids", f"must be a list of integers, got {self.stop_token_ids!r}"
+            )
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError(
                 "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}"
@@ -51,9 +67,12 @@ class SamplingParams:
             raise InvalidRequestError(
                 "stop_token_ids", "every stop token id must be an integer >= 0"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
+        ):
             raise InvalidRequestError("logprobs", f"must be in [0, 20], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows float32; the distribution is an argmax.
+        return self.temperature < _MIN_TEMPERATURE

@@ -101,6 +101,9 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n > 1:
+                # A prefill chunk shrinks to the free blocks rather than evict a running request.
+                n = max(1, min(n, self.kv.free_slots(req)))
             while not self.kv.allocate_slots(req, n):
                 if len(self.running) == 1 and not chunks:
                     # Alone and still out of blocks: the pool can never hold it.
@@ -149,7 +152,9 @@ class Scheduler:
                     break
                 n = remaining
             else:
-                n = min(remaining, budget)
+                n = min(remaining, budget, self.kv.free_slots(req, computed))
+                if n < 1:
+                    break
             if not self.kv.allocate_slots(req, n, computed):
                 break
             self.waiting.popleft()
@@ -188,6 +193,10 @@ class Scheduler:
         lone = len(ids) == 1 and not self.config.enable_chunked_prefill
         assert lone or out.num_batched_tokens <= self.config.max_num_batched_tokens
         assert len(self.running) <= self.config.max_num_seqs
+        for r in self.running:
+            assert r.num_tokens > r.num_computed_tokens, f"{r.request_id} has nothing left to run"
+        for r in self.waiting:
+            assert not r.block_ids, f"waiting {r.request_id} holds blocks"
         for s in out.scheduled:
             need = cdiv(s.start_pos + len(s.token_ids), self.kv.block_size)
             assert len(s.block_ids) >= need, f"{s.request_id}: {len(s.block_ids)} < {need} blocks"

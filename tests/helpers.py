@@ -32,7 +32,7 @@ def make_engine(
         cache=CacheConfig(
             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching
         ),
-        scheduler=SchedulerConfig(budget, max_num_seqs, chunked),
+        scheduler=SchedulerConfig(budget, min(max_num_seqs, budget), chunked),
     )
     return LLMEngine(cfg, loaded(name))
 

@@ -3,7 +3,7 @@
 import pytest
 
 from engine.sampling_params import SamplingParams
-from tests.helpers import assert_pool_free, drain, hf_greedy, make_engine, random_prompts
+from tests.helpers import assert_pool_free, hf_greedy, make_engine, random_prompts
 
 ARCHS = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"]
 LENGTHS = [3, 6, 9, 14, 21, 30, 43, 57]
@@ -18,18 +18,27 @@ def shared_prefix_prompts() -> list[list[int]]:
     return prompts
 
 
-def run_staggered(engine, prompts, params):
-    """Add prompts a few at a time between steps, then drain."""
+def run_staggered(engine, prompts, params, cached=None):
+    """Add prompts a few at a time between steps, then drain. `cached` gets each request's
+    prefix-cache hit in tokens, in prompt order."""
     rids = []
     toks: dict[str, list[int]] = {}
+    hits: dict[str, int] = {}
+
+    def take(outs):
+        for out in outs:
+            toks.setdefault(out.request_id, []).extend(out.new_token_ids)
+            hits[out.request_id] = out.num_cached_tokens
+
     for i, p in enumerate(prompts):
         rids.append(engine.add_request(p, params))
         if i % 3 == 2:
             for _ in range(2):
-                for out in engine.step():
-                    toks.setdefault(out.request_id, []).extend(out.new_token_ids)
-    for rid, t in drain(engine).items():
-        toks.setdefault(rid, []).extend(t)
+                take(engine.step())
+    while engine.has_unfinished_requests():
+        take(engine.step())
+    if cached is not None:
+        cached.extend(hits[r] for r in rids)
     return [toks[r] for r in rids]
 
 
@@ -39,10 +48,12 @@ def test_greedy_matches_transformers_chunked_with_prefix_hits(arch):
     engine = make_engine(arch, block_size=4, budget=10, max_num_seqs=6)
     prompts = shared_prefix_prompts()
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
-    got = run_staggered(engine, prompts, params)
+    cached: list[int] = []
+    got = run_staggered(engine, prompts, params, cached)
     for p, g in zip(prompts, got):
         assert g == hf_greedy(arch, p, MAX_NEW), f"prompt of {len(p)} tokens"
-    assert engine.kv.pool.stats.hits > 0
+    # The two prompts that reuse a prefix skipped its full blocks (20 -> 20, 12 -> 12 tokens).
+    assert cached[-2:] == [20, 12]
     assert_pool_free(engine)
 
 

@@ -62,6 +62,24 @@ def test_seeded_request_same_alone_and_in_a_changing_batch(name):
     assert_pool_free(engine)
 
 
+def test_seeded_request_same_after_preemption():
+    alone = run_alone(SEEDED)
+    # 14 blocks of 4 tokens can't hold all four requests with their outputs: some are preempted
+    # and recomputed, and the seeded one must still draw the same tokens.
+    engine = make_engine("tiny-llama", num_blocks=14, budget=32, max_num_seqs=4)
+    others = random_prompts([9, 13, 6], seed=23)
+    params = [
+        SamplingParams(max_tokens=16, temperature=0.9, seed=i, ignore_eos=True) for i in range(3)
+    ]
+    rids = [engine.add_request(p, sp) for p, sp in zip(others, params)]
+    rid = engine.add_request(PROMPT, SEEDED)
+    toks = drain(engine)
+    assert engine.scheduler.num_preemptions > 0
+    assert toks[rid] == alone
+    assert all(len(toks[r]) == 16 for r in rids)
+    assert_pool_free(engine)
+
+
 def test_other_seed_gives_other_tokens():
     a = run_alone(SEEDED)
     b = run_alone(replace(SEEDED, seed=4321))
