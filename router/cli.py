@@ -33,9 +33,16 @@ def _error(exc: Exception) -> int:
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="complete prompts offline with one in-process engine")
     p.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    p.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wrap each prompt in the model's chat template (default: on when the model has one)",
+    )
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="0 (the default here) is greedy"
+    )
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 disables")
     p.add_argument("--seed", type=int, default=None)
@@ -70,7 +77,12 @@ def _generate(args: argparse.Namespace, _extra: list[str]) -> int:
     except ValueError as exc:  # InvalidRequestError and ModelNotFoundError included
         return _error(exc)
     try:
-        prompts = [engine.encode(p, chat=args.chat) for p in args.prompt]
+        if any(p == "" for p in args.prompt):
+            raise InvalidRequestError("prompt", "must not be empty (at least 1 character)")
+        chat = args.chat
+        if chat is None:
+            chat = bool(getattr(engine.tokenizer, "chat_template", None))
+        prompts = [engine.encode(p, chat=chat) for p in args.prompt]
         completions = engine.generate(prompts, params)
     except (InvalidRequestError, ModelNotFoundError) as exc:
         return _error(exc)
