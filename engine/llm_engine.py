@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from engine import kv_handoff
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput, TokenLogprobs
+from engine.outputs import RequestOutput, SchedulerOutput, TokenLogprobs
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -111,20 +112,20 @@ class LLMEngine:
                 "prompt", f"needs {need} KV blocks; the cache holds {self.runner.num_blocks}"
             )
 
-    def add_request(
+    def _new_request(
         self,
         prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        arrival_time: float | None = None,
-    ) -> str:
+        params: SamplingParams | None,
+        request_id: str | None,
+        arrival_time: float | None,
+    ) -> Request:
         params = params or SamplingParams()
         token_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.validate_prompt(token_ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._streams:
             raise InvalidRequestError("request_id", f"{rid!r} is already in use")
-        req = Request(
+        return Request(
             request_id=rid,
             prompt_token_ids=token_ids,
             sampling=params,
@@ -132,25 +133,85 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
         )
-        self.scheduler.add_request(req)
-        self._streams[rid] = _Stream(
-            IncrementalDetokenizer(self.tokenizer, token_ids), StopStringMatcher(params)
+
+    def _open_stream(self, req: Request) -> None:
+        self._streams[req.request_id] = _Stream(
+            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
+            StopStringMatcher(req.sampling),
         )
-        return rid
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        hold_blocks: bool = False,
+    ) -> str:
+        """Queue a request. With `hold_blocks` (prefill role) its blocks outlive its end, until
+        `release_blocks`, so its KV can still be sent."""
+        req = self._new_request(prompt, params, request_id, arrival_time)
+        req.hold_blocks_on_finish = hold_blocks
+        self.scheduler.add_request(req)
+        self._open_stream(req)
+        return req.request_id
+
+    # -- disaggregated handoff (see kv_handoff.py) ----------------------------------------------
+    def reserve_for_kv(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> kv_handoff.KVReservation | None:
+        """Decode side: reserve blocks for a prompt whose KV will arrive; None if full now."""
+        req = self._new_request(prompt, params, request_id, arrival_time)
+        res = kv_handoff.reserve(self.scheduler, req)
+        if res is not None:
+            self._open_stream(req)
+        return res
+
+    def kv_arrived(
+        self, request_id: str, first_token: int, logprobs: TokenLogprobs | None = None
+    ) -> RequestOutput:
+        """Decode side: the KV is in place; returns the output carrying the first token."""
+        req = kv_handoff.complete(self.scheduler, request_id, first_token)
+        # The prefill side drew once from this seed for the first token; draw past it here so
+        # seeded requests give the same tokens on either path.
+        self.runner.skip_draws(request_id, req.sampling, 1)
+        return self._emit(req, logprobs)
+
+    def kv_failed(self, request_id: str) -> None:
+        """Decode side: the transfer failed; the prompt is recomputed here."""
+        kv_handoff.fail(self.scheduler, request_id)
+
+    def held_block_ids(self, request_id: str) -> tuple[int, ...]:
+        """Prefill side: the blocks a finished, held request keeps for its send."""
+        return tuple(self.scheduler.held[request_id].block_ids)
+
+    def release_blocks(self, request_id: str) -> bool:
+        """Prefill side: the send has ended (done or failed); free the held blocks."""
+        return self.scheduler.release_held(request_id)
 
     def abort(self, request_ids: str | Sequence[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         self.scheduler.finish_requests(ids, FinishReason.ABORT)
         for rid in ids:
             self._streams.pop(rid, None)
+            self.scheduler.release_held(rid)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     # -- stepping -----------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(
+        self, on_layer: Callable[[int, SchedulerOutput], None] | None = None
+    ) -> list[RequestOutput]:
+        """One engine step. `on_layer(i, schedule)` fires as each layer's new KV lands in the
+        cache (the prefill worker streams KV layer by layer with it)."""
         so = self.scheduler.schedule()
-        result = self.runner.execute(so)
+        hook = None if on_layer is None else (lambda i: on_layer(i, so))
+        result = self.runner.execute(so, hook)
         touched = self.scheduler.update_from_output(so, result)
         lp_by_id = dict(zip(result.request_ids, result.logprobs)) if result.logprobs else {}
         outs = []

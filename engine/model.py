@@ -9,6 +9,7 @@ variant it supports is honoured), optional q/k/v bias (Qwen2) and per-head q/k R
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +109,7 @@ class PagedDecoderModel:
         md: AttentionMetadata,
         attention: AttentionBackend,
         logit_rows: torch.Tensor,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run one step over T flattened tokens; return logits [len(logit_rows), vocab]."""
         T = input_ids.shape[0]
@@ -127,6 +129,8 @@ class PagedDecoderModel:
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             attention.write(i, k, v, md)
+            if on_layer is not None:
+                on_layer(i)  # layer i's KV of this step is in the cache: it may be sent now
             a = attention.forward(i, q, k, v, md)
             x = x + F.linear(a.reshape(T, H * D), w.o_w, w.o_b)
             h = rms_norm(x, w.post_norm, self.eps)

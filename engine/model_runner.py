@@ -7,6 +7,7 @@ torch.Generator per live request and drops it when the scheduler reports the req
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from engine.kv_cache import KVCache, KVCacheSpec
 from engine.model import PagedDecoderModel
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.sampler import sample
+from engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,14 +87,25 @@ class ModelRunner:
     def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
         if s.sampling.greedy:
             return None
-        g = self.generators.get(s.request_id)
+        return self._generator_for(s.request_id, s.sampling)
+
+    def _generator_for(self, request_id: str, sampling: SamplingParams) -> torch.Generator:
+        g = self.generators.get(request_id)
         if g is None:
-            seed = s.sampling.seed
+            seed = sampling.seed
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
             g = torch.Generator(device=self.device).manual_seed(seed)
-            self.generators[s.request_id] = g
+            self.generators[request_id] = g
         return g
+
+    def skip_draws(self, request_id: str, sampling: SamplingParams, n: int) -> None:
+        """Advance a request's generator past `n` samples drawn elsewhere (the prefill side)."""
+        if sampling.greedy:
+            return
+        g = self._generator_for(request_id, sampling)
+        for _ in range(n):
+            torch.empty(self.model.vocab_size, device=self.device).exponential_(generator=g)
 
     def _prepare(self, order: list[ScheduledRequest], num_decodes: int):
         bs = self.block_size
@@ -140,7 +153,10 @@ class ModelRunner:
         )
         return torch.tensor(ids, dtype=torch.long, device=dev), positions, md
 
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(
+        self, so: SchedulerOutput, on_layer: Callable[[int], None] | None = None
+    ) -> ModelRunnerOutput:
+        """Run one step. `on_layer(i)` is called once layer i's new KV is in the cache."""
         for rid in so.finished_request_ids:
             self.generators.pop(rid, None)
         if so.is_empty:
@@ -163,13 +179,10 @@ class ModelRunner:
             if s.sample:
                 rows.append(row - 1)
                 samplers.append(s)
-        if not samplers:
-            self.model.forward(
-                input_ids, positions, md, self.attention, torch.empty(0, dtype=torch.long)
-            )
-            return ModelRunnerOutput((), ())
         logit_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
-        logits = self.model.forward(input_ids, positions, md, self.attention, logit_rows)
+        logits = self.model.forward(input_ids, positions, md, self.attention, logit_rows, on_layer)
+        if not samplers:
+            return ModelRunnerOutput((), ())
         tokens, lps = sample(
             logits, [s.sampling for s in samplers], [self._generator(s) for s in samplers]
         )

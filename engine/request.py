@@ -63,6 +63,8 @@ class Request:
     num_cached_tokens: int = 0  # prefix-cache hit at first scheduling
     num_registered_blocks: int = 0  # leading blocks already named in the prefix cache
     num_preemptions: int = 0
+    # Prefill role: keep the blocks after finishing, until the KV has been sent.
+    hold_blocks_on_finish: bool = False
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 

@@ -38,6 +38,10 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Disaggregated decode side: blocks reserved, KV on its way (see kv_handoff.py).
+        self.waiting_for_kv: dict[str, Request] = {}
+        # Prefill side: finished requests whose blocks stay until their KV has been sent.
+        self.held: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
@@ -63,16 +67,30 @@ class Scheduler:
                 self.running.remove(req)
             elif req in self.waiting:
                 self.waiting.remove(req)
-            self._finish(req, reason)
+            else:
+                self.waiting_for_kv.pop(rid, None)
+            self.finish(req, reason, hold=reason is not FinishReason.ABORT)
             done.append(req)
         return done
 
-    def _finish(self, req: Request, reason: FinishReason) -> None:
+    def finish(self, req: Request, reason: FinishReason, hold: bool = True) -> None:
+        """Mark an already dequeued request finished; free (or hold) its blocks."""
         req.status = _FINISH_STATUS[reason]
         req.finish_reason = reason
-        self.kv.free(req)
+        if hold and req.hold_blocks_on_finish:
+            self.held[req.request_id] = req  # freed by release_held() once the KV is sent
+        else:
+            self.kv.free(req)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks of a finished request held for a KV send; False if none held."""
+        req = self.held.pop(request_id, None)
+        if req is None:
+            return False
+        self.kv.free(req)
+        return True
 
     @property
     def num_unfinished(self) -> int:
@@ -133,11 +151,15 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         req.stop_reason = "kv_cache_capacity"
-        self._finish(req, FinishReason.LENGTH)
+        self.finish(req, FinishReason.LENGTH)
         self.capacity_finished.append(req)
 
+    @property
+    def num_seq_slots_used(self) -> int:
+        return len(self.running) + len(self.waiting_for_kv)
+
     def _admit_waiting(self, budget: int, chunks: dict[str, int]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self.num_seq_slots_used < self.config.max_num_seqs:
             req = self.waiting[0]
             if cdiv(req.num_tokens, self.kv.block_size) > self.kv.pool.num_blocks:
                 self._end_for_capacity(req)  # grew past the whole pool while preempted
@@ -192,7 +214,7 @@ class Scheduler:
         assert len(ids) == len(set(ids)), "request scheduled twice"
         lone = len(ids) == 1 and not self.config.enable_chunked_prefill
         assert lone or out.num_batched_tokens <= self.config.max_num_batched_tokens
-        assert len(self.running) <= self.config.max_num_seqs
+        assert self.num_seq_slots_used <= self.config.max_num_seqs
         for r in self.running:
             assert r.num_tokens > r.num_computed_tokens, f"{r.request_id} has nothing left to run"
         for r in self.waiting:
@@ -228,5 +250,5 @@ class Scheduler:
             reason = req.check_stop_token()
             if reason is not None:
                 self.running.remove(req)
-                self._finish(req, reason)
+                self.finish(req, reason)
         return touched

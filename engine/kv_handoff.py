@@ -1,0 +1,69 @@
+"""The engine's side of a disaggregated handoff: KV computed elsewhere joins this engine's batch.
+
+Decode side, in order:
+  1. `reserve`: blocks for the whole prompt are allocated before any byte moves (so a transfer
+     never lands in a full pool). Leading blocks already in the prefix cache are reused and
+     reported as `num_cached_tokens`: only the blocks after them need to travel. The request
+     waits in WAITING_FOR_KV, holding its blocks and a sequence slot.
+  2. `complete`: the KV has arrived with the first token sampled by the prefill side; the
+     request joins the running batch as if it had prefilled here.
+  3. or `fail`: the transfer failed; blocks are freed and the request goes back to the front of
+     the waiting queue, to recompute its prompt locally.
+Prefill side: a request added with `hold_blocks_on_finish` keeps its blocks after it finishes,
+until `Scheduler.release_held` once its send has ended (DONE or FAILED).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler
+
+
+class KVReservation(NamedTuple):
+    request_id: str
+    block_ids: tuple[int, ...]  # the prompt's whole block table on this engine
+    num_cached_tokens: int  # blocks [0, num_cached_tokens / block_size) need no transfer
+
+
+def reserve(sched: Scheduler, req: Request) -> KVReservation | None:
+    """Allocate blocks for `req`'s prompt; None (nothing changed) when slots or blocks lack."""
+    if req.request_id in sched.requests:
+        raise ValueError(f"request_id {req.request_id!r} is already in use")
+    if sched.num_seq_slots_used >= sched.config.max_num_seqs:
+        return None
+    kv = sched.kv
+    computed = kv.get_computed_blocks(req)
+    if not kv.allocate_slots(req, req.num_tokens - computed.num_tokens, computed):
+        return None
+    req.status = RequestStatus.WAITING_FOR_KV
+    sched.requests[req.request_id] = req
+    sched.waiting_for_kv[req.request_id] = req
+    return KVReservation(req.request_id, tuple(req.block_ids), computed.num_tokens)
+
+
+def complete(sched: Scheduler, request_id: str, first_token: int) -> Request:
+    """The prompt's KV is in the reserved blocks: start decoding from `first_token`."""
+    req = sched.waiting_for_kv.pop(request_id)
+    req.num_computed_tokens = req.num_prompt_tokens
+    sched.kv.cache_computed_blocks(req)
+    req.append_output(first_token)
+    req.status = RequestStatus.RUNNING
+    sched.running.append(req)
+    reason = req.check_stop_token()
+    if reason is not None:
+        sched.running.remove(req)
+        sched.finish(req, reason)
+    return req
+
+
+def fail(sched: Scheduler, request_id: str) -> Request:
+    """The transfer failed: free the reserved blocks and recompute the prompt locally."""
+    req = sched.waiting_for_kv.pop(request_id)
+    sched.kv.free(req)
+    req.num_computed_tokens = 0
+    req.status = RequestStatus.WAITING
+    sched.waiting.appendleft(req)
+    return req
+
