@@ -66,4 +66,3 @@ def fail(sched: Scheduler, request_id: str) -> Request:
     req.status = RequestStatus.WAITING
     sched.waiting.appendleft(req)
     return req
-

@@ -40,9 +40,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="wrap each prompt in the model's chat template (default: on when the model has one)",
     )
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument(
-        "--temperature", type=float, default=0.0, help="0 (the default here) is greedy"
-    )
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default here) is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 disables")
     p.add_argument("--seed", type=int, default=None)

@@ -1,0 +1,124 @@
+"""DecodeWorker: the full engine in a decode-pool actor.
+
+Colocated request: `generate` streams tokens; the engine prefills it locally in chunks under the
+same token budget as the running decodes.
+Disaggregated request, in order:
+  1. `reserve`: blocks for the prompt are allocated here first; the answer says how many prompt
+     tokens the prefix cache already holds, so only the blocks after them travel;
+  2. `expect_kv`: the connector starts receiving into those blocks;
+  3. (the prefill worker prefills and streams the KV layer by layer; the router relays its first
+     token)
+  4. `finish_handoff`: waits for the receive to end within its deadline; DONE -> the request joins
+     the running batch with its first token; FAILED -> the prompt is recomputed here. Either way
+     tokens then stream as for a colocated request.
+The engine runs on its own thread (AsyncEngine); the connector's threads write only into blocks
+reserved for a transfer, which the engine does not read until step 4.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import torch
+
+from engine.async_engine import AsyncEngine
+from engine.kv_handoff import KVReservation
+from engine.llm_engine import LLMEngine
+from engine.serving import TokenChunk, WorkerLoad, WorkerSpec, WorkRequest, engine_load
+from kv_transfer import KVLayout, TransferRequest, TransferStats, TransferStatus, model_identity
+from kv_transfer.rendezvous import PeerAddress
+from kv_transfer.torch_dist import TorchDistConfig, TorchDistConnector
+
+
+class DecodeWorker:
+    role = "decode"
+
+    def __init__(self, worker_id: str, spec: WorkerSpec) -> None:
+        torch.set_num_threads(spec.num_threads)
+        self.worker_id = worker_id
+        self.spec = spec
+        self.engine = LLMEngine(spec.engine)
+        self.aeng = AsyncEngine(self.engine)
+        runner = self.engine.runner
+        loaded = self.engine.loaded
+        model_id = model_identity(loaded.name, loaded.hf_model.config.to_json_string())
+        self.layout = KVLayout.from_spec(runner.spec, model_id)
+        self.connector = TorchDistConnector(
+            self.layout, runner.device, TorchDistConfig(bind_host=spec.bind_host)
+        )
+
+    def ready(self) -> str:
+        return self.worker_id
+
+    def listen(self, peer_id: str) -> PeerAddress:
+        return self.connector.listen(peer_id)
+
+    def connect(self, peer_id: str, address: PeerAddress, is_master: bool) -> None:
+        self.connector.connect(peer_id, address, is_master)
+
+    async def load(self) -> WorkerLoad:
+        return await self.aeng.call(lambda e: engine_load(e, self.worker_id, self.role))
+
+    async def generate(self, req: WorkRequest) -> AsyncIterator[TokenChunk]:
+        """Colocated path: prefill here, then decode; one chunk per step."""
+        async for out in self.aeng.generate(req.prompt_token_ids, req.sampling, req.request_id):
+            yield TokenChunk.from_output(out, self.worker_id)
+
+    async def reserve(self, req: WorkRequest) -> KVReservation | None:
+        return await self.aeng.call(
+            lambda e: e.reserve_for_kv(list(req.prompt_token_ids), req.sampling, req.request_id)
+        )
+
+    def expect_kv(self, request_id: str, peer_id: str, dst_block_ids: tuple[int, ...]) -> None:
+        self.connector.start_recv(
+            TransferRequest(
+                transfer_id=request_id,
+                peer=peer_id,
+                src_block_ids=dst_block_ids,  # the receiver reads none of these
+                dst_block_ids=dst_block_ids,
+                num_layers=self.layout.num_layers,
+                deadline_s=self.spec.kv_transfer_deadline_s,
+            ),
+            self.engine.runner.cache,
+        )
+
+    async def finish_handoff(
+        self, request_id: str, first_token: int | None, expects_kv: bool
+    ) -> AsyncIterator[TokenChunk]:
+        """Join the batch once the KV is in (or recompute if it never came); stream tokens."""
+        ok = expects_kv and first_token is not None and await self._wait_kv(request_id)
+        q = self.aeng.open_stream(request_id)
+        if ok:
+            assert first_token is not None
+            first = await self.aeng.call(lambda e: e.kv_arrived(request_id, first_token))
+            yield TokenChunk.from_output(first, self.worker_id)
+            if first.finished:
+                return
+        else:
+            await self.aeng.call(lambda e: e.kv_failed(request_id))
+        async for out in self.aeng.stream(request_id, q):
+            yield TokenChunk.from_output(out, self.worker_id)
+
+    async def _wait_kv(self, request_id: str) -> bool:
+        deadline = time.monotonic() + self.spec.kv_transfer_deadline_s + 1.0
+        status = self.connector.poll(request_id)
+        while not status.finished and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+            status = self.connector.poll(request_id)
+        if not status.finished:
+            self.connector.abort(request_id)
+        self.connector.release(request_id)
+        return status is TransferStatus.DONE
+
+    async def abort(self, request_id: str) -> None:
+        self.connector.abort(request_id)
+        await self.aeng.call(lambda e: e.abort(request_id))
+
+    def kv_stats(self) -> TransferStats:
+        return self.connector.stats()
+
+    def shutdown(self) -> None:
+        self.aeng.shutdown()
+        self.connector.close()

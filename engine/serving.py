@@ -1,0 +1,101 @@
+"""Messages between the router and the worker pools (plain frozen data, safe to pickle)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """What a worker process builds: its engine and how many torch threads it may use."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    num_threads: int = 1
+    kv_transfer_deadline_s: float = 30.0
+    bind_host: str = "127.0.0.1"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    """One step's output for one request, as a worker streams it."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    worker_id: str = ""
+
+    @classmethod
+    def from_output(cls, out: RequestOutput, worker_id: str) -> TokenChunk:
+        return cls(
+            request_id=out.request_id,
+            token_ids=out.new_token_ids,
+            text=out.text_delta,
+            finished=out.finished,
+            finish_reason=out.finish_reason.value if out.finish_reason else None,
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_cached_tokens=out.num_cached_tokens,
+            worker_id=worker_id,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    request_id: str
+    first_token: int
+    transfer_ok: bool
+    prefill_s: float  # request added -> first token sampled
+    transfer_s: float  # first token -> send ended
+    bytes_sent: int
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    running: int
+    waiting: int
+    waiting_for_kv: int
+    kv_usage: float  # fraction of blocks in use
+    num_free_blocks: int
+    num_blocks: int
+    queued_prefill_tokens: int  # prompt tokens not yet computed, over waiting and running
+
+
+def engine_load(engine: LLMEngine, worker_id: str, role: str) -> WorkerLoad:
+    """A worker's load figures, read on the engine thread."""
+    sched = engine.scheduler
+    queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+    queued += sum(
+        r.num_tokens - r.num_computed_tokens - 1
+        for r in sched.running
+        if r.num_tokens - r.num_computed_tokens > 1
+    )
+    pool = engine.kv.pool
+    return WorkerLoad(
+        worker_id=worker_id,
+        role=role,
+        running=len(sched.running),
+        waiting=len(sched.waiting),
+        waiting_for_kv=len(sched.waiting_for_kv),
+        kv_usage=pool.usage,
+        num_free_blocks=pool.num_free_blocks,
+        num_blocks=pool.num_blocks,
+        queued_prefill_tokens=queued,
+    )

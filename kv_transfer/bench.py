@@ -1,0 +1,239 @@
+"""KV transfer bandwidth: the connector against raw send/recv between the same two processes.
+
+    python -m kv_transfer.bench [--json FILE] [--backend gloo|nccl]
+
+Two processes on 127.0.0.1 hold caches of the default model's layout (SmolLM2-135M: 30 layers,
+3 KV heads, head_dim 64, block 16, float32; no weights are loaded). For 1, 16 and 256 blocks with
+non-contiguous ids it times a whole transfer through the connector (start on the sender until it
+sees DONE, which needs the receiver's ACK) and a raw send of one contiguous tensor of the same
+bytes followed by a one-element ack back, and reports medians. Then the layer-wise overlap: a
+producer that "computes" each layer in t ms (a sleep, as a GPU would leave the CPU free), with t
+set so compute and transfer take about as long, sends after all layers (serial) or after each
+(overlapped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from engine.kv_cache import KVCache, KVCacheSpec
+from kv_transfer.base import TransferRequest, TransferStatus, send_all_layers
+from kv_transfer.layout import KVLayout
+from kv_transfer.rendezvous import connect_lanes, join, listen
+from kv_transfer.torch_dist import TorchDistConfig, TorchDistConnector
+
+LAYOUT = KVLayout("smollm2-135m", 30, 3, 64, 16, "float32")
+CACHE_BLOCKS = 320
+SIZES = (1, 16, 256)
+REPS = {1: 30, 16: 15, 256: 7}
+OVERLAP_REPS = 5
+HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRow:
+    blocks: int
+    bytes: int
+    gb_s: float
+    raw_gb_s: float
+    ratio: float
+
+
+@dataclass(frozen=True, slots=True)
+class OverlapFigure:
+    layer_ms: float
+    serial_s: float
+    overlapped_s: float
+    ratio: float
+
+
+def _cache(device: torch.device, seed: int) -> KVCache:
+    spec = KVCacheSpec(30, 3, 64, 16, torch.float32)
+    kv = KVCache(spec, CACHE_BLOCKS, device)
+    g = torch.Generator().manual_seed(seed)
+    for t in kv.layers:
+        t.copy_(torch.randn(t.shape, generator=g))
+    return kv
+
+
+def _block_ids(n: int, seed: int) -> tuple[int, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randperm(CACHE_BLOCKS, generator=g)[:n].tolist())
+
+
+def _worker(rank: int, config: TorchDistConfig, ctrl: Any, barrier: Any, results: Any) -> None:
+    """rank 0 sends (and hosts both rendezvous), rank 1 receives."""
+    torch.set_num_threads(1)
+    backend = config.backend
+    device = torch.device(f"cuda:{rank}" if backend == "nccl" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    conn = TorchDistConnector(LAYOUT, device, config)
+    peer = "D" if rank == 0 else "P"
+    if rank == 0:
+        address = conn.listen(peer)
+        raw_store, raw_address = listen(HOST, 60)
+        ctrl.put((address, raw_address))
+    else:
+        address, raw_address = ctrl.get(timeout=60)
+        raw_store = join(raw_address, 60)
+    conn.connect(peer, address, is_master=rank == 0)
+    lanes = connect_lanes(raw_store, rank, backend, HOST, 60)
+    raw = lanes.out if rank == 0 else lanes.inn  # lane 0 carries both directions here
+    kv = _cache(device, seed=rank)
+    rows = []
+    for n in SIZES:
+        # Allocated and touched once, like the connector's reused staging buffers.
+        data = torch.ones(LAYOUT.bytes_for_blocks(n) // 4, dtype=torch.float32, device=device)
+        conn_s, raw_s = [], []
+        # Alternated, so that a noisy neighbour slows both alike; rep 0 warms up and is dropped.
+        for k in range(REPS[n] + 1):
+            conn_s.append(_one(conn, rank, peer, kv, n, k, barrier, None))
+            raw_s.append(_raw_once(raw, rank, data, barrier))
+        conn_s, raw_s = conn_s[1:], raw_s[1:]
+        if rank == 0:
+            nbytes = LAYOUT.bytes_for_blocks(n)
+            gb = nbytes / statistics.median(conn_s) / 1e9
+            raw_gb = nbytes / statistics.median(raw_s) / 1e9
+            rows.append(BenchRow(n, nbytes, round(gb, 3), round(raw_gb, 3), round(gb / raw_gb, 3)))
+    # Compute per layer such that all layers' compute takes as long as the 256-block transfer.
+    layer_s = rows[-1].bytes / (rows[-1].gb_s * 1e9) / LAYOUT.num_layers if rank == 0 else 0.0
+    serial, overlap = [], []
+    for k in range(OVERLAP_REPS):
+        serial.append(_one(conn, rank, peer, kv, 256, k, barrier, (layer_s, False)))
+        overlap.append(_one(conn, rank, peer, kv, 256, k, barrier, (layer_s, True)))
+    if rank == 0:
+        s, o = statistics.median(serial), statistics.median(overlap)
+        fig = OverlapFigure(round(layer_s * 1000, 3), round(s, 4), round(o, 4), round(o / s, 3))
+        results.put((rows, fig, conn.stats().failed))
+    barrier.wait()
+    conn.close()
+
+
+def _one(
+    conn: TorchDistConnector,
+    rank: int,
+    peer: str,
+    kv: KVCache,
+    n: int,
+    k: int,
+    barrier: Any,
+    compute: tuple[float, bool] | None,
+) -> float:
+    """One transfer of `n` blocks; returns the sender's seconds (0 on the receiver).
+    `compute` = (seconds per layer, overlapped) simulates the producer."""
+    mode = "bulk" if compute is None else ("overlapped" if compute[1] else "serial")
+    tid = f"{mode}-{n}-{k}"
+    req = TransferRequest(tid, peer, _block_ids(n, k), _block_ids(n, 1000 + k), 30, 60.0)
+    barrier.wait()
+    if rank == 1:
+        conn.start_recv(req, kv)
+        barrier.wait()
+        status = conn.wait(tid, 60)
+        conn.release(tid)
+        assert status is TransferStatus.DONE, status
+        return 0.0
+    barrier.wait()
+    t0 = time.perf_counter()
+    if compute is None:
+        send_all_layers(conn, req, kv)
+    elif compute[1]:
+        conn.start_send(req, kv)
+        for layer in range(LAYOUT.num_layers):
+            time.sleep(compute[0])
+            conn.send_layer(tid, layer)
+    else:
+        time.sleep(compute[0] * LAYOUT.num_layers)
+        send_all_layers(conn, req, kv)
+    status = conn.wait(tid, 60)
+    elapsed = time.perf_counter() - t0
+    conn.release(tid)
+    assert status is TransferStatus.DONE, status
+    return elapsed
+
+
+def _raw_once(pg: Any, rank: int, data: torch.Tensor, barrier: Any) -> float:
+    """One contiguous message of `data`'s bytes and a one-element ack back."""
+    device = data.device
+    ack = torch.zeros(1, device=device)
+    timeout = timedelta(seconds=60)
+    barrier.wait()
+    t0 = time.perf_counter()
+    if rank == 0:
+        pg.send([data], 1, 7).wait(timeout)
+        pg.recv([ack], 1, 8).wait(timeout)
+    else:
+        pg.recv([data], 0, 7).wait(timeout)
+        pg.send([ack], 0, 8).wait(timeout)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def run(config: TorchDistConfig) -> tuple[list[BenchRow], OverlapFigure]:
+    ctx = mp.get_context("spawn")
+    ctrl, results, barrier = ctx.Queue(), ctx.Queue(), ctx.Barrier(2)
+    procs = [
+        ctx.Process(target=_worker, args=(r, config, ctrl, barrier, results), daemon=True)
+        for r in (0, 1)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        rows, fig, failed = results.get(timeout=300)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    if failed:
+        raise RuntimeError(f"{failed} transfers failed during the bench")
+    return rows, fig
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m kv_transfer.bench", description=__doc__)
+    ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    ap.add_argument(
+        "--max-message-mib",
+        type=float,
+        default=TorchDistConfig().max_message_bytes / 2**20,
+        help="the connector's cap on one message when it groups queued layers",
+    )
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    config = TorchDistConfig(
+        bind_host=HOST, backend=args.backend, max_message_bytes=int(args.max_message_mib * 2**20)
+    )
+    rows, fig = run(config)
+    print(f"backend {args.backend}, layout {LAYOUT}")
+    print(f"{'blocks':>7} {'MB':>9} {'GB/s':>8} {'raw GB/s':>9} {'ratio':>6}")
+    for r in rows:
+        print(
+            f"{r.blocks:>7} {r.bytes / 1e6:>9.2f} {r.gb_s:>8.3f} {r.raw_gb_s:>9.3f} {r.ratio:>6.2f}"
+        )
+    print(
+        f"layer-wise overlap, 256 blocks, {fig.layer_ms:.2f} ms compute per layer: serial "
+        f"{fig.serial_s * 1000:.1f} ms, overlapped {fig.overlapped_s * 1000:.1f} ms, "
+        f"ratio {fig.ratio:.2f} (target <= 0.6)"
+    )
+    print(f"bench took {time.perf_counter() - t0:.1f} s")
+    if args.json:
+        out = {"backend": args.backend, "rows": [asdict(r) for r in rows], "overlap": asdict(fig)}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()

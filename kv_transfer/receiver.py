@@ -1,0 +1,188 @@
+"""The receiving end of a pair's incoming lane: a thread that loops "recv a header, act", and a
+copier thread that scatters landed data into the cache while the next message is on the wire.
+
+After a LAYER header the next data message on the lane is that header's, so the receiver thread
+posts that recv next; besides it, only the next header's recv is ever posted (and on NCCL, which
+matches by order rather than tag, not even that until the data has landed). Data lands in one of
+two staging slots and is handed to the copier; the receiver reuses a slot only after the copier
+has given it back. Data for a transfer that has ended here (or was never registered) is still
+received and dropped: skipping it would put the lane out of step.
+
+A START waits up to `register_wait_s` for the matching `start_recv`; the lane's data is held
+meanwhile, which is why the receiver should register first. Without one, the sender is told
+(PEER_FAIL).
+
+The copier scatters under the transfer's io_lock and only while it is running, so once a receive
+has ended its destination blocks are never written again. It completes a receive (and queues the
+ACK) when the last layer is in.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from kv_transfer.base import FailureReason
+from kv_transfer.pair import Event, LaneError, Pair
+from kv_transfer.staging import SLOTS
+from kv_transfer.table import Transfer
+from kv_transfer.wire import HEADER_TAG, Header, Kind, data_tag, tid_hash
+
+
+@dataclass(slots=True)
+class _Incoming:
+    rec: Transfer
+    layers: int = 0  # layers received for it, whether or not they were applied
+
+
+class _Copy(NamedTuple):
+    slot: int
+    landed: torch.Tensor
+    rec: Transfer
+    first_layer: int
+    num_layers: int
+    nbytes: int
+
+
+class LaneReceiver:
+    def __init__(self, pair: Pair) -> None:
+        self._pair = pair
+        self._staging = pair.new_staging()
+        self._incoming: dict[int, _Incoming] = {}  # seq -> receive matched to a START
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()  # slots the copier gave back
+        for slot in range(SLOTS):
+            self._free.put(slot)
+        self._copies: queue.SimpleQueue[_Copy | None] = queue.SimpleQueue()
+
+    def run(self) -> None:
+        copier = threading.Thread(
+            target=self._copier, name=f"kv-copy-{self._pair.peer_id}", daemon=True
+        )
+        copier.start()
+        try:
+            self._loop()
+        except LaneError as e:
+            self._pair.break_(f"receiving from {self._pair.peer_id!r} failed: {e}")
+        except Exception as e:  # a bug here must still end the pair's transfers, not hang them
+            self._pair.break_(f"receiver thread crashed: {type(e).__name__}: {e}")
+            raise
+        finally:
+            self._copies.put(None)
+            copier.join(self._pair.config.io_timeout_s)
+
+    def _loop(self) -> None:
+        pair, staging = self._pair, self._staging
+        # gloo matches messages by tag, so the next header's recv can be posted before this
+        # header is acted on (the peer's next header then never waits for a data landing or a
+        # START's registration). NCCL matches by order only: there, strictly one at a time.
+        early = pair.lanes.backend == "gloo"
+        work = pair.post_recv(staging, staging.header, HEADER_TAG)
+        while True:
+            pair.finish([work], staging)
+            h = Header.decode(staging.header)
+            if h.kind is Kind.CLOSE:
+                pair.break_(f"peer {pair.peer_id!r} closed the connection")
+                return
+            if early:
+                work = pair.post_recv(staging, staging.header, HEADER_TAG)
+            self._handle(h)
+            if not early:
+                work = pair.post_recv(staging, staging.header, HEADER_TAG)
+
+    def _handle(self, h: Header) -> None:
+        if h.kind is Kind.LAYER:
+            self._on_layer(h)
+        elif h.kind is Kind.START:
+            self._on_start(h)
+        elif h.kind is Kind.ABORT:
+            self._on_abort(h)
+        elif h.kind is Kind.PEER_FAIL:
+            rec = self._pair.running_send(h.tid_hash)
+            if rec is not None:
+                why = h.reason.value if h.reason else "unknown"
+                self._pair.table.fail(
+                    rec, FailureReason.PEER_ABORTED, f"the receiver ended it ({why})"
+                )
+        elif h.kind is Kind.ACK:
+            rec = self._pair.running_send(h.tid_hash)
+            self._pair.forget_send(h.tid_hash)
+            if rec is not None:
+                self._pair.table.complete(rec)
+
+    def _on_start(self, h: Header) -> None:
+        pair = self._pair
+        wait_s = min(h.deadline_ms / 1000, pair.config.register_wait_s)
+        rec = pair.claim_recv(h.tid_hash, wait_s)
+        if rec is None:
+            pair.outbox.put(
+                Event(Kind.PEER_FAIL, tid_hash=h.tid_hash, reason=FailureReason.TIMEOUT)
+            )
+            return
+        self._incoming[h.seq] = _Incoming(rec)
+        req = rec.req
+        if (h.num_blocks, h.num_layers) != (req.num_blocks, req.num_layers):
+            pair.table.fail(
+                rec,
+                FailureReason.MISMATCH,
+                f"sender has {h.num_blocks} blocks x {h.num_layers} layers, "
+                f"receiver expects {req.num_blocks} x {req.num_layers}",
+            )
+
+    def _on_layer(self, h: Header) -> None:
+        pair = self._pair
+        block_layers = h.num_blocks * h.num_layers
+        if h.nbytes != block_layers * pair.layout.bytes_per_block_layer:
+            raise LaneError(f"LAYER header: {h.nbytes} bytes for {block_layers} block-layers")
+        try:
+            slot = self._free.get(timeout=pair.config.io_timeout_s)
+        except queue.Empty:
+            raise LaneError("the copier thread is stuck") from None
+        landed = self._staging.landing(slot, block_layers)
+        pair.recv(self._staging, landed, data_tag(h.seq))
+        entry = self._incoming.get(h.seq)
+        if entry is None:
+            self._free.put(slot)  # never registered here, or already settled: dropped
+            return
+        entry.layers += h.num_layers
+        rec = entry.rec
+        if entry.layers >= rec.req.num_layers:
+            del self._incoming[h.seq]
+        last = h.layer + h.num_layers - 1
+        if h.num_blocks != rec.req.num_blocks or not 0 <= h.layer <= last < rec.req.num_layers:
+            self._free.put(slot)  # a MISMATCH already failed it; nothing to apply
+            return
+        self._copies.put(_Copy(slot, landed, rec, h.layer, h.num_layers, h.nbytes))
+
+    def _on_abort(self, h: Header) -> None:
+        entry = self._incoming.pop(h.seq, None)
+        rec = entry.rec if entry is not None else self._pair.claim_recv(h.tid_hash, 0.0)
+        if rec is not None:
+            why = h.reason.value if h.reason else "unknown"
+            self._pair.table.fail(rec, FailureReason.PEER_ABORTED, f"the sender ended it ({why})")
+
+    def _copier(self) -> None:
+        try:
+            while (job := self._copies.get()) is not None:
+                self._apply(job)
+        except Exception as e:  # a bug here must still end the pair's transfers, not hang them
+            self._pair.break_(f"copier thread crashed: {type(e).__name__}: {e}")
+            raise
+
+    def _apply(self, job: _Copy) -> None:
+        rec = job.rec
+        applied = False
+        with rec.io_lock:
+            if rec.running:
+                layers = rec.cache.layers[job.first_layer : job.first_layer + job.num_layers]
+                self._staging.scatter(job.slot, job.landed, layers, rec.block_index)
+                applied = True
+        self._free.put(job.slot)
+        if not applied:
+            return
+        self._pair.table.progress(rec, job.nbytes, job.num_layers)
+        if rec.layers_done >= rec.req.num_layers and self._pair.table.complete(rec):
+            self._pair.outbox.put(Event(Kind.ACK, tid_hash=tid_hash(rec.req.transfer_id)))

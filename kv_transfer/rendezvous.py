@@ -1,0 +1,118 @@
+"""Pairing two workers without a global world: a TCPStore per pair, a layout handshake through it,
+then one two-rank process group per direction ("lane").
+
+The master side (rank 0) hosts the store: `listen` binds it on an OS-chosen port and returns the
+`PeerAddress` to hand to the other side (the Ray layer carries it). Both sides then call
+`connect_lanes` at the same time; it blocks until the pair is formed or `timeout_s` passes.
+
+Why a group per direction: NCCL runs all point-to-point work of one communicator on one stream, in
+the order posted. With both directions in one communicator, a send waiting for its recv could sit
+in front of the recv the peer's send is waiting for. With one group per direction, each group has
+exactly one sending thread at one end and one receiving thread at the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import NamedTuple, Protocol, cast
+
+import torch
+import torch.distributed as dist
+
+from kv_transfer.layout import KVLayout, check_compatible
+
+_LAYOUT_KEY = "pdserve/kv_layout/{rank}"
+_CHECKED_KEY = "pdserve/kv_checked/{rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class PeerAddress:
+    """Where the master side of a pair listens. Plain data, safe to pass between processes."""
+
+    host: str
+    port: int
+
+
+class P2PGroup(Protocol):
+    """The point-to-point surface of a c10d backend (torch's stubs leave send/recv out)."""
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> dist.Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> dist.Work: ...
+
+
+class Lanes(NamedTuple):
+    out: P2PGroup  # this side sends, the peer receives
+    inn: P2PGroup  # the peer sends, this side receives
+    backend: str  # "gloo" or "nccl"
+
+
+def listen(host: str, timeout_s: float) -> tuple[dist.TCPStore, PeerAddress]:
+    """Host a pair's store on an OS-chosen port of `host`. Does not wait for the peer."""
+    store = dist.TCPStore(
+        host, 0, 2, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+    return store, PeerAddress(host, store.port)
+
+
+def join(address: PeerAddress, timeout_s: float) -> dist.TCPStore:
+    """Connect to the store the master side hosts at `address`."""
+    return dist.TCPStore(
+        address.host,
+        address.port,
+        2,
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def handshake(store: dist.Store, rank: int, layout: KVLayout) -> None:
+    """Exchange layouts; raise LayoutMismatchError on both sides when they differ.
+
+    Both sides publish before either compares, and each confirms it has read the other's layout
+    before returning, so the master may drop the store afterwards without cutting the peer off.
+    """
+    store.set(_LAYOUT_KEY.format(rank=rank), layout.to_json())
+    remote = KVLayout.from_json(store.get(_LAYOUT_KEY.format(rank=1 - rank)).decode())
+    store.set(_CHECKED_KEY.format(rank=rank), "1")
+    store.get(_CHECKED_KEY.format(rank=1 - rank))
+    check_compatible(layout, remote)
+
+
+def choose_backend(requested: str, device: torch.device) -> str:
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if requested == "nccl" and device.type != "cuda":
+        raise ValueError("the nccl backend needs a CUDA cache")
+    if requested not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be auto, gloo or nccl, got {requested!r}")
+    return requested
+
+
+def _group(
+    store: dist.Store, rank: int, backend: str, bind_host: str, timeout_s: float
+) -> P2PGroup:
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        # The stubs call it Options; at run time the gloo options class is _Options.
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts._timeout = timeout
+        # Bind to the given interface; gloo's default follows the hostname, which may be external.
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+        return cast(P2PGroup, dist.ProcessGroupGloo(store, rank, 2, opts))
+    nccl_opts = dist.ProcessGroupNCCL.Options()
+    nccl_opts._timeout = timeout
+    return cast(P2PGroup, dist.ProcessGroupNCCL(store, rank, 2, nccl_opts))
+
+
+def connect_lanes(
+    store: dist.Store, rank: int, backend: str, bind_host: str, timeout_s: float
+) -> Lanes:
+    """Form the two lanes of a pair. Both sides build lane 0 (rank 0 -> 1) first, then lane 1."""
+    lanes = [
+        _group(dist.PrefixStore(f"pdserve/kv_lane{k}", store), rank, backend, bind_host, timeout_s)
+        for k in (0, 1)
+    ]
+    return Lanes(out=lanes[rank], inn=lanes[1 - rank], backend=backend)

@@ -1,0 +1,239 @@
+"""Bookkeeping shared by connectors: the transfer records, their statuses, deadlines and stats.
+
+Locking (this is what makes "after FAILED nobody touches the blocks" hold):
+  - `Transfer.io_lock` is held by whoever reads source blocks or writes destination blocks.
+  - A transfer becomes DONE or FAILED only while both its `io_lock` and the table lock are held.
+    So under `io_lock`, a transfer seen running stays running until the lock is released.
+  - Order: `io_lock` before the table lock, never the reverse. `on_fail` hooks run with no lock
+    held, so a hook may enqueue messages or fail other transfers.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kv_cache import KVCache
+from kv_transfer.base import (
+    FailureReason,
+    KVConnector,
+    TransferRequest,
+    TransferResult,
+    TransferStats,
+    TransferStatus,
+)
+from kv_transfer.layout import KVLayout
+
+
+class Role(enum.Enum):
+    SEND = "send"
+    RECV = "recv"
+
+
+@dataclass(slots=True, eq=False)
+class Transfer:
+    req: TransferRequest
+    role: Role
+    cache: KVCache
+    block_index: torch.Tensor  # this side's block ids (src for SEND, dst for RECV), on the device
+    started: float  # time.monotonic() at the start call
+    deadline: float  # monotonic
+    io_lock: threading.Lock = field(default_factory=threading.Lock)
+    status: TransferStatus = TransferStatus.PENDING
+    bytes: int = 0
+    layers_done: int = 0
+    ended: float = 0.0
+    reason: FailureReason | None = None
+    error: str | None = None
+    seq: int = -1  # the wire sequence number, where a connector uses one
+
+    @property
+    def running(self) -> bool:
+        return not self.status.finished
+
+
+FailHook = Callable[[Transfer], None]
+
+
+class TransferTable:
+    def __init__(self, layout: KVLayout, on_fail: FailHook) -> None:
+        self.layout = layout
+        self._on_fail = on_fail
+        self._cond = threading.Condition()  # guards everything below; notified on every end
+        self._records: dict[str, Transfer] = {}
+        self._stats = TransferStats()
+
+    def add(self, req: TransferRequest, role: Role, cache: KVCache) -> Transfer:
+        if not self.layout.matches_spec(cache.spec):
+            raise ValueError(f"cache spec {cache.spec} does not match layout {self.layout}")
+        if req.num_layers > self.layout.num_layers:
+            raise ValueError(f"num_layers {req.num_layers} > layout's {self.layout.num_layers}")
+        ids = req.src_block_ids if role is Role.SEND else req.dst_block_ids
+        bad = [b for b in ids if not 0 <= b < cache.num_blocks]
+        if bad:
+            raise ValueError(f"block ids {bad[:4]} outside the cache's {cache.num_blocks} blocks")
+        index = torch.tensor(ids, dtype=torch.long, device=cache.layers[0].device)
+        now = time.monotonic()
+        rec = Transfer(req, role, cache, index, now, now + req.deadline_s)
+        with self._cond:
+            if req.transfer_id in self._records:
+                raise ValueError(f"transfer {req.transfer_id!r} is already registered")
+            self._records[req.transfer_id] = rec
+        return rec
+
+    def get(self, transfer_id: str) -> Transfer:
+        with self._cond:
+            return self._records[transfer_id]
+
+    def find(self, transfer_id: str) -> Transfer | None:
+        with self._cond:
+            return self._records.get(transfer_id)
+
+    def running(self, peer: str | None = None) -> list[Transfer]:
+        with self._cond:
+            return [
+                r
+                for r in self._records.values()
+                if r.running and (peer is None or r.req.peer == peer)
+            ]
+
+    def progress(self, rec: Transfer, nbytes: int, layers: int = 1) -> None:
+        """Layers moved. Counted even if the transfer has just ended: the bytes did move."""
+        with self._cond:
+            rec.bytes += nbytes
+            rec.layers_done += layers
+            if rec.role is Role.SEND:
+                self._stats.bytes_sent += nbytes
+            else:
+                self._stats.bytes_received += nbytes
+            if rec.status is TransferStatus.PENDING:
+                rec.status = TransferStatus.TRANSFERRING
+
+    def complete(self, rec: Transfer) -> bool:
+        """End DONE unless already ended. Must not be called with `rec.io_lock` held."""
+        with rec.io_lock, self._cond:
+            if not rec.running:
+                return False
+            rec.status = TransferStatus.DONE
+            rec.ended = time.monotonic()
+            secs = max(rec.ended - rec.started, 1e-9)
+            self._stats.ok += 1
+            self._stats.seconds += secs
+            self._stats.last_gb_s = rec.bytes / secs / 1e9
+            self._cond.notify_all()
+        return True
+
+    def fail(
+        self, rec: Transfer, reason: FailureReason, error: str, *, blocking: bool = True
+    ) -> bool:
+        """End FAILED unless already ended; then run the hook. Must not be called with
+        `rec.io_lock` held. Non-blocking callers give up (False) while a copy holds the lock."""
+        if not rec.io_lock.acquire(blocking=blocking):
+            return False
+        try:
+            with self._cond:
+                if not rec.running:
+                    return False
+                rec.status = TransferStatus.FAILED
+                rec.ended = time.monotonic()
+                rec.reason, rec.error = reason, error
+                self._stats.failed += 1
+                self._stats.failures[reason] = self._stats.failures.get(reason, 0) + 1
+                self._cond.notify_all()
+        finally:
+            rec.io_lock.release()
+        self._on_fail(rec)
+        return True
+
+    def fail_peer(self, peer: str, reason: FailureReason, error: str) -> None:
+        for rec in self.running(peer):
+            self.fail(rec, reason, error)
+
+    def expire(self, rec: Transfer, *, blocking: bool = False) -> None:
+        if rec.running and time.monotonic() > rec.deadline:
+            self.fail(
+                rec,
+                FailureReason.TIMEOUT,
+                f"deadline of {rec.req.deadline_s:.3g}s passed after "
+                f"{rec.layers_done}/{rec.req.num_layers} layers",
+                blocking=blocking,
+            )
+
+    def poll(self, transfer_id: str) -> TransferStatus:
+        rec = self.get(transfer_id)
+        self.expire(rec)
+        return rec.status
+
+    def wait(self, transfer_id: str, timeout_s: float) -> TransferStatus:
+        rec = self.get(transfer_id)
+        end = time.monotonic() + timeout_s
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                if not rec.running or now >= end:
+                    return rec.status
+                if now <= rec.deadline:
+                    self._cond.wait(min(end, rec.deadline) - now + 1e-3)
+                    continue
+            self.expire(rec, blocking=True)
+
+    def result(self, transfer_id: str) -> TransferResult | None:
+        rec = self.get(transfer_id)
+        self.expire(rec)
+        with self._cond:
+            if rec.running:
+                return None
+            secs = rec.ended - rec.started
+            return TransferResult(
+                rec.req.transfer_id, rec.status, rec.bytes, secs, rec.reason, rec.error
+            )
+
+    def release(self, transfer_id: str) -> None:
+        with self._cond:
+            rec = self._records.get(transfer_id)
+            if rec is None:
+                return
+            if rec.running:
+                raise RuntimeError(f"transfer {transfer_id!r} is still running; abort it first")
+            del self._records[transfer_id]
+
+    def stats(self) -> TransferStats:
+        with self._cond:
+            return self._stats.copy()
+
+
+class TrackedConnector(KVConnector):
+    """The status side of `KVConnector`, kept in a `TransferTable`. Subclasses move the bytes and
+    react to failures in `_on_fail` (e.g. tell the peer)."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self._table = TransferTable(layout, self._on_fail)
+
+    def _on_fail(self, rec: Transfer) -> None:
+        """A transfer has just ended FAILED. Runs with no lock held."""
+
+    def poll(self, transfer_id: str) -> TransferStatus:
+        return self._table.poll(transfer_id)
+
+    def result(self, transfer_id: str) -> TransferResult | None:
+        return self._table.result(transfer_id)
+
+    def wait(self, transfer_id: str, timeout_s: float) -> TransferStatus:
+        return self._table.wait(transfer_id, timeout_s)
+
+    def abort(self, transfer_id: str) -> None:
+        rec = self._table.find(transfer_id)
+        if rec is not None:
+            self._table.fail(rec, FailureReason.ABORTED, "aborted by this side")
+
+    def release(self, transfer_id: str) -> None:
+        self._table.release(transfer_id)
+
+    def stats(self) -> TransferStats:
+        return self._table.stats()

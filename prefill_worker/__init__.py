@@ -1,0 +1,1 @@
+"""The prefill pool's Ray actor: prefills prompts and streams their KV to decode workers."""

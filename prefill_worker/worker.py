@@ -1,0 +1,164 @@
+"""PrefillWorker: the engine in prefill role inside a prefill-pool actor.
+
+One request, in order:
+  1. `prefill(req, peer, dst_block_ids, skip_blocks)`: the request joins the engine's batch with
+     max_tokens 1 and its blocks held past its end; prefills of many requests share steps under
+     the token budget;
+  2. in the step that computes the prompt's last chunk, the engine thread's per-layer hook starts
+     the send and hands each layer to the connector as soon as it is in the cache, so the
+     transfer of layer i overlaps the compute of layers i+1..;
+  3. the first token is sampled; the worker waits for the send to end (DONE or FAILED, within
+     its deadline) and only then frees the blocks (ownership stays here until the send ended);
+  4. it returns the first token and the prefill and transfer times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine
+from engine.outputs import SchedulerOutput
+from engine.serving import PrefillResult, WorkerLoad, WorkerSpec, WorkRequest, engine_load
+from kv_transfer import KVLayout, TransferRequest, TransferStats, TransferStatus, model_identity
+from kv_transfer.rendezvous import PeerAddress
+from kv_transfer.torch_dist import TorchDistConfig, TorchDistConnector
+
+
+@dataclass(slots=True)
+class _PendingSend:
+    peer: str
+    dst_block_ids: tuple[int, ...]
+    skip_blocks: int  # leading blocks the decode side already holds
+    started: bool = False
+
+
+class PrefillWorker:
+    role = "prefill"
+
+    def __init__(self, worker_id: str, spec: WorkerSpec) -> None:
+        torch.set_num_threads(spec.num_threads)
+        self.worker_id = worker_id
+        self.spec = spec
+        self.engine = LLMEngine(spec.engine)
+        runner = self.engine.runner
+        loaded = self.engine.loaded
+        model_id = model_identity(loaded.name, loaded.hf_model.config.to_json_string())
+        self.layout = KVLayout.from_spec(runner.spec, model_id)
+        self.connector = TorchDistConnector(
+            self.layout, runner.device, TorchDistConfig(bind_host=spec.bind_host)
+        )
+        self._sends: dict[str, _PendingSend] = {}
+        self._lock = threading.Lock()
+        self.aeng = AsyncEngine(self.engine, on_layer=self._on_layer)
+
+    def ready(self) -> str:
+        return self.worker_id
+
+    def listen(self, peer_id: str) -> PeerAddress:
+        return self.connector.listen(peer_id)
+
+    def connect(self, peer_id: str, address: PeerAddress, is_master: bool) -> None:
+        self.connector.connect(peer_id, address, is_master)
+
+    async def load(self) -> WorkerLoad:
+        return await self.aeng.call(lambda e: engine_load(e, self.worker_id, self.role))
+
+    def _on_layer(self, layer: int, so: SchedulerOutput) -> None:
+        """Engine thread, after layer `layer` of a step is in the cache."""
+        for s in so.scheduled:
+            if not s.sample:
+                continue  # the prompt isn't complete yet: its later chunks still write KV
+            with self._lock:
+                send = self._sends.get(s.request_id)
+            if send is None:
+                continue
+            if not send.started:
+                src = s.block_ids[send.skip_blocks : send.skip_blocks + len(send.dst_block_ids)]
+                self.connector.start_send(
+                    TransferRequest(
+                        transfer_id=s.request_id,
+                        peer=send.peer,
+                        src_block_ids=tuple(src),
+                        dst_block_ids=send.dst_block_ids,
+                        num_layers=self.layout.num_layers,
+                        deadline_s=self.spec.kv_transfer_deadline_s,
+                    ),
+                    self.engine.runner.cache,
+                )
+                send.started = True
+            self.connector.send_layer(s.request_id, layer)
+
+    async def prefill(
+        self,
+        req: WorkRequest,
+        peer: str,
+        dst_block_ids: tuple[int, ...],
+        skip_blocks: int,
+    ) -> PrefillResult:
+        rid = req.request_id
+        if dst_block_ids:
+            with self._lock:
+                self._sends[rid] = _PendingSend(peer, dst_block_ids, skip_blocks)
+        first_params = replace(req.sampling, max_tokens=1, ignore_eos=True, stop=())
+        t0 = time.monotonic()
+        first = None
+        try:
+            q = self.aeng.open_stream(rid)
+            await self.aeng.call(
+                lambda e: e.add_request(list(req.prompt_token_ids), first_params, rid, None, True)
+            )
+            async for out in self.aeng.stream(rid, q):
+                if out.new_token_ids:
+                    first = out.new_token_ids[0]
+            t1 = time.monotonic()
+            with self._lock:
+                pending = self._sends.get(rid)
+            status, sent, error = await self._wait_send(rid, pending)
+        finally:
+            with self._lock:
+                self._sends.pop(rid, None)
+            # The send has ended (or never started): only now may the blocks go.
+            await self.aeng.call(lambda e: e.release_blocks(rid))
+        if first is None:
+            raise RuntimeError(f"prefill of {rid} ended without a first token")
+        return PrefillResult(
+            request_id=rid,
+            first_token=first,
+            transfer_ok=status is TransferStatus.DONE,
+            prefill_s=t1 - t0,
+            transfer_s=time.monotonic() - t1,
+            bytes_sent=sent,
+            error=error,
+        )
+
+    async def _wait_send(
+        self, rid: str, pending: _PendingSend | None
+    ) -> tuple[TransferStatus, int, str | None]:
+        if pending is None:  # nothing to send: the decode side holds the whole prompt
+            return TransferStatus.DONE, 0, None
+        if not pending.started:
+            return TransferStatus.FAILED, 0, "the prompt's last chunk never ran"
+        deadline = time.monotonic() + self.spec.kv_transfer_deadline_s + 1.0
+        status = self.connector.poll(rid)
+        while not status.finished and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+            status = self.connector.poll(rid)
+        if not status.finished:
+            self.connector.abort(rid)
+            status = self.connector.poll(rid)
+        res = self.connector.result(rid)
+        self.connector.release(rid)
+        return status, res.bytes if res else 0, res.error if res else "no result"
+
+    def kv_stats(self) -> TransferStats:
+        return self.connector.stats()
+
+    def shutdown(self) -> None:
+        self.aeng.shutdown()
+        self.connector.close()

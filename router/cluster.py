@@ -1,0 +1,188 @@
+"""Cluster: the prefill and decode pools as Ray actors, and the two paths a request can take.
+
+Colocated: decode worker D prefills the prompt in chunks next to its running decodes and
+streams tokens.
+Disaggregated, in order (DESIGN.md, request lifecycle):
+  1. D reserves blocks for the prompt and reports its prefix-cache hit;
+  2. D starts receiving into the blocks past the hit;
+  3. prefill worker P prefills, streams the KV layer by layer, returns the first token, and frees
+     its blocks once the send has ended;
+  4. D joins the request to its batch with that token (or recomputes if the KV never came) and
+     streams the rest.
+Pairs are connected lazily, the first time P and D meet. With no cluster address, Ray starts
+locally with every socket on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import ray
+import torch
+
+from decode_worker.worker import DecodeWorker
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from engine.serving import PrefillResult, TokenChunk, WorkerLoad, WorkerSpec, WorkRequest
+from kv_transfer import TransferStats
+from prefill_worker.worker import PrefillWorker
+
+PATHS = ("colocated", "disaggregated")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    model: str = "smollm2-135m"
+    num_prefill: int = 1
+    num_decode: int = 1
+    engine: EngineConfig = field(default_factory=EngineConfig)  # its model name is replaced
+    threads_per_worker: int = 1
+    kv_transfer_deadline_s: float = 30.0
+    address: str | None = None  # an existing Ray cluster; None starts one locally
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 0 or self.num_decode < 1:
+            raise ValueError("need num_prefill >= 0 and num_decode >= 1")
+
+
+def init_ray(address: str | None) -> None:
+    """Join `address`, or start a local Ray that listens on 127.0.0.1 only."""
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address)
+        return
+    # router/__init__.py has told Ray (before its import) to bind 127.0.0.1 only.
+    ray.init(
+        num_cpus=os.cpu_count() or 1,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
+
+
+class Cluster:
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        init_ray(config.address)
+        gpus = 1 if torch.cuda.is_available() else 0
+        engine = replace(config.engine, model=replace(config.engine.model, model=config.model))
+        spec = WorkerSpec(
+            engine=engine,
+            num_threads=config.threads_per_worker,
+            kv_transfer_deadline_s=config.kv_transfer_deadline_s,
+        )
+        # CPU actors take no Ray CPU slot: each sets its own torch thread count instead, and a
+        # slot per actor would starve later tasks on a small machine.
+        opts: dict[str, Any] = {"num_cpus": 0, "num_gpus": gpus, "max_concurrency": 1000}
+        self.prefill_ids = [f"prefill-{i}" for i in range(config.num_prefill)]
+        self.decode_ids = [f"decode-{i}" for i in range(config.num_decode)]
+        self.prefill: dict[str, Any] = {
+            w: ray.remote(PrefillWorker).options(**opts).remote(w, spec) for w in self.prefill_ids
+        }
+        self.decode: dict[str, Any] = {
+            w: ray.remote(DecodeWorker).options(**opts).remote(w, spec) for w in self.decode_ids
+        }
+        ray.get([a.ready.remote() for a in [*self.prefill.values(), *self.decode.values()]])
+        self.block_size = engine.cache.block_size
+        self._pairs: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._rr = itertools.count()
+        self._ids = itertools.count()
+
+    # -- placement ---------------------------------------------------------------------------
+    def _pick(self, ids: Sequence[str]) -> str:
+        return ids[next(self._rr) % len(ids)]
+
+    async def _ensure_pair(self, p: str, d: str) -> None:
+        task = self._pairs.get((p, d))
+        if task is None:
+            task = asyncio.ensure_future(self._connect(p, d))
+            self._pairs[(p, d)] = task
+        try:
+            await task
+        except BaseException:
+            self._pairs.pop((p, d), None)  # the next request tries again
+            raise
+
+    async def _connect(self, p: str, d: str) -> None:
+        address = await self.decode[d].listen.remote(p)
+        await asyncio.gather(
+            self.decode[d].connect.remote(p, address, True),
+            self.prefill[p].connect.remote(d, address, False),
+        )
+
+    # -- requests ----------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        path: str = "colocated",
+        request_id: str | None = None,
+        prefill_worker: str | None = None,
+        decode_worker: str | None = None,
+    ) -> AsyncIterator[TokenChunk]:
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+        rid = request_id or f"cl-{next(self._ids)}"
+        req = WorkRequest(rid, tuple(int(t) for t in prompt_token_ids), params)
+        d = decode_worker or self._pick(self.decode_ids)
+        if path == "disaggregated" and self.prefill_ids:
+            p = prefill_worker or self._pick(self.prefill_ids)
+            stream = self._disaggregated(req, p, d)
+        else:
+            stream = self._stream(self.decode[d].generate, req)
+        finished = False
+        try:
+            async for chunk in stream:
+                finished = chunk.finished
+                yield chunk
+        finally:
+            if not finished:
+                await self.decode[d].abort.remote(rid)
+
+    async def _stream(self, method: Any, *args: Any) -> AsyncIterator[TokenChunk]:
+        gen = method.options(num_returns="streaming").remote(*args)
+        async for ref in gen:
+            yield await ref
+
+    async def _disaggregated(self, req: WorkRequest, p: str, d: str) -> AsyncIterator[TokenChunk]:
+        await self._ensure_pair(p, d)
+        res = await self.decode[d].reserve.remote(req)
+        if res is None:  # D is full right now: it queues the request and prefills it itself
+            async for chunk in self._stream(self.decode[d].generate, req):
+                yield chunk
+            return
+        skip = res.num_cached_tokens // self.block_size
+        dst = tuple(res.block_ids[skip:])
+        await self.decode[d].expect_kv.remote(req.request_id, p, dst)
+        first: int | None = None
+        try:
+            result: PrefillResult = await self.prefill[p].prefill.remote(req, d, dst, skip)
+            first = result.first_token
+        except Exception:
+            first = None  # D recomputes the prompt (its receive fails at the deadline)
+        async for chunk in self._stream(self.decode[d].finish_handoff, req.request_id, first, True):
+            yield chunk
+
+    async def kv_stats(self) -> dict[str, TransferStats]:
+        """Each worker's KV transfer totals, by worker id."""
+        items = [*self.prefill.items(), *self.decode.items()]
+        stats = await asyncio.gather(*(a.kv_stats.remote() for _, a in items))
+        return {w: s for (w, _), s in zip(items, stats)}
+
+    async def load(self) -> list[WorkerLoad]:
+        actors = [*self.prefill.values(), *self.decode.values()]
+        return list(await asyncio.gather(*(a.load.remote() for a in actors)))
+
+    def shutdown(self) -> None:
+        for a in [*self.prefill.values(), *self.decode.values()]:
+            try:
+                ray.get(a.shutdown.remote(), timeout=10)
+            except Exception:
+                pass  # already gone: killing it below is all that is left
+            ray.kill(a)

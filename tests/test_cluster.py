@@ -1,0 +1,113 @@
+"""Both request paths through Ray actors on 127.0.0.1 (2 prefill x 2 decode, tiny model)."""
+
+import asyncio
+
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.sampling_params import SamplingParams
+from router.cluster import Cluster, ClusterConfig
+from tests.helpers import hf_greedy, loaded, random_prompts
+
+MAX_NEW = 10
+BLOCK = 4
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    engine = EngineConfig(
+        cache=CacheConfig(block_size=BLOCK, num_blocks=256),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=16),
+    )
+    cfg = ClusterConfig(
+        model="tiny-llama", num_prefill=2, num_decode=2, engine=engine, kv_transfer_deadline_s=10
+    )
+    c = Cluster(cfg)
+    yield c
+    c.shutdown()
+
+
+async def run_one(cluster, prompt, path, rid, **workers):
+    toks, chunks = [], []
+    async for chunk in cluster.generate(prompt, GREEDY, path, rid, **workers):
+        toks.extend(chunk.token_ids)
+        chunks.append(chunk)
+    assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
+    return toks
+
+
+def gather(jobs, timeout=90):
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(*jobs), timeout)
+
+    return asyncio.run(main())
+
+
+def received(cluster):
+    stats = asyncio.run(cluster.kv_stats())
+    return {w: (s.bytes_received, s.ok, s.failed) for w, s in stats.items()}
+
+
+def assert_pools_full(cluster):
+    for load in asyncio.run(cluster.load()):
+        assert load.num_free_blocks == load.num_blocks, load
+        assert load.running == load.waiting == load.waiting_for_kv == 0, load
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", ["colocated", "disaggregated"])
+def test_paths_match_transformers_for_concurrent_requests(cluster, path):
+    prompts = random_prompts([3, 9, 16, 17, 25, 33, 48, 61], seed=51)
+    before = received(cluster)
+    got = gather([run_one(cluster, p, path, f"{path}-{i}") for i, p in enumerate(prompts)])
+    after = received(cluster)
+    moved = sum(after[w][0] - before[w][0] for w in after)
+    oks = sum(after[w][1] - before[w][1] for w in cluster.decode_ids)
+    failed = sum(after[w][2] - before[w][2] for w in after)
+    if path == "disaggregated":
+        # Every prompt's KV travelled: no silent fallback to recompute on the decode side.
+        assert oks == len(prompts) and failed == 0 and moved > 0
+    else:
+        assert moved == 0
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy("tiny-llama", p, MAX_NEW), f"{path}: prompt of {len(p)} tokens"
+    assert_pools_full(cluster)
+
+
+@pytest.mark.timeout(120)
+def test_all_four_pairings_concurrently(cluster):
+    prompts = random_prompts([7, 21, 30, 12, 44, 5, 26, 39], seed=52)
+    pairs = [(p, d) for p in cluster.prefill_ids for d in cluster.decode_ids]
+    jobs = [
+        run_one(
+            cluster,
+            prompt,
+            "disaggregated",
+            f"pair-{i}",
+            prefill_worker=pairs[i % 4][0],
+            decode_worker=pairs[i % 4][1],
+        )
+        for i, prompt in enumerate(prompts)
+    ]
+    got = gather(jobs)
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy("tiny-llama", p, MAX_NEW)
+    assert_pools_full(cluster)
+
+
+@pytest.mark.timeout(120)
+def test_prefix_cached_on_decode_worker_is_not_sent_again(cluster):
+    cfg = loaded("tiny-llama").hf_model.config
+    kv_heads = cfg.num_key_value_heads
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    block_bytes = cfg.num_hidden_layers * 2 * BLOCK * kv_heads * head_dim * 4
+    base = random_prompts([24], seed=53)[0]
+    longer = base + random_prompts([10], seed=54)[0]  # 34 tokens: 9 blocks, the first 6 cached
+    where = {"prefill_worker": "prefill-0", "decode_worker": "decode-1"}
+    gather([run_one(cluster, base, "colocated", "warm", decode_worker="decode-1")])
+    before = received(cluster)["decode-1"][0]
+    (got,) = gather([run_one(cluster, longer, "disaggregated", "after-warm", **where)])
+    assert received(cluster)["decode-1"][0] - before == 3 * block_bytes
+    assert got == hf_greedy("tiny-llama", longer, MAX_NEW)
+    assert_pools_full(cluster)
