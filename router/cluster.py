@@ -91,6 +91,7 @@ class Cluster:
         ray.get([a.ready.remote() for a in [*self.prefill.values(), *self.decode.values()]])
         self.block_size = engine.cache.block_size
         self._pairs: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self.dead: list[str] = []  # workers found dead, in the order they were found
         self._rr = itertools.count()
         self._ids = itertools.count()
 
@@ -143,7 +144,10 @@ class Cluster:
                 yield chunk
         finally:
             if not finished:
-                await self.decode[d].abort.remote(rid)
+                try:
+                    await self.decode[d].abort.remote(rid)
+                except ray.exceptions.RayActorError:
+                    pass  # the worker is gone, and the request with it
 
     async def _stream(self, method: Any, *args: Any) -> AsyncIterator[TokenChunk]:
         gen = method.options(num_returns="streaming").remote(*args)
@@ -151,7 +155,13 @@ class Cluster:
             yield await ref
 
     async def _disaggregated(self, req: WorkRequest, p: str, d: str) -> AsyncIterator[TokenChunk]:
-        await self._ensure_pair(p, d)
+        try:
+            await self._ensure_pair(p, d)
+        except Exception as exc:  # the pair can't be made (a worker died): D prefills itself
+            self._note_failure(p, exc)
+            async for chunk in self._stream(self.decode[d].generate, req):
+                yield chunk
+            return
         res = await self.decode[d].reserve.remote(req)
         if res is None:  # D is full right now: it queues the request and prefills it itself
             async for chunk in self._stream(self.decode[d].generate, req):
@@ -164,23 +174,34 @@ class Cluster:
         try:
             result: PrefillResult = await self.prefill[p].prefill.remote(req, d, dst, skip)
             first = result.first_token
-        except Exception:
-            first = None  # D recomputes the prompt (its receive fails at the deadline)
+        except Exception as exc:  # D recomputes the prompt
+            self._note_failure(p, exc)
         async for chunk in self._stream(self.decode[d].finish_handoff, req.request_id, first, True):
             yield chunk
 
+    def _note_failure(self, prefill_id: str, exc: BaseException) -> None:
+        """A prefill worker whose actor died leaves the pool; later requests skip it."""
+        if isinstance(exc, ray.exceptions.RayActorError) and prefill_id in self.prefill_ids:
+            self.prefill_ids.remove(prefill_id)
+            self.dead.append(prefill_id)
+
     async def kv_stats(self) -> dict[str, TransferStats]:
         """Each worker's KV transfer totals, by worker id."""
-        items = [*self.prefill.items(), *self.decode.items()]
+        items = self._live()
         stats = await asyncio.gather(*(a.kv_stats.remote() for _, a in items))
         return {w: s for (w, _), s in zip(items, stats)}
 
     async def load(self) -> list[WorkerLoad]:
-        actors = [*self.prefill.values(), *self.decode.values()]
-        return list(await asyncio.gather(*(a.load.remote() for a in actors)))
+        """Load figures of every live worker."""
+        return list(await asyncio.gather(*(a.load.remote() for _, a in self._live())))
+
+    def _live(self) -> list[tuple[str, Any]]:
+        return [(w, self.prefill[w]) for w in self.prefill_ids] + [
+            (w, self.decode[w]) for w in self.decode_ids
+        ]
 
     def shutdown(self) -> None:
-        for a in [*self.prefill.values(), *self.decode.values()]:
+        for _, a in self._live():
             try:
                 ray.get(a.shutdown.remote(), timeout=10)
             except Exception:

@@ -111,3 +111,26 @@ def test_prefix_cached_on_decode_worker_is_not_sent_again(cluster):
     assert received(cluster)["decode-1"][0] - before == 3 * block_bytes
     assert got == hf_greedy("tiny-llama", longer, MAX_NEW)
     assert_pools_full(cluster)
+
+
+@pytest.mark.timeout(120)
+def test_dead_prefill_worker_falls_back_to_local_prefill():
+    import ray
+
+    engine = EngineConfig(
+        cache=CacheConfig(block_size=BLOCK, num_blocks=128),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8),
+    )
+    c = Cluster(ClusterConfig(model="tiny-llama", engine=engine, kv_transfer_deadline_s=5))
+    try:
+        prompts = random_prompts([19, 40], seed=55)
+        (first,) = gather([run_one(c, prompts[0], "disaggregated", "before-kill")])
+        assert first == hf_greedy("tiny-llama", prompts[0], MAX_NEW)
+        ray.kill(c.prefill["prefill-0"])
+        # The pair is already made: the request reaches the dead actor, and decode-0 recomputes.
+        (second,) = gather([run_one(c, prompts[1], "disaggregated", "after-kill")], timeout=60)
+        assert second == hf_greedy("tiny-llama", prompts[1], MAX_NEW)
+        assert c.dead == ["prefill-0"] and c.prefill_ids == []
+        assert_pools_full(c)
+    finally:
+        c.shutdown()
