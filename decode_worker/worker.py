@@ -52,11 +52,12 @@ class DecodeWorker:
     def ready(self) -> str:
         return self.worker_id
 
-    def listen(self, peer_id: str) -> PeerAddress:
-        return self.connector.listen(peer_id)
+    # Pairing blocks (rendezvous, handshake); off the actor's event loop so streams keep flowing.
+    async def listen(self, peer_id: str) -> PeerAddress:
+        return await asyncio.to_thread(self.connector.listen, peer_id)
 
-    def connect(self, peer_id: str, address: PeerAddress, is_master: bool) -> None:
-        self.connector.connect(peer_id, address, is_master)
+    async def connect(self, peer_id: str, address: PeerAddress, is_master: bool) -> None:
+        await asyncio.to_thread(self.connector.connect, peer_id, address, is_master)
 
     async def load(self) -> WorkerLoad:
         return await self.aeng.call(lambda e: engine_load(e, self.worker_id, self.role))
@@ -93,16 +94,19 @@ class DecodeWorker:
             self.connector.release(request_id)
         ok = expects_kv and first_token is not None and await self._wait_kv(request_id)
         q = self.aeng.open_stream(request_id)
-        if ok:
-            assert first_token is not None
-            first = await self.aeng.call(lambda e: e.kv_arrived(request_id, first_token))
-            yield TokenChunk.from_output(first, self.worker_id)
-            if first.finished:
-                return
-        else:
-            await self.aeng.call(lambda e: e.kv_failed(request_id))
-        async for out in self.aeng.stream(request_id, q):
-            yield TokenChunk.from_output(out, self.worker_id)
+        try:
+            if ok:
+                assert first_token is not None
+                first = await self.aeng.call(lambda e: e.kv_arrived(request_id, first_token))
+                yield TokenChunk.from_output(first, self.worker_id)
+                if first.finished:
+                    return
+            else:
+                await self.aeng.call(lambda e: e.kv_failed(request_id))
+            async for out in self.aeng.stream(request_id, q):
+                yield TokenChunk.from_output(out, self.worker_id)
+        finally:
+            self.aeng.close_stream(request_id)
 
     async def _wait_kv(self, request_id: str) -> bool:
         deadline = time.monotonic() + self.spec.kv_transfer_deadline_s + 1.0
@@ -116,8 +120,10 @@ class DecodeWorker:
         return status is TransferStatus.DONE
 
     async def abort(self, request_id: str) -> None:
+        """Abort everywhere here: the receive (before its blocks go), the engine, the stream."""
         self.connector.abort(request_id)
-        await self.aeng.call(lambda e: e.abort(request_id))
+        self.connector.release(request_id)  # a no-op when no receive was registered
+        await self.aeng.abort(request_id)
 
     def kv_stats(self) -> TransferStats:
         return self.connector.stats()

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, SchedulerOutput
+from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -38,6 +39,8 @@ class AsyncEngine:
         self.on_layer = on_layer
         self._commands: deque[tuple[Callable[[LLMEngine], Any], Future[Any]]] = deque()
         self._wake = threading.Event()
+        # Guards "stopped?" + enqueue against "stop" + drain, so no command is ever stranded.
+        self._lock = threading.Lock()
         self._stopped = False
         self._error: BaseException | None = None
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
@@ -47,11 +50,12 @@ class AsyncEngine:
     # -- from any thread ----------------------------------------------------------------------
     def call_threadsafe(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
         fut: Future[T] = Future()
-        if self._stopped:
-            fut.set_exception(EngineDeadError(f"engine stopped: {self._error!r}"))
-            return fut
-        self._commands.append((fn, fut))
-        self._wake.set()
+        with self._lock:
+            if not self._stopped:
+                self._commands.append((fn, fut))
+                self._wake.set()
+                return fut
+        fut.set_exception(EngineDeadError(f"engine stopped: {self._error!r}"))
         return fut
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
@@ -60,9 +64,23 @@ class AsyncEngine:
 
     def open_stream(self, request_id: str) -> asyncio.Queue[Any]:
         """Register a queue for a request's outputs; call from the event loop that reads it."""
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} already has an open stream")
         q: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         return q
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its open stream (if any) ends with a finished ABORT output."""
+
+        def run(e: LLMEngine) -> None:
+            e.abort(request_id)
+            self.deliver(RequestOutput(request_id, (), "", True, finish_reason=FinishReason.ABORT))
+
+        await self.call(run)
 
     async def generate(
         self,
@@ -97,7 +115,8 @@ class AsyncEngine:
                 self.call_threadsafe(lambda e: e.abort(request_id))
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        self._stopped = True
+        with self._lock:
+            self._stopped = True
         self._wake.set()
         self._thread.join(timeout)
 
@@ -114,7 +133,8 @@ class AsyncEngine:
         except BaseException as exc:  # a broken step ends every stream with its error
             self._error = exc
         finally:
-            self._stopped = True
+            with self._lock:
+                self._stopped = True
             self._close_all()
 
     def _run_commands(self) -> None:
@@ -136,7 +156,10 @@ class AsyncEngine:
         entry = self._streams.get(out.request_id)
         if entry is not None:
             loop, q = entry
-            loop.call_soon_threadsafe(q.put_nowait, out)
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, out)
+            except RuntimeError:  # the reader's loop is closed: nobody is waiting
+                self._streams.pop(out.request_id, None)
 
     def _close_all(self) -> None:
         err = EngineDeadError(f"engine stopped: {self._error!r}")

@@ -123,7 +123,7 @@ class LLMEngine:
         token_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.validate_prompt(token_ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self._streams:
+        if rid in self._streams or rid in self.scheduler.held:
             raise InvalidRequestError("request_id", f"{rid!r} is already in use")
         return Request(
             request_id=rid,

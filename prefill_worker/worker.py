@@ -23,7 +23,7 @@ import torch
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
-from engine.outputs import SchedulerOutput
+from engine.outputs import ScheduledRequest, SchedulerOutput
 from engine.serving import PrefillResult, WorkerLoad, WorkerSpec, WorkRequest, engine_load
 from kv_transfer import KVLayout, TransferRequest, TransferStats, TransferStatus, model_identity
 from kv_transfer.rendezvous import PeerAddress
@@ -36,6 +36,7 @@ class _PendingSend:
     dst_block_ids: tuple[int, ...]
     skip_blocks: int  # leading blocks the decode side already holds
     started: bool = False
+    error: str | None = None  # why the send could not go
 
 
 class PrefillWorker:
@@ -60,39 +61,54 @@ class PrefillWorker:
     def ready(self) -> str:
         return self.worker_id
 
-    def listen(self, peer_id: str) -> PeerAddress:
-        return self.connector.listen(peer_id)
+    # Pairing blocks (rendezvous, handshake); off the actor's event loop so prefills keep going.
+    async def listen(self, peer_id: str) -> PeerAddress:
+        return await asyncio.to_thread(self.connector.listen, peer_id)
 
-    def connect(self, peer_id: str, address: PeerAddress, is_master: bool) -> None:
-        self.connector.connect(peer_id, address, is_master)
+    async def connect(self, peer_id: str, address: PeerAddress, is_master: bool) -> None:
+        await asyncio.to_thread(self.connector.connect, peer_id, address, is_master)
 
     async def load(self) -> WorkerLoad:
         return await self.aeng.call(lambda e: engine_load(e, self.worker_id, self.role))
 
     def _on_layer(self, layer: int, so: SchedulerOutput) -> None:
-        """Engine thread, after layer `layer` of a step is in the cache."""
+        """Engine thread, after layer `layer` of a step is in the cache. Never raises: a send
+        that can't go ends FAILED (the decode side recomputes); the engine keeps serving."""
         for s in so.scheduled:
-            if not s.sample:
-                continue  # the prompt isn't complete yet: its later chunks still write KV
-            with self._lock:
-                send = self._sends.get(s.request_id)
-            if send is None:
-                continue
-            if not send.started:
-                src = s.block_ids[send.skip_blocks : send.skip_blocks + len(send.dst_block_ids)]
-                self.connector.start_send(
-                    TransferRequest(
-                        transfer_id=s.request_id,
-                        peer=send.peer,
-                        src_block_ids=tuple(src),
-                        dst_block_ids=send.dst_block_ids,
-                        num_layers=self.layout.num_layers,
-                        deadline_s=self.spec.kv_transfer_deadline_s,
-                    ),
-                    self.engine.runner.cache,
-                )
-                send.started = True
-            self.connector.send_layer(s.request_id, layer)
+            try:
+                self._send_layer(layer, s)
+            except Exception as exc:
+                with self._lock:
+                    send = self._sends.get(s.request_id)
+                    if send is not None:
+                        send.error = f"{type(exc).__name__}: {exc}"
+                try:
+                    self.connector.abort(s.request_id)
+                except Exception:
+                    pass  # never registered: nothing to end
+
+    def _send_layer(self, layer: int, s: ScheduledRequest) -> None:
+        if not s.sample:
+            return  # the prompt isn't complete yet: its later chunks still write KV
+        with self._lock:
+            send = self._sends.get(s.request_id)
+        if send is None or send.error is not None:
+            return
+        if not send.started:
+            src = s.block_ids[send.skip_blocks : send.skip_blocks + len(send.dst_block_ids)]
+            self.connector.start_send(
+                TransferRequest(
+                    transfer_id=s.request_id,
+                    peer=send.peer,
+                    src_block_ids=tuple(src),
+                    dst_block_ids=send.dst_block_ids,
+                    num_layers=self.layout.num_layers,
+                    deadline_s=self.spec.kv_transfer_deadline_s,
+                ),
+                self.engine.runner.cache,
+            )
+            send.started = True
+        self.connector.send_layer(s.request_id, layer)
 
     async def prefill(
         self,
@@ -102,8 +118,10 @@ class PrefillWorker:
         skip_blocks: int,
     ) -> PrefillResult:
         rid = req.request_id
-        if dst_block_ids:
-            with self._lock:
+        with self._lock:
+            if rid in self._sends:
+                raise ValueError(f"request_id {rid!r} is already being prefilled here")
+            if dst_block_ids:
                 self._sends[rid] = _PendingSend(peer, dst_block_ids, skip_blocks)
         first_params = replace(req.sampling, max_tokens=1, ignore_eos=True, stop=())
         t0 = time.monotonic()
@@ -122,7 +140,10 @@ class PrefillWorker:
             status, sent, error = await self._wait_send(rid, pending)
         finally:
             with self._lock:
-                self._sends.pop(rid, None)
+                pending = self._sends.pop(rid, None)
+            if pending is not None and pending.started and self._live_send(rid):
+                self.connector.abort(rid)  # returns once the sender no longer reads the blocks
+                self.connector.release(rid)
             # The send has ended (or never started): only now may the blocks go.
             await self.aeng.call(lambda e: e.release_blocks(rid))
         if first is None:
@@ -137,13 +158,19 @@ class PrefillWorker:
             error=error,
         )
 
+    def _live_send(self, rid: str) -> bool:
+        try:
+            return not self.connector.poll(rid).finished
+        except KeyError:
+            return False  # already released
+
     async def _wait_send(
         self, rid: str, pending: _PendingSend | None
     ) -> tuple[TransferStatus, int, str | None]:
         if pending is None:  # nothing to send: the decode side holds the whole prompt
             return TransferStatus.DONE, 0, None
         if not pending.started:
-            return TransferStatus.FAILED, 0, "the prompt's last chunk never ran"
+            return TransferStatus.FAILED, 0, pending.error or "the prompt's last chunk never ran"
         deadline = time.monotonic() + self.spec.kv_transfer_deadline_s + 1.0
         status = self.connector.poll(rid)
         while not status.finished and time.monotonic() < deadline:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -33,6 +34,7 @@ from kv_transfer import TransferStats
 from prefill_worker.worker import PrefillWorker
 
 PATHS = ("colocated", "disaggregated")
+log = logging.getLogger("pdserve.cluster")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +46,9 @@ class ClusterConfig:
     threads_per_worker: int = 1
     kv_transfer_deadline_s: float = 30.0
     address: str | None = None  # an existing Ray cluster; None starts one locally
+    # GPUs per worker actor; None: 1 where CUDA is present, else 0. Fractions share a device.
+    gpus_per_worker: float | None = None
+    start_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -70,7 +75,9 @@ class Cluster:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         init_ray(config.address)
-        gpus = 1 if torch.cuda.is_available() else 0
+        gpus = config.gpus_per_worker
+        if gpus is None:
+            gpus = 1 if torch.cuda.is_available() else 0
         engine = replace(config.engine, model=replace(config.engine.model, model=config.model))
         spec = WorkerSpec(
             engine=engine,
@@ -88,10 +95,23 @@ class Cluster:
         self.decode: dict[str, Any] = {
             w: ray.remote(DecodeWorker).options(**opts).remote(w, spec) for w in self.decode_ids
         }
-        ray.get([a.ready.remote() for a in [*self.prefill.values(), *self.decode.values()]])
+        actors = [*self.prefill.values(), *self.decode.values()]
+        try:
+            ray.get([a.ready.remote() for a in actors], timeout=config.start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            for a in actors:
+                ray.kill(a)
+            raise RuntimeError(
+                f"{len(actors)} workers did not start within {config.start_timeout_s:.0f} s: "
+                f"each asks for {gpus} GPU(s) (see ClusterConfig.gpus_per_worker) and Ray "
+                f"has {ray.cluster_resources().get('GPU', 0)}"
+            ) from None
         self.block_size = engine.cache.block_size
-        self._pairs: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._pairs: dict[tuple[str, str], asyncio.Task[None]] = {}  # pairing in progress
+        self._paired: set[tuple[str, str]] = set()
         self.dead: list[str] = []  # workers found dead, in the order they were found
+        # (request id, why) for each disaggregated request prefilled on its decode worker
+        self.fallbacks: list[tuple[str, str]] = []
         self._rr = itertools.count()
         self._ids = itertools.count()
 
@@ -100,14 +120,19 @@ class Cluster:
         return ids[next(self._rr) % len(ids)]
 
     async def _ensure_pair(self, p: str, d: str) -> None:
+        if (p, d) in self._paired:
+            return
         task = self._pairs.get((p, d))
-        if task is None:
+        if task is None or task.get_loop() is not asyncio.get_running_loop():
             task = asyncio.ensure_future(self._connect(p, d))
             self._pairs[(p, d)] = task
         try:
-            await task
-        except BaseException:
-            self._pairs.pop((p, d), None)  # the next request tries again
+            # Shielded: one waiter giving up must not cancel the pairing the others wait for.
+            await asyncio.shield(task)
+            self._paired.add((p, d))
+        except Exception:
+            if self._pairs.get((p, d)) is task:
+                del self._pairs[(p, d)]  # the next request tries again
             raise
 
     async def _connect(self, p: str, d: str) -> None:
@@ -159,11 +184,13 @@ class Cluster:
             await self._ensure_pair(p, d)
         except Exception as exc:  # the pair can't be made (a worker died): D prefills itself
             self._note_failure(p, exc)
+            self._fallback(req, f"pairing {p}-{d} failed: {type(exc).__name__}: {exc}")
             async for chunk in self._stream(self.decode[d].generate, req):
                 yield chunk
             return
         res = await self.decode[d].reserve.remote(req)
         if res is None:  # D is full right now: it queues the request and prefills it itself
+            self._fallback(req, f"{d} had no free blocks or sequence slot to reserve")
             async for chunk in self._stream(self.decode[d].generate, req):
                 yield chunk
             return
@@ -176,8 +203,14 @@ class Cluster:
             first = result.first_token
         except Exception as exc:  # D recomputes the prompt
             self._note_failure(p, exc)
+            self._fallback(req, f"prefill on {p} failed: {type(exc).__name__}: {exc}")
         async for chunk in self._stream(self.decode[d].finish_handoff, req.request_id, first, True):
             yield chunk
+
+    def _fallback(self, req: WorkRequest, reason: str) -> None:
+        """A disaggregated request that the decode worker prefills itself: counted and logged."""
+        self.fallbacks.append((req.request_id, reason))
+        log.warning("request %s: %s; prefilling on the decode worker", req.request_id, reason)
 
     def _note_failure(self, prefill_id: str, exc: BaseException) -> None:
         """A prefill worker whose actor died leaves the pool; later requests skip it."""

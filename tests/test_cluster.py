@@ -90,9 +90,38 @@ def test_all_four_pairings_concurrently(cluster):
         )
         for i, prompt in enumerate(prompts)
     ]
+    before = received(cluster)
     got = gather(jobs)
+    after = received(cluster)
+    assert cluster.fallbacks == []
     for p, g in zip(prompts, got):
         assert g == hf_greedy("tiny-llama", p, MAX_NEW)
+    # Each decode worker received the KV of its 4 requests, none failed (no silent recompute).
+    for d in cluster.decode_ids:
+        assert after[d][1] - before[d][1] == 4 and after[d][2] == before[d][2]
+    assert_pools_full(cluster)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", ["colocated", "disaggregated"])
+def test_client_leaving_mid_stream_frees_everything(cluster, path):
+    params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+
+    async def leave_after(n):
+        got = 0
+        async for chunk in cluster.generate(random_prompts([30], seed=60)[0], params, path):
+            got += len(chunk.token_ids)
+            if got >= n:
+                break  # the client goes away; generate's cleanup aborts on the worker
+        return got
+
+    assert gather([leave_after(3)])[0] >= 3
+    # The abort reaches the worker asynchronously: wait (bounded) for the pools to fill again.
+    for _ in range(100):
+        loads = asyncio.run(cluster.load())
+        if all(x.num_free_blocks == x.num_blocks and x.running == 0 for x in loads):
+            break
+        asyncio.run(asyncio.sleep(0.05))
     assert_pools_full(cluster)
 
 
