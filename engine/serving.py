@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -39,6 +40,9 @@ class TokenChunk:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     worker_id: str = ""
+    # time.monotonic() when the worker handed the chunk over: one clock for every process on a
+    # host, so a reader there can measure how long the chunk took to reach it.
+    emitted_at: float = 0.0
 
     @classmethod
     def from_output(cls, out: RequestOutput, worker_id: str) -> TokenChunk:
@@ -51,6 +55,7 @@ class TokenChunk:
             num_prompt_tokens=out.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens,
             worker_id=worker_id,
+            emitted_at=time.monotonic(),
         )
 
 
