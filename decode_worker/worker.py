@@ -80,7 +80,8 @@ class DecodeWorker:
                 src_block_ids=dst_block_ids,  # the receiver reads none of these
                 dst_block_ids=dst_block_ids,
                 num_layers=self.layout.num_layers,
-                deadline_s=self.spec.kv_transfer_deadline_s,
+                # Registered before the prefill starts: it covers the prefill's queue and compute.
+                deadline_s=self.spec.prefill_timeout_s + self.spec.kv_transfer_deadline_s,
             ),
             self.engine.runner.cache,
         )
@@ -110,6 +111,7 @@ class DecodeWorker:
 
     async def _wait_kv(self, request_id: str) -> bool:
         deadline = time.monotonic() + self.spec.kv_transfer_deadline_s + 1.0
+        # The prefill worker has answered by now: its send has ended, so this wait is short.
         status = self.connector.poll(request_id)
         while not status.finished and time.monotonic() < deadline:
             await asyncio.sleep(0.002)

@@ -18,6 +18,9 @@ class WorkerSpec:
     engine: EngineConfig = field(default_factory=EngineConfig)
     num_threads: int = 1
     kv_transfer_deadline_s: float = 30.0
+    # How long a disaggregated request may wait for its prefill (queue + compute) on the
+    # prefill worker; the decode side's receive waits this long plus the transfer deadline.
+    prefill_timeout_s: float = 600.0
     bind_host: str = "127.0.0.1"
 
 

@@ -45,6 +45,7 @@ class ClusterConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)  # its model name is replaced
     threads_per_worker: int = 1
     kv_transfer_deadline_s: float = 30.0
+    prefill_timeout_s: float = 600.0  # a prefill's queue wait and compute on its worker
     address: str | None = None  # an existing Ray cluster; None starts one locally
     # GPUs per worker actor; None: 1 where CUDA is present, else 0. Fractions share a device.
     gpus_per_worker: float | None = None
@@ -83,6 +84,7 @@ class Cluster:
             engine=engine,
             num_threads=config.threads_per_worker,
             kv_transfer_deadline_s=config.kv_transfer_deadline_s,
+            prefill_timeout_s=config.prefill_timeout_s,
         )
         # CPU actors take no Ray CPU slot: each sets its own torch thread count instead, and a
         # slot per actor would starve later tasks on a small machine.
@@ -199,7 +201,10 @@ class Cluster:
         await self.decode[d].expect_kv.remote(req.request_id, p, dst)
         first: int | None = None
         try:
-            result: PrefillResult = await self.prefill[p].prefill.remote(req, d, dst, skip)
+            limit = self.config.prefill_timeout_s + self.config.kv_transfer_deadline_s
+            result: PrefillResult = await asyncio.wait_for(
+                self.prefill[p].prefill.remote(req, d, dst, skip), limit
+            )
             first = result.first_token
         except Exception as exc:  # D recomputes the prompt
             self._note_failure(p, exc)
