@@ -1,0 +1,95 @@
+"""Worker deaths in the middle of a handoff: the survivor's transfer ends FAILED within its
+deadline and the survivor's blocks are freed (1 prefill + 1 decode worker, tiny model)."""
+
+import asyncio
+import time
+
+import pytest
+import ray
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.sampling_params import SamplingParams
+from engine.serving import WorkRequest
+from router.cluster import Cluster, ClusterConfig
+from tests.helpers import random_prompts
+
+BLOCK = 4
+
+
+def make_cluster():
+    engine = EngineConfig(
+        cache=CacheConfig(block_size=BLOCK, num_blocks=128),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8),
+    )
+    return Cluster(
+        ClusterConfig(
+            model="tiny-llama", engine=engine, kv_transfer_deadline_s=5, prefill_timeout_s=5
+        )
+    )
+
+
+def reserve(c, rid, prompt):
+    """Steps 1-2 of the disaggregated path, done by hand so the test picks when to kill."""
+    req = WorkRequest(rid, tuple(prompt), SamplingParams(max_tokens=4, temperature=0.0))
+    d, p = c.decode["decode-0"], c.prefill["prefill-0"]
+
+    async def main():
+        await c._ensure_pair("prefill-0", "decode-0")
+        res = await d.reserve.remote(req)
+        await d.expect_kv.remote(rid, "prefill-0", tuple(res.block_ids))
+        return res
+
+    return req, d, p, asyncio.run(main())
+
+
+def wait_full(actor, timeout=15.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        load = ray.get(actor.load.remote())
+        if load.num_free_blocks == load.num_blocks and load.running == load.waiting == 0:
+            return load
+        time.sleep(0.1)
+    raise AssertionError(f"pool not full after {timeout} s: {load}")
+
+
+@pytest.mark.timeout(120)
+def test_decode_worker_killed_before_the_send_frees_prefill_blocks():
+    c = make_cluster()
+    try:
+        req, d, p, res = reserve(c, "kill-d", random_prompts([40], seed=71)[0])
+        ray.kill(d)
+        t0 = time.monotonic()
+        result = ray.get(p.prefill.remote(req, "decode-0", tuple(res.block_ids), 0), timeout=30)
+        assert not result.transfer_ok and result.error
+        assert time.monotonic() - t0 < 5 + 5  # within the transfer deadline (plus slack)
+        wait_full(p)
+        assert ray.get(p.kv_stats.remote()).failed == 1
+    finally:
+        c.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_prefill_worker_killed_fails_the_receive_and_frees_decode_blocks():
+    c = make_cluster()
+    try:
+        prompt = random_prompts([40], seed=72)[0]
+        req, d, p, res = reserve(c, "kill-p", prompt)
+        assert ray.get(d.load.remote()).waiting_for_kv == 1
+        ray.kill(p)
+        t0 = time.monotonic()
+        while ray.get(d.kv_stats.remote()).failed == 0:  # the pair sees its peer die
+            assert time.monotonic() - t0 < 10, "receive still open 10 s after its peer died"
+            time.sleep(0.1)
+
+        async def finish():  # no first token will come: the decode worker recomputes
+            toks = []
+            async for ref in d.finish_handoff.options(num_returns="streaming").remote(
+                "kill-p", None, True
+            ):
+                toks.extend((await ref).token_ids)
+            return toks
+
+        assert len(asyncio.run(asyncio.wait_for(finish(), 30))) == 4
+        wait_full(d)
+    finally:
+        c.shutdown()
