@@ -13,6 +13,7 @@ exactly one sending thread at one end and one receiving thread at the other.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NamedTuple, Protocol, cast
@@ -49,11 +50,31 @@ class Lanes(NamedTuple):
 
 
 def listen(host: str, timeout_s: float) -> tuple[dist.TCPStore, PeerAddress]:
-    """Host a pair's store on an OS-chosen port of `host`. Does not wait for the peer."""
-    store = dist.TCPStore(
-        host, 0, 2, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
-    )
-    return store, PeerAddress(host, store.port)
+    """Host a pair's store on an OS-chosen port of `host`. Does not wait for the peer.
+
+    The listening socket is made here, bound to `host` alone, and handed to the store: left to
+    itself, TCPStore listens on every interface of the machine."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore(
+            host,
+            port,
+            2,
+            is_master=True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+            use_libuv=True,
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now
+    return store, PeerAddress(host, port)
 
 
 def join(address: PeerAddress, timeout_s: float) -> dist.TCPStore:
