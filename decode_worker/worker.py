@@ -26,6 +26,7 @@ import torch
 from engine.async_engine import AsyncEngine
 from engine.kv_handoff import KVReservation
 from engine.llm_engine import LLMEngine
+from engine.outputs import TokenLogprobs
 from engine.serving import TokenChunk, WorkerLoad, WorkerSpec, WorkRequest, engine_load
 from kv_transfer import KVLayout, TransferRequest, TransferStats, TransferStatus, model_identity
 from kv_transfer.rendezvous import PeerAddress
@@ -87,7 +88,11 @@ class DecodeWorker:
         )
 
     async def finish_handoff(
-        self, request_id: str, first_token: int | None, expects_kv: bool
+        self,
+        request_id: str,
+        first_token: int | None,
+        expects_kv: bool,
+        first_logprobs: TokenLogprobs | None = None,
     ) -> AsyncIterator[TokenChunk]:
         """Join the batch once the KV is in (or recompute if it never came); stream tokens."""
         if first_token is None:  # the prefill side failed: nothing more will arrive
@@ -98,7 +103,9 @@ class DecodeWorker:
         try:
             if ok:
                 assert first_token is not None
-                first = await self.aeng.call(lambda e: e.kv_arrived(request_id, first_token))
+                first = await self.aeng.call(
+                    lambda e: e.kv_arrived(request_id, first_token, first_logprobs)
+                )
                 yield TokenChunk.from_output(first, self.worker_id)
                 if first.finished:
                     return

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -46,6 +46,8 @@ class TokenChunk:
     # time.monotonic() when the worker handed the chunk over: one clock for every process on a
     # host, so a reader there can measure how long the chunk took to reach it.
     emitted_at: float = 0.0
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked for them
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     @classmethod
     def from_output(cls, out: RequestOutput, worker_id: str) -> TokenChunk:
@@ -59,6 +61,8 @@ class TokenChunk:
             num_cached_tokens=out.num_cached_tokens,
             worker_id=worker_id,
             emitted_at=time.monotonic(),
+            logprobs=out.logprobs,
+            stop_reason=out.stop_reason,
         )
 
 
@@ -66,6 +70,7 @@ class TokenChunk:
 class PrefillResult:
     request_id: str
     first_token: int
+    first_logprobs: TokenLogprobs | None  # when the request asked for logprobs
     transfer_ok: bool
     prefill_s: float  # request added -> first token sampled
     transfer_s: float  # first token -> send ended

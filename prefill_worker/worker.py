@@ -126,6 +126,7 @@ class PrefillWorker:
         first_params = replace(req.sampling, max_tokens=1, ignore_eos=True, stop=())
         t0 = time.monotonic()
         first = None
+        first_lp = None
         try:
             q = self.aeng.open_stream(rid)
             await self.aeng.call(
@@ -134,6 +135,7 @@ class PrefillWorker:
             async for out in self.aeng.stream(rid, q):
                 if out.new_token_ids:
                     first = out.new_token_ids[0]
+                    first_lp = out.logprobs[0] if out.logprobs else None
             t1 = time.monotonic()
             with self._lock:
                 pending = self._sends.get(rid)
@@ -151,6 +153,7 @@ class PrefillWorker:
         return PrefillResult(
             request_id=rid,
             first_token=first,
+            first_logprobs=first_lp,
             transfer_ok=status is TransferStatus.DONE,
             prefill_s=t1 - t0,
             transfer_s=time.monotonic() - t1,

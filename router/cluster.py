@@ -200,16 +200,20 @@ class Cluster:
         dst = tuple(res.block_ids[skip:])
         await self.decode[d].expect_kv.remote(req.request_id, p, dst)
         first: int | None = None
+        first_lp = None
         try:
             limit = self.config.prefill_timeout_s + self.config.kv_transfer_deadline_s
             result: PrefillResult = await asyncio.wait_for(
                 self.prefill[p].prefill.remote(req, d, dst, skip), limit
             )
             first = result.first_token
+            first_lp = result.first_logprobs
         except Exception as exc:  # D recomputes the prompt
             self._note_failure(p, exc)
             self._fallback(req, f"prefill on {p} failed: {type(exc).__name__}: {exc}")
-        async for chunk in self._stream(self.decode[d].finish_handoff, req.request_id, first, True):
+        async for chunk in self._stream(
+            self.decode[d].finish_handoff, req.request_id, first, True, first_lp
+        ):
             yield chunk
 
     def _fallback(self, req: WorkRequest, reason: str) -> None:

@@ -163,3 +163,25 @@ def test_dead_prefill_worker_falls_back_to_local_prefill():
         assert_pools_full(c)
     finally:
         c.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_logprobs_reach_the_client_on_both_paths(cluster):
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
+    prompt = random_prompts([14], seed=56)[0]
+
+    async def collect(path):
+        toks, lps = [], []
+        async for chunk in cluster.generate(prompt, params, path):
+            toks.extend(chunk.token_ids)
+            lps.extend(chunk.logprobs)
+        return toks, lps
+
+    (co_toks, co_lps), (dis_toks, dis_lps) = gather(
+        [collect("colocated"), collect("disaggregated")]
+    )
+    assert co_toks == dis_toks and len(dis_lps) == len(dis_toks) == 6
+    for a, b in zip(co_lps, dis_lps):
+        assert a.token_id == b.token_id and len(b.top) == 2
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert_pools_full(cluster)
