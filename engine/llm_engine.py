@@ -16,16 +16,15 @@ import torch
 
 from engine import kv_handoff
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, SchedulerOutput, TokenLogprobs
-from engine.request import FinishReason, Request, RequestStatus
+from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.stop_strings import StopStringMatcher
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,13 +39,6 @@ class Completion:
     stop_reason: int | str | None
     logprobs: tuple[TokenLogprobs, ...]
     num_cached_tokens: int
-
-
-@dataclass(slots=True)
-class _Stream:
-    detok: IncrementalDetokenizer
-    stops: StopStringMatcher
-    num_sent: int = 0  # output tokens already reported
 
 
 class LLMEngine:
@@ -65,7 +57,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.eos_token_ids = self._eos_ids()
-        self._streams: dict[str, _Stream] = {}
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         self._ids = itertools.count()
 
     def _eos_ids(self) -> frozenset[int]:
@@ -123,7 +115,7 @@ class LLMEngine:
         token_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.validate_prompt(token_ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self._streams or rid in self.scheduler.held:
+        if rid in self.outputs or rid in self.scheduler.held:
             raise InvalidRequestError("request_id", f"{rid!r} is already in use")
         return Request(
             request_id=rid,
@@ -132,12 +124,6 @@ class LLMEngine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
-        )
-
-    def _open_stream(self, req: Request) -> None:
-        self._streams[req.request_id] = _Stream(
-            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
-            StopStringMatcher(req.sampling),
         )
 
     def add_request(
@@ -153,7 +139,7 @@ class LLMEngine:
         req = self._new_request(prompt, params, request_id, arrival_time)
         req.hold_blocks_on_finish = hold_blocks
         self.scheduler.add_request(req)
-        self._open_stream(req)
+        self.outputs.open(req)
         return req.request_id
 
     # -- disaggregated handoff (see kv_handoff.py) ----------------------------------------------
@@ -168,7 +154,7 @@ class LLMEngine:
         req = self._new_request(prompt, params, request_id, arrival_time)
         res = kv_handoff.reserve(self.scheduler, req)
         if res is not None:
-            self._open_stream(req)
+            self.outputs.open(req)
         return res
 
     def kv_arrived(
@@ -179,7 +165,7 @@ class LLMEngine:
         # The prefill side drew once from this seed for the first token; draw past it here so
         # seeded requests give the same tokens on either path.
         self.runner.skip_draws(request_id, req.sampling, 1)
-        return self._emit(req, logprobs)
+        return self.outputs.emit(req, logprobs)
 
     def kv_failed(self, request_id: str) -> None:
         """Decode side: the transfer failed; the prompt is recomputed here."""
@@ -197,7 +183,7 @@ class LLMEngine:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         self.scheduler.finish_requests(ids, FinishReason.ABORT)
         for rid in ids:
-            self._streams.pop(rid, None)
+            self.outputs.close(rid)
             self.scheduler.release_held(rid)
 
     def has_unfinished_requests(self) -> bool:
@@ -216,48 +202,13 @@ class LLMEngine:
         lp_by_id = dict(zip(result.request_ids, result.logprobs)) if result.logprobs else {}
         outs = []
         for req in touched:
-            outs.append(self._emit(req, lp_by_id.get(req.request_id)))
+            outs.append(self.outputs.emit(req, lp_by_id.get(req.request_id)))
         # A request that outgrew the whole pool ends inside schedule() without a new token; it
         # must still be reported finished, or its caller waits forever and its stream leaks.
         for req in self.scheduler.take_capacity_finished():
-            if req.request_id in self._streams:
-                outs.append(self._emit(req, None))
+            if req.request_id in self.outputs:
+                outs.append(self.outputs.emit(req, None))
         return outs
-
-    def _emit(self, req: Request, lp: TokenLogprobs | None) -> RequestOutput:
-        st = self._streams[req.request_id]
-        new_ids = tuple(req.token_ids[req.num_prompt_tokens + st.num_sent :])
-        st.num_sent += len(new_ids)
-        for t in new_ids:
-            st.detok.add(t)
-        if req.is_finished:
-            st.detok.flush()  # nothing held back is lost at the end
-        hit = st.stops.find(st.detok.text)
-        if hit is not None:
-            if req.is_finished:  # EOS or length in the same step: the stop string still wins
-                req.status = RequestStatus.FINISHED_STOPPED
-            else:
-                self.scheduler.finish_requests([req.request_id], FinishReason.STOP)
-            req.finish_reason = FinishReason.STOP
-            req.stop_reason = hit
-        finished = req.is_finished
-        if finished:
-            delta = st.stops.final_delta(st.detok.text)
-            del self._streams[req.request_id]
-        else:
-            delta = st.stops.safe_delta(st.detok.text)
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=new_ids,
-            text_delta=delta,
-            finished=finished,
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            logprobs=(lp,) if lp is not None else (),
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-        )
 
     def generate(
         self,

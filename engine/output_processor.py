@@ -1,0 +1,79 @@
+"""Turns a request's new tokens into RequestOutputs: incremental detokenization and stop strings.
+
+One stream per live request. A stop string found in the text ends the request (through the
+scheduler, so its blocks are freed) and cuts the text where the string starts; text that could
+still become a stop string is held back until it can't.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import RequestOutput, TokenLogprobs
+from engine.request import FinishReason, Request, RequestStatus
+from engine.scheduler import Scheduler
+from engine.stop_strings import StopStringMatcher
+
+
+@dataclass(slots=True)
+class _Stream:
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+    num_sent: int = 0  # output tokens already reported
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, scheduler: Scheduler) -> None:
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self._streams: dict[str, _Stream] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def open(self, req: Request) -> None:
+        self._streams[req.request_id] = _Stream(
+            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
+            StopStringMatcher(req.sampling),
+        )
+
+    def close(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def emit(self, req: Request, lp: TokenLogprobs | None) -> RequestOutput:
+        """The output for `req`'s tokens since the last emit; ends its stream when finished."""
+        st = self._streams[req.request_id]
+        new_ids = tuple(req.token_ids[req.num_prompt_tokens + st.num_sent :])
+        st.num_sent += len(new_ids)
+        for t in new_ids:
+            st.detok.add(t)
+        if req.is_finished:
+            st.detok.flush()  # nothing held back is lost at the end
+        hit = st.stops.find(st.detok.text)
+        if hit is not None:
+            if req.is_finished:  # EOS or length in the same step: the stop string still wins
+                req.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_requests([req.request_id], FinishReason.STOP)
+            req.finish_reason = FinishReason.STOP
+            req.stop_reason = hit
+        finished = req.is_finished
+        if finished:
+            delta = st.stops.final_delta(st.detok.text)
+            del self._streams[req.request_id]
+        else:
+            delta = st.stops.safe_delta(st.detok.text)
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            text_delta=delta,
+            finished=finished,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            logprobs=(lp,) if lp is not None else (),
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+        )
