@@ -219,6 +219,12 @@ class Scheduler:
             assert r.num_tokens > r.num_computed_tokens, f"{r.request_id} has nothing left to run"
         for r in self.waiting:
             assert not r.block_ids, f"waiting {r.request_id} holds blocks"
+        for rid, r in self.waiting_for_kv.items():
+            assert r.status is RequestStatus.WAITING_FOR_KV and r not in self.running, rid
+            need = cdiv(r.num_prompt_tokens, self.kv.block_size)
+            assert len(r.block_ids) >= need, f"{rid} waits for KV without blocks for its prompt"
+        for rid in self.held:
+            assert rid not in self.requests, f"held {rid} is also live"
         for s in out.scheduled:
             need = cdiv(s.start_pos + len(s.token_ids), self.kv.block_size)
             assert len(s.block_ids) >= need, f"{s.request_id}: {len(s.block_ids)} < {need} blocks"
