@@ -60,6 +60,13 @@ class DecodeWorker:
     async def connect(self, peer_id: str, address: PeerAddress, is_master: bool) -> None:
         await asyncio.to_thread(self.connector.connect, peer_id, address, is_master)
 
+    def connected(self, peer_id: str) -> bool:
+        return self.connector.connected(peer_id)
+
+    async def disconnect(self, peer_id: str) -> None:
+        """Close the pair with `peer_id` (its running transfers end FAILED)."""
+        await asyncio.to_thread(self.connector.disconnect, peer_id)
+
     async def load(self) -> WorkerLoad:
         return await self.aeng.call(lambda e: engine_load(e, self.worker_id, self.role))
 

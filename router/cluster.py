@@ -208,6 +208,9 @@ class Cluster:
             )
             first = result.first_token
             first_lp = result.first_logprobs
+            if not result.transfer_ok:
+                self._fallback(req, f"KV transfer {p} -> {d} failed: {result.error}")
+                await self._check_pair(p, d)
         except Exception as exc:  # D recomputes the prompt
             self._note_failure(p, exc)
             self._fallback(req, f"prefill on {p} failed: {type(exc).__name__}: {exc}")
@@ -215,6 +218,26 @@ class Cluster:
             self.decode[d].finish_handoff, req.request_id, first, True, first_lp
         ):
             yield chunk
+
+    async def _check_pair(self, p: str, d: str) -> None:
+        """After a failed transfer: if either side lost the pair, close both ends, so the next
+        request pairs them afresh instead of failing the same way."""
+        try:
+            ok = all(
+                await asyncio.gather(
+                    self.prefill[p].connected.remote(d), self.decode[d].connected.remote(p)
+                )
+            )
+        except ray.exceptions.RayActorError:
+            ok = False
+        if ok:
+            return
+        self._paired.discard((p, d))
+        for actor, peer in ((self.prefill[p], d), (self.decode[d], p)):
+            try:
+                await actor.disconnect.remote(peer)
+            except ray.exceptions.RayActorError:
+                pass  # that side is gone; its end went with it
 
     def _fallback(self, req: WorkRequest, reason: str) -> None:
         """A disaggregated request that the decode worker prefills itself: counted and logged."""

@@ -93,3 +93,29 @@ def test_prefill_worker_killed_fails_the_receive_and_frees_decode_blocks():
         wait_full(d)
     finally:
         c.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_broken_pair_is_made_again():
+    c = make_cluster()
+    try:
+        prompts = random_prompts([20, 28, 36], seed=73)
+        sp = SamplingParams(max_tokens=4, temperature=0.0)
+
+        async def run(prompt, rid):
+            return [
+                t async for ch in c.generate(prompt, sp, "disaggregated", rid) for t in ch.token_ids
+            ]
+
+        asyncio.run(run(prompts[0], "first"))  # pairs prefill-0 with decode-0
+        ray.get(c.decode["decode-0"].disconnect.remote("prefill-0"))  # the pair breaks, one end
+        asyncio.run(run(prompts[1], "broken"))  # its transfer fails: recomputed, pair dropped
+        assert [rid for rid, _ in c.fallbacks] == ["broken"]
+        assert ("prefill-0", "decode-0") not in c._paired
+        asyncio.run(run(prompts[2], "again"))  # paired afresh: the KV travels again
+        assert [rid for rid, _ in c.fallbacks] == ["broken"]
+        assert ray.get(c.decode["decode-0"].kv_stats.remote()).ok == 2
+        wait_full(c.decode["decode-0"])
+        wait_full(c.prefill["prefill-0"])
+    finally:
+        c.shutdown()
