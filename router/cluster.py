@@ -198,10 +198,10 @@ class Cluster:
             return
         skip = res.num_cached_tokens // self.block_size
         dst = tuple(res.block_ids[skip:])
-        await self.decode[d].expect_kv.remote(req.request_id, p, dst)
         first: int | None = None
         first_lp = None
         try:
+            await self.decode[d].expect_kv.remote(req.request_id, p, dst)
             limit = self.config.prefill_timeout_s + self.config.kv_transfer_deadline_s
             result: PrefillResult = await asyncio.wait_for(
                 self.prefill[p].prefill.remote(req, d, dst, skip), limit
@@ -211,9 +211,9 @@ class Cluster:
             if not result.transfer_ok:
                 self._fallback(req, f"KV transfer {p} -> {d} failed: {result.error}")
                 await self._check_pair(p, d)
-        except Exception as exc:  # D recomputes the prompt
+        except Exception as exc:  # D recomputes the prompt in the blocks it reserved
             self._note_failure(p, exc)
-            self._fallback(req, f"prefill on {p} failed: {type(exc).__name__}: {exc}")
+            self._fallback(req, f"handoff {p} -> {d} failed: {type(exc).__name__}: {exc}")
         async for chunk in self._stream(
             self.decode[d].finish_handoff, req.request_id, first, True, first_lp
         ):
