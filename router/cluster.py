@@ -246,7 +246,10 @@ class Cluster:
 
     def _note_failure(self, prefill_id: str, exc: BaseException) -> None:
         """A prefill worker whose actor died leaves the pool; later requests skip it."""
-        if isinstance(exc, ray.exceptions.RayActorError) and prefill_id in self.prefill_ids:
+        if not isinstance(exc, ray.exceptions.RayActorError) or prefill_id not in self.prefill_ids:
+            return
+        dead_id = getattr(exc, "actor_id", None)
+        if dead_id is None or dead_id == self.prefill[prefill_id]._actor_id.hex():
             self.prefill_ids.remove(prefill_id)
             self.dead.append(prefill_id)
 
