@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import torch
 
@@ -68,7 +69,8 @@ class DecodeWorker:
         await asyncio.to_thread(self.connector.disconnect, peer_id)
 
     async def load(self) -> WorkerLoad:
-        return await self.aeng.call(lambda e: engine_load(e, self.worker_id, self.role))
+        load = await self.aeng.call(lambda e: engine_load(e, self.worker_id, self.role))
+        return replace(load, open_transfers=self.connector.num_records())
 
     async def generate(self, req: WorkRequest) -> AsyncIterator[TokenChunk]:
         """Colocated path: prefill here, then decode; one chunk per step."""

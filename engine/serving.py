@@ -89,6 +89,8 @@ class WorkerLoad:
     num_free_blocks: int
     num_blocks: int
     queued_prefill_tokens: int  # prompt tokens not yet computed, over waiting and running
+    held: int = 0  # finished requests whose blocks wait for their KV send to end
+    open_transfers: int = 0  # KV transfers the worker's connector still tracks
 
 
 def engine_load(engine: LLMEngine, worker_id: str, role: str) -> WorkerLoad:
@@ -111,4 +113,5 @@ def engine_load(engine: LLMEngine, worker_id: str, role: str) -> WorkerLoad:
         num_free_blocks=pool.num_free_blocks,
         num_blocks=pool.num_blocks,
         queued_prefill_tokens=queued,
+        held=len(sched.held),
     )

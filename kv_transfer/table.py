@@ -94,6 +94,11 @@ class TransferTable:
         with self._cond:
             return self._records.get(transfer_id)
 
+    def __len__(self) -> int:
+        """Records not yet released, running or ended."""
+        with self._cond:
+            return len(self._records)
+
     def running(self, peer: str | None = None) -> list[Transfer]:
         with self._cond:
             return [
@@ -220,6 +225,10 @@ class TrackedConnector(KVConnector):
 
     def poll(self, transfer_id: str) -> TransferStatus:
         return self._table.poll(transfer_id)
+
+    def num_records(self) -> int:
+        """Transfers this connector still tracks (not yet released): 0 when idle."""
+        return len(self._table)
 
     def result(self, transfer_id: str) -> TransferResult | None:
         return self._table.result(transfer_id)

@@ -76,7 +76,8 @@ class PrefillWorker:
         await asyncio.to_thread(self.connector.disconnect, peer_id)
 
     async def load(self) -> WorkerLoad:
-        return await self.aeng.call(lambda e: engine_load(e, self.worker_id, self.role))
+        load = await self.aeng.call(lambda e: engine_load(e, self.worker_id, self.role))
+        return replace(load, open_transfers=self.connector.num_records())
 
     def _on_layer(self, layer: int, so: SchedulerOutput) -> None:
         """Engine thread, after layer `layer` of a step is in the cache. Never raises: a send

@@ -52,7 +52,8 @@ def received(cluster):
 def assert_pools_full(cluster):
     for load in asyncio.run(cluster.load()):
         assert load.num_free_blocks == load.num_blocks, load
-        assert load.running == load.waiting == load.waiting_for_kv == 0, load
+        assert load.running == load.waiting == load.waiting_for_kv == load.held == 0, load
+        assert load.open_transfers == 0, load  # every transfer record released
 
 
 @pytest.mark.timeout(120)

@@ -46,7 +46,8 @@ def wait_full(actor, timeout=15.0):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         load = ray.get(actor.load.remote())
-        if load.num_free_blocks == load.num_blocks and load.running == load.waiting == 0:
+        idle = load.running == load.waiting == load.held == load.open_transfers == 0
+        if load.num_free_blocks == load.num_blocks and idle:
             return load
         time.sleep(0.1)
     raise AssertionError(f"pool not full after {timeout} s: {load}")
