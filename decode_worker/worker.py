@@ -48,7 +48,9 @@ class DecodeWorker:
         model_id = model_identity(loaded.name, loaded.hf_model.config.to_json_string())
         self.layout = KVLayout.from_spec(runner.spec, model_id)
         self.connector = TorchDistConnector(
-            self.layout, runner.device, TorchDistConfig(bind_host=spec.bind_host)
+            self.layout,
+            runner.device,
+            TorchDistConfig(bind_host=spec.bind_host, backend=spec.kv_backend),
         )
 
     def ready(self) -> str:

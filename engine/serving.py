@@ -22,6 +22,9 @@ class WorkerSpec:
     # prefill worker; the decode side's receive waits this long plus the transfer deadline.
     prefill_timeout_s: float = 600.0
     bind_host: str = "127.0.0.1"
+    # KV transfer backend: "auto" (nccl for CUDA caches, gloo for CPU ones) or "gloo"/"nccl".
+    # Two workers on one GPU need "gloo": NCCL refuses two ranks on one device.
+    kv_backend: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,7 +52,9 @@ class PrefillWorker:
         model_id = model_identity(loaded.name, loaded.hf_model.config.to_json_string())
         self.layout = KVLayout.from_spec(runner.spec, model_id)
         self.connector = TorchDistConnector(
-            self.layout, runner.device, TorchDistConfig(bind_host=spec.bind_host)
+            self.layout,
+            runner.device,
+            TorchDistConfig(bind_host=spec.bind_host, backend=spec.kv_backend),
         )
         self._sends: dict[str, _PendingSend] = {}
         self._lock = threading.Lock()

@@ -49,6 +49,7 @@ class ClusterConfig:
     address: str | None = None  # an existing Ray cluster; None starts one locally
     # GPUs per worker actor; None: 1 where CUDA is present, else 0. Fractions share a device.
     gpus_per_worker: float | None = None
+    kv_backend: str = "auto"  # see WorkerSpec.kv_backend
     start_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -85,6 +86,7 @@ class Cluster:
             num_threads=config.threads_per_worker,
             kv_transfer_deadline_s=config.kv_transfer_deadline_s,
             prefill_timeout_s=config.prefill_timeout_s,
+            kv_backend=config.kv_backend,
         )
         # CPU actors take no Ray CPU slot: each sets its own torch thread count instead, and a
         # slot per actor would starve later tasks on a small machine.

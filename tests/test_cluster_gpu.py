@@ -1,0 +1,48 @@
+"""Both paths with the engines and KV on one CUDA device (skipped without CUDA): two workers
+share the GPU, so the KV travels over gloo with CUDA tensors (NCCL refuses two ranks on one
+device)."""
+
+import asyncio
+
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.sampling_params import SamplingParams
+from router.cluster import Cluster, ClusterConfig
+from tests.helpers import hf_greedy, random_prompts
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.timeout(300)
+def test_both_paths_on_one_gpu_match_transformers():
+    engine = EngineConfig(
+        model=ModelConfig(device="cuda"),
+        cache=CacheConfig(block_size=16, num_blocks=128),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
+    )
+    cfg = ClusterConfig(model="tiny-llama", engine=engine, gpus_per_worker=0.5, kv_backend="gloo")
+    c = Cluster(cfg)
+    try:
+        prompts = random_prompts([5, 19, 33, 70], seed=81)
+        sp = SamplingParams(max_tokens=10, temperature=0.0)
+
+        async def run(prompt, path, rid):
+            return [t async for ch in c.generate(prompt, sp, path, rid) for t in ch.token_ids]
+
+        async def main():
+            jobs = [
+                run(p, path, f"{path}-{i}")
+                for path in ("colocated", "disaggregated")
+                for i, p in enumerate(prompts)
+            ]
+            return await asyncio.wait_for(asyncio.gather(*jobs), 240)
+
+        got = asyncio.run(main())
+        want = [hf_greedy("tiny-llama", p, 10) for p in prompts] * 2
+        assert got == want
+        assert c.fallbacks == []
+        for load in asyncio.run(c.load()):
+            assert load.num_free_blocks == load.num_blocks and load.open_transfers == 0
+    finally:
+        c.shutdown()
