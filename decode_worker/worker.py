@@ -29,12 +29,11 @@ from engine.kv_handoff import KVReservation
 from engine.llm_engine import LLMEngine
 from engine.outputs import TokenLogprobs
 from engine.serving import TokenChunk, WorkerLoad, WorkerSpec, WorkRequest, engine_load
-from kv_transfer import KVLayout, TransferRequest, TransferStats, TransferStatus, model_identity
-from kv_transfer.rendezvous import PeerAddress
-from kv_transfer.torch_dist import TorchDistConfig, TorchDistConnector
+from kv_transfer import TransferRequest, TransferStatus
+from kv_transfer.endpoint import KVEndpoint
 
 
-class DecodeWorker:
+class DecodeWorker(KVEndpoint):
     role = "decode"
 
     def __init__(self, worker_id: str, spec: WorkerSpec) -> None:
@@ -43,32 +42,18 @@ class DecodeWorker:
         self.spec = spec
         self.engine = LLMEngine(spec.engine)
         self.aeng = AsyncEngine(self.engine)
-        runner = self.engine.runner
         loaded = self.engine.loaded
-        model_id = model_identity(loaded.name, loaded.hf_model.config.to_json_string())
-        self.layout = KVLayout.from_spec(runner.spec, model_id)
-        self.connector = TorchDistConnector(
-            self.layout,
-            runner.device,
-            TorchDistConfig(bind_host=spec.bind_host, backend=spec.kv_backend),
+        self.init_endpoint(
+            self.engine.runner.spec,
+            loaded.name,
+            loaded.hf_model.config.to_json_string(),
+            self.engine.runner.device,
+            spec.bind_host,
+            spec.kv_backend,
         )
 
     def ready(self) -> str:
         return self.worker_id
-
-    # Pairing blocks (rendezvous, handshake); off the actor's event loop so streams keep flowing.
-    async def listen(self, peer_id: str) -> PeerAddress:
-        return await asyncio.to_thread(self.connector.listen, peer_id)
-
-    async def connect(self, peer_id: str, address: PeerAddress, is_master: bool) -> None:
-        await asyncio.to_thread(self.connector.connect, peer_id, address, is_master)
-
-    def connected(self, peer_id: str) -> bool:
-        return self.connector.connected(peer_id)
-
-    async def disconnect(self, peer_id: str) -> None:
-        """Close the pair with `peer_id` (its running transfers end FAILED)."""
-        await asyncio.to_thread(self.connector.disconnect, peer_id)
 
     async def load(self) -> WorkerLoad:
         load = await self.aeng.call(lambda e: engine_load(e, self.worker_id, self.role))
@@ -144,9 +129,6 @@ class DecodeWorker:
         self.connector.abort(request_id)
         self.connector.release(request_id)  # a no-op when no receive was registered
         await self.aeng.abort(request_id)
-
-    def kv_stats(self) -> TransferStats:
-        return self.connector.stats()
 
     def shutdown(self) -> None:
         self.aeng.shutdown()

@@ -25,9 +25,8 @@ from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from engine.outputs import ScheduledRequest, SchedulerOutput
 from engine.serving import PrefillResult, WorkerLoad, WorkerSpec, WorkRequest, engine_load
-from kv_transfer import KVLayout, TransferRequest, TransferStats, TransferStatus, model_identity
-from kv_transfer.rendezvous import PeerAddress
-from kv_transfer.torch_dist import TorchDistConfig, TorchDistConnector
+from kv_transfer import TransferRequest, TransferStatus
+from kv_transfer.endpoint import KVEndpoint
 
 
 @dataclass(slots=True)
@@ -39,7 +38,7 @@ class _PendingSend:
     error: str | None = None  # why the send could not go
 
 
-class PrefillWorker:
+class PrefillWorker(KVEndpoint):
     role = "prefill"
 
     def __init__(self, worker_id: str, spec: WorkerSpec) -> None:
@@ -47,14 +46,14 @@ class PrefillWorker:
         self.worker_id = worker_id
         self.spec = spec
         self.engine = LLMEngine(spec.engine)
-        runner = self.engine.runner
         loaded = self.engine.loaded
-        model_id = model_identity(loaded.name, loaded.hf_model.config.to_json_string())
-        self.layout = KVLayout.from_spec(runner.spec, model_id)
-        self.connector = TorchDistConnector(
-            self.layout,
-            runner.device,
-            TorchDistConfig(bind_host=spec.bind_host, backend=spec.kv_backend),
+        self.init_endpoint(
+            self.engine.runner.spec,
+            loaded.name,
+            loaded.hf_model.config.to_json_string(),
+            self.engine.runner.device,
+            spec.bind_host,
+            spec.kv_backend,
         )
         self._sends: dict[str, _PendingSend] = {}
         self._lock = threading.Lock()
@@ -62,20 +61,6 @@ class PrefillWorker:
 
     def ready(self) -> str:
         return self.worker_id
-
-    # Pairing blocks (rendezvous, handshake); off the actor's event loop so prefills keep going.
-    async def listen(self, peer_id: str) -> PeerAddress:
-        return await asyncio.to_thread(self.connector.listen, peer_id)
-
-    async def connect(self, peer_id: str, address: PeerAddress, is_master: bool) -> None:
-        await asyncio.to_thread(self.connector.connect, peer_id, address, is_master)
-
-    def connected(self, peer_id: str) -> bool:
-        return self.connector.connected(peer_id)
-
-    async def disconnect(self, peer_id: str) -> None:
-        """Close the pair with `peer_id` (its running transfers end FAILED)."""
-        await asyncio.to_thread(self.connector.disconnect, peer_id)
 
     async def load(self) -> WorkerLoad:
         load = await self.aeng.call(lambda e: engine_load(e, self.worker_id, self.role))
@@ -195,9 +180,6 @@ class PrefillWorker:
         res = self.connector.result(rid)
         self.connector.release(rid)
         return status, res.bytes if res else 0, res.error if res else "no result"
-
-    def kv_stats(self) -> TransferStats:
-        return self.connector.stats()
 
     def shutdown(self) -> None:
         self.aeng.shutdown()
