@@ -1,0 +1,141 @@
+"""The gRPC edge: a pdserve.v1 GenerateRequest becomes the router's typed request, checked field by
+field. Every refusal is an InvalidRequestError naming the field and what is allowed, which the
+servicer turns into INVALID_ARGUMENT; nothing is clamped.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+from pdserve_proto import generation_pb2 as pb
+
+CHAT_ROLES = ("system", "user", "assistant")
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_TEMPERATURE = 1.0
+
+
+class RoutePath(enum.Enum):
+    AUTO = pb.PATH_AUTO
+    COLOCATED = pb.PATH_COLOCATED
+    DISAGGREGATED = pb.PATH_DISAGGREGATED
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    vocab_size: int
+    max_model_len: int
+    max_prompt_bytes: int = 1 << 20  # text (or chat) prompts larger than this are refused
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    path: RoutePath
+    slo_ttft_ms: float | None  # None: the server's default
+    slo_itl_ms: float | None
+
+
+def parse_request(req: pb.GenerateRequest, tokenizer: Any, limits: ModelLimits) -> ParsedRequest:
+    ids = _prompt_ids(req, tokenizer, limits)
+    sampling = _sampling(req.sampling, len(ids), limits)
+    if req.path not in RoutePath._value2member_map_:
+        raise InvalidRequestError(
+            "path", f"unknown value {req.path}; use PATH_AUTO, PATH_COLOCATED or PATH_DISAGGREGATED"
+        )
+    for name in ("ttft_ms", "itl_ms"):
+        value = getattr(req.slo, name)
+        if not value >= 0:
+            raise InvalidRequestError(f"slo.{name}", f"must be >= 0 (0: default), got {value}")
+    return ParsedRequest(
+        request_id=req.request_id or f"req-{uuid.uuid4().hex[:16]}",
+        prompt_token_ids=tuple(ids),
+        sampling=sampling,
+        path=RoutePath(req.path),
+        slo_ttft_ms=req.slo.ttft_ms or None,
+        slo_itl_ms=req.slo.itl_ms or None,
+    )
+
+
+def _prompt_ids(req: pb.GenerateRequest, tokenizer: Any, limits: ModelLimits) -> list[int]:
+    given = [bool(req.prompt), bool(req.prompt_token_ids), bool(req.messages)]
+    if sum(given) != 1:
+        raise InvalidRequestError(
+            "prompt", "give exactly one of prompt, prompt_token_ids or messages (non-empty)"
+        )
+    if req.prompt_token_ids:
+        ids = list(req.prompt_token_ids)
+        bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                "prompt_token_ids", f"token id {bad} is outside [0, {limits.vocab_size})"
+            )
+    elif req.prompt:
+        _check_size("prompt", len(req.prompt.encode()), limits)
+        ids = list(tokenizer.encode(req.prompt))
+    else:
+        size = 0
+        for i, m in enumerate(req.messages):
+            if m.role not in CHAT_ROLES:
+                raise InvalidRequestError(
+                    f"messages[{i}].role", f"must be one of {CHAT_ROLES}, got {m.role!r}"
+                )
+            size += len(m.content.encode())
+        _check_size("messages", size, limits)
+        chat = [{"role": m.role, "content": m.content} for m in req.messages]
+        ids = list(
+            tokenizer.apply_chat_template(
+                chat, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+    if not ids:
+        raise InvalidRequestError("prompt", "must not be empty (at least 1 token)")
+    if len(ids) >= limits.max_model_len:
+        raise InvalidRequestError(
+            "prompt",
+            f"has {len(ids)} tokens; at most {limits.max_model_len - 1} "
+            f"(the model's context is {limits.max_model_len})",
+        )
+    return ids
+
+
+def _check_size(field: str, nbytes: int, limits: ModelLimits) -> None:
+    if nbytes > limits.max_prompt_bytes:
+        raise InvalidRequestError(
+            field, f"is {nbytes} bytes; at most {limits.max_prompt_bytes} bytes are accepted"
+        )
+
+
+def _sampling(sp: pb.SamplingParams, prompt_len: int, limits: ModelLimits) -> SamplingParams:
+    room = limits.max_model_len - prompt_len
+    max_tokens = sp.max_tokens if sp.HasField("max_tokens") else min(DEFAULT_MAX_TOKENS, room)
+    if sp.HasField("max_tokens") and not 1 <= max_tokens <= room:
+        raise InvalidRequestError(
+            "max_tokens",
+            f"must be in [1, {room}] for a {prompt_len}-token prompt "
+            f"(context {limits.max_model_len}), got {max_tokens}",
+        )
+    bad_stop = next((t for t in sp.stop_token_ids if not 0 <= t < limits.vocab_size), None)
+    if bad_stop is not None:
+        raise InvalidRequestError(
+            "stop_token_ids", f"token id {bad_stop} is outside [0, {limits.vocab_size})"
+        )
+    # SamplingParams checks every range itself and names the field.
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=sp.temperature if sp.HasField("temperature") else DEFAULT_TEMPERATURE,
+        top_p=sp.top_p if sp.HasField("top_p") else 1.0,
+        top_k=sp.top_k if sp.HasField("top_k") else 0,
+        min_p=sp.min_p if sp.HasField("min_p") else 0.0,
+        seed=sp.seed if sp.HasField("seed") else None,
+        stop=tuple(sp.stop),
+        stop_token_ids=tuple(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+        logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+    )

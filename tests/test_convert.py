@@ -1,0 +1,72 @@
+"""The gRPC edge's request checks: defaults when unset, refusals that name the field."""
+
+import pytest
+
+from engine.errors import InvalidRequestError
+from pdserve_proto import generation_pb2 as pb
+from router.convert import ModelLimits, RoutePath, parse_request
+from tests.helpers import loaded
+
+TOK = loaded("tiny-llama").tokenizer
+LIMITS = ModelLimits(vocab_size=259, max_model_len=1024, max_prompt_bytes=1 << 20)
+
+
+def parse(**kw):
+    return parse_request(pb.GenerateRequest(**kw), TOK, LIMITS)
+
+
+def refused(field, **kw):
+    with pytest.raises(InvalidRequestError) as info:
+        parse(**kw)
+    assert info.value.field == field, str(info.value)
+    return str(info.value)
+
+
+def test_unset_fields_take_the_documented_defaults():
+    r = parse(prompt="hello")
+    assert r.sampling.max_tokens == 256 and r.sampling.temperature == 1.0
+    assert r.sampling.top_p == 1.0 and r.sampling.seed is None and r.sampling.logprobs is None
+    assert r.path is RoutePath.AUTO and r.slo_ttft_ms is None and r.request_id
+    assert r.prompt_token_ids == tuple(TOK.encode("hello"))
+
+
+def test_explicit_values_pass_through():
+    sp = pb.SamplingParams(
+        max_tokens=5, temperature=0.0, top_p=0.5, top_k=3, seed=7, stop=["x"], logprobs=2
+    )
+    r = parse(
+        prompt_token_ids=[1, 2, 3],
+        sampling=sp,
+        path=pb.PATH_DISAGGREGATED,
+        slo=pb.SloHint(ttft_ms=500),
+        request_id="mine",
+    )
+    s = r.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (5, 0.0, 0.5, 3, 7)
+    assert s.greedy and s.stop == ("x",) and s.logprobs == 2
+    assert r.path is RoutePath.DISAGGREGATED and r.slo_ttft_ms == 500 and r.request_id == "mine"
+
+
+def test_chat_messages_use_the_template():
+    r = parse(messages=[pb.ChatMessage(role="user", content="hi")])
+    text = TOK.decode(list(r.prompt_token_ids))
+    assert "hi" in text and text != "hi"
+
+
+def test_bad_requests_name_their_field():
+    assert "exactly one" in refused("prompt")
+    refused("prompt", prompt="a", prompt_token_ids=[1])
+    assert "teacher" in refused(
+        "messages[1].role",
+        messages=[pb.ChatMessage(role="user", content="a"), pb.ChatMessage(role="teacher")],
+    )
+    assert "[1, " in refused("max_tokens", prompt="a", sampling=pb.SamplingParams(max_tokens=0))
+    refused("max_tokens", prompt="a", sampling=pb.SamplingParams(max_tokens=5000))
+    refused("temperature", prompt="a", sampling=pb.SamplingParams(temperature=-1))
+    assert "(0, 1]" in refused("top_p", prompt="a", sampling=pb.SamplingParams(top_p=0))
+    refused("prompt_token_ids", prompt_token_ids=[1, 999])
+    refused("stop_token_ids", prompt="a", sampling=pb.SamplingParams(stop_token_ids=[-2]))
+    assert "bytes" in refused("prompt", prompt="x" * (10 << 20))  # a 10 MB prompt
+    refused("prompt", prompt_token_ids=[1] * 1024)  # the whole context
+    refused("slo.ttft_ms", prompt="a", slo=pb.SloHint(ttft_ms=-1))
+    refused("path", prompt="a", path=7)
