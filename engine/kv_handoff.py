@@ -11,6 +11,11 @@ Decode side, in order:
      the waiting queue, to recompute its prompt locally.
 Prefill side: a request added with `hold_blocks_on_finish` keeps its blocks after it finishes,
 until `Scheduler.release_held` once its send has ended (DONE or FAILED).
+
+Invariant for callers: the engine frees reserved or held blocks whenever it is told to (abort,
+fail, release) and knows nothing of transfers. Whoever owns the connector must end the transfer
+first (abort returns only when the connector no longer touches those blocks), then tell the
+engine. The workers' abort paths do it in that order.
 """
 
 from __future__ import annotations
