@@ -20,44 +20,21 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
-import torch
-
-from engine.async_engine import AsyncEngine
+from engine.engine_host import EngineHost
 from engine.kv_handoff import KVReservation
-from engine.llm_engine import LLMEngine
 from engine.outputs import TokenLogprobs
-from engine.serving import TokenChunk, WorkerLoad, WorkerSpec, WorkRequest, engine_load
+from engine.serving import TokenChunk, WorkerSpec, WorkRequest
 from kv_transfer import TransferRequest, TransferStatus
 from kv_transfer.endpoint import KVEndpoint
 
 
-class DecodeWorker(KVEndpoint):
+class DecodeWorker(KVEndpoint, EngineHost):
     role = "decode"
 
     def __init__(self, worker_id: str, spec: WorkerSpec) -> None:
-        torch.set_num_threads(spec.num_threads)
-        self.worker_id = worker_id
-        self.spec = spec
-        self.engine = LLMEngine(spec.engine)
-        self.aeng = AsyncEngine(self.engine)
-        loaded = self.engine.loaded
-        self.init_endpoint(
-            self.engine.runner.spec,
-            loaded.name,
-            loaded.hf_model.config.to_json_string(),
-            self.engine.runner.device,
-            spec.bind_host,
-            spec.kv_backend,
-        )
-
-    def ready(self) -> str:
-        return self.worker_id
-
-    async def load(self) -> WorkerLoad:
-        load = await self.aeng.call(lambda e: engine_load(e, self.worker_id, self.role))
-        return replace(load, open_transfers=self.connector.num_records())
+        EngineHost.__init__(self, worker_id, spec)
+        self.init_endpoint(self.kv_source(), spec.bind_host, spec.kv_backend)
 
     async def generate(self, req: WorkRequest) -> AsyncIterator[TokenChunk]:
         """Colocated path: prefill here, then decode; one chunk per step."""
@@ -131,5 +108,5 @@ class DecodeWorker(KVEndpoint):
         await self.aeng.abort(request_id)
 
     def shutdown(self) -> None:
-        self.aeng.shutdown()
-        self.connector.close()
+        EngineHost.shutdown(self)
+        self.close_endpoint()

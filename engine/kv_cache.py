@@ -15,6 +15,7 @@ request sits in block block_ids[t // block_size], slot t % block_size.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -35,6 +36,15 @@ class KVCacheSpec:
 
     def num_blocks_for_bytes(self, nbytes: float) -> int:
         return max(1, int(nbytes // self.bytes_per_block))
+
+
+class KVCacheSource(NamedTuple):
+    """Which cache a transfer endpoint serves: its geometry, device, and the model filling it."""
+
+    spec: KVCacheSpec
+    device: torch.device
+    model_name: str
+    model_config_text: str  # the model config as JSON; layouts of different models never pair
 
 
 class KVCache:

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-import torch
-
-from engine.kv_cache import KVCacheSpec
+from engine.kv_cache import KVCacheSource
 from kv_transfer.base import TransferStats
 from kv_transfer.layout import KVLayout, model_identity
 from kv_transfer.rendezvous import PeerAddress
@@ -22,18 +20,12 @@ class KVEndpoint:
     layout: KVLayout
     connector: TorchDistConnector
 
-    def init_endpoint(
-        self,
-        spec: KVCacheSpec,
-        model_name: str,
-        model_config_text: str,
-        device: torch.device,
-        bind_host: str,
-        backend: str,
-    ) -> None:
-        self.layout = KVLayout.from_spec(spec, model_identity(model_name, model_config_text))
+    def init_endpoint(self, source: KVCacheSource, bind_host: str, backend: str) -> None:
+        """A connector for one engine's KV cache: its layout, device and model identity."""
+        model_id = model_identity(source.model_name, source.model_config_text)
+        self.layout = KVLayout.from_spec(source.spec, model_id)
         self.connector = TorchDistConnector(
-            self.layout, device, TorchDistConfig(bind_host=bind_host, backend=backend)
+            self.layout, source.device, TorchDistConfig(bind_host=bind_host, backend=backend)
         )
 
     async def listen(self, peer_id: str) -> PeerAddress:
@@ -51,3 +43,9 @@ class KVEndpoint:
 
     def kv_stats(self) -> TransferStats:
         return self.connector.stats()
+
+    def open_transfers(self) -> int:
+        return self.connector.num_records()
+
+    def close_endpoint(self) -> None:
+        self.connector.close()

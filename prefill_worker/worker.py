@@ -19,12 +19,9 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-import torch
-
-from engine.async_engine import AsyncEngine
-from engine.llm_engine import LLMEngine
+from engine.engine_host import EngineHost
 from engine.outputs import ScheduledRequest, SchedulerOutput
-from engine.serving import PrefillResult, WorkerLoad, WorkerSpec, WorkRequest, engine_load
+from engine.serving import PrefillResult, WorkerSpec, WorkRequest
 from kv_transfer import TransferRequest, TransferStatus
 from kv_transfer.endpoint import KVEndpoint
 
@@ -38,33 +35,14 @@ class _PendingSend:
     error: str | None = None  # why the send could not go
 
 
-class PrefillWorker(KVEndpoint):
+class PrefillWorker(KVEndpoint, EngineHost):
     role = "prefill"
 
     def __init__(self, worker_id: str, spec: WorkerSpec) -> None:
-        torch.set_num_threads(spec.num_threads)
-        self.worker_id = worker_id
-        self.spec = spec
-        self.engine = LLMEngine(spec.engine)
-        loaded = self.engine.loaded
-        self.init_endpoint(
-            self.engine.runner.spec,
-            loaded.name,
-            loaded.hf_model.config.to_json_string(),
-            self.engine.runner.device,
-            spec.bind_host,
-            spec.kv_backend,
-        )
         self._sends: dict[str, _PendingSend] = {}
         self._lock = threading.Lock()
-        self.aeng = AsyncEngine(self.engine, on_layer=self._on_layer)
-
-    def ready(self) -> str:
-        return self.worker_id
-
-    async def load(self) -> WorkerLoad:
-        load = await self.aeng.call(lambda e: engine_load(e, self.worker_id, self.role))
-        return replace(load, open_transfers=self.connector.num_records())
+        EngineHost.__init__(self, worker_id, spec, on_layer=self._on_layer)
+        self.init_endpoint(self.kv_source(), spec.bind_host, spec.kv_backend)
 
     def _on_layer(self, layer: int, so: SchedulerOutput) -> None:
         """Engine thread, after layer `layer` of a step is in the cache. Never raises: a send
@@ -182,5 +160,5 @@ class PrefillWorker(KVEndpoint):
         return status, res.bytes if res else 0, res.error if res else "no result"
 
     def shutdown(self) -> None:
-        self.aeng.shutdown()
-        self.connector.close()
+        EngineHost.shutdown(self)
+        self.close_endpoint()
