@@ -58,7 +58,6 @@ class FakeConnector(TrackedConnector):
         self._stalled = False
         self._fail_after: int | None = None
         self._fail_at: dict[str, int] = {}  # transfer id -> layers moved before the injected fail
-        self._sent: dict[str, set[int]] = {}  # layers announced, per send
         self._inbox: dict[str, list[tuple[int, torch.Tensor]]] = {}  # layers before start_recv
 
     def stall(self, on: bool = True) -> None:
@@ -79,7 +78,6 @@ class FakeConnector(TrackedConnector):
         peer = self._peer(req.peer)
         rec = self._table.add(req, Role.SEND, cache)
         with self._lock:
-            self._sent[req.transfer_id] = set()
             if self._fail_after is not None:
                 self._fail_at[req.transfer_id] = self._fail_after
                 self._fail_after = None
@@ -87,14 +85,8 @@ class FakeConnector(TrackedConnector):
             self._table.fail(rec, FailureReason.PEER_DEAD, f"no endpoint {req.peer!r}")
 
     def send_layer(self, transfer_id: str, layer: int) -> None:
-        rec = self._table.get(transfer_id)
-        if not 0 <= layer < rec.req.num_layers:
-            raise ValueError(f"layer {layer} outside 0..{rec.req.num_layers - 1}")
+        rec = self._announce(transfer_id, layer)
         with self._lock:
-            sent = self._sent.setdefault(transfer_id, set())
-            if layer in sent:
-                raise ValueError(f"layer {layer} of {transfer_id!r} announced twice")
-            sent.add(layer)
             stalled = self._stalled
             fail_at = self._fail_at.get(transfer_id)
         self._table.expire(rec)

@@ -219,6 +219,22 @@ class TrackedConnector(KVConnector):
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
         self._table = TransferTable(layout, self._on_fail)
+        self._announce_lock = threading.Lock()
+        self._announced: dict[str, set[int]] = {}  # send transfer id -> layers handed over
+
+    def _announce(self, transfer_id: str, layer: int) -> Transfer:
+        """Check a `send_layer` call (a send, a layer in range, each layer once) and record it."""
+        rec = self._table.get(transfer_id)
+        if rec.role is not Role.SEND:
+            raise ValueError(f"{transfer_id!r} is a receive")
+        if not 0 <= layer < rec.req.num_layers:
+            raise ValueError(f"layer {layer} outside 0..{rec.req.num_layers - 1}")
+        with self._announce_lock:
+            announced = self._announced.setdefault(transfer_id, set())
+            if layer in announced:
+                raise ValueError(f"layer {layer} of {transfer_id!r} announced twice")
+            announced.add(layer)
+        return rec
 
     def _on_fail(self, rec: Transfer) -> None:
         """A transfer has just ended FAILED. Runs with no lock held."""
@@ -243,6 +259,8 @@ class TrackedConnector(KVConnector):
 
     def release(self, transfer_id: str) -> None:
         self._table.release(transfer_id)
+        with self._announce_lock:
+            self._announced.pop(transfer_id, None)
 
     def stats(self) -> TransferStats:
         return self._table.stats()

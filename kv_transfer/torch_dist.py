@@ -110,7 +110,6 @@ class TorchDistConnector(TrackedConnector):
         self._listening: dict[str, dist.TCPStore] = {}
         # A master's store must outlive the handshake: the peer may still be reading from it.
         self._stores: list[dist.Store] = []
-        self._announced: dict[str, set[int]] = {}  # send transfer id -> layers queued
         # A closing peer answers CLOSE at once unless it is hung; then give up quickly.
         self._join_s = max(2.0, 2 * self.config.heartbeat_s)
         _LIVE.add(self)
@@ -184,23 +183,12 @@ class TorchDistConnector(TrackedConnector):
     def start_send(self, req: TransferRequest, cache: KVCache) -> None:
         self._check_device(cache)
         rec = self._table.add(req, Role.SEND, cache)
-        with self._lock:
-            self._announced[req.transfer_id] = set()
         pair = self._pair(req.peer)
         if pair is None or not pair.start_send(rec):
             self._table.fail(rec, FailureReason.PEER_DEAD, f"not connected to {req.peer!r}")
 
     def send_layer(self, transfer_id: str, layer: int) -> None:
-        rec = self._table.get(transfer_id)
-        if rec.role is not Role.SEND:
-            raise ValueError(f"{transfer_id!r} is a receive")
-        if not 0 <= layer < rec.req.num_layers:
-            raise ValueError(f"layer {layer} outside 0..{rec.req.num_layers - 1}")
-        with self._lock:
-            announced = self._announced.setdefault(transfer_id, set())
-            if layer in announced:
-                raise ValueError(f"layer {layer} of {transfer_id!r} announced twice")
-            announced.add(layer)
+        rec = self._announce(transfer_id, layer)
         pair = self._pair(rec.req.peer)
         if rec.running and pair is not None:
             pair.send_layer(rec, layer)
@@ -211,11 +199,6 @@ class TorchDistConnector(TrackedConnector):
         pair = self._pair(req.peer)
         if pair is None or not pair.start_recv(rec):
             self._table.fail(rec, FailureReason.PEER_DEAD, f"not connected to {req.peer!r}")
-
-    def release(self, transfer_id: str) -> None:
-        super().release(transfer_id)
-        with self._lock:
-            self._announced.pop(transfer_id, None)
 
     def _on_fail(self, rec: Transfer) -> None:
         pair = self._pair(rec.req.peer)
