@@ -108,6 +108,10 @@ class PagedCpuAttention(SdpaAttention):
         self.spec = cache.spec
         self.threads = max(1, torch.get_num_threads())
         self.pool = _pool(self.threads)
+        # The batch split depends only on the step's context lengths: made once per step, not
+        # once per layer.
+        self._split_for: AttentionMetadata | None = None
+        self._parts: list[tuple[int, int]] = []
 
     def decode(self, layer: int, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         q = q.contiguous()
@@ -116,7 +120,10 @@ class PagedCpuAttention(SdpaAttention):
         cache = self.cache.layers[layer].data_ptr()
         ctx = md.decode_context_lens
         n = q.shape[0]
-        parts = self._split(ctx, n)
+        if self._split_for is not md:
+            self._parts = self._split(ctx, n)
+            self._split_for = md
+        parts = self._parts
 
         def run(lo: int, hi: int) -> None:
             # ctypes drops the GIL for the call, so the parts run in parallel.
