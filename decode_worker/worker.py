@@ -64,14 +64,13 @@ class DecodeWorker(KVEndpoint, EngineHost):
         self,
         request_id: str,
         first_token: int | None,
-        expects_kv: bool,
         first_logprobs: TokenLogprobs | None = None,
     ) -> AsyncIterator[TokenChunk]:
         """Join the batch once the KV is in (or recompute if it never came); stream tokens."""
         if first_token is None:  # the prefill side failed: nothing more will arrive
             self.connector.abort(request_id)
             self.connector.release(request_id)
-        ok = expects_kv and first_token is not None and await self._wait_kv(request_id)
+        ok = first_token is not None and await self._wait_kv(request_id)
         q = self.aeng.open_stream(request_id)
         try:
             if ok:

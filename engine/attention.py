@@ -31,7 +31,6 @@ class AttentionMetadata:
     num_decodes: int  # rows [0, num_decodes) are single-token queries
     decode_block_table: torch.Tensor  # [num_decodes, max_nb] long (padded with block 0)
     decode_context_lens: torch.Tensor  # [num_decodes] int32
-    decode_max_context: int
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_nb * bs] bool; None if no padding
     prefills: tuple[PrefillSegment, ...]
 

@@ -115,7 +115,6 @@ def replay(model: PagedDecoderModel, steps: list[StepShape]) -> float:
         num_decodes=0,
         decode_block_table=torch.empty(0, 0, dtype=torch.long),
         decode_context_lens=torch.empty(0, dtype=torch.int32),
-        decode_max_context=0,
         decode_mask=None,
         prefills=(),
     )

@@ -147,7 +147,6 @@ class ModelRunner:
             num_decodes=num_decodes,
             decode_block_table=decode_table,
             decode_context_lens=ctx_t,
-            decode_max_context=max(ctx, default=0),
             decode_mask=mask,
             prefills=tuple(segs),
         )

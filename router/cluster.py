@@ -217,7 +217,7 @@ class Cluster:
             self._note_failure(p, exc)
             self._fallback(req, f"handoff {p} -> {d} failed: {type(exc).__name__}: {exc}")
         async for chunk in self._stream(
-            self.decode[d].finish_handoff, req.request_id, first, True, first_lp
+            self.decode[d].finish_handoff, req.request_id, first, first_lp
         ):
             yield chunk
 

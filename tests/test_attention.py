@@ -22,7 +22,6 @@ def decode_metadata(lens: list[int], bs: int, num_blocks: int, g: torch.Generato
         num_decodes=len(lens),
         decode_block_table=table,
         decode_context_lens=ctx,
-        decode_max_context=max(lens),
         decode_mask=mask,
         prefills=(),
     )

@@ -85,7 +85,7 @@ def test_prefill_worker_killed_fails_the_receive_and_frees_decode_blocks():
         async def finish():  # no first token will come: the decode worker recomputes
             toks = []
             async for ref in d.finish_handoff.options(num_returns="streaming").remote(
-                "kill-p", None, True
+                "kill-p", None
             ):
                 toks.extend((await ref).token_ids)
             return toks
