@@ -12,9 +12,10 @@ from dataclasses import replace
 import torch
 
 from engine.async_engine import AsyncEngine, LayerHook
+from engine.device_rate import measure_device
 from engine.kv_cache import KVCacheSource
 from engine.llm_engine import LLMEngine
-from engine.serving import WorkerLoad, WorkerSpec, engine_load
+from engine.serving import WorkerInfo, WorkerLoad, WorkerSpec, engine_load, worker_info
 
 
 class EngineHost:
@@ -26,6 +27,8 @@ class EngineHost:
         self.spec = spec
         self.engine = LLMEngine(spec.engine)
         self.aeng = AsyncEngine(self.engine, on_layer=on_layer)
+        rate = measure_device(self.engine.runner.device, self.engine.runner.dtype)
+        self._info = worker_info(self.engine, worker_id, self.role, rate)
 
     def kv_source(self) -> KVCacheSource:
         loaded, runner = self.engine.loaded, self.engine.runner
@@ -35,6 +38,9 @@ class EngineHost:
 
     def ready(self) -> str:
         return self.worker_id
+
+    def info(self) -> WorkerInfo:
+        return self._info
 
     def open_transfers(self) -> int:
         """KV transfers still tracked for this worker; a transfer side overrides it."""

@@ -25,6 +25,7 @@ from engine.outputs import RequestOutput, SchedulerOutput, TokenLogprobs
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.step_stats import StepRecorder
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         self._ids = itertools.count()
+        self.step_stats = StepRecorder()
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -197,7 +199,10 @@ class LLMEngine:
         cache (the prefill worker streams KV layer by layer with it)."""
         so = self.scheduler.schedule()
         hook = None if on_layer is None else (lambda i: on_layer(i, so))
+        t0 = time.perf_counter()
         result = self.runner.execute(so, hook)
+        if not so.is_empty:
+            self.step_stats.record(so, time.perf_counter() - t0)
         touched = self.scheduler.update_from_output(so, result)
         lp_by_id = dict(zip(result.request_ids, result.logprobs)) if result.logprobs else {}
         outs = []

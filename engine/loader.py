@@ -79,35 +79,13 @@ def default_cache_dir() -> Path:
 def load_model(cfg: ModelConfig, cache_dir: Path | str | None = None) -> LoadedModel:
     """Load `cfg.model` in `cfg.dtype`; `cache_dir` is the root of converted GGUF models."""
     dtype = cfg.torch_dtype
-    if cache_dir is None and cfg.cache_dir is not None:
-        cache_dir = cfg.cache_dir
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     name = cfg.model
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     if name in TINY_MODELS:
         model, tokenizer = build_tiny_model(name, seed=cfg.seed, dtype=dtype)
-    elif name == DEFAULT_MODEL:
-        folder = root / DEFAULT_MODEL
-        if not _is_complete(folder):
-            _convert_gguf(_smollm2_gguf(folder), folder)
-        model, tokenizer = _load_folder(folder, dtype)
     else:
-        path = Path(name).expanduser()
-        if path.is_file() and path.suffix == ".gguf":
-            stat = path.stat()
-            folder = root / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
-            if not _is_complete(folder):
-                _convert_gguf(path, folder)
-            model, tokenizer = _load_folder(folder, dtype)
-        elif (path / "config.json").is_file():
-            model, tokenizer = _load_folder(path, dtype)
-        else:
-            raise ModelNotFoundError(
-                f"model {name!r} not found: it is not a built-in name {BUILTIN_MODELS}, not a "
-                f".gguf file and not a folder with config.json (looked at {path.resolve()}). "
-                f"Supported architectures: {SUPPORTED_ARCHITECTURES}"
-            )
+        model, tokenizer = _load_folder(_model_folder(cfg, cache_dir), dtype)
     architecture = _architecture(model.config, name)
     return LoadedModel(
         name=name,
@@ -115,6 +93,47 @@ def load_model(cfg: ModelConfig, cache_dir: Path | str | None = None) -> LoadedM
         tokenizer=tokenizer,
         architecture=architecture,
         max_model_len=_max_model_len(model.config, cfg.max_model_len),
+    )
+
+
+def load_tokenizer(
+    cfg: ModelConfig, cache_dir: Path | str | None = None
+) -> PreTrainedTokenizerBase:
+    """The tokenizer of `cfg.model` alone (no weights are read, except for the tiny models,
+    which are built whole: they are small)."""
+    if cfg.model in TINY_MODELS:
+        return build_tiny_model(cfg.model, seed=cfg.seed, dtype=cfg.torch_dtype)[1]
+    folder = _model_folder(cfg, cache_dir)
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except OSError as exc:
+        raise ModelNotFoundError(f"model folder {folder} is incomplete: {exc}") from exc
+
+
+def _model_folder(cfg: ModelConfig, cache_dir: Path | str | None) -> Path:
+    """The HF folder of a non-tiny model, converting a GGUF file into the cache first."""
+    if cache_dir is None and cfg.cache_dir is not None:
+        cache_dir = cfg.cache_dir
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    name = cfg.model
+    if name == DEFAULT_MODEL:
+        folder = root / DEFAULT_MODEL
+        if not _is_complete(folder):
+            _convert_gguf(_smollm2_gguf(folder), folder)
+        return folder
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        stat = path.stat()
+        folder = root / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+        if not _is_complete(folder):
+            _convert_gguf(path, folder)
+        return folder
+    if (path / "config.json").is_file():
+        return path
+    raise ModelNotFoundError(
+        f"model {name!r} not found: it is not a built-in name {BUILTIN_MODELS}, not a "
+        f".gguf file and not a folder with config.json (looked at {path.resolve()}). "
+        f"Supported architectures: {SUPPORTED_ARCHITECTURES}"
     )
 
 

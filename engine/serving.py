@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from engine.config import EngineConfig
+from engine.device_rate import DeviceRate
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.step_stats import StepStat
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +30,60 @@ class WorkerSpec:
     # KV transfer backend: "auto" (nccl for CUDA caches, gloo for CPU ones) or "gloo"/"nccl".
     # Two workers on one GPU need "gloo": NCCL refuses two ranks on one device.
     kv_backend: str = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What a worker is, for the router's cost model and balancer: the model's shape (FLOPs and
+    KV bytes per token), the engine's limits, and the device's measured rates."""
+
+    worker_id: str
+    role: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_params: int  # without the embedding table
+    weight_bytes: int
+    kv_bytes_per_token: int  # all layers, K and V
+    block_size: int
+    num_blocks: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    vocab_size: int
+    rate: DeviceRate
+
+
+def worker_info(engine: LLMEngine, worker_id: str, role: str, rate: DeviceRate) -> WorkerInfo:
+    model: Any = engine.loaded.hf_model
+    cfg = model.config
+    spec = engine.runner.spec
+    embed = model.get_input_embeddings().weight
+    params = sum(p.numel() for p in model.parameters())
+    # The output head may share the embedding table; only its matmul counts as compute.
+    num_params = params - embed.numel()
+    if model.get_output_embeddings() is not None and model.config.tie_word_embeddings:
+        num_params += embed.numel()
+    elem = torch.empty((), dtype=spec.dtype).element_size()
+    return WorkerInfo(
+        worker_id=worker_id,
+        role=role,
+        num_layers=spec.num_layers,
+        num_heads=int(cfg.num_attention_heads),
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        num_params=num_params,
+        weight_bytes=params * elem,
+        kv_bytes_per_token=2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * elem,
+        block_size=spec.block_size,
+        num_blocks=engine.runner.num_blocks,
+        max_num_batched_tokens=engine.config.scheduler.max_num_batched_tokens,
+        max_num_seqs=engine.config.scheduler.max_num_seqs,
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.vocab_size,
+        rate=rate,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +131,7 @@ class TokenChunk:
 @dataclass(frozen=True, slots=True)
 class PrefillResult:
     request_id: str
-    first_token: int
+    first_token: int | None  # None: aborted before the prompt was prefilled
     first_logprobs: TokenLogprobs | None  # when the request asked for logprobs
     transfer_ok: bool
     prefill_s: float  # request added -> first token sampled
@@ -94,6 +153,10 @@ class WorkerLoad:
     queued_prefill_tokens: int  # prompt tokens not yet computed, over waiting and running
     held: int = 0  # finished requests whose blocks wait for their KV send to end
     open_transfers: int = 0  # KV transfers the worker's connector still tracks
+    steps: tuple[StepStat, ...] = ()  # steps executed since the previous load() (at most 256)
+    preemptions: int = 0  # since the worker started
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_hits: int = 0  # of those, found cached
 
 
 def engine_load(engine: LLMEngine, worker_id: str, role: str) -> WorkerLoad:
@@ -117,4 +180,8 @@ def engine_load(engine: LLMEngine, worker_id: str, role: str) -> WorkerLoad:
         num_blocks=pool.num_blocks,
         queued_prefill_tokens=queued,
         held=len(sched.held),
+        steps=engine.step_stats.drain(),
+        preemptions=sched.num_preemptions,
+        prefix_queries=pool.stats.queries,
+        prefix_hits=pool.stats.hits,
     )

@@ -10,6 +10,7 @@ One request, in order:
   3. the first token is sampled; the worker waits for the send to end (DONE or FAILED, within
      its deadline) and only then frees the blocks (ownership stays here until the send ended);
   4. it returns the first token and the prefill and transfer times.
+`abort(request_id)` ends a prefill early: no first token, the send FAILED, the blocks freed.
 """
 
 from __future__ import annotations
@@ -112,7 +113,11 @@ class PrefillWorker(KVEndpoint, EngineHost):
             t1 = time.monotonic()
             with self._lock:
                 pending = self._sends.get(rid)
-            status, sent, error = await self._wait_send(rid, pending)
+            error: str | None = "aborted before the first token"
+            if first is None:  # aborted: a started send would never get its last layers
+                status, sent = TransferStatus.FAILED, 0
+            else:
+                status, sent, error = await self._wait_send(rid, pending)
         finally:
             with self._lock:
                 pending = self._sends.pop(rid, None)
@@ -121,8 +126,6 @@ class PrefillWorker(KVEndpoint, EngineHost):
                 self.connector.release(rid)
             # The send has ended (or never started): only now may the blocks go.
             await self.aeng.call(lambda e: e.release_blocks(rid))
-        if first is None:
-            raise RuntimeError(f"prefill of {rid} ended without a first token")
         return PrefillResult(
             request_id=rid,
             first_token=first,
@@ -133,6 +136,11 @@ class PrefillWorker(KVEndpoint, EngineHost):
             bytes_sent=sent,
             error=error,
         )
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a prefill (the client left): `prefill` then returns without a first token, its
+        send ends FAILED and its blocks are freed."""
+        await self.aeng.abort(request_id)
 
     def _live_send(self, rid: str) -> bool:
         try:

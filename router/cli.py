@@ -116,10 +116,112 @@ def _bench_engine(_args: argparse.Namespace, extra: list[str]) -> int:
     return int(bench_engine.run(parser.parse_args(extra)))
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="start the gRPC server with prefill and decode pools")
+    p.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (0: colocated only)")
+    p.add_argument("--decode", type=_positive_int, default=1, help="decode workers")
+    p.add_argument(
+        "--policy",
+        choices=["auto", "colocated", "disaggregated", "threshold"],
+        default="auto",
+        help="how each request's path is chosen (auto: the cost model)",
+    )
+    p.add_argument("--threshold-tokens", type=int, default=256, help="threshold policy: T")
+    p.add_argument("--threshold-queue", type=int, default=4, help="threshold policy: Q")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: local)")
+    p.add_argument("--threads", type=_positive_int, default=1, help="torch threads per worker")
+    p.add_argument("--slo-ttft-ms", type=float, default=60000.0, help="default TTFT SLO")
+    p.add_argument("--slo-itl-ms", type=float, default=1000.0, help="default ITL SLO")
+    p.add_argument(
+        "--max-pending",
+        type=_positive_int,
+        default=256,
+        help="requests waiting for a first token before RESOURCE_EXHAUSTED",
+    )
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
+    p.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache per worker (CPU)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds, on SIGINT/SIGTERM")
+    p.set_defaults(handler=_serve, passthrough=False)
+
+
+def _serve(args: argparse.Namespace, _extra: list[str]) -> int:
+    import asyncio
+    import logging
+    from dataclasses import replace
+
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.errors import ModelNotFoundError
+    from router.cluster import ClusterConfig
+    from router.core import RouterConfig
+    from router.policy import Policy, PolicyConfig
+    from router.server import ServeConfig, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        cache = (
+            CacheConfig()
+            if args.kv_cache_gib is None
+            else replace(CacheConfig(), cpu_kv_cache_gib=args.kv_cache_gib)
+        )
+        engine = EngineConfig(
+            cache=cache,
+            scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens),
+        )
+        config = ServeConfig(
+            cluster=ClusterConfig(
+                model=args.model,
+                num_prefill=args.prefill,
+                num_decode=args.decode,
+                engine=engine,
+                threads_per_worker=args.threads,
+                address=args.ray_address,
+            ),
+            router=RouterConfig(
+                policy=PolicyConfig(
+                    policy=Policy(args.policy),
+                    threshold_tokens=args.threshold_tokens,
+                    threshold_queue=args.threshold_queue,
+                ),
+                slo_ttft_s=args.slo_ttft_ms / 1000,
+                slo_itl_s=args.slo_itl_ms / 1000,
+                max_pending=args.max_pending,
+            ),
+            host=args.host,
+            port=args.port,
+            drain_timeout_s=args.drain_timeout,
+        )
+    except ValueError as exc:
+        return _error(exc)
+    try:
+        asyncio.run(serve(config))
+    except (ModelNotFoundError, OSError) as exc:
+        return _error(exc)
+    return 0
+
+
+def _add_complete(sub: argparse._SubParsersAction) -> None:
+    from router import client
+
+    p = sub.add_parser("complete", help="send one completion request to a running server")
+    client.add_arguments(p)
+    p.set_defaults(handler=_complete, passthrough=False)
+
+
+def _complete(args: argparse.Namespace, _extra: list[str]) -> int:
+    from router import client
+
+    return client.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
+    _add_serve(sub)
+    _add_complete(sub)
     _add_bench_engine(sub)
     return parser
 

@@ -19,7 +19,7 @@ import asyncio
 import itertools
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -29,7 +29,14 @@ import torch
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from engine.serving import PrefillResult, TokenChunk, WorkerLoad, WorkerSpec, WorkRequest
+from engine.serving import (
+    PrefillResult,
+    TokenChunk,
+    WorkerInfo,
+    WorkerLoad,
+    WorkerSpec,
+    WorkRequest,
+)
 from kv_transfer import TransferStats
 from prefill_worker.worker import PrefillWorker
 
@@ -155,15 +162,20 @@ class Cluster:
         request_id: str | None = None,
         prefill_worker: str | None = None,
         decode_worker: str | None = None,
+        on_prefill: Callable[[PrefillResult], None] | None = None,
     ) -> AsyncIterator[TokenChunk]:
+        """Stream one request's chunks. Leaving early (or failing) aborts it on every worker
+        it touched, so its blocks are freed there. `on_prefill` sees the prefill worker's
+        result on the disaggregated path."""
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
         rid = request_id or f"cl-{next(self._ids)}"
         req = WorkRequest(rid, tuple(int(t) for t in prompt_token_ids), params)
         d = decode_worker or self._pick(self.decode_ids)
+        p: str | None = None
         if path == "disaggregated" and self.prefill_ids:
             p = prefill_worker or self._pick(self.prefill_ids)
-            stream = self._disaggregated(req, p, d)
+            stream = self._disaggregated(req, p, d, on_prefill)
         else:
             stream = self._stream(self.decode[d].generate, req)
         finished = False
@@ -173,17 +185,29 @@ class Cluster:
                 yield chunk
         finally:
             if not finished:
-                try:
-                    await self.decode[d].abort.remote(rid)
-                except ray.exceptions.RayActorError:
-                    pass  # the worker is gone, and the request with it
+                await asyncio.shield(self._abort(rid, p, d))
+
+    async def _abort(self, rid: str, p: str | None, d: str) -> None:
+        actors = [self.decode[d]] + ([self.prefill[p]] if p is not None else [])
+        results = await asyncio.gather(
+            *(a.abort.remote(rid) for a in actors), return_exceptions=True
+        )
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, ray.exceptions.RayActorError):
+                log.warning("abort of %s failed: %s: %s", rid, type(r).__name__, r)
 
     async def _stream(self, method: Any, *args: Any) -> AsyncIterator[TokenChunk]:
         gen = method.options(num_returns="streaming").remote(*args)
         async for ref in gen:
             yield await ref
 
-    async def _disaggregated(self, req: WorkRequest, p: str, d: str) -> AsyncIterator[TokenChunk]:
+    async def _disaggregated(
+        self,
+        req: WorkRequest,
+        p: str,
+        d: str,
+        on_prefill: Callable[[PrefillResult], None] | None,
+    ) -> AsyncIterator[TokenChunk]:
         try:
             await self._ensure_pair(p, d)
         except Exception as exc:  # the pair can't be made (a worker died): D prefills itself
@@ -208,9 +232,11 @@ class Cluster:
             result: PrefillResult = await asyncio.wait_for(
                 self.prefill[p].prefill.remote(req, d, dst, skip), limit
             )
+            if on_prefill is not None:
+                on_prefill(result)
             first = result.first_token
             first_lp = result.first_logprobs
-            if not result.transfer_ok:
+            if first is not None and not result.transfer_ok:
                 self._fallback(req, f"KV transfer {p} -> {d} failed: {result.error}")
                 await self._check_pair(p, d)
         except Exception as exc:  # D recomputes the prompt in the blocks it reserved
@@ -260,6 +286,10 @@ class Cluster:
         items = self._live()
         stats = await asyncio.gather(*(a.kv_stats.remote() for _, a in items))
         return {w: s for (w, _), s in zip(items, stats)}
+
+    async def infos(self) -> list[WorkerInfo]:
+        """What every live worker is (model shape, limits, measured device rates)."""
+        return list(await asyncio.gather(*(a.info.remote() for _, a in self._live())))
 
     async def load(self) -> list[WorkerLoad]:
         """Load figures of every live worker."""

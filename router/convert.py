@@ -139,3 +139,82 @@ def _sampling(sp: pb.SamplingParams, prompt_len: int, limits: ModelLimits) -> Sa
         ignore_eos=sp.ignore_eos,
         logprobs=sp.logprobs if sp.HasField("logprobs") else None,
     )
+
+
+# Where the string fields of a GenerateRequest sit on the wire (field number -> name), and the
+# messages nested in it, so a request that protobuf refuses for bad UTF-8 can be answered with
+# the field's name instead of a parse failure.
+_STRINGS = {1: "request_id", 2: "prompt"}
+_NESTED: dict[int, tuple[str, dict[int, str]]] = {
+    4: ("messages", {1: "role", 2: "content"}),
+    5: ("sampling", {7: "stop"}),
+}
+
+
+def invalid_utf8_field(raw: bytes) -> str | None:
+    """The first string field of a serialized GenerateRequest that is not valid UTF-8 (e.g.
+    "sampling.stop[0]"), or None. Malformed wire data in general is not this function's job."""
+    counts: dict[str, int] = {}
+    for num, value in _fields(raw):
+        if num in _STRINGS and not _utf8(value):
+            return _STRINGS[num]
+        if num in _NESTED:
+            name, strings = _NESTED[num]
+            i = counts.get(name, 0)
+            counts[name] = i + 1
+            inner: dict[str, int] = {}
+            for sub, sval in _fields(value):
+                if sub in strings:
+                    j = inner.get(strings[sub], 0)
+                    inner[strings[sub]] = j + 1
+                    if not _utf8(sval):
+                        index = f"[{i}]" if name == "messages" else ""
+                        sub_index = f"[{j}]" if strings[sub] == "stop" else ""
+                        return f"{name}{index}.{strings[sub]}{sub_index}"
+    return None
+
+
+def _utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    shift = value = 0
+    while True:
+        if i >= len(buf) or shift > 63:
+            raise ValueError("truncated varint")
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, i
+        shift += 7
+
+
+def _fields(buf: bytes) -> list[tuple[int, bytes]]:
+    """(field number, payload) of each length-delimited field; other wire types are skipped."""
+    out: list[tuple[int, bytes]] = []
+    i = 0
+    try:
+        while i < len(buf):
+            key, i = _varint(buf, i)
+            num, wire = key >> 3, key & 7
+            if wire == 0:
+                _, i = _varint(buf, i)
+            elif wire == 1:
+                i += 8
+            elif wire == 5:
+                i += 4
+            elif wire == 2:
+                n, i = _varint(buf, i)
+                out.append((num, buf[i : i + n]))
+                i += n
+            else:
+                break
+    except ValueError:
+        pass
+    return out

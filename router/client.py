@@ -1,0 +1,85 @@
+"""`pdserve complete`: one request to a running server, its text streamed to the terminal as it
+arrives (or, with --json, the whole answer as one JSON object)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+PATHS = ("auto", "colocated", "disaggregated")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default="127.0.0.1:50051", help="the server's host:port")
+    p.add_argument("--max-tokens", type=int, default=None, help="default: the server's (256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default here) is greedy")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="send the prompt as one user message")
+    p.add_argument("--path", choices=PATHS, default="auto", help="override the router's choice")
+    p.add_argument("--json", action="store_true", help="print the whole answer as JSON")
+    p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+    p.add_argument("prompt")
+
+
+def build_request(args: argparse.Namespace) -> Any:
+    from pdserve_proto import generation_pb2 as pb
+
+    sampling = pb.SamplingParams(temperature=args.temperature, stop=args.stop)
+    if args.max_tokens is not None:
+        sampling.max_tokens = args.max_tokens
+    if args.seed is not None:
+        sampling.seed = args.seed
+    req = pb.GenerateRequest(sampling=sampling, path=pb.Path.Value(f"PATH_{args.path.upper()}"))
+    if args.chat:
+        req.messages.append(pb.ChatMessage(role="user", content=args.prompt))
+    else:
+        req.prompt = args.prompt
+    return req
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf import json_format
+
+    from pdserve_proto import generation_pb2 as pb
+    from pdserve_proto import generation_pb2_grpc as pb_grpc
+
+    req = build_request(args)
+    text: list[str] = []
+    ids: list[int] = []
+    final = None
+    request_id = ""
+    try:
+        with grpc.insecure_channel(args.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            for msg in stub.Generate(req, timeout=args.timeout):
+                request_id = msg.request_id
+                ids.extend(msg.token_ids)
+                text.append(msg.text)
+                if msg.HasField("final"):
+                    final = msg.final
+                if not args.json and msg.text:
+                    sys.stdout.write(msg.text)
+                    sys.stdout.flush()
+    except grpc.RpcError as exc:
+        if not args.json and text:
+            sys.stdout.write("\n")
+        code = exc.code()
+        if code is grpc.StatusCode.UNAVAILABLE and not ids:
+            detail = f"no pdserve server answering at {args.address}? ({exc.details()})"
+        else:
+            detail = f"{code.name}: {exc.details()}"
+        print(f"error: {detail}", file=sys.stderr)
+        return 1
+    if args.json:
+        answer = pb.CompleteResponse(request_id=request_id, token_ids=ids, text="".join(text))
+        if final is not None:
+            answer.final.CopyFrom(final)
+        doc = json_format.MessageToDict(answer, preserving_proto_field_name=True)
+        print(json.dumps(doc, indent=2))
+    else:
+        sys.stdout.write("\n")
+    return 0

@@ -1,0 +1,173 @@
+"""The handoff cost model: what each path would cost a request, from measured step times.
+
+One linear model of a worker's step time, fitted online from the steps the worker reports
+(engine/step_stats.py), prices everything:
+
+    step_s = w0 + w1 * tokens + w2 * prefill_pairs + w3 * decode_context
+
+  - prefill of n uncached tokens after c cached ones, alone in one step:
+        w0 + w1*n + w2*n*(c + (n+1)/2)            (the issue's a + b*n + c*n^2)
+  - decode step of a batch of B with context sum S:   w0 + w1*B + w3*S
+  - a chunked local prefill next to B decodes: ceil(tokens / (budget - B)) steps, each
+    paying the decode batch too; the decodes' ITL during it is one such step (interference).
+
+The seed is a roofline: w1 = 2 * params / FLOP/s, w2 = w3 = 4 * layers * heads * head_dim / FLOP/s
+(QK^T and PV), w0 = weight bytes / memory bytes/s, from the device rates each worker measures at
+start. The fit is a ridge regression pulled toward that seed (a few pseudo-observations' worth),
+with older steps decaying, so early predictions are roofline and later ones are measured.
+
+The exposed KV transfer time (first token sampled -> send ended; layer-wise streaming hides the
+rest behind the prefill) is a second linear model, `latency + bytes / bandwidth`, fitted from the
+prefill worker's transfer measurements and seeded from a nominal bandwidth.
+
+TTFT predictions also carry a per-path bias (an average of measured - predicted), which absorbs
+what neither model sees: RPC hops, token delivery, the engine thread's wake-up.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.serving import WorkerInfo
+from engine.step_stats import StepStat
+
+NUM_FEATURES = 4
+
+
+def prefill_pairs(n: int, cached: int) -> float:
+    """Attention (query, key) pairs of prefilling n tokens after `cached` ones."""
+    return n * (cached + (n + 1) / 2)
+
+
+class OnlineRidge:
+    """Least squares with exponential forgetting, pulled toward a prior: minimises
+    sum_i decay^age_i (y_i - x_i.w)^2 + sum_j p_j (w_j - prior_j)^2. Coefficients are kept >= 0."""
+
+    def __init__(self, prior: np.ndarray, prior_precision: np.ndarray, decay: float) -> None:
+        self.prior = prior.astype(np.float64)
+        self.p = np.diag(prior_precision.astype(np.float64))
+        self.decay = decay
+        self.xtx = np.zeros((len(prior), len(prior)))
+        self.xty = np.zeros(len(prior))
+        self.n = 0
+        self._w: np.ndarray | None = None
+
+    def observe(self, x: np.ndarray, y: float) -> None:
+        self.xtx *= self.decay
+        self.xty *= self.decay
+        self.xtx += np.outer(x, x)
+        self.xty += x * y
+        self.n += 1
+        self._w = None
+
+    @property
+    def w(self) -> np.ndarray:
+        if self._w is None:
+            a = self.xtx + self.p
+            b = self.xty + self.p @ self.prior
+            self._w = np.maximum(np.linalg.solve(a, b), 0.0)
+        return self._w
+
+
+@dataclass(frozen=True, slots=True)
+class StepCoefficients:
+    base_s: float  # w0: per step
+    per_token_s: float  # w1
+    per_prefill_pair_s: float  # w2
+    per_context_token_s: float  # w3: per decode context token
+
+
+class StepTimeModel:
+    """One worker's step time (see the module docstring)."""
+
+    def __init__(self, info: WorkerInfo, prior_steps: float = 3.0, decay: float = 0.995) -> None:
+        rate = info.rate
+        attn = 4.0 * info.num_layers * info.num_heads * info.head_dim / rate.flops_per_s
+        seed = np.array(
+            [
+                info.weight_bytes / rate.bytes_per_s,
+                2.0 * info.num_params / rate.flops_per_s,
+                attn,
+                attn,
+            ]
+        )
+        # A prior "observation" per feature at a typical magnitude: prior_steps of them.
+        typical = np.array([1.0, 256.0, prefill_pairs(256, 0), 64.0 * 256])
+        self.fit = OnlineRidge(seed, prior_steps * typical**2, decay)
+        self.budget = info.max_num_batched_tokens
+
+    def observe(self, s: StepStat) -> None:
+        x = np.array([1.0, s.tokens, s.prefill_pairs, s.decode_context])
+        self.fit.observe(x, s.seconds)
+
+    @property
+    def coefficients(self) -> StepCoefficients:
+        w = self.fit.w
+        return StepCoefficients(float(w[0]), float(w[1]), float(w[2]), float(w[3]))
+
+    def step_s(self, tokens: float, pairs: float, decode_context: float) -> float:
+        w = self.fit.w
+        return float(w[0] + w[1] * tokens + w[2] * pairs + w[3] * decode_context)
+
+    def decode_step_s(self, batch: int, context: int) -> float:
+        return self.step_s(batch, 0.0, context) if batch else 0.0
+
+    def prefill_s(self, n: int, cached: int = 0) -> float:
+        """A prompt's prefill alone on an idle worker (chunked under the token budget)."""
+        return self.chunked_s(n, prefill_pairs(n, cached), 0, 0)[0]
+
+    def chunked_s(self, tokens: int, pairs: float, batch: int, context: int) -> tuple[float, float]:
+        """(time to compute `tokens` prefill tokens in chunks next to `batch` decodes of total
+        context `context`, the step time those decodes see meanwhile)."""
+        if tokens <= 0:
+            return 0.0, self.decode_step_s(batch, context)
+        chunk = max(1, self.budget - batch)
+        steps = math.ceil(tokens / chunk)
+        w = self.fit.w
+        total = steps * (w[0] + w[1] * batch + w[3] * context) + w[1] * tokens + w[2] * pairs
+        per_step = w[0] + w[1] * (batch + min(chunk, tokens)) + w[2] * pairs / steps
+        return float(total), float(per_step + w[3] * context)
+
+
+class TransferTimeModel:
+    """Exposed KV transfer time: latency + bytes / bandwidth, fitted from measurements."""
+
+    def __init__(self, bandwidth_bytes_s: float = 1e9, latency_s: float = 0.005) -> None:
+        seed = np.array([latency_s, 1.0 / bandwidth_bytes_s])
+        typical = np.array([1.0, 16e6])
+        self.fit = OnlineRidge(seed, 3.0 * typical**2, decay=0.98)
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        self.fit.observe(np.array([1.0, float(nbytes)]), seconds)
+
+    @property
+    def bandwidth_bytes_s(self) -> float:
+        per_byte = self.fit.w[1]
+        return 1.0 / per_byte if per_byte > 0 else math.inf
+
+    @property
+    def latency_s(self) -> float:
+        return float(self.fit.w[0])
+
+    def seconds(self, nbytes: int) -> float:
+        if nbytes <= 0:
+            return 0.0
+        return float(self.fit.w[0] + self.fit.w[1] * nbytes)
+
+
+class Bias:
+    """The running mean of (measured - predicted) TTFT for one path, and its relative error."""
+
+    def __init__(self, alpha: float = 0.1) -> None:
+        self.alpha = alpha
+        self.offset_s = 0.0
+        self.n = 0
+
+    def observe(self, predicted_s: float, measured_s: float) -> None:
+        err = measured_s - predicted_s
+        self.n += 1
+        a = max(self.alpha, 1.0 / self.n)
+        self.offset_s += a * (err - self.offset_s)

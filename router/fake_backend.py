@@ -1,0 +1,102 @@
+"""A stand-in for the Ray pools that answers at once, for measuring the router alone (its
+overhead benchmark) and for testing the request core without workers.
+
+Each request yields `max_tokens` tokens (token id i % vocab) in chunks of `chunk_tokens`, after
+an optional `gate` (an asyncio.Event) is set; it reports the same load every time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from engine.device_rate import DeviceRate
+from engine.sampling_params import SamplingParams
+from engine.serving import PrefillResult, TokenChunk, WorkerInfo, WorkerLoad
+
+
+def fake_info(
+    worker_id: str, role: str, vocab_size: int = 512, max_model_len: int = 4096
+) -> WorkerInfo:
+    return WorkerInfo(
+        worker_id=worker_id,
+        role=role,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        num_params=1_000_000,
+        weight_bytes=4_000_000,
+        kv_bytes_per_token=2 * 4 * 2 * 16 * 4,
+        block_size=16,
+        num_blocks=1024,
+        max_num_batched_tokens=512,
+        max_num_seqs=64,
+        max_model_len=max_model_len,
+        vocab_size=vocab_size,
+        rate=DeviceRate(flops_per_s=1e11, bytes_per_s=1e10),
+    )
+
+
+class FakeBackend:
+    def __init__(
+        self,
+        num_prefill: int = 1,
+        num_decode: int = 1,
+        vocab_size: int = 512,
+        chunk_tokens: int = 1,
+        gate: asyncio.Event | None = None,
+    ) -> None:
+        self.prefill_ids = [f"prefill-{i}" for i in range(num_prefill)]
+        self.decode_ids = [f"decode-{i}" for i in range(num_decode)]
+        self.vocab_size = vocab_size
+        self.chunk_tokens = chunk_tokens
+        self.gate = gate
+        self.started: list[str] = []  # request ids, in the order they reached the backend
+        self.closed: list[str] = []  # request ids whose stream ended, for any reason
+
+    async def infos(self) -> list[WorkerInfo]:
+        ids = [(w, "prefill") for w in self.prefill_ids] + [(w, "decode") for w in self.decode_ids]
+        return [fake_info(w, role, self.vocab_size) for w, role in ids]
+
+    async def load(self) -> list[WorkerLoad]:
+        return [
+            WorkerLoad(
+                w, "decode" if w.startswith("decode") else "prefill", 0, 0, 0, 0.0, 1024, 1024, 0
+            )
+            for w in [*self.prefill_ids, *self.decode_ids]
+        ]
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        path: str,
+        request_id: str | None,
+        prefill_worker: str | None,
+        decode_worker: str | None,
+        on_prefill: Callable[[PrefillResult], None] | None = None,
+    ) -> AsyncIterator[TokenChunk]:
+        rid = request_id or "fake"
+        self.started.append(rid)
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            n = params.max_tokens
+            for start in range(0, n, self.chunk_tokens):
+                end = min(n, start + self.chunk_tokens)
+                ids = tuple(i % self.vocab_size for i in range(start, end))
+                last = start + self.chunk_tokens >= n
+                yield TokenChunk(
+                    request_id=rid,
+                    token_ids=ids,
+                    text="x" * len(ids),
+                    finished=last,
+                    finish_reason="length" if last else None,
+                    num_prompt_tokens=len(prompt_token_ids),
+                    worker_id=decode_worker or "",
+                    emitted_at=time.monotonic(),
+                )
+        finally:
+            self.closed.append(rid)

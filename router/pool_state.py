@@ -1,0 +1,131 @@
+"""The router's own view of each worker: what it has sent there and not yet seen finish, which
+prompt prefixes the worker should hold in its prefix cache, its last polled load, and its
+step-time model.
+
+The router is the only one handing work to the pools, so its books are exact and current for
+what it placed (a poll would be a step late); the polled load adds what only the worker knows
+(KV usage, preemptions, its step times).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.prefix_hash import max_cacheable_tokens
+from engine.serving import WorkerInfo, WorkerLoad
+from router.cost_model import StepTimeModel
+
+
+class PrefixIndex:
+    """The block hashes a worker's prefix cache should hold, least recently used first, at most
+    as many as the worker has blocks. An estimate: the worker may have evicted some sooner."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity = max(1, capacity_blocks)
+        self._lru: OrderedDict[bytes, None] = OrderedDict()
+
+    def match(self, hashes: Sequence[bytes]) -> int:
+        """How many leading hashes are held."""
+        n = 0
+        for h in hashes:
+            if h not in self._lru:
+                break
+            n += 1
+        return n
+
+    def insert(self, hashes: Sequence[bytes]) -> None:
+        for h in hashes:
+            self._lru[h] = None
+            self._lru.move_to_end(h)
+        while len(self._lru) > self.capacity:
+            self._lru.popitem(last=False)
+
+
+@dataclass(slots=True)
+class _Prefill:
+    tokens: int
+    pairs: float
+
+
+@dataclass(slots=True)
+class _Decode:
+    context: int
+    itl_slo_s: float
+
+
+class WorkerState:
+    def __init__(self, info: WorkerInfo) -> None:
+        self.info = info
+        self.worker_id = info.worker_id
+        self.model = StepTimeModel(info)
+        self.prefix = PrefixIndex(info.num_blocks)
+        self._prefills: dict[str, _Prefill] = {}
+        self._decodes: dict[str, _Decode] = {}
+        self.load: WorkerLoad | None = None
+
+    # -- what the router placed here -----------------------------------------------------------
+    def add_prefill(self, rid: str, tokens: int, pairs: float) -> None:
+        self._prefills[rid] = _Prefill(tokens, pairs)
+
+    def add_decode(self, rid: str, context: int, itl_slo_s: float) -> None:
+        self._decodes[rid] = _Decode(context, itl_slo_s)
+
+    def grow(self, rid: str, tokens: int) -> None:
+        d = self._decodes.get(rid)
+        if d is not None:
+            d.context += tokens
+
+    def done(self, rid: str) -> None:
+        """Forget `rid`'s prefill (its first token came or it ended)."""
+        self._prefills.pop(rid, None)
+
+    def finish(self, rid: str) -> None:
+        self._prefills.pop(rid, None)
+        self._decodes.pop(rid, None)
+
+    @property
+    def queued_prefills(self) -> int:
+        return len(self._prefills)
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(p.tokens for p in self._prefills.values())
+
+    @property
+    def queued_pairs(self) -> float:
+        return sum(p.pairs for p in self._prefills.values())
+
+    @property
+    def batch(self) -> int:
+        return len(self._decodes)
+
+    @property
+    def context(self) -> int:
+        return sum(d.context for d in self._decodes.values())
+
+    @property
+    def min_itl_slo_s(self) -> float:
+        """The tightest ITL SLO among the requests decoding here (inf when none)."""
+        return min((d.itl_slo_s for d in self._decodes.values()), default=float("inf"))
+
+    # -- what the worker knows ------------------------------------------------------------------
+    def cached_tokens(self, hashes: Sequence[bytes], prompt_len: int) -> int:
+        held = self.prefix.match(hashes) * self.info.block_size
+        return min(held, max_cacheable_tokens(prompt_len, self.info.block_size))
+
+    def absorb(self, load: WorkerLoad) -> None:
+        self.load = load
+        for s in load.steps:
+            self.model.observe(s)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.load.kv_usage if self.load is not None else 0.0
+
+    @property
+    def load_score(self) -> float:
+        """Active tokens over the KV capacity, plus the polled KV usage: 0 idle, ~2 full."""
+        capacity = self.info.num_blocks * self.info.block_size
+        return (self.context + self.queued_tokens) / capacity + self.kv_usage

@@ -1,0 +1,129 @@
+"""`pdserve serve`: the pools, the request core and the gRPC server, started and stopped in order.
+
+Start: Ray (local on 127.0.0.1 unless an address is given) and the worker actors, the
+tokenizer, the core (with its load poller), then the gRPC server on host:port with health
+SERVING. Stop (SIGINT/SIGTERM, or `stop()`): health NOT_SERVING, no new RPCs, in-flight requests
+drained for up to `drain_timeout_s` (then cancelled, which aborts them on the workers), the
+poller, the actors, and Ray if this process started it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from engine.config import ModelConfig
+from engine.loader import load_tokenizer
+from router.cluster import Cluster, ClusterConfig, init_ray
+from router.convert import ModelLimits
+from router.core import Backend, RequestCore, RouterConfig
+from router.servicer import SERVICE, GenerationServicer, add_services
+
+log = logging.getLogger("pdserve.server")
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: any free port (see Server.port)
+    drain_timeout_s: float = 30.0
+
+
+class Server:
+    """One running pdserve server. `backend` replaces the Ray pools (tests, benchmarks)."""
+
+    def __init__(
+        self, config: ServeConfig, backend: Backend | None = None, tokenizer: Any = None
+    ) -> None:
+        self.config = config
+        self._backend = backend
+        self._tokenizer = tokenizer
+        self.cluster: Cluster | None = None
+        self.core: RequestCore | None = None
+        self.grpc: grpc.aio.Server | None = None
+        self.port = 0
+        self._health: Any = None
+
+    async def start(self) -> None:
+        c = self.config
+        backend = self._backend
+        if backend is None:
+            init_ray(c.cluster.address)  # on this thread: Ray sets its signal handlers here
+            self.cluster = await asyncio.to_thread(Cluster, c.cluster)
+            backend = self.cluster
+        tokenizer = self._tokenizer
+        if tokenizer is None:
+            model = ModelConfig(model=c.cluster.model)
+            tokenizer = await asyncio.to_thread(load_tokenizer, model)
+        infos = await backend.infos()
+        limits = ModelLimits(vocab_size=infos[0].vocab_size, max_model_len=infos[0].max_model_len)
+        self.core = RequestCore(backend, infos, c.router)
+        await self.core.refresh()
+        self.core.start()
+        self.grpc = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        self._health = await add_services(
+            self.grpc, GenerationServicer(self.core, tokenizer, limits)
+        )
+        self.port = self.grpc.add_insecure_port(f"{c.host}:{c.port}")
+        if self.port == 0:
+            raise OSError(f"could not listen on {c.host}:{c.port}")
+        await self.grpc.start()
+        log.info(
+            "pdserve listening on %s:%d (%d prefill, %d decode workers, policy %s)",
+            c.host,
+            self.port,
+            len(backend.prefill_ids),
+            len(backend.decode_ids),
+            c.router.policy.policy.value,
+        )
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def stop(self) -> None:
+        if self._health is not None:
+            for name in ("", SERVICE):
+                await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.grpc is not None:
+            await self.grpc.stop(self.config.drain_timeout_s)
+            self.grpc = None
+        if self.core is not None:
+            await self.core.stop()
+        if self.cluster is not None:
+            await asyncio.to_thread(self.cluster.shutdown)
+            self.cluster = None
+
+
+async def serve(config: ServeConfig) -> None:
+    """Run until SIGINT or SIGTERM, then drain and stop."""
+    server = Server(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.start()
+        await stop.wait()
+        log.info(
+            "shutting down: draining in-flight requests (up to %.0f s)", config.drain_timeout_s
+        )
+    finally:
+        with contextlib.suppress(Exception):
+            await server.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,37 @@
+"""A pdserve server running on its own event-loop thread, for tests that talk to it over gRPC
+from the main thread with the blocking client."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from router.server import ServeConfig, Server
+
+T = TypeVar("T")
+
+
+class ServerThread:
+    def __init__(self, config: ServeConfig, **kwargs: Any) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.server = Server(config, **kwargs)
+        self.run(self.server.start(), timeout=300)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:
+        """Run `coro` on the server's loop and wait (bounded) for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def close(self) -> None:
+        try:
+            self.run(self.server.stop(), timeout=120)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)

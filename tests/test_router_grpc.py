@@ -1,0 +1,245 @@
+"""The router end to end over gRPC on 127.0.0.1: a real server, 1 prefill x 2 decode Ray workers
+with a tiny model, and the blocking gRPC client."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve_proto import generation_pb2 as pb
+from pdserve_proto import generation_pb2_grpc as pb_grpc
+from router.cluster import ClusterConfig
+from router.policy import Policy, PolicyConfig
+from router.server import ServeConfig
+from tests.grpc_server import ServerThread
+from tests.helpers import hf_greedy, random_prompts
+
+MAX_NEW = 10
+MODEL = "tiny-llama"  # vocabulary 259, context 1024
+
+
+@pytest.fixture(scope="module")
+def srv():
+    engine = EngineConfig(
+        cache=CacheConfig(block_size=4, num_blocks=512),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=16),
+    )
+    config = ServeConfig(
+        cluster=ClusterConfig(
+            model=MODEL, num_prefill=1, num_decode=2, engine=engine, kv_transfer_deadline_s=10
+        ),
+        port=0,
+        drain_timeout_s=5,
+    )
+    s = ServerThread(config)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def stub(srv):
+    with grpc.insecure_channel(srv.address) as channel:
+        yield pb_grpc.GenerationStub(channel)
+
+
+def set_policy(srv, policy: Policy, **kw) -> None:
+    planner = srv.server.core.planner
+    planner.config = replace(PolicyConfig(), policy=policy, **kw)
+
+
+def assert_pools_full(srv, within_s: float = 0.0) -> None:
+    """Every worker's pool is full and idle, now or within `within_s` seconds."""
+    deadline = time.monotonic() + within_s
+    while True:
+        loads = srv.run(srv.server.cluster.load())
+        busy = [
+            ld
+            for ld in loads
+            if ld.num_free_blocks != ld.num_blocks or ld.running or ld.waiting or ld.held
+            or ld.waiting_for_kv or ld.open_transfers
+        ]
+        if not busy:
+            break
+        assert time.monotonic() < deadline, busy
+        time.sleep(0.02)
+    core = srv.server.core
+    assert core.pending == 0 and core.active == 0
+
+
+def greedy(ids, **kw) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        prompt_token_ids=ids, sampling=pb.SamplingParams(max_tokens=MAX_NEW, temperature=0.0, **kw)
+    )
+
+
+def stream_tokens(stub, req, timeout=60):
+    msgs = list(stub.Generate(req, timeout=timeout))
+    assert all(not m.HasField("final") for m in msgs[:-1]) and msgs[-1].HasField("final")
+    return [t for m in msgs for t in m.token_ids], msgs[-1].final
+
+
+def unary_tokens(stub, req, timeout=60):
+    resp = stub.Complete(req, timeout=timeout)
+    return list(resp.token_ids), resp.final
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("policy", list(Policy))
+def test_every_policy_matches_transformers_streaming_and_unary(srv, stub, policy):
+    set_policy(srv, policy, threshold_tokens=20, threshold_queue=100)
+    # Fresh prompts per policy: an earlier policy's prompts sit in the prefix caches.
+    prompts = random_prompts([3, 9, 16, 17, 25, 33, 48, 61], seed=71 + list(Policy).index(policy))
+    calls = [stream_tokens if i % 2 == 0 else unary_tokens for i in range(len(prompts))]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futs = [pool.submit(call, stub, greedy(p)) for call, p in zip(calls, prompts)]
+        results = [f.result(timeout=120) for f in futs]
+    for p, (toks, final) in zip(prompts, results):
+        assert toks == hf_greedy(MODEL, p, MAX_NEW), f"{policy}: prompt of {len(p)} tokens"
+        assert final.usage.prompt_tokens == len(p)
+        assert final.usage.completion_tokens == len(toks)
+        assert final.decode_worker in ("decode-0", "decode-1")
+        assert final.ttft_ms > 0 and final.decision_reason
+        assert {pr.path for pr in final.predictions} == {pb.PATH_COLOCATED, pb.PATH_DISAGGREGATED}
+        expected = {
+            Policy.COLOCATED: pb.PATH_COLOCATED,
+            Policy.DISAGGREGATED: pb.PATH_DISAGGREGATED,
+            Policy.THRESHOLD: pb.PATH_DISAGGREGATED if len(p) > 20 else pb.PATH_COLOCATED,
+        }.get(policy)
+        if expected is not None:
+            assert final.path == expected, (len(p), final.decision_reason)
+        if final.path == pb.PATH_DISAGGREGATED:
+            assert final.prefill_worker == "prefill-0"
+    assert_pools_full(srv, within_s=2)
+
+
+def test_text_prompt_streams_text_and_the_client_override_wins(srv, stub):
+    set_policy(srv, Policy.COLOCATED)
+    req = pb.GenerateRequest(
+        prompt="hello, world",
+        sampling=pb.SamplingParams(max_tokens=6, temperature=0.0),
+        path=pb.PATH_DISAGGREGATED,
+    )
+    msgs = list(stub.Generate(req, timeout=60))
+    final = msgs[-1].final
+    assert final.path == pb.PATH_DISAGGREGATED
+    assert final.decision_reason == "disaggregated: requested by the client"
+    assert final.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP)
+    assert all(m.request_id == msgs[0].request_id for m in msgs) and msgs[0].request_id
+    assert_pools_full(srv, within_s=2)
+
+
+def test_health_serving_and_reflection_lists_the_service(srv):
+    with grpc.insecure_channel(srv.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", "pdserve.v1.Generation"):
+            resp = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answers = list(
+            refl.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+            )
+        )
+        names = {s.name for s in answers[0].list_services_response.service}
+        assert "pdserve.v1.Generation" in names and "grpc.health.v1.Health" in names
+
+
+def _bad(**kw) -> pb.GenerateRequest:
+    sampling = kw.pop("sampling", {})
+    fields = {"prompt_token_ids": [1, 2, 3]}
+    if {"prompt", "messages", "prompt_token_ids"} & kw.keys():
+        fields = {}
+    return pb.GenerateRequest(**fields, **kw, sampling=pb.SamplingParams(**sampling))
+
+
+BAD_REQUESTS = {
+    "empty prompt": (_bad(prompt_token_ids=[]), "prompt"),
+    "unknown chat role": (
+        _bad(messages=[pb.ChatMessage(role="wizard", content="hi")]),
+        "messages[0].role",
+    ),
+    "max_tokens 0": (_bad(sampling={"max_tokens": 0}), "max_tokens"),
+    "max_tokens past the context": (_bad(sampling={"max_tokens": 5000}), "max_tokens"),
+    "negative temperature": (_bad(sampling={"temperature": -0.5}), "temperature"),
+    "top_p 0": (_bad(sampling={"top_p": 0.0}), "top_p"),
+    "token id outside the vocabulary": (_bad(prompt_token_ids=[1, 259, 2]), "prompt_token_ids"),
+    "10 MB prompt": (_bad(prompt="a" * (10 << 20)), "prompt"),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_bad_request_is_refused_naming_the_field(srv, stub, case):
+    req, field = BAD_REQUESTS[case]
+    for call in (stub.Complete, lambda r, timeout: list(stub.Generate(r, timeout=timeout))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(req, timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith(f"{field}:"), err.value.details()
+    # The server keeps serving.
+    toks, _ = unary_tokens(stub, greedy([5, 6, 7]))
+    assert toks == hf_greedy(MODEL, [5, 6, 7], MAX_NEW)
+
+
+def test_invalid_utf8_in_a_stop_string_is_refused_naming_the_field(srv):
+    raw = greedy([1, 2, 3], stop=["ok", "XSTOPX"]).SerializeToString()
+    raw = raw.replace(b"XSTOPX", b"X\xff\xfeOPX")
+    with grpc.insecure_channel(srv.address) as channel:
+        call = channel.unary_unary("/pdserve.v1.Generation/Complete")
+        with pytest.raises(grpc.RpcError) as err:
+            call(raw, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "sampling.stop[1]: is not valid UTF-8"
+
+
+def test_full_queue_is_refused_at_once_with_a_retry_hint(srv, stub):
+    core = srv.server.core
+    saved = core.config
+    core.config = replace(saved, max_pending=0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Complete(greedy([1, 2, 3]), timeout=30)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        core.config = saved
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    meta = dict(err.value.trailing_metadata())
+    assert int(meta["retry-after-ms"]) >= 1 and meta["pdserve-reject-reason"] == "queue_full"
+    assert_pools_full(srv)
+
+
+def _long(path) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        prompt_token_ids=random_prompts([40], seed=3)[0],
+        sampling=pb.SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True),
+        path=path,
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", [pb.PATH_COLOCATED, pb.PATH_DISAGGREGATED])
+def test_cancelled_stream_frees_its_blocks_on_every_worker_within_a_second(srv, stub, path):
+    call = stub.Generate(_long(path), timeout=60)
+    got = 0
+    for msg in call:
+        got += len(msg.token_ids)
+        if got >= 3:
+            break
+    call.cancel()
+    assert_pools_full(srv, within_s=1.0)
+
+
+@pytest.mark.timeout(60)
+def test_deadline_aborts_the_request_everywhere(srv, stub):
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(_long(pb.PATH_DISAGGREGATED), timeout=0.3))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_pools_full(srv, within_s=1.0)
