@@ -18,7 +18,7 @@ with older steps decaying, so early predictions are roofline and later ones are 
 
 The exposed KV transfer time (first token sampled -> send ended; layer-wise streaming hides the
 rest behind the prefill) is a second linear model, `latency + bytes / bandwidth`, fitted from the
-prefill worker's transfer measurements and seeded from a nominal bandwidth.
+prefill worker's latest transfer measurements and seeded from a nominal bandwidth.
 
 TTFT predictions also carry a per-path bias (an average of measured - predicted), which absorbs
 what neither model sees: RPC hops, token delivery, the engine thread's wake-up.
@@ -27,6 +27,7 @@ what neither model sees: RPC hops, token delivery, the engine thread's wake-up.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,11 +45,14 @@ def prefill_pairs(n: int, cached: int) -> float:
 
 class OnlineRidge:
     """Least squares with exponential forgetting, pulled toward a prior: minimises
-    sum_i decay^age_i (y_i - x_i.w)^2 + sum_j p_j (w_j - prior_j)^2. Coefficients are kept >= 0."""
+    sum_i decay^age_i (y_i - x_i.w)^2 + decay^n sum_j p_j (w_j - prior_j)^2. The prior acts as
+    pseudo-observations made before the first real one, and ages like them: it decides the first
+    predictions and fades as measurements come. Coefficients are kept >= 0."""
 
-    def __init__(self, prior: np.ndarray, prior_precision: np.ndarray, decay: float) -> None:
+    def __init__(self, prior: np.ndarray, typical: np.ndarray, strength: float, decay: float):
+        """`strength` pseudo-observations of each feature alone at its `typical` value."""
         self.prior = prior.astype(np.float64)
-        self.p = np.diag(prior_precision.astype(np.float64))
+        self.p = np.diag(strength * typical.astype(np.float64) ** 2)
         self.decay = decay
         self.xtx = np.zeros((len(prior), len(prior)))
         self.xty = np.zeros(len(prior))
@@ -58,6 +62,7 @@ class OnlineRidge:
     def observe(self, x: np.ndarray, y: float) -> None:
         self.xtx *= self.decay
         self.xty *= self.decay
+        self.p *= self.decay
         self.xtx += np.outer(x, x)
         self.xty += x * y
         self.n += 1
@@ -66,10 +71,23 @@ class OnlineRidge:
     @property
     def w(self) -> np.ndarray:
         if self._w is None:
-            a = self.xtx + self.p
-            b = self.xty + self.p @ self.prior
-            self._w = np.maximum(np.linalg.solve(a, b), 0.0)
+            self._w = self._solve()
         return self._w
+
+    def _solve(self) -> np.ndarray:
+        """Non-negative: a coefficient the unconstrained fit makes negative is fixed at 0 and
+        the rest refitted without it (most negative first), until none is."""
+        a = self.xtx + self.p
+        b = self.xty + self.p @ self.prior
+        free = list(range(len(b)))
+        w = np.zeros(len(b))
+        while free:
+            sol = np.linalg.solve(a[np.ix_(free, free)], b[free])
+            if (sol >= 0).all():
+                w[free] = sol
+                break
+            free.pop(int(np.argmin(sol)))
+        return w
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +112,8 @@ class StepTimeModel:
                 attn,
             ]
         )
-        # A prior "observation" per feature at a typical magnitude: prior_steps of them.
         typical = np.array([1.0, 256.0, prefill_pairs(256, 0), 64.0 * 256])
-        self.fit = OnlineRidge(seed, prior_steps * typical**2, decay)
+        self.fit = OnlineRidge(seed, typical, prior_steps, decay)
         self.budget = info.max_num_batched_tokens
 
     def observe(self, s: StepStat) -> None:
@@ -133,29 +150,57 @@ class StepTimeModel:
 
 
 class TransferTimeModel:
-    """Exposed KV transfer time: latency + bytes / bandwidth, fitted from measurements."""
+    """Exposed KV transfer time, latency + bytes / bandwidth: a fit of the latest `window`
+    measurements, weighing relative errors (sizes span orders of magnitude); the seed stands in
+    until two sizes have been seen, and supplies the latency while all sizes are alike."""
 
-    def __init__(self, bandwidth_bytes_s: float = 1e9, latency_s: float = 0.005) -> None:
-        seed = np.array([latency_s, 1.0 / bandwidth_bytes_s])
-        typical = np.array([1.0, 16e6])
-        self.fit = OnlineRidge(seed, 3.0 * typical**2, decay=0.98)
+    def __init__(
+        self, bandwidth_bytes_s: float = 1e9, latency_s: float = 0.005, window: int = 32
+    ) -> None:
+        self.seed = (latency_s, 1.0 / bandwidth_bytes_s)
+        self._obs: deque[tuple[float, float]] = deque(maxlen=window)
+        self._fit: tuple[float, float] | None = self.seed
 
     def observe(self, nbytes: int, seconds: float) -> None:
-        self.fit.observe(np.array([1.0, float(nbytes)]), seconds)
+        if nbytes > 0 and seconds > 0:
+            self._obs.append((float(nbytes), seconds))
+            self._fit = None
+
+    def _coefficients(self) -> tuple[float, float]:
+        if self._fit is None:
+            self._fit = self._solve()
+        return self._fit
+
+    def _solve(self) -> tuple[float, float]:
+        if not self._obs:
+            return self.seed
+        x = np.array([b for b, _ in self._obs])
+        y = np.array([t for _, t in self._obs])
+        if x.max() < 1.5 * x.min():  # one size: latency can't be told from bandwidth
+            lat = min(self.seed[0], float(y.min()) / 2)
+            return lat, float(np.mean((y - lat) / x))
+        a = np.stack([np.ones_like(x), x], axis=1) / y[:, None]  # rows scaled: relative error
+        lat, per_byte = np.linalg.lstsq(a, np.ones_like(y), rcond=None)[0]
+        if per_byte <= 0:  # no visible size effect: all latency
+            return float(np.mean(y)), 0.0
+        if lat < 0:  # no visible fixed cost: all bandwidth
+            return 0.0, float(np.mean(y / x))
+        return float(lat), float(per_byte)
 
     @property
     def bandwidth_bytes_s(self) -> float:
-        per_byte = self.fit.w[1]
+        per_byte = self._coefficients()[1]
         return 1.0 / per_byte if per_byte > 0 else math.inf
 
     @property
     def latency_s(self) -> float:
-        return float(self.fit.w[0])
+        return self._coefficients()[0]
 
     def seconds(self, nbytes: int) -> float:
         if nbytes <= 0:
             return 0.0
-        return float(self.fit.w[0] + self.fit.w[1] * nbytes)
+        lat, per_byte = self._coefficients()
+        return lat + per_byte * nbytes
 
 
 class Bias:

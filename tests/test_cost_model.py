@@ -1,0 +1,225 @@
+"""The cost model and the policies with injected measurements: no workers, no clock."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from engine.prefix_hash import block_hashes
+from engine.step_stats import StepStat
+from router.convert import RoutePath
+from router.cost_model import StepTimeModel, TransferTimeModel, prefill_pairs
+from router.fake_backend import fake_info
+from router.policy import Planner, Policy, PolicyConfig, RequestShape, pick_decode
+from router.pool_state import WorkerState
+
+# The "true" step time of the injected workers: 20 ms + 2 ms/token + attention terms.
+TRUE = np.array([0.020, 0.002, 2e-7, 1e-7])
+BLOCK = 16
+
+
+def true_step(tokens: int, pairs: float, ctx: int) -> float:
+    return float(TRUE @ np.array([1.0, tokens, pairs, ctx]))
+
+
+def trained(worker_id: str, role: str, seed: int = 0) -> WorkerState:
+    """A worker whose model has seen 300 steps of mixed shapes timed by TRUE (+-2% noise)."""
+    state = WorkerState(replace(fake_info(worker_id, role), block_size=BLOCK))
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        batch = int(rng.integers(0, 32))
+        ctx = batch * int(rng.integers(16, 1024))
+        chunk = int(rng.choice([0, 0, 16, 128, 512 - batch]))
+        cached = int(rng.integers(0, 1024)) if chunk else 0
+        pairs = prefill_pairs(chunk, cached)
+        if batch + chunk == 0:
+            continue
+        t = true_step(batch + chunk, pairs, ctx) * (1 + rng.normal(0, 0.02))
+        state.model.observe(StepStat(batch + chunk, chunk, pairs, batch, ctx, t))
+    return state
+
+
+def shape(n: int, seed: int = 0, max_tokens: int = 64, slo_ttft=30.0, slo_itl=10.0):
+    ids = np.random.default_rng(seed).integers(0, 500, n).tolist()
+    return RequestShape(n, tuple(block_hashes(ids, BLOCK)), max_tokens, slo_ttft, slo_itl)
+
+
+def planner(policy: Policy = Policy.AUTO, **kw) -> Planner:
+    transfer = TransferTimeModel()
+    for nbytes in (1e5, 1e6, 1e7, 5e7):  # measured: 30 ms latency, 2 GB/s
+        for _ in range(5):
+            transfer.observe(int(nbytes), 0.030 + nbytes / 2e9)
+    return Planner(PolicyConfig(policy=policy, **kw), transfer)
+
+
+def with_decodes(state: WorkerState, n: int, ctx: int, itl_slo_s: float) -> WorkerState:
+    for i in range(n):
+        state.add_decode(f"running-{i}", ctx, itl_slo_s)
+    return state
+
+
+def test_step_model_starts_at_the_roofline_and_learns_the_measured_steps():
+    info = fake_info("d", "decode")
+    fresh = StepTimeModel(info)
+    c = fresh.coefficients
+    assert c.per_token_s == pytest.approx(2 * info.num_params / info.rate.flops_per_s, rel=0.01)
+    assert c.base_s == pytest.approx(info.weight_bytes / info.rate.bytes_per_s, rel=0.01)
+    model = trained("d", "decode").model
+    for n, cached in ((16, 0), (512, 0), (2000, 500)):
+        want = sum(
+            true_step(min(512, n - s), prefill_pairs(min(512, n - s), cached + s), 0)
+            for s in range(0, n, 512)
+        )
+        assert model.prefill_s(n, cached) == pytest.approx(want, rel=0.05), n
+    assert model.decode_step_s(16, 16 * 300) == pytest.approx(true_step(16, 0, 4800), rel=0.05)
+
+
+def test_transfer_model_uses_the_measured_bandwidth():
+    t = planner().transfer
+    assert t.bandwidth_bytes_s == pytest.approx(2e9, rel=0.1)
+    assert t.latency_s == pytest.approx(0.030, rel=0.1)
+
+
+def test_choice_moves_to_disaggregated_as_prompts_grow_next_to_running_decodes():
+    pl = planner()
+    p = trained("prefill-0", "prefill")
+    d = with_decodes(trained("decode-0", "decode", seed=1), 8, 400, itl_slo_s=0.2)
+    paths = {}
+    for n in (8, 64, 256, 1024, 4000):
+        decision = pl.decide(shape(n, seed=n), [p], [d])
+        paths[n] = decision.chosen.path
+        assert decision.reason and decision.reason_code
+    assert paths[8] is RoutePath.COLOCATED
+    assert paths[4000] is RoutePath.DISAGGREGATED
+    flips = [n for n, a, b in zip(paths, paths.values(), list(paths.values())[1:]) if a is not b]
+    assert len(flips) == 1, paths  # one switch point as prompts grow
+
+
+def test_short_prompts_stay_colocated_and_say_why():
+    pl = planner()
+    p, d = trained("prefill-0", "prefill"), trained("decode-0", "decode", seed=1)
+    decision = pl.decide(shape(16), [p], [d])
+    assert decision.chosen.path is RoutePath.COLOCATED
+    assert decision.reason.startswith("colocated: predicted TTFT")
+    best = {b.path: b for b in decision.best}
+    assert best[RoutePath.COLOCATED].ttft_s < best[RoutePath.DISAGGREGATED].ttft_s
+
+
+def _disaggregated_wins(pl, p, d):
+    decision = pl.decide(shape(2000, seed=5), [p], [d])
+    assert decision.chosen.path is RoutePath.DISAGGREGATED, decision.reason
+    return decision
+
+
+def test_a_saturated_prefill_pool_moves_the_choice_to_colocated():
+    pl = planner()
+    p = trained("prefill-0", "prefill")
+    d = with_decodes(trained("decode-0", "decode", seed=1), 32, 300, itl_slo_s=10.0)
+    _disaggregated_wins(pl, p, d)
+    for i in range(12):
+        p.add_prefill(f"queued-{i}", 2000, prefill_pairs(2000, 0))
+    decision = pl.decide(shape(2000, seed=5), [p], [d])
+    assert decision.chosen.path is RoutePath.COLOCATED, decision.reason
+    best = {b.path: b for b in decision.best}
+    assert best[RoutePath.DISAGGREGATED].queue_s > 10 * best[RoutePath.COLOCATED].queue_s
+    assert "vs" in decision.reason and decision.reason_code.startswith("cost")
+
+
+def test_a_drop_in_measured_bandwidth_moves_the_choice_to_colocated():
+    pl = planner()
+    p = trained("prefill-0", "prefill")
+    d = with_decodes(trained("decode-0", "decode", seed=1), 32, 300, itl_slo_s=10.0)
+    before = _disaggregated_wins(pl, p, d)
+    for _ in range(15):  # the link slows to 2 MB/s
+        for nbytes in (1e5, 1e6, 4e6):
+            pl.transfer.observe(int(nbytes), 0.030 + nbytes / 2e6)
+    assert pl.transfer.bandwidth_bytes_s < 4e6
+    after = pl.decide(shape(2000, seed=5), [p], [d])
+    assert after.chosen.path is RoutePath.COLOCATED, after.reason
+    disagg = {b.path: b for b in after.best}[RoutePath.DISAGGREGATED]
+    assert disagg.transfer_s > 10 * before.chosen.transfer_s
+
+
+def test_colocated_never_pushes_a_running_request_past_its_itl_slo_when_another_choice_exists():
+    pl = planner()
+    p = trained("prefill-0", "prefill")
+    d = with_decodes(trained("decode-0", "decode", seed=1), 4, 200, itl_slo_s=0.15)
+    # A long prompt next to a loose TTFT SLO: colocated has the lower TTFT (no transfer), but
+    # its 512-token chunks would stretch the running requests' ITL to over a second.
+    decision = pl.decide(shape(1500, seed=9), [p], [d])
+    assert decision.chosen.path is RoutePath.DISAGGREGATED
+    assert decision.reason_code == "itl_guard"
+    assert "past its SLO" in decision.reason
+    colo = {b.path: b for b in decision.best}[RoutePath.COLOCATED]
+    assert colo.pushes_running and colo.running_itl_s > 0.15
+    # With no prefill worker there is no other choice: colocated, and said so.
+    alone = pl.decide(shape(1500, seed=9), [], [d])
+    assert alone.chosen.path is RoutePath.COLOCATED
+    assert "every choice pushes" in alone.reason
+
+
+def test_threshold_policy_is_dynamos_rule():
+    pl = planner(Policy.THRESHOLD, threshold_tokens=100, threshold_queue=2)
+    p, d = trained("prefill-0", "prefill"), trained("decode-0", "decode", seed=1)
+    assert pl.decide(shape(64), [p], [d]).chosen.path is RoutePath.COLOCATED
+    long = pl.decide(shape(300), [p], [d])
+    assert long.chosen.path is RoutePath.DISAGGREGATED and long.reason_code == "threshold_remote"
+    p.add_prefill("a", 10, 10.0)
+    p.add_prefill("b", 10, 10.0)
+    busy = pl.decide(shape(300, seed=1), [p], [d])
+    assert busy.chosen.path is RoutePath.COLOCATED and "prefill queue" in busy.reason
+    # Tokens the decode worker already caches do not count toward T.
+    idle_p = trained("prefill-1", "prefill")
+    d.prefix.insert(shape(300, seed=2).hashes)
+    cached = pl.decide(shape(300, seed=2), [idle_p], [d])
+    assert cached.chosen.path is RoutePath.COLOCATED, cached.reason
+    assert "12 uncached tokens" in cached.reason
+
+
+def test_fixed_policies_and_the_client_override():
+    p, d = trained("prefill-0", "prefill"), trained("decode-0", "decode", seed=1)
+    assert planner(Policy.COLOCATED).decide(shape(4000), [p], [d]).chosen.path is (
+        RoutePath.COLOCATED
+    )
+    assert planner(Policy.DISAGGREGATED).decide(shape(8), [p], [d]).chosen.path is (
+        RoutePath.DISAGGREGATED
+    )
+    over = planner(Policy.COLOCATED).decide(shape(8), [p], [d], RoutePath.DISAGGREGATED)
+    assert over.chosen.path is RoutePath.DISAGGREGATED and over.reason_code == "override"
+    none = planner(Policy.DISAGGREGATED).decide(shape(8), [], [d])
+    assert none.chosen.path is RoutePath.COLOCATED and none.reason_code == "no_prefill_workers"
+
+
+def test_decode_worker_by_load_with_prefix_affinity_when_loads_are_close():
+    a, b = trained("decode-0", "decode"), trained("decode-1", "decode", seed=1)
+    req = shape(320, seed=4)
+    b.prefix.insert(req.hashes)
+    with_decodes(b, 2, 100, 1.0)  # b is a little busier but holds the prefix
+    assert pick_decode(req, [a, b], margin=0.1) is b
+    with_decodes(b, 60, 400, 1.0)  # now far busier: load wins over affinity
+    assert pick_decode(req, [a, b], margin=0.1) is a
+    # The cost model sees the cached prefix too: fewer uncached tokens on b.
+    pl = planner()
+    c = pl.candidates(req, [], [a, b])
+    assert {x.decode_worker: x.uncached_tokens for x in c} == {"decode-0": 320, "decode-1": 16}
+
+
+def test_prefill_worker_by_predicted_queue_time():
+    pl = planner(Policy.DISAGGREGATED)
+    p0, p1 = trained("prefill-0", "prefill"), trained("prefill-1", "prefill", seed=2)
+    d = trained("decode-0", "decode", seed=1)
+    p0.add_prefill("x", 3000, prefill_pairs(3000, 0))
+    assert pl.decide(shape(100), [p0, p1], [d]).chosen.prefill_worker == "prefill-1"
+
+
+def test_measured_ttft_trains_the_bias_of_its_path():
+    pl = planner()
+    p, d = trained("prefill-0", "prefill"), trained("decode-0", "decode", seed=1)
+    first = pl.decide(shape(16), [p], [d]).chosen
+    for _ in range(50):
+        pl.bias[first.path].observe(first.raw_ttft_s, first.raw_ttft_s + 0.040)
+    again = pl.decide(shape(16, seed=3), [p], [d])
+    same = next(b for b in again.best if b.path is first.path)
+    assert same.ttft_s - same.raw_ttft_s == pytest.approx(0.040, rel=0.01)

@@ -1,0 +1,110 @@
+"""The request core over a fake backend: admission, books, cancellation, the decision record."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from router.convert import ParsedRequest, RoutePath
+from router.core import Overloaded, RequestCore, RouterConfig
+from router.fake_backend import FakeBackend
+
+
+def request(rid: str, n: int = 32, max_tokens: int = 4, slo_ttft_ms: float | None = None):
+    return ParsedRequest(
+        request_id=rid,
+        prompt_token_ids=tuple(range(1, n + 1)),
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        path=RoutePath.AUTO,
+        slo_ttft_ms=slo_ttft_ms,
+        slo_itl_ms=None,
+    )
+
+
+async def make_core(backend: FakeBackend, **config) -> RequestCore:
+    core = RequestCore(backend, await backend.infos(), RouterConfig(**config))
+    await core.refresh()
+    return core
+
+
+async def consume(core, req):
+    return [c async for c in core.generate(req, asyncio.get_running_loop().time())]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_a_full_queue_is_refused_at_once_and_frees_when_requests_move_on():
+    async def main():
+        gate = asyncio.Event()
+        backend = FakeBackend(gate=gate)
+        core = await make_core(backend, max_pending=2)
+        waiting = [asyncio.ensure_future(consume(core, request(f"r{i}"))) for i in range(2)]
+        await asyncio.sleep(0.05)
+        assert core.pending == 2
+        with pytest.raises(Overloaded) as err:
+            await consume(core, request("r2"))
+        assert err.value.reason == "queue_full" and err.value.retry_after_s > 0
+        assert "r2" not in backend.started  # no work was done for it
+        gate.set()
+        outs = await asyncio.gather(*waiting)
+        assert [sum(len(c.token_ids) for c in o) for o in outs] == [4, 4]
+        assert core.pending == core.active == 0
+        assert len(await consume(core, request("r3"))) == 4  # admitted again
+
+    run(main())
+
+
+def test_predicted_ttft_past_the_slo_is_refused_only_when_waiting_would_help():
+    async def main():
+        gate = asyncio.Event()
+        backend = FakeBackend(num_prefill=0, gate=gate)  # one place to run: one queue
+        core = await make_core(backend)
+        # Idle workers: even a hopeless SLO is served (a retry could not do better).
+        first = asyncio.ensure_future(consume(core, request("big", n=3000, slo_ttft_ms=1)))
+        await asyncio.sleep(0.05)
+        # Now the big prompt is queued ahead: a tight SLO is refused with a retry hint.
+        with pytest.raises(Overloaded) as err:
+            await consume(core, request("late", n=64, slo_ttft_ms=1))
+        assert err.value.reason == "slo" and err.value.retry_after_s > 0
+        assert "exceeds the TTFT SLO" in str(err.value)
+        gate.set()
+        assert len(await first) == 4
+        assert core.pending == core.active == 0
+
+    run(main())
+
+
+def test_leaving_early_closes_the_backend_stream_and_the_books():
+    async def main():
+        backend = FakeBackend()
+        core = await make_core(backend)
+        stream = core.generate(request("c", max_tokens=100), 0.0)
+        got = [await stream.__anext__() for _ in range(3)]
+        assert sum(len(c.token_ids) for c in got) == 3
+        await stream.aclose()
+        assert backend.closed == ["c"]
+        assert core.pending == core.active == 0
+        d = core.states["decode-0"]
+        assert d.batch == 0 and d.queued_tokens == 0
+
+    run(main())
+
+
+def test_every_decision_is_recorded_with_its_measured_ttft():
+    async def main():
+        backend = FakeBackend(num_prefill=1, num_decode=2)
+        core = await make_core(backend)
+        for i in range(6):
+            chunks = await consume(core, request(f"q{i}", n=16 + 40 * i))
+            final = chunks[-1].final
+            assert final is not None and final.completion_tokens == 4
+            assert final.decision.reason and final.ttft_s >= 0
+        assert [r.request_id for r in core.records] == [f"q{i}" for i in range(6)]
+        assert all(r.measured_ttft_s is not None for r in core.records)
+        assert core.prediction_error() is not None
+
+    run(main())
