@@ -62,8 +62,12 @@ def assert_pools_full(srv, within_s: float = 0.0) -> None:
         busy = [
             ld
             for ld in loads
-            if ld.num_free_blocks != ld.num_blocks or ld.running or ld.waiting or ld.held
-            or ld.waiting_for_kv or ld.open_transfers
+            if ld.num_free_blocks != ld.num_blocks
+            or ld.running
+            or ld.waiting
+            or ld.held
+            or ld.waiting_for_kv
+            or ld.open_transfers
         ]
         if not busy:
             break
