@@ -21,6 +21,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--path", choices=PATHS, default="auto", help="override the router's choice")
     p.add_argument("--json", action="store_true", help="print the whole answer as JSON")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait (within --timeout) for the server to come up instead of failing at once",
+    )
     p.add_argument("prompt")
 
 
@@ -55,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with grpc.insecure_channel(args.address) as channel:
             stub = pb_grpc.GenerationStub(channel)
-            for msg in stub.Generate(req, timeout=args.timeout):
+            for msg in stub.Generate(req, timeout=args.timeout, wait_for_ready=args.wait):
                 request_id = msg.request_id
                 ids.extend(msg.token_ids)
                 text.append(msg.text)

@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
-# Install into .venv, then answer a prompt with the default model through the offline engine.
+# Install into .venv, then serve the default model over gRPC on 127.0.0.1:50051
+# (one prefill and one decode worker on a local Ray runtime). Stop it with Ctrl-C: it drains
+# in-flight requests first.
 #
-#   bash scripts/serve.sh                            # the first-request demo
-#   bash scripts/serve.sh "Tell me about Lyon."      # your own prompt (chat template on, greedy)
-#   bash scripts/serve.sh --max-tokens 64 "Hi"       # any `pdserve generate` options
+#   bash scripts/serve.sh                              # serve the default model
+#   bash scripts/serve.sh --decode 2 --policy threshold  # any `pdserve serve` options
 #
-# The gRPC router takes this script over once it exists.
+# Then, from another terminal:
+#   .venv/bin/pdserve complete --chat "What is the capital of France?"
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 bash scripts/install.sh
-if (($#)); then
-    exec .venv/bin/pdserve generate "$@"
-fi
-exec .venv/bin/pdserve generate "What is the capital of France?"
+exec .venv/bin/pdserve serve "$@"

@@ -7,5 +7,5 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/install.sh test
 export PATH="$PWD/.venv/bin:$PATH"
 ruff check .
-mypy engine kv_transfer
+mypy engine kv_transfer prefill_worker decode_worker router
 python -m pytest -q "$@"
