@@ -111,7 +111,7 @@ class LaneReceiver:
             rec = self._pair.running_send(h.tid_hash)
             self._pair.forget_send(h.tid_hash)
             if rec is not None:
-                self._pair.table.complete(rec)
+                self._pair.table.complete_send(rec, acked=True)
 
     def _on_start(self, h: Header) -> None:
         pair = self._pair

@@ -93,6 +93,7 @@ class LaneSender:
         self._in_flight = None
         self._pair.finish(works, self._staging)
         self._pair.table.progress(rec, nbytes, layers)
+        self._pair.table.complete_send(rec)  # this may be the count the receiver's ACK waited for
 
     def _send(self, header: Header) -> None:
         self._flush()

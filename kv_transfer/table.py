@@ -4,6 +4,8 @@ Locking (this is what makes "after FAILED nobody touches the blocks" hold):
   - `Transfer.io_lock` is held by whoever reads source blocks or writes destination blocks.
   - A transfer becomes DONE or FAILED only while both its `io_lock` and the table lock are held.
     So under `io_lock`, a transfer seen running stays running until the lock is released.
+  - A send's ACK ends it DONE only once the sender thread has counted every layer
+    (`complete_send`): DONE reports every byte.
   - Order: `io_lock` before the table lock, never the reverse. `on_fail` hooks run with no lock
     held, so a hook may enqueue messages or fail other transfers.
 """
@@ -51,6 +53,7 @@ class Transfer:
     reason: FailureReason | None = None
     error: str | None = None
     seq: int = -1  # the wire sequence number, where a connector uses one
+    acked: bool = False  # SEND: the receiver has acknowledged every layer
 
     @property
     def running(self) -> bool:
@@ -132,6 +135,16 @@ class TransferTable:
             self._stats.last_gb_s = rec.bytes / secs / 1e9
             self._cond.notify_all()
         return True
+
+    def complete_send(self, rec: Transfer, *, acked: bool = False) -> bool:
+        """End a send DONE once the receiver has acknowledged every layer (`acked`: the ACK is
+        here) and this side has counted them all: the ACK can overtake the sender thread's count
+        of its last message, and DONE reports every byte. Must not be called with `rec.io_lock`
+        held."""
+        with self._cond:
+            rec.acked = rec.acked or acked
+            ready = rec.acked and rec.layers_done >= rec.req.num_layers
+        return ready and self.complete(rec)
 
     def fail(
         self, rec: Transfer, reason: FailureReason, error: str, *, blocking: bool = True
