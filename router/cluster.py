@@ -39,6 +39,7 @@ from engine.serving import (
 )
 from kv_transfer import TransferStats
 from prefill_worker.worker import PrefillWorker
+from router.errors import WorkerLost
 
 PATHS = ("colocated", "disaggregated")
 log = logging.getLogger("pdserve.cluster")
@@ -183,6 +184,10 @@ class Cluster:
             async for chunk in stream:
                 finished = chunk.finished
                 yield chunk
+        except ray.exceptions.RayActorError as exc:
+            if not self._note_failure(self.decode_ids, self.decode, d, exc):
+                raise
+            raise WorkerLost(d, f"{type(exc).__name__}") from exc
         finally:
             if not finished:
                 await asyncio.shield(self._abort(rid, p, d))
@@ -211,7 +216,7 @@ class Cluster:
         try:
             await self._ensure_pair(p, d)
         except Exception as exc:  # the pair can't be made (a worker died): D prefills itself
-            self._note_failure(p, exc)
+            self._note_failure(self.prefill_ids, self.prefill, p, exc)
             self._fallback(req, f"pairing {p}-{d} failed: {type(exc).__name__}: {exc}")
             async for chunk in self._stream(self.decode[d].generate, req):
                 yield chunk
@@ -240,7 +245,7 @@ class Cluster:
                 self._fallback(req, f"KV transfer {p} -> {d} failed: {result.error}")
                 await self._check_pair(p, d)
         except Exception as exc:  # D recomputes the prompt in the blocks it reserved
-            self._note_failure(p, exc)
+            self._note_failure(self.prefill_ids, self.prefill, p, exc)
             self._fallback(req, f"handoff {p} -> {d} failed: {type(exc).__name__}: {exc}")
         async for chunk in self._stream(
             self.decode[d].finish_handoff, req.request_id, first, first_lp
@@ -272,14 +277,21 @@ class Cluster:
         self.fallbacks.append((req.request_id, reason))
         log.warning("request %s: %s; prefilling on the decode worker", req.request_id, reason)
 
-    def _note_failure(self, prefill_id: str, exc: BaseException) -> None:
-        """A prefill worker whose actor died leaves the pool; later requests skip it."""
-        if not isinstance(exc, ray.exceptions.RayActorError) or prefill_id not in self.prefill_ids:
-            return
+    def _note_failure(
+        self, ids: list[str], actors: dict[str, Any], worker: str, exc: BaseException
+    ) -> bool:
+        """A worker whose actor died leaves its pool (`ids`); later requests skip it. True when
+        `exc` says that `worker` died (now or before)."""
+        if not isinstance(exc, ray.exceptions.RayActorError):
+            return False
         dead_id = getattr(exc, "actor_id", None)
-        if dead_id is None or dead_id == self.prefill[prefill_id]._actor_id.hex():
-            self.prefill_ids.remove(prefill_id)
-            self.dead.append(prefill_id)
+        if dead_id is not None and dead_id != actors[worker]._actor_id.hex():
+            return False  # another actor died under this call
+        if worker in ids:
+            ids.remove(worker)
+            self.dead.append(worker)
+            log.warning("worker %s died and left its pool", worker)
+        return True
 
     async def kv_stats(self) -> dict[str, TransferStats]:
         """Each worker's KV transfer totals, by worker id."""

@@ -24,7 +24,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from engine.outputs import TokenLogprobs
@@ -33,10 +33,12 @@ from engine.sampling_params import SamplingParams
 from engine.serving import PrefillResult, TokenChunk, WorkerInfo, WorkerLoad
 from router.convert import ParsedRequest, RoutePath
 from router.cost_model import TransferTimeModel, prefill_pairs
-from router.policy import Decision, Planner, PolicyConfig, RequestShape
+from router.errors import WorkerLost
+from router.policy import Decision, PathPrediction, Planner, PolicyConfig, RequestShape
 from router.pool_state import WorkerState
 
 log = logging.getLogger("pdserve.router")
+MAX_RESUMES = 2  # a request outliving this many dead decode workers fails
 
 
 class Backend(Protocol):
@@ -185,87 +187,116 @@ class RequestCore:
             )
 
     async def generate(self, req: ParsedRequest, arrived: float) -> AsyncGenerator[CoreChunk, None]:
-        """Run one admitted request; raises Overloaded before any work is done."""
+        """Run one admitted request; raises Overloaded before any work is done. If its decode
+        worker dies, it resumes on another from its prompt and the tokens already streamed
+        (greedy output is unchanged; a seeded sample continues with a fresh generator)."""
         shape, decision = self.plan(req)
         self._admit(shape, decision)
-        chosen = decision.chosen
         rid = req.request_id
-        d = self.states[chosen.decode_worker]
-        p = self.states.get(chosen.prefill_worker)
-        log.info(
-            "request %s: %d prompt tokens -> %s (%s)",
-            rid,
-            shape.prompt_len,
-            chosen.path.name.lower(),
-            decision.reason,
-        )
-        first_at: float | None = None
+        first = decision  # the decision the client is told about
         self.pending += 1
         self.active += 1
-        prefill_on = p or d
+        emitted: list[int] = []
+        first_at: float | None = None
+        placed: list[WorkerState] = []
+        try:
+            for attempt in range(MAX_RESUMES + 1):
+                chosen = decision.chosen
+                log.info(
+                    "request %s: %d prompt tokens -> %s (%s)",
+                    rid,
+                    shape.prompt_len,
+                    chosen.path.name.lower(),
+                    decision.reason,
+                )
+                prefill_on, d = self._place(rid, shape, chosen)
+                placed += [prefill_on, d]
+                params = req.sampling
+                if emitted:
+                    params = replace(params, max_tokens=params.max_tokens - len(emitted))
+                stream = self.backend.generate(
+                    req.prompt_token_ids + tuple(emitted),
+                    params,
+                    "disaggregated" if chosen.path is RoutePath.DISAGGREGATED else "colocated",
+                    rid,
+                    chosen.prefill_worker or None,
+                    chosen.decode_worker,
+                    self._on_prefill,
+                )
+                started = False
+                try:
+                    async for chunk in stream:
+                        if not started and chunk.token_ids:
+                            started = True
+                            prefill_on.done(rid)
+                            d.add_decode(rid, shape.prompt_len + 1, shape.slo_itl_s)
+                        if first_at is None and chunk.token_ids:
+                            first_at = time.monotonic()
+                            self.pending -= 1
+                            self._first_token(rid, first, first_at - arrived)
+                        emitted.extend(chunk.token_ids)
+                        d.grow(rid, len(chunk.token_ids))
+                        final = None
+                        if chunk.finished:
+                            final = Summary(
+                                finish_reason=chunk.finish_reason,
+                                stop_reason=chunk.stop_reason,
+                                prompt_tokens=len(req.prompt_token_ids),
+                                completion_tokens=len(emitted),
+                                cached_prompt_tokens=chunk.num_cached_tokens,
+                                path=first.chosen.path,
+                                prefill_worker=first.chosen.prefill_worker,
+                                decode_worker=chosen.decode_worker,
+                                ttft_s=(first_at - arrived) if first_at is not None else 0.0,
+                                decision=first,
+                            )
+                        yield CoreChunk(rid, chunk.token_ids, chunk.text, chunk.logprobs, final)
+                        if chunk.finished:
+                            return
+                    raise RuntimeError(f"the stream of {rid} ended before it finished")
+                except WorkerLost as lost:
+                    if attempt == MAX_RESUMES or not self.backend.decode_ids:
+                        raise
+                    log.warning("request %s: %s; resuming after %d tokens", rid, lost, len(emitted))
+                    prefill_on.finish(rid)
+                    d.finish(rid)
+                    shape = replace(
+                        shape,
+                        prompt_len=shape.prompt_len + len(emitted),
+                        hashes=tuple(
+                            block_hashes(req.prompt_token_ids + tuple(emitted), self.block_size)
+                        ),
+                        max_tokens=req.sampling.max_tokens - len(emitted),
+                    )
+                    prefill, decode = self._pools()
+                    decision = self.planner.decide(shape, prefill, decode, req.path)
+                finally:
+                    await _close(stream)
+        finally:
+            if first_at is None:
+                self.pending -= 1
+                self.records.append(DecisionRecord(rid, first, None))
+            self.active -= 1
+            for w in placed:
+                w.finish(rid)
+
+    def _place(
+        self, rid: str, shape: RequestShape, chosen: PathPrediction
+    ) -> tuple[WorkerState, WorkerState]:
+        """Enter a placed request in the books: (the worker that prefills it, its decode worker)."""
+        d = self.states[chosen.decode_worker]
+        prefill_on = self.states.get(chosen.prefill_worker) or d
         hit = prefill_on.cached_tokens(shape.hashes, shape.prompt_len)
         n_prefill = shape.prompt_len - hit
         prefill_on.add_prefill(rid, n_prefill, prefill_pairs(n_prefill, hit))
         prefill_on.prefix.insert(shape.hashes)
         d.prefix.insert(shape.hashes)
-        stream = self.backend.generate(
-            req.prompt_token_ids,
-            req.sampling,
-            "disaggregated" if chosen.path is RoutePath.DISAGGREGATED else "colocated",
-            rid,
-            chosen.prefill_worker or None,
-            chosen.decode_worker,
-            self._on_prefill,
-        )
-        count = 0
-        try:
-            async for chunk in stream:
-                if first_at is None and chunk.token_ids:
-                    first_at = time.monotonic()
-                    self.pending -= 1
-                    self._first_token(rid, shape, decision, first_at - arrived, prefill_on, d)
-                count += len(chunk.token_ids)
-                d.grow(rid, len(chunk.token_ids))
-                final = None
-                if chunk.finished:
-                    final = Summary(
-                        finish_reason=chunk.finish_reason,
-                        stop_reason=chunk.stop_reason,
-                        prompt_tokens=shape.prompt_len,
-                        completion_tokens=count,
-                        cached_prompt_tokens=chunk.num_cached_tokens,
-                        path=chosen.path,
-                        prefill_worker=chosen.prefill_worker,
-                        decode_worker=chosen.decode_worker,
-                        ttft_s=(first_at - arrived) if first_at is not None else 0.0,
-                        decision=decision,
-                    )
-                yield CoreChunk(rid, chunk.token_ids, chunk.text, chunk.logprobs, final)
-                if chunk.finished:
-                    return
-        finally:
-            await _close(stream)
-            if first_at is None:
-                self.pending -= 1
-                self.records.append(DecisionRecord(rid, decision, None))
-            self.active -= 1
-            prefill_on.finish(rid)
-            d.finish(rid)
+        return prefill_on, d
 
-    def _first_token(
-        self,
-        rid: str,
-        shape: RequestShape,
-        decision: Decision,
-        ttft_s: float,
-        prefill_on: WorkerState,
-        d: WorkerState,
-    ) -> None:
+    def _first_token(self, rid: str, decision: Decision, ttft_s: float) -> None:
         chosen = decision.chosen
         self.planner.bias[chosen.path].observe(chosen.raw_ttft_s, ttft_s)
         self.records.append(DecisionRecord(rid, decision, ttft_s))
-        prefill_on.done(rid)
-        d.add_decode(rid, shape.prompt_len + 1, shape.slo_itl_s)
 
     def _on_prefill(self, result: PrefillResult) -> None:
         if result.transfer_ok and result.bytes_sent > 0:

@@ -1,0 +1,12 @@
+"""Errors the pools raise to the request core."""
+
+from __future__ import annotations
+
+
+class WorkerLost(RuntimeError):
+    """The decode worker streaming a request died; it has left its pool. The request may resume
+    elsewhere from its prompt and the tokens already streamed."""
+
+    def __init__(self, worker_id: str, cause: str) -> None:
+        super().__init__(f"worker {worker_id} died: {cause}")
+        self.worker_id = worker_id

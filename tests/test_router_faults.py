@@ -1,0 +1,88 @@
+"""A decode worker dies under a streaming request: the router resumes it on another decode
+worker from its prompt and the tokens already streamed; greedy output is unchanged."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import ray
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve_proto import generation_pb2 as pb
+from pdserve_proto import generation_pb2_grpc as pb_grpc
+from router.cluster import ClusterConfig
+from router.server import ServeConfig
+from tests.grpc_server import ServerThread
+from tests.helpers import hf_greedy, random_prompts
+
+MODEL = "tiny-llama"
+MAX_NEW = 600
+
+
+@pytest.fixture(scope="module")
+def srv():
+    engine = EngineConfig(
+        cache=CacheConfig(block_size=4, num_blocks=512),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=16),
+    )
+    config = ServeConfig(
+        # Three decode workers: each case kills one and still leaves a choice.
+        cluster=ClusterConfig(model=MODEL, num_prefill=1, num_decode=3, engine=engine),
+        port=0,
+        drain_timeout_s=5,
+    )
+    s = ServerThread(config)
+    yield s
+    s.close()
+
+
+def holder(srv, rid: str) -> str | None:
+    """The decode worker the router's books say is decoding `rid`."""
+    for w, state in srv.server.core.states.items():
+        if w.startswith("decode") and rid in state._decodes:
+            return w
+    return None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", [pb.PATH_COLOCATED, pb.PATH_DISAGGREGATED])
+def test_a_dead_decode_worker_s_request_resumes_on_another_token_for_token(srv, path):
+    cluster = srv.server.cluster
+    assert len(cluster.decode_ids) >= 2
+    prompt = random_prompts([21], seed={1: 11, 2: 18}[path])[0]
+    want = hf_greedy(MODEL, prompt, MAX_NEW)
+    assert len(want) == MAX_NEW  # no EOS: the stream is long enough to kill mid-way
+    rid = f"victim-{path}"
+    req = pb.GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        sampling=pb.SamplingParams(max_tokens=MAX_NEW, temperature=0.0),
+        path=path,
+    )
+    got: list[int] = []
+    killed = None
+    final = None
+    with grpc.insecure_channel(srv.address) as channel:
+        for msg in pb_grpc.GenerationStub(channel).Generate(req, timeout=90):
+            got.extend(msg.token_ids)
+            if killed is None and len(got) >= 5:
+                killed = holder(srv, rid)
+                assert killed is not None
+                ray.kill(cluster.decode[killed], no_restart=True)
+            if msg.HasField("final"):
+                final = msg.final
+    assert got == want
+    assert final is not None and final.usage.completion_tokens == MAX_NEW
+    assert killed in cluster.dead and killed not in cluster.decode_ids
+    assert final.decode_worker != killed  # the survivor finished it
+    # The survivor's pool is full again; the router's books are empty.
+    deadline = time.monotonic() + 5
+    while True:
+        loads = srv.run(cluster.load())
+        if all(ld.num_free_blocks == ld.num_blocks and not ld.running for ld in loads):
+            break
+        assert time.monotonic() < deadline, loads
+        time.sleep(0.05)
+    assert srv.server.core.pending == srv.server.core.active == 0
