@@ -95,8 +95,8 @@ class FakeConnector(TrackedConnector):
         if fail_at is not None and rec.layers_done >= fail_at:
             self._table.fail(rec, FailureReason.ERROR, "injected failure")
             return
-        with rec.io_lock:
-            if not rec.running:
+        with self._table.io(rec) as running:
+            if not running:
                 return
             data = rec.cache.layers[layer].index_select(0, rec.block_index)
         peer = self.hub.lookup(rec.req.peer)
@@ -134,8 +134,8 @@ class FakeConnector(TrackedConnector):
                 f"sender has {data.shape[0]} blocks, receiver expects {rec.req.num_blocks}",
             )
             return
-        with rec.io_lock:
-            if not rec.running:
+        with self._table.io(rec) as running:
+            if not running:
                 return
             rec.cache.layers[layer].index_copy_(0, rec.block_index, data)
         self._table.progress(rec, data.numel() * data.element_size())

@@ -165,7 +165,9 @@ class Pair:
             self._alive = False
             self._cond.notify_all()
         self.outbox.put(Event(Kind.CLOSE))
-        self.table.fail_peer(self.peer_id, FailureReason.PEER_DEAD, why)
+        # Not waiting: a lane thread may hold a transfer's io_lock (it ends that transfer as it
+        # lets go).
+        self.table.fail_peer(self.peer_id, FailureReason.PEER_DEAD, why, blocking=False)
 
     def claim_recv(self, h: int, timeout_s: float) -> Transfer | None:
         """The receive registered for tid hash `h`, waiting up to `timeout_s` for start_recv."""

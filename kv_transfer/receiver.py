@@ -104,8 +104,12 @@ class LaneReceiver:
             rec = self._pair.running_send(h.tid_hash)
             if rec is not None:
                 why = h.reason.value if h.reason else "unknown"
+                # Not waiting: the sender thread may hold the send's io_lock.
                 self._pair.table.fail(
-                    rec, FailureReason.PEER_ABORTED, f"the receiver ended it ({why})"
+                    rec,
+                    FailureReason.PEER_ABORTED,
+                    f"the receiver ended it ({why})",
+                    blocking=False,
                 )
         elif h.kind is Kind.ACK:
             rec = self._pair.running_send(h.tid_hash)
@@ -162,7 +166,8 @@ class LaneReceiver:
         rec = entry.rec if entry is not None else self._pair.claim_recv(h.tid_hash, 0.0)
         if rec is not None:
             why = h.reason.value if h.reason else "unknown"
-            self._pair.table.fail(rec, FailureReason.PEER_ABORTED, f"the sender ended it ({why})")
+            msg = f"the sender ended it ({why})"
+            self._pair.table.fail(rec, FailureReason.PEER_ABORTED, msg, blocking=False)
 
     def _copier(self) -> None:
         try:
@@ -175,8 +180,8 @@ class LaneReceiver:
     def _apply(self, job: _Copy) -> None:
         rec = job.rec
         applied = False
-        with rec.io_lock:
-            if rec.running:
+        with self._pair.table.io(rec) as running:
+            if running:
                 layers = rec.cache.layers[job.first_layer : job.first_layer + job.num_layers]
                 self._staging.scatter(job.slot, job.landed, layers, rec.block_index)
                 applied = True

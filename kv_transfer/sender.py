@@ -137,8 +137,8 @@ class LaneSender:
         group = self._layer_group(first)
         rec = first.rec
         assert rec is not None
-        with rec.io_lock:
-            if not rec.running:
+        with self._pair.table.io(rec) as running:
+            if not running:
                 return
             data = self._staging.gather(
                 self._slot,

@@ -1,11 +1,17 @@
 """Bookkeeping shared by connectors: the transfer records, their statuses, deadlines and stats.
 
 Locking (this is what makes "after FAILED nobody touches the blocks" hold):
-  - `Transfer.io_lock` is held by whoever reads source blocks or writes destination blocks.
+  - `Transfer.io_lock` is held by whoever reads source blocks or writes destination blocks
+    (`TransferTable.io`).
   - A transfer becomes DONE or FAILED only while both its `io_lock` and the table lock are held.
     So under `io_lock`, a transfer seen running stays running until the lock is released.
+  - A non-blocking `fail` that finds `io_lock` held leaves the failure with the record; the
+    holder applies it when it lets go (`io`). Threads that must not wait on a wire (the lane
+    threads) fail transfers this way; callers that must know the blocks are free (abort, close,
+    wait past the deadline) block instead.
   - A send's ACK ends it DONE only once the sender thread has counted every layer
-    (`complete_send`): DONE reports every byte.
+    (`complete_send`): DONE reports every byte, and the thread that reads the ACK does not wait
+    for a send the sender thread is still busy with.
   - Order: `io_lock` before the table lock, never the reverse. `on_fail` hooks run with no lock
     held, so a hook may enqueue messages or fail other transfers.
 """
@@ -15,7 +21,8 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +60,7 @@ class Transfer:
     reason: FailureReason | None = None
     error: str | None = None
     seq: int = -1  # the wire sequence number, where a connector uses one
+    deferred: tuple[FailureReason, str] | None = None  # a failure left for the io_lock holder
     acked: bool = False  # SEND: the receiver has acknowledged every layer
 
     @property
@@ -110,6 +118,18 @@ class TransferTable:
                 if r.running and (peer is None or r.req.peer == peer)
             ]
 
+    @contextmanager
+    def io(self, rec: Transfer) -> Iterator[bool]:
+        """Hold `rec.io_lock` to touch its blocks; yields whether it is running (if so, it stays
+        running until the block exits). A failure left meanwhile is applied on the way out."""
+        try:
+            with rec.io_lock:
+                yield rec.running
+        finally:
+            deferred = rec.deferred
+            if deferred is not None:
+                self.fail(rec, *deferred, blocking=False)
+
     def progress(self, rec: Transfer, nbytes: int, layers: int = 1) -> None:
         """Layers moved. Counted even if the transfer has just ended: the bytes did move."""
         with self._cond:
@@ -150,9 +170,16 @@ class TransferTable:
         self, rec: Transfer, reason: FailureReason, error: str, *, blocking: bool = True
     ) -> bool:
         """End FAILED unless already ended; then run the hook. Must not be called with
-        `rec.io_lock` held. Non-blocking callers give up (False) while a copy holds the lock."""
+        `rec.io_lock` held. While another thread holds it, a blocking call waits; a non-blocking
+        one leaves the failure for the holder to apply on release and returns False."""
         if not rec.io_lock.acquire(blocking=blocking):
-            return False
+            with self._cond:
+                if rec.running and rec.deferred is None:
+                    rec.deferred = (reason, error)
+            # The holder may have let go before the failure was left: then apply it here.
+            if not rec.io_lock.acquire(blocking=False):
+                return False  # the holder (or the next one) sees `deferred` on release
+            reason, error = rec.deferred or (reason, error)
         try:
             with self._cond:
                 if not rec.running:
@@ -168,9 +195,11 @@ class TransferTable:
         self._on_fail(rec)
         return True
 
-    def fail_peer(self, peer: str, reason: FailureReason, error: str) -> None:
+    def fail_peer(
+        self, peer: str, reason: FailureReason, error: str, *, blocking: bool = True
+    ) -> None:
         for rec in self.running(peer):
-            self.fail(rec, reason, error)
+            self.fail(rec, reason, error, blocking=blocking)
 
     def expire(self, rec: Transfer, *, blocking: bool = False) -> None:
         if rec.running and time.monotonic() > rec.deadline:
