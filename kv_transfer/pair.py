@@ -165,8 +165,8 @@ class Pair:
             self._alive = False
             self._cond.notify_all()
         self.outbox.put(Event(Kind.CLOSE))
-        # Not waiting: a lane thread may hold a transfer's io_lock (it ends that transfer as it
-        # lets go).
+        # Not waiting: a lane thread may hold a transfer's io_lock across a message (it ends
+        # that transfer as it lets go).
         self.table.fail_peer(self.peer_id, FailureReason.PEER_DEAD, why, blocking=False)
 
     def claim_recv(self, h: int, timeout_s: float) -> Transfer | None:

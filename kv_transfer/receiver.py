@@ -15,6 +15,18 @@ meanwhile, which is why the receiver should register first. Without one, the sen
 The copier scatters under the transfer's io_lock and only while it is running, so once a receive
 has ended its destination blocks are never written again. It completes a receive (and queues the
 ACK) when the last layer is in.
+
+Direct receives: when the receive's destination ids are one ascending run `a..a+n-1`, the cache
+can be a wire tensor (staging.py) and a message carries one layer (the sender decides that; a
+grouped message still goes through staging), the receiver thread posts the data recv straight
+into `layer[a:a+n]` and no copy follows. Invariant: that recv is posted and waited for entirely
+under the transfer's io_lock, and only while the transfer is running. Every way a receive ends
+(complete, abort, the deadline, a broken pair, a peer's ABORT) takes that lock, so none of them
+can make the receive ended, and so hand its blocks back to their owner, while the wire may still
+write them: a blocking end (abort, wait past the deadline, close) waits for the data, which the
+peer posted together with its header (at most io_timeout_s, after which the pair breaks); a
+non-blocking end (poll's deadline check, the lane threads) is applied by this thread as it lets
+go of the lock (table.py).
 """
 
 from __future__ import annotations
@@ -104,7 +116,7 @@ class LaneReceiver:
             rec = self._pair.running_send(h.tid_hash)
             if rec is not None:
                 why = h.reason.value if h.reason else "unknown"
-                # Not waiting: the sender thread may hold the send's io_lock.
+                # Not waiting: the sender thread may hold the send's io_lock across a message.
                 self._pair.table.fail(
                     rec,
                     FailureReason.PEER_ABORTED,
@@ -141,25 +153,55 @@ class LaneReceiver:
         block_layers = h.num_blocks * h.num_layers
         if h.nbytes != block_layers * pair.layout.bytes_per_block_layer:
             raise LaneError(f"LAYER header: {h.nbytes} bytes for {block_layers} block-layers")
+        rec = self._match(h)
+        if (
+            rec is not None
+            and h.num_layers == 1
+            and rec.run is not None
+            and self._staging.direct
+            and self._recv_direct(h, rec)
+        ):
+            return
         try:
             slot = self._free.get(timeout=pair.config.io_timeout_s)
         except queue.Empty:
             raise LaneError("the copier thread is stuck") from None
         landed = self._staging.landing(slot, block_layers)
         pair.recv(self._staging, landed, data_tag(h.seq))
+        if rec is None:
+            self._free.put(slot)  # dropped: see _match
+            return
+        self._copies.put(_Copy(slot, landed, rec, h.layer, h.num_layers, h.nbytes))
+
+    def _match(self, h: Header) -> Transfer | None:
+        """The receive a LAYER header's data belongs to; None when it is to be dropped (never
+        registered here, already settled, or a shape a MISMATCH has already failed)."""
         entry = self._incoming.get(h.seq)
         if entry is None:
-            self._free.put(slot)  # never registered here, or already settled: dropped
-            return
+            return None
         entry.layers += h.num_layers
         rec = entry.rec
         if entry.layers >= rec.req.num_layers:
             del self._incoming[h.seq]
         last = h.layer + h.num_layers - 1
         if h.num_blocks != rec.req.num_blocks or not 0 <= h.layer <= last < rec.req.num_layers:
-            self._free.put(slot)  # a MISMATCH already failed it; nothing to apply
-            return
-        self._copies.put(_Copy(slot, landed, rec, h.layer, h.num_layers, h.nbytes))
+            return None
+        return rec
+
+    def _recv_direct(self, h: Header, rec: Transfer) -> bool:
+        """Receive one layer straight into its blocks. False, with nothing received, when the
+        receive has ended: the data then goes through staging and is dropped."""
+        assert rec.run is not None
+        with self._pair.table.io(rec) as running:
+            if not running:
+                return False
+            # Holding io_lock until the data is in, so the receive cannot end (abort, deadline,
+            # a broken pair) while the wire may still write these blocks. The sender posted this
+            # data with its header, so the wait is the data's wire time (at most io_timeout_s).
+            self._pair.recv(self._staging, rec.cache.layers[h.layer][rec.run], data_tag(h.seq))
+            self._staging.sync()
+        self._landed(rec, h.nbytes, 1)
+        return True
 
     def _on_abort(self, h: Header) -> None:
         entry = self._incoming.pop(h.seq, None)
@@ -186,8 +228,12 @@ class LaneReceiver:
                 self._staging.scatter(job.slot, job.landed, layers, rec.block_index)
                 applied = True
         self._free.put(job.slot)
-        if not applied:
-            return
-        self._pair.table.progress(rec, job.nbytes, job.num_layers)
+        if applied:
+            self._landed(rec, job.nbytes, job.num_layers)
+
+    def _landed(self, rec: Transfer, nbytes: int, layers: int) -> None:
+        """Count layers written into the cache; the last one completes the receive (either the
+        receiver or the copier thread writes it) and queues the ACK."""
+        self._pair.table.progress(rec, nbytes, layers)
         if rec.layers_done >= rec.req.num_layers and self._pair.table.complete(rec):
             self._pair.outbox.put(Event(Kind.ACK, tid_hash=tid_hash(rec.req.transfer_id)))

@@ -10,6 +10,14 @@ Pipelining: the next message's gather runs while the previous message is on the 
 slots), but a message is posted only after the previous one completed, so the lane's order is
 exactly the outbox order. A layer is gathered under the transfer's io_lock and only while it is
 running, so once a send has ended its source blocks are never read again.
+
+Direct sends: a message of one layer whose source ids are one ascending run `a..a+n-1` needs no
+gather where the cache itself can be a wire tensor (staging.py): it goes out straight from
+`layer[a:a+n]`, the same bytes a gather would produce. The transfer's io_lock is then held from
+posting the message until it has completed, so the send cannot end (DONE, FAILED, abort
+returning) while the wire may still read the cache. Layers already queued together still travel
+as one gathered message when several fit in `max_message_bytes`: for small layers one message
+costs less than a copy (each message is a round trip between the lane threads).
 """
 
 from __future__ import annotations
@@ -92,8 +100,7 @@ class LaneSender:
         works, rec, nbytes, layers = self._in_flight
         self._in_flight = None
         self._pair.finish(works, self._staging)
-        self._pair.table.progress(rec, nbytes, layers)
-        self._pair.table.complete_send(rec)  # this may be the count the receiver's ACK waited for
+        self._counted(rec, nbytes, layers)
 
     def _send(self, header: Header) -> None:
         self._flush()
@@ -137,6 +144,9 @@ class LaneSender:
         group = self._layer_group(first)
         rec = first.rec
         assert rec is not None
+        if len(group) == 1 and rec.run is not None and self._staging.direct:
+            self._send_direct(first, rec)
+            return
         with self._pair.table.io(rec) as running:
             if not running:
                 return
@@ -161,6 +171,36 @@ class LaneSender:
             buf = header.encode(self._staging.header)
         works = self._pair.post(self._staging, [(buf, HEADER_TAG), (data, data_tag(rec.seq))])
         self._in_flight = _InFlight(works, rec, nbytes, len(group))
+
+    def _send_direct(self, ev: Event, rec: Transfer) -> None:
+        """One layer straight from the cache; returns once the message has left it."""
+        assert rec.run is not None
+        data = rec.cache.layers[ev.layer][rec.run]
+        nbytes = data.numel() * data.element_size()
+        header = Header(
+            Kind.LAYER,
+            rec.seq,
+            num_blocks=rec.req.num_blocks,
+            num_layers=1,
+            layer=ev.layer,
+            nbytes=nbytes,
+        )
+        self._flush()
+        with self._pair.table.io(rec) as running:
+            if not running:
+                return
+            with self._staging.on_stream():
+                self._staging.wait_ready([ev.ready] if ev.ready is not None else [])
+                buf = header.encode(self._staging.header)
+            # io_lock is held until the wire is done with the cache (at most io_timeout_s).
+            # Posting the next layer before this one completes measured slower on gloo.
+            self._pair.send(self._staging, [(buf, HEADER_TAG), (data, data_tag(rec.seq))])
+        self._counted(rec, nbytes, 1)
+
+    def _counted(self, rec: Transfer, nbytes: int, layers: int) -> None:
+        """A message has left: count it; it may be the last the receiver's ACK waited for."""
+        self._pair.table.progress(rec, nbytes, layers)
+        self._pair.table.complete_send(rec)
 
     def _goodbye(self) -> None:
         """Tell the peer this lane is closing, so its receiver stops at once. Best effort."""

@@ -7,11 +7,17 @@ into `layer[dst_ids]`. Two slots let the copy of one message overlap the wire ti
 Slots are kept and grown, never reallocated per message: fresh pages per message cost as much as
 the copy itself.
 
+Where the ids of one side form a single ascending run `a..a+n-1`, that side skips its copy: one
+layer's blocks are then the contiguous slice `layer[a:a+n]`, byte for byte the message a gather
+would build, so it is sent from or received into the cache itself (`direct`, one layer per
+message). Each side decides alone; the wire carries the same bytes either way.
+
 Where the tensors live:
   - cache on CPU: everything on CPU (gloo);
   - cache on CUDA with nccl: slots on the cache's device, copies on a side stream;
   - cache on CUDA with gloo (one GPU, two ranks on it, where NCCL refuses): gathered on the device,
-    then moved through pinned host memory, since gloo point-to-point carries host tensors.
+    then moved through pinned host memory, since gloo point-to-point carries host tensors. No
+    direct messages here: the cache is not on the wire's device.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ class Staging:
         self.device = device
         # Tensors handed to the process group live on the wire device.
         self.wire_device = device if backend == "nccl" else torch.device("cpu")
+        # The cache's own tensors can go on the wire (CPU with gloo, CUDA with nccl).
+        self.direct = self.wire_device == device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._dev: list[torch.Tensor | None] = [None] * SLOTS  # on `device`
         self._host: list[torch.Tensor | None] = [None] * SLOTS  # only for cuda + gloo
@@ -62,6 +70,17 @@ class Staging:
             return nullcontext()
         return torch.cuda.stream(self.stream)
 
+    def wait_ready(self, ready: list[torch.cuda.Event]) -> None:
+        """Make the side stream wait for the producer's writes (a no-op on CPU)."""
+        if self.stream is not None:
+            for event in ready:
+                self.stream.wait_event(event)
+
+    def sync(self) -> None:
+        """Wait for the side stream's work, e.g. a recv straight into the cache (no-op on CPU)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
     def gather(
         self,
         slot: int,
@@ -75,9 +94,7 @@ class Staging:
         n = index.shape[0]
         out = self._slot(self._dev, slot, n * len(layers), self.device)
         with self.on_stream():
-            if self.stream is not None:
-                for event in ready:
-                    self.stream.wait_event(event)
+            self.wait_ready(ready)
             for j, layer in enumerate(layers):
                 torch.index_select(layer, 0, index, out=out[j * n : (j + 1) * n])
             if self.wire_device != self.device:

@@ -2,7 +2,8 @@
 
 Locking (this is what makes "after FAILED nobody touches the blocks" hold):
   - `Transfer.io_lock` is held by whoever reads source blocks or writes destination blocks
-    (`TransferTable.io`).
+    (`TransferTable.io`), for a copy or for as long as a message sent from or received into the
+    cache itself is posted (torch_dist's direct messages, sender.py and receiver.py).
   - A transfer becomes DONE or FAILED only while both its `io_lock` and the table lock are held.
     So under `io_lock`, a transfer seen running stays running until the lock is released.
   - A non-blocking `fail` that finds `io_lock` held leaves the failure with the record; the
@@ -12,6 +13,9 @@ Locking (this is what makes "after FAILED nobody touches the blocks" hold):
   - A send's ACK ends it DONE only once the sender thread has counted every layer
     (`complete_send`): DONE reports every byte, and the thread that reads the ACK does not wait
     for a send the sender thread is still busy with.
+  - No cycle of waits forms through these locks: a lane thread holding one across a message
+    waits only for the other end of that message (a data send the peer posted with its header,
+    or the peer's receiver thread, which never waits for a lock held across a message).
   - Order: `io_lock` before the table lock, never the reverse. `on_fail` hooks run with no lock
     held, so a hook may enqueue messages or fail other transfers.
 """
@@ -50,6 +54,7 @@ class Transfer:
     role: Role
     cache: KVCache
     block_index: torch.Tensor  # this side's block ids (src for SEND, dst for RECV), on the device
+    run: slice | None  # the same ids as `slice(a, a + n)` when they are a..a+n-1 in order
     started: float  # time.monotonic() at the start call
     deadline: float  # monotonic
     io_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -89,8 +94,9 @@ class TransferTable:
         if bad:
             raise ValueError(f"block ids {bad[:4]} outside the cache's {cache.num_blocks} blocks")
         index = torch.tensor(ids, dtype=torch.long, device=cache.layers[0].device)
+        run = slice(ids[0], ids[0] + len(ids)) if _one_run(ids) else None
         now = time.monotonic()
-        rec = Transfer(req, role, cache, index, now, now + req.deadline_s)
+        rec = Transfer(req, role, cache, index, run, now, now + req.deadline_s)
         with self._cond:
             if req.transfer_id in self._records:
                 raise ValueError(f"transfer {req.transfer_id!r} is already registered")
@@ -252,6 +258,10 @@ class TransferTable:
     def stats(self) -> TransferStats:
         with self._cond:
             return self._stats.copy()
+
+
+def _one_run(ids: tuple[int, ...]) -> bool:
+    return all(b == ids[0] + i for i, b in enumerate(ids))
 
 
 class TrackedConnector(KVConnector):

@@ -13,6 +13,9 @@ blocks. `send_layer(tid, i)` queues layer i, so it goes out while the producer c
 Layers of one transfer that are already queued when the sender thread gets to them travel as one
 message (up to `max_message_bytes`): a complete KV goes out in a few large messages, and a
 producer that outruns the wire is caught up in batches rather than one layer at a time.
+Where a side's block ids are one ascending run (fresh allocations), a one-layer message needs no
+copy on that side: it is sent from, or received into, the cache slice itself (staging.py; the
+ownership rules that keep this safe are in sender.py, receiver.py and table.py).
 
 Ordering rule (why concurrent transfers cannot deadlock):
   1. Each pair has two lanes (process groups), one per direction. On a lane, exactly one thread

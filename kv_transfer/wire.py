@@ -1,8 +1,8 @@
 """The messages one lane of a pair carries (see torch_dist.py for the ordering rule).
 
 Every message is a fixed-size int64 header on HEADER_TAG; a LAYER header is followed by exactly one
-data message, the blocks of one or more consecutive layers gathered into one contiguous tensor, on
-`data_tag(seq)`:
+data message, the blocks of one or more consecutive layers as one contiguous tensor (gathered, or
+for one layer whose blocks are one run, the cache slice itself), on `data_tag(seq)`:
 
     header int64[9]: kind | seq | tid_hash | num_blocks | num_layers | layer | nbytes | deadline_ms
                      | reason
