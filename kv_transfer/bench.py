@@ -3,13 +3,15 @@
     python -m kv_transfer.bench [--json FILE] [--backend gloo|nccl]
 
 Two processes on 127.0.0.1 hold caches of the default model's layout (SmolLM2-135M: 30 layers,
-3 KV heads, head_dim 64, block 16, float32; no weights are loaded). For 1, 16 and 256 blocks with
-non-contiguous ids it times a whole transfer through the connector (start on the sender until it
-sees DONE, which needs the receiver's ACK) and a raw send of one contiguous tensor of the same
-bytes followed by a one-element ack back, and reports medians. Then the layer-wise overlap: a
-producer that "computes" each layer in t ms (a sleep, as a GPU would leave the CPU free), with t
-set so compute and transfer take about as long, sends after all layers (serial) or after each
-(overlapped).
+3 KV heads, head_dim 64, block 16, float32; no weights are loaded). For 1, 16 and 256 blocks it
+times a whole transfer through the connector (start on the sender until it sees DONE, which needs
+the receiver's ACK) and a raw send of one contiguous tensor of the same bytes followed by a
+one-element ack back, and reports medians. Transfers run twice per size: with contiguous ids on
+both sides (fresh block pools hand out 0, 1, 2, ...; the connector then sends from and receives
+into the cache itself) and with scattered ids (a random permutation; gathered and scattered
+through staging). Then the layer-wise overlap, for both kinds of ids: a producer that "computes"
+each layer in t ms (a sleep, as a GPU would leave the CPU free), with t set so compute and
+transfer take about as long, sends after all layers (serial) or after each (overlapped).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from kv_transfer.torch_dist import TorchDistConfig, TorchDistConnector
 LAYOUT = KVLayout("smollm2-135m", 30, 3, 64, 16, "float32")
 CACHE_BLOCKS = 320
 SIZES = (1, 16, 256)
+IDS = ("contiguous", "scattered")
 REPS = {1: 30, 16: 15, 256: 7}
 OVERLAP_REPS = 5
 HOST = "127.0.0.1"
@@ -46,10 +49,12 @@ class BenchRow:
     gb_s: float
     raw_gb_s: float
     ratio: float
+    ids: str  # "contiguous" or "scattered", on both sides
 
 
 @dataclass(frozen=True, slots=True)
 class OverlapFigure:
+    ids: str
     layer_ms: float
     serial_s: float
     overlapped_s: float
@@ -65,7 +70,9 @@ def _cache(device: torch.device, seed: int) -> KVCache:
     return kv
 
 
-def _block_ids(n: int, seed: int) -> tuple[int, ...]:
+def _block_ids(ids: str, n: int, seed: int) -> tuple[int, ...]:
+    if ids == "contiguous":
+        return tuple(range(n))
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randperm(CACHE_BLOCKS, generator=g)[:n].tolist())
 
@@ -94,27 +101,39 @@ def _worker(rank: int, config: TorchDistConfig, ctrl: Any, barrier: Any, results
     for n in SIZES:
         # Allocated and touched once, like the connector's reused staging buffers.
         data = torch.ones(LAYOUT.bytes_for_blocks(n) // 4, dtype=torch.float32, device=device)
-        conn_s, raw_s = [], []
-        # Alternated, so that a noisy neighbour slows both alike; rep 0 warms up and is dropped.
+        conn_s: dict[str, list[float]] = {ids: [] for ids in IDS}
+        raw_s = []
+        # Alternated, so that a noisy neighbour slows all alike; rep 0 warms up and is dropped.
         for k in range(REPS[n] + 1):
-            conn_s.append(_one(conn, rank, peer, kv, n, k, barrier, None))
-            raw_s.append(_raw_once(raw, rank, data, barrier))
-        conn_s, raw_s = conn_s[1:], raw_s[1:]
+            for ids in IDS:
+                conn_s[ids].append(_one(conn, rank, peer, kv, ids, n, k, barrier, None))
+                raw_s.append(_raw_once(raw, rank, data, barrier))
         if rank == 0:
             nbytes = LAYOUT.bytes_for_blocks(n)
-            gb = nbytes / statistics.median(conn_s) / 1e9
-            raw_gb = nbytes / statistics.median(raw_s) / 1e9
-            rows.append(BenchRow(n, nbytes, round(gb, 3), round(raw_gb, 3), round(gb / raw_gb, 3)))
-    # Compute per layer such that all layers' compute takes as long as the 256-block transfer.
-    layer_s = rows[-1].bytes / (rows[-1].gb_s * 1e9) / LAYOUT.num_layers if rank == 0 else 0.0
-    serial, overlap = [], []
-    for k in range(OVERLAP_REPS):
-        serial.append(_one(conn, rank, peer, kv, 256, k, barrier, (layer_s, False)))
-        overlap.append(_one(conn, rank, peer, kv, 256, k, barrier, (layer_s, True)))
+            raw_gb = nbytes / statistics.median(raw_s[len(IDS) :]) / 1e9
+            for ids in IDS:
+                gb = nbytes / statistics.median(conn_s[ids][1:]) / 1e9
+                rows.append(
+                    BenchRow(n, nbytes, round(gb, 3), round(raw_gb, 3), round(gb / raw_gb, 3), ids)
+                )
+    figs = []
+    for ids in IDS:
+        # Compute per layer such that all layers' compute takes as long as the largest transfer.
+        big = [r for r in rows if r.ids == ids and r.blocks == SIZES[-1]]
+        layer_s = big[0].bytes / (big[0].gb_s * 1e9) / LAYOUT.num_layers if rank == 0 else 0.0
+        serial, overlap = [], []
+        for k in range(OVERLAP_REPS):
+            serial.append(_one(conn, rank, peer, kv, ids, SIZES[-1], k, barrier, (layer_s, False)))
+            overlap.append(_one(conn, rank, peer, kv, ids, SIZES[-1], k, barrier, (layer_s, True)))
+        if rank == 0:
+            s, o = statistics.median(serial), statistics.median(overlap)
+            figs.append(
+                OverlapFigure(
+                    ids, round(layer_s * 1000, 3), round(s, 4), round(o, 4), round(o / s, 3)
+                )
+            )
     if rank == 0:
-        s, o = statistics.median(serial), statistics.median(overlap)
-        fig = OverlapFigure(round(layer_s * 1000, 3), round(s, 4), round(o, 4), round(o / s, 3))
-        results.put((rows, fig, conn.stats().failed))
+        results.put((rows, figs, conn.stats().failed))
     barrier.wait()
     conn.close()
 
@@ -124,6 +143,7 @@ def _one(
     rank: int,
     peer: str,
     kv: KVCache,
+    ids: str,
     n: int,
     k: int,
     barrier: Any,
@@ -132,8 +152,9 @@ def _one(
     """One transfer of `n` blocks; returns the sender's seconds (0 on the receiver).
     `compute` = (seconds per layer, overlapped) simulates the producer."""
     mode = "bulk" if compute is None else ("overlapped" if compute[1] else "serial")
-    tid = f"{mode}-{n}-{k}"
-    req = TransferRequest(tid, peer, _block_ids(n, k), _block_ids(n, 1000 + k), 30, 60.0)
+    tid = f"{mode}-{ids}-{n}-{k}"
+    src, dst = _block_ids(ids, n, k), _block_ids(ids, n, 1000 + k)
+    req = TransferRequest(tid, peer, src, dst, LAYOUT.num_layers, 60.0)
     barrier.wait()
     if rank == 1:
         conn.start_recv(req, kv)
@@ -179,7 +200,7 @@ def _raw_once(pg: Any, rank: int, data: torch.Tensor, barrier: Any) -> float:
     return time.perf_counter() - t0
 
 
-def run(config: TorchDistConfig) -> tuple[list[BenchRow], OverlapFigure]:
+def run(config: TorchDistConfig) -> tuple[list[BenchRow], list[OverlapFigure]]:
     ctx = mp.get_context("spawn")
     ctrl, results, barrier = ctx.Queue(), ctx.Queue(), ctx.Barrier(2)
     procs = [
@@ -189,7 +210,7 @@ def run(config: TorchDistConfig) -> tuple[list[BenchRow], OverlapFigure]:
     for p in procs:
         p.start()
     try:
-        rows, fig, failed = results.get(timeout=300)
+        rows, figs, failed = results.get(timeout=300)
     finally:
         for p in procs:
             p.join(30)
@@ -197,7 +218,7 @@ def run(config: TorchDistConfig) -> tuple[list[BenchRow], OverlapFigure]:
                 p.kill()
     if failed:
         raise RuntimeError(f"{failed} transfers failed during the bench")
-    return rows, fig
+    return rows, figs
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -215,21 +236,27 @@ def main(argv: list[str] | None = None) -> None:
     config = TorchDistConfig(
         bind_host=HOST, backend=args.backend, max_message_bytes=int(args.max_message_mib * 2**20)
     )
-    rows, fig = run(config)
+    rows, figs = run(config)
     print(f"backend {args.backend}, layout {LAYOUT}")
-    print(f"{'blocks':>7} {'MB':>9} {'GB/s':>8} {'raw GB/s':>9} {'ratio':>6}")
+    print(f"{'ids':>10} {'blocks':>7} {'MB':>9} {'GB/s':>8} {'raw GB/s':>9} {'ratio':>6}")
     for r in rows:
         print(
-            f"{r.blocks:>7} {r.bytes / 1e6:>9.2f} {r.gb_s:>8.3f} {r.raw_gb_s:>9.3f} {r.ratio:>6.2f}"
+            f"{r.ids:>10} {r.blocks:>7} {r.bytes / 1e6:>9.2f} {r.gb_s:>8.3f} {r.raw_gb_s:>9.3f}"
+            f" {r.ratio:>6.2f}"
         )
-    print(
-        f"layer-wise overlap, 256 blocks, {fig.layer_ms:.2f} ms compute per layer: serial "
-        f"{fig.serial_s * 1000:.1f} ms, overlapped {fig.overlapped_s * 1000:.1f} ms, "
-        f"ratio {fig.ratio:.2f} (target <= 0.6)"
-    )
+    for fig in figs:
+        print(
+            f"layer-wise overlap, {fig.ids} ids, {SIZES[-1]} blocks, {fig.layer_ms:.2f} ms compute"
+            f" per layer: serial {fig.serial_s * 1000:.1f} ms, overlapped"
+            f" {fig.overlapped_s * 1000:.1f} ms, ratio {fig.ratio:.2f} (target <= 0.6)"
+        )
     print(f"bench took {time.perf_counter() - t0:.1f} s")
     if args.json:
-        out = {"backend": args.backend, "rows": [asdict(r) for r in rows], "overlap": asdict(fig)}
+        out = {
+            "backend": args.backend,
+            "rows": [asdict(r) for r in rows],
+            "overlap": [asdict(f) for f in figs],
+        }
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
             f.write("\n")
