@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -90,8 +90,7 @@ class OnlineRidge:
         return w
 
 
-@dataclass(frozen=True, slots=True)
-class StepCoefficients:
+class StepCoefficients(NamedTuple):
     base_s: float  # w0: per step
     per_token_s: float  # w1
     per_prefill_pair_s: float  # w2
@@ -115,19 +114,27 @@ class StepTimeModel:
         typical = np.array([1.0, 256.0, prefill_pairs(256, 0), 64.0 * 256])
         self.fit = OnlineRidge(seed, typical, prior_steps, decay)
         self.budget = info.max_num_batched_tokens
+        self._w: StepCoefficients | None = None  # the fit as plain floats (predictions are hot)
 
     def observe(self, s: StepStat) -> None:
         x = np.array([1.0, s.tokens, s.prefill_pairs, s.decode_context])
         self.fit.observe(x, s.seconds)
+        self._w = None
 
     @property
     def coefficients(self) -> StepCoefficients:
-        w = self.fit.w
-        return StepCoefficients(float(w[0]), float(w[1]), float(w[2]), float(w[3]))
+        if self._w is None:
+            self._w = StepCoefficients(*(float(v) for v in self.fit.w))
+        return self._w
 
     def step_s(self, tokens: float, pairs: float, decode_context: float) -> float:
-        w = self.fit.w
-        return float(w[0] + w[1] * tokens + w[2] * pairs + w[3] * decode_context)
+        w = self.coefficients
+        return (
+            w.base_s
+            + w.per_token_s * tokens
+            + w.per_prefill_pair_s * pairs
+            + w.per_context_token_s * decode_context
+        )
 
     def decode_step_s(self, batch: int, context: int) -> float:
         return self.step_s(batch, 0.0, context) if batch else 0.0
@@ -143,10 +150,10 @@ class StepTimeModel:
             return 0.0, self.decode_step_s(batch, context)
         chunk = max(1, self.budget - batch)
         steps = math.ceil(tokens / chunk)
-        w = self.fit.w
-        total = steps * (w[0] + w[1] * batch + w[3] * context) + w[1] * tokens + w[2] * pairs
-        per_step = w[0] + w[1] * (batch + min(chunk, tokens)) + w[2] * pairs / steps
-        return float(total), float(per_step + w[3] * context)
+        w0, w1, w2, w3 = self.coefficients
+        total = steps * (w0 + w1 * batch + w3 * context) + w1 * tokens + w2 * pairs
+        per_step = w0 + w1 * (batch + min(chunk, tokens)) + w2 * pairs / steps
+        return total, per_step + w3 * context
 
 
 class TransferTimeModel:

@@ -70,3 +70,19 @@ def test_bad_requests_name_their_field():
     refused("prompt", prompt_token_ids=[1] * 1024)  # the whole context
     refused("slo.ttft_ms", prompt="a", slo=pb.SloHint(ttft_ms=-1))
     refused("path", prompt="a", path=7)
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "tiny-llama", "tiny-qwen2"])
+def test_fast_encode_gives_the_tokenizers_own_ids(model):
+    from engine.config import ModelConfig
+    from engine.loader import load_tokenizer
+    from router.convert import encode
+
+    tok = load_tokenizer(ModelConfig(model=model))
+    for text in [
+        "What is the capital of France?",
+        " two  spaces\n\nx",
+        "héllo ✓ 日本",
+        "<|im_start|>",
+    ]:
+        assert encode(tok, text) == tok.encode(text), text
