@@ -7,6 +7,7 @@ still become a stop string is held back until it can't.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,8 @@ class OutputProcessor:
         """The output for `req`'s tokens since the last emit; ends its stream when finished."""
         st = self._streams[req.request_id]
         new_ids = tuple(req.token_ids[req.num_prompt_tokens + st.num_sent :])
+        if new_ids and req.first_token_time is None:
+            req.first_token_time = time.monotonic()
         st.num_sent += len(new_ids)
         for t in new_ids:
             st.detok.add(t)
@@ -76,4 +79,6 @@ class OutputProcessor:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
+            queue_s=req.queue_s,
+            prefill_s=req.prefill_s,
         )

@@ -65,3 +65,5 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    queue_s: float = 0.0  # arrival to first scheduled, on this engine
+    prefill_s: float = 0.0  # first scheduled to first output token, on this engine

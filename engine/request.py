@@ -15,6 +15,7 @@ tokens is in `block_ids`, in order.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
@@ -67,6 +68,21 @@ class Request:
     hold_blocks_on_finish: bool = False
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    scheduled_time: float | None = None  # time.monotonic() when first scheduled
+    first_token_time: float | None = None  # time.monotonic() when its first output was emitted
+
+    @property
+    def queue_s(self) -> float:
+        """Arrival to first scheduled (so far, while it still waits)."""
+        end = self.scheduled_time if self.scheduled_time is not None else time.monotonic()
+        return max(0.0, end - self.arrival_time)
+
+    @property
+    def prefill_s(self) -> float:
+        """First scheduled to first output token (0 until both happened)."""
+        if self.scheduled_time is None or self.first_token_time is None:
+            return 0.0
+        return max(0.0, self.first_token_time - self.scheduled_time)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -17,6 +17,7 @@ holds enough blocks for its tokens.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -181,6 +182,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             self.running.append(req)
             chunks[req.request_id] = n
             budget = max(0, budget - n)

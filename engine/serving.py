@@ -110,6 +110,8 @@ class TokenChunk:
     emitted_at: float = 0.0
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked for them
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    queue_s: float = 0.0  # arrival to first scheduled on the worker that streams it
+    prefill_s: float = 0.0  # first scheduled to first token there (0 for a handed-off prompt)
 
     @classmethod
     def from_output(cls, out: RequestOutput, worker_id: str) -> TokenChunk:
@@ -125,6 +127,8 @@ class TokenChunk:
             emitted_at=time.monotonic(),
             logprobs=out.logprobs,
             stop_reason=out.stop_reason,
+            queue_s=out.queue_s,
+            prefill_s=out.prefill_s,
         )
 
 
@@ -138,6 +142,9 @@ class PrefillResult:
     transfer_s: float  # first token -> send ended
     bytes_sent: int
     error: str | None = None
+    queue_s: float = 0.0  # arrival to first scheduled on the prefill worker
+    send_s: float = 0.0  # the connector's own: send started -> ended
+    failure_reason: str | None = None  # kv_transfer.FailureReason value when the send failed
 
 
 @dataclass(frozen=True, slots=True)

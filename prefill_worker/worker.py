@@ -19,12 +19,21 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from engine.engine_host import EngineHost
 from engine.outputs import ScheduledRequest, SchedulerOutput
 from engine.serving import PrefillResult, WorkerSpec, WorkRequest
-from kv_transfer import TransferRequest, TransferStatus
+from kv_transfer import FailureReason, TransferRequest, TransferStatus
 from kv_transfer.endpoint import KVEndpoint
+
+
+class _SendOutcome(NamedTuple):
+    status: TransferStatus
+    bytes: int
+    seconds: float  # the connector's own: send started -> ended
+    reason: str | None  # a FailureReason value when FAILED
+    error: str | None
 
 
 @dataclass(slots=True)
@@ -101,6 +110,7 @@ class PrefillWorker(KVEndpoint, EngineHost):
         t0 = time.monotonic()
         first = None
         first_lp = None
+        queue_s = 0.0
         try:
             q = self.aeng.open_stream(rid)
             await self.aeng.call(
@@ -110,14 +120,20 @@ class PrefillWorker(KVEndpoint, EngineHost):
                 if out.new_token_ids:
                     first = out.new_token_ids[0]
                     first_lp = out.logprobs[0] if out.logprobs else None
+                    queue_s = out.queue_s
             t1 = time.monotonic()
             with self._lock:
                 pending = self._sends.get(rid)
-            error: str | None = "aborted before the first token"
             if first is None:  # aborted: a started send would never get its last layers
-                status, sent = TransferStatus.FAILED, 0
+                outcome = _SendOutcome(
+                    TransferStatus.FAILED,
+                    0,
+                    0.0,
+                    FailureReason.ABORTED.value,
+                    "aborted before the first token",
+                )
             else:
-                status, sent, error = await self._wait_send(rid, pending)
+                outcome = await self._wait_send(rid, pending)
         finally:
             with self._lock:
                 pending = self._sends.pop(rid, None)
@@ -130,11 +146,14 @@ class PrefillWorker(KVEndpoint, EngineHost):
             request_id=rid,
             first_token=first,
             first_logprobs=first_lp,
-            transfer_ok=status is TransferStatus.DONE,
+            transfer_ok=outcome.status is TransferStatus.DONE,
             prefill_s=t1 - t0,
             transfer_s=time.monotonic() - t1,
-            bytes_sent=sent,
-            error=error,
+            bytes_sent=outcome.bytes,
+            error=outcome.error,
+            send_s=outcome.seconds,
+            failure_reason=outcome.reason,
+            queue_s=queue_s,
         )
 
     async def abort(self, request_id: str) -> None:
@@ -148,13 +167,12 @@ class PrefillWorker(KVEndpoint, EngineHost):
         except KeyError:
             return False  # already released
 
-    async def _wait_send(
-        self, rid: str, pending: _PendingSend | None
-    ) -> tuple[TransferStatus, int, str | None]:
+    async def _wait_send(self, rid: str, pending: _PendingSend | None) -> _SendOutcome:
         if pending is None:  # nothing to send: the decode side holds the whole prompt
-            return TransferStatus.DONE, 0, None
+            return _SendOutcome(TransferStatus.DONE, 0, 0.0, None, None)
         if not pending.started:
-            return TransferStatus.FAILED, 0, pending.error or "the prompt's last chunk never ran"
+            error = pending.error or "the prompt's last chunk never ran"
+            return _SendOutcome(TransferStatus.FAILED, 0, 0.0, FailureReason.ERROR.value, error)
         deadline = time.monotonic() + self.spec.kv_transfer_deadline_s + 1.0
         status = self.connector.poll(rid)
         while not status.finished and time.monotonic() < deadline:
@@ -165,7 +183,10 @@ class PrefillWorker(KVEndpoint, EngineHost):
             status = self.connector.poll(rid)
         res = self.connector.result(rid)
         self.connector.release(rid)
-        return status, res.bytes if res else 0, res.error if res else "no result"
+        if res is None:
+            return _SendOutcome(status, 0, 0.0, FailureReason.ERROR.value, "no result")
+        reason = res.reason.value if res.reason is not None else None
+        return _SendOutcome(status, res.bytes, res.seconds, reason, res.error)
 
     def shutdown(self) -> None:
         EngineHost.shutdown(self)

@@ -131,6 +131,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threshold-queue", type=int, default=4, help="threshold policy: Q")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument(
+        "--metrics-port", type=int, default=9400, help="Prometheus /metrics on --host; -1: off"
+    )
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: local)")
     p.add_argument("--threads", type=_positive_int, default=1, help="torch threads per worker")
     p.add_argument("--slo-ttft-ms", type=float, default=60000.0, help="default TTFT SLO")
@@ -155,7 +158,7 @@ def _serve(args: argparse.Namespace, _extra: list[str]) -> int:
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.errors import ModelNotFoundError
     from router.cluster import ClusterConfig
-    from router.core import RouterConfig
+    from router.core_types import RouterConfig
     from router.policy import Policy, PolicyConfig
     from router.server import ServeConfig, serve
 
@@ -191,6 +194,7 @@ def _serve(args: argparse.Namespace, _extra: list[str]) -> int:
             ),
             host=args.host,
             port=args.port,
+            metrics_port=None if args.metrics_port < 0 else args.metrics_port,
             drain_timeout_s=args.drain_timeout,
         )
     except ValueError as exc:

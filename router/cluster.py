@@ -59,6 +59,7 @@ class ClusterConfig:
     gpus_per_worker: float | None = None
     kv_backend: str = "auto"  # see WorkerSpec.kv_backend
     start_timeout_s: float = 300.0
+    control_timeout_s: float = 30.0  # a control call to a worker (reserve, abort, load, pairing)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -66,7 +67,9 @@ class ClusterConfig:
 
 
 def init_ray(address: str | None) -> None:
-    """Join `address`, or start a local Ray that listens on 127.0.0.1 only."""
+    """Join `address`, or start a local Ray that listens on 127.0.0.1 only. Call it from a
+    thread that lives as long as the process (the main thread): Ray's own processes are told
+    to die with the thread that started them."""
     if ray.is_initialized():
         return
     if address:
@@ -140,7 +143,7 @@ class Cluster:
             self._pairs[(p, d)] = task
         try:
             # Shielded: one waiter giving up must not cancel the pairing the others wait for.
-            await asyncio.shield(task)
+            await asyncio.wait_for(asyncio.shield(task), self.config.control_timeout_s)
             self._paired.add((p, d))
         except Exception:
             if self._pairs.get((p, d)) is task:
@@ -194,8 +197,10 @@ class Cluster:
 
     async def _abort(self, rid: str, p: str | None, d: str) -> None:
         actors = [self.decode[d]] + ([self.prefill[p]] if p is not None else [])
+        timeout = self.config.control_timeout_s
         results = await asyncio.gather(
-            *(a.abort.remote(rid) for a in actors), return_exceptions=True
+            *(asyncio.wait_for(a.abort.remote(rid), timeout) for a in actors),
+            return_exceptions=True,
         )
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, ray.exceptions.RayActorError):
@@ -221,7 +226,9 @@ class Cluster:
             async for chunk in self._stream(self.decode[d].generate, req):
                 yield chunk
             return
-        res = await self.decode[d].reserve.remote(req)
+        res = await asyncio.wait_for(
+            self.decode[d].reserve.remote(req), self.config.control_timeout_s
+        )
         if res is None:  # D is full right now: it queues the request and prefills it itself
             self._fallback(req, f"{d} had no free blocks or sequence slot to reserve")
             async for chunk in self._stream(self.decode[d].generate, req):
@@ -232,7 +239,10 @@ class Cluster:
         first: int | None = None
         first_lp = None
         try:
-            await self.decode[d].expect_kv.remote(req.request_id, p, dst)
+            await asyncio.wait_for(
+                self.decode[d].expect_kv.remote(req.request_id, p, dst),
+                self.config.control_timeout_s,
+            )
             limit = self.config.prefill_timeout_s + self.config.kv_transfer_deadline_s
             result: PrefillResult = await asyncio.wait_for(
                 self.prefill[p].prefill.remote(req, d, dst, skip), limit
@@ -282,7 +292,10 @@ class Cluster:
     ) -> bool:
         """A worker whose actor died leaves its pool (`ids`); later requests skip it. True when
         `exc` says that `worker` died (now or before)."""
-        if not isinstance(exc, ray.exceptions.RayActorError):
+        if not isinstance(exc, ray.exceptions.RayActorError) or isinstance(
+            exc,
+            ray.exceptions.ActorUnavailableError,  # transient: it may answer again
+        ):
             return False
         dead_id = getattr(exc, "actor_id", None)
         if dead_id is not None and dead_id != actors[worker]._actor_id.hex():
@@ -304,8 +317,23 @@ class Cluster:
         return list(await asyncio.gather(*(a.info.remote() for _, a in self._live())))
 
     async def load(self) -> list[WorkerLoad]:
-        """Load figures of every live worker."""
-        return list(await asyncio.gather(*(a.load.remote() for _, a in self._live())))
+        """Load figures of every live worker that answers within the control timeout; a worker
+        found dead leaves its pool."""
+        items = self._live()
+        timeout = self.config.control_timeout_s
+        loads = await asyncio.gather(
+            *(asyncio.wait_for(a.load.remote(), timeout) for _, a in items),
+            return_exceptions=True,
+        )
+        out: list[WorkerLoad] = []
+        for (w, _), ld in zip(items, loads):
+            if isinstance(ld, WorkerLoad):
+                out.append(ld)
+            elif w in self.prefill_ids:
+                self._note_failure(self.prefill_ids, self.prefill, w, ld)
+            else:
+                self._note_failure(self.decode_ids, self.decode, w, ld)
+        return out
 
     def _live(self) -> list[tuple[str, Any]]:
         return [(w, self.prefill[w]) for w in self.prefill_ids] + [

@@ -70,6 +70,12 @@ def _prompt_ids(req: pb.GenerateRequest, tokenizer: Any, limits: ModelLimits) ->
             "prompt", "give exactly one of prompt, prompt_token_ids or messages (non-empty)"
         )
     if req.prompt_token_ids:
+        if len(req.prompt_token_ids) >= limits.max_model_len:  # before looking at each id
+            raise InvalidRequestError(
+                "prompt_token_ids",
+                f"has {len(req.prompt_token_ids)} tokens; at most {limits.max_model_len - 1} "
+                f"(the model's context is {limits.max_model_len})",
+            )
         ids = list(req.prompt_token_ids)
         bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
         if bad is not None:
@@ -89,11 +95,16 @@ def _prompt_ids(req: pb.GenerateRequest, tokenizer: Any, limits: ModelLimits) ->
             size += len(m.content.encode())
         _check_size("messages", size, limits)
         chat = [{"role": m.role, "content": m.content} for m in req.messages]
-        ids = list(
-            tokenizer.apply_chat_template(
-                chat, add_generation_prompt=True, tokenize=True, return_dict=False
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequestError("messages", "this model has no chat template; send prompt")
+        try:
+            ids = list(
+                tokenizer.apply_chat_template(
+                    chat, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
             )
-        )
+        except Exception as exc:  # the template's own refusal (e.g. roles out of order)
+            raise InvalidRequestError("messages", f"the chat template refused them: {exc}") from exc
     if not ids:
         raise InvalidRequestError("prompt", "must not be empty (at least 1 token)")
     if len(ids) >= limits.max_model_len:

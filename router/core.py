@@ -19,102 +19,51 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import statistics
-import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import replace
+from functools import partial
+from typing import Any
 
-from engine.outputs import TokenLogprobs
 from engine.prefix_hash import block_hashes
-from engine.sampling_params import SamplingParams
-from engine.serving import PrefillResult, TokenChunk, WorkerInfo, WorkerLoad
+from engine.serving import PrefillResult, TokenChunk, WorkerInfo
 from router.convert import ParsedRequest, RoutePath
+from router.core_types import (
+    Backend,
+    CoreChunk,
+    DecisionRecord,
+    NoWorkers,
+    Overloaded,
+    RouterConfig,
+    Summary,
+)
 from router.cost_model import TransferTimeModel, prefill_pairs
 from router.errors import WorkerLost
-from router.policy import Decision, PathPrediction, Planner, PolicyConfig, RequestShape
+from router.policy import Decision, PathPrediction, Planner, RequestShape
 from router.pool_state import WorkerState
+from router.stats import NullSink, StatsSink, TransferRecord
+from router.text import TextStream
+from router.tracker import Tracker
 
 log = logging.getLogger("pdserve.router")
 MAX_RESUMES = 2  # a request outliving this many dead decode workers fails
 
 
-class Backend(Protocol):
-    """The pools as the core drives them (router.cluster.Cluster, or a fake)."""
-
-    prefill_ids: list[str]  # live workers, updated as they die
-    decode_ids: list[str]
-
-    def generate(
-        self,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        path: str,
-        request_id: str | None,
-        prefill_worker: str | None,
-        decode_worker: str | None,
-        on_prefill: Any = None,
-    ) -> AsyncIterator[TokenChunk]: ...
-
-    async def load(self) -> list[WorkerLoad]: ...
-
-    async def infos(self) -> list[WorkerInfo]: ...
-
-
-class Overloaded(Exception):
-    """Admission refused; the client may retry after `retry_after_s`."""
-
-    def __init__(self, reason: str, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.retry_after_s = retry_after_s
-
-
-@dataclass(frozen=True, slots=True)
-class RouterConfig:
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    slo_ttft_s: float = 60.0  # a request's TTFT SLO when it gives none
-    slo_itl_s: float = 1.0  # a request's ITL SLO when it gives none
-    max_pending: int = 256  # admitted requests still waiting for their first token
-    max_active: int = 4096  # admitted requests not yet finished
-    poll_interval_s: float = 0.1
-
-
-@dataclass(frozen=True, slots=True)
-class Summary:
-    finish_reason: str | None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int
-    path: RoutePath
-    prefill_worker: str
-    decode_worker: str
-    ttft_s: float
-    decision: Decision
-
-
-@dataclass(frozen=True, slots=True)
-class CoreChunk:
-    request_id: str
-    token_ids: tuple[int, ...]
-    text: str
-    logprobs: tuple[TokenLogprobs, ...] = ()
-    final: Summary | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class DecisionRecord:
-    request_id: str
-    decision: Decision
-    measured_ttft_s: float | None  # None: no token came
-
-
 class RequestCore:
-    def __init__(self, backend: Backend, infos: Sequence[WorkerInfo], config: RouterConfig) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        infos: Sequence[WorkerInfo],
+        config: RouterConfig,
+        tokenizer: Any,
+        sink: StatsSink | None = None,
+    ) -> None:
         self.backend = backend
+        self.tokenizer = tokenizer
+        self.sink: StatsSink = sink or NullSink()
         self.config = config
         self.states = {i.worker_id: WorkerState(i) for i in infos}
         self.block_size = infos[0].block_size
@@ -124,6 +73,8 @@ class RequestCore:
         self.pending = 0
         self.active = 0
         self._poller: asyncio.Task[None] | None = None
+        self._lost: set[str] = set()  # workers gone from the pools, already reported
+        self._ids = itertools.count()  # workers see internal ids: clients' ids may collide
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -146,10 +97,17 @@ class RequestCore:
             await asyncio.sleep(self.config.poll_interval_s)
 
     async def refresh(self) -> None:
-        for load in await self.backend.load():
+        loads = await self.backend.load()
+        for load in loads:
             state = self.states.get(load.worker_id)
             if state is not None:
                 state.absorb(load)
+        self.sink.loads(loads)
+        live = {*self.backend.prefill_ids, *self.backend.decode_ids}
+        for w, state in self.states.items():
+            if w not in live and w not in self._lost:
+                self._lost.add(w)
+                self.sink.worker_lost(w, state.info.role)
 
     # -- one request -------------------------------------------------------------------------
     def _pools(self) -> tuple[list[WorkerState], list[WorkerState]]:
@@ -165,6 +123,8 @@ class RequestCore:
             slo_itl_s=(req.slo_itl_ms / 1000) if req.slo_itl_ms else self.config.slo_itl_s,
         )
         prefill, decode = self._pools()
+        if not decode:
+            raise NoWorkers("no decode worker is up; the server cannot take requests now")
         return shape, self.planner.decide(shape, prefill, decode, req.path)
 
     def _admit(self, shape: RequestShape, decision: Decision) -> None:
@@ -191,116 +151,201 @@ class RequestCore:
         worker dies, it resumes on another from its prompt and the tokens already streamed
         (greedy output is unchanged; a seeded sample continues with a fresh generator)."""
         shape, decision = self.plan(req)
-        self._admit(shape, decision)
+        try:
+            self._admit(shape, decision)
+        except Overloaded as exc:
+            self.sink.rejected(exc.reason)
+            raise
         rid = req.request_id
+        wid = f"{rid}#{next(self._ids)}"
         first = decision  # the decision the client is told about
+        path = first.chosen.path.name.lower()
+        self.sink.decided(path, first.reason_code)
+        track = Tracker(rid, arrived, path, len(req.prompt_token_ids), first.chosen.ttft_s)
+        text = TextStream(self.tokenizer, req.prompt_token_ids, req.sampling)
         self.pending += 1
         self.active += 1
         emitted: list[int] = []
-        first_at: float | None = None
         placed: list[WorkerState] = []
+        failed = True
         try:
             for attempt in range(MAX_RESUMES + 1):
                 chosen = decision.chosen
-                log.info(
-                    "request %s: %d prompt tokens -> %s (%s)",
-                    rid,
-                    shape.prompt_len,
-                    chosen.path.name.lower(),
-                    decision.reason,
-                )
-                prefill_on, d = self._place(rid, shape, chosen)
+                self._log_decision(rid, shape, decision)
+                prefill_on, d = self._place(wid, shape, chosen)
                 placed += [prefill_on, d]
-                params = req.sampling
-                if emitted:
-                    params = replace(params, max_tokens=params.max_tokens - len(emitted))
-                stream = self.backend.generate(
-                    req.prompt_token_ids + tuple(emitted),
-                    params,
-                    "disaggregated" if chosen.path is RoutePath.DISAGGREGATED else "colocated",
-                    rid,
-                    chosen.prefill_worker or None,
-                    chosen.decode_worker,
-                    self._on_prefill,
-                )
-                started = False
+                stream = self._run(req, wid, chosen, emitted, track)
                 try:
                     async for chunk in stream:
-                        if not started and chunk.token_ids:
-                            started = True
-                            prefill_on.done(rid)
-                            d.add_decode(rid, shape.prompt_len + 1, shape.slo_itl_s)
-                        if first_at is None and chunk.token_ids:
-                            first_at = time.monotonic()
+                        if self._first_token_of(wid, track, chunk, prefill_on, d, shape):
                             self.pending -= 1
-                            self._first_token(rid, first, first_at - arrived)
+                            self._trained(rid, first, track)
                         emitted.extend(chunk.token_ids)
-                        d.grow(rid, len(chunk.token_ids))
+                        d.grow(wid, len(chunk.token_ids))
+                        delta = text.feed(chunk.token_ids, chunk.finished)
+                        done = chunk.finished or text.stop_hit is not None
                         final = None
-                        if chunk.finished:
-                            final = Summary(
-                                finish_reason=chunk.finish_reason,
-                                stop_reason=chunk.stop_reason,
-                                prompt_tokens=len(req.prompt_token_ids),
-                                completion_tokens=len(emitted),
-                                cached_prompt_tokens=chunk.num_cached_tokens,
-                                path=first.chosen.path,
-                                prefill_worker=first.chosen.prefill_worker,
-                                decode_worker=chosen.decode_worker,
-                                ttft_s=(first_at - arrived) if first_at is not None else 0.0,
-                                decision=first,
-                            )
-                        yield CoreChunk(rid, chunk.token_ids, chunk.text, chunk.logprobs, final)
-                        if chunk.finished:
-                            return
+                        if done:
+                            final = self._summary(req, first, chosen, chunk, text, track)
+                            track.ended(final.finish_reason, chunk.num_cached_tokens)
+                            failed = False
+                        yield CoreChunk(rid, chunk.token_ids, delta, chunk.logprobs, final)
+                        if done:
+                            return  # closing the stream aborts a worker still running it
                     raise RuntimeError(f"the stream of {rid} ended before it finished")
                 except WorkerLost as lost:
                     if attempt == MAX_RESUMES or not self.backend.decode_ids:
                         raise
                     log.warning("request %s: %s; resuming after %d tokens", rid, lost, len(emitted))
-                    prefill_on.finish(rid)
-                    d.finish(rid)
+                    track.resumed += 1
+                    prefill_on.finish(wid)
+                    d.finish(wid)
+                    ids = req.prompt_token_ids + tuple(emitted)
                     shape = replace(
                         shape,
-                        prompt_len=shape.prompt_len + len(emitted),
-                        hashes=tuple(
-                            block_hashes(req.prompt_token_ids + tuple(emitted), self.block_size)
-                        ),
+                        prompt_len=len(ids),
+                        hashes=tuple(block_hashes(ids, self.block_size)),
                         max_tokens=req.sampling.max_tokens - len(emitted),
                     )
                     prefill, decode = self._pools()
                     decision = self.planner.decide(shape, prefill, decode, req.path)
                 finally:
                     await _close(stream)
+        except (GeneratorExit, asyncio.CancelledError):
+            failed = False  # the client left (or its deadline passed): an abort, not a failure
+            raise
         finally:
-            if first_at is None:
+            if track.first_at is None:
                 self.pending -= 1
                 self.records.append(DecisionRecord(rid, first, None))
             self.active -= 1
             for w in placed:
-                w.finish(rid)
+                w.finish(wid)
+            self.sink.finished(track.record(failed))
+
+    def _run(
+        self,
+        req: ParsedRequest,
+        wid: str,
+        chosen: PathPrediction,
+        emitted: list[int],
+        track: Tracker,
+    ) -> AsyncIterator[TokenChunk]:
+        """The backend stream for one placement; after a resume, prompt + tokens so far."""
+        params = req.sampling
+        if emitted:
+            params = replace(params, max_tokens=params.max_tokens - len(emitted))
+        return self.backend.generate(
+            req.prompt_token_ids + tuple(emitted),
+            params,
+            "disaggregated" if chosen.path is RoutePath.DISAGGREGATED else "colocated",
+            wid,
+            chosen.prefill_worker or None,
+            chosen.decode_worker,
+            partial(self._on_prefill, track, wid, chosen),
+        )
+
+    def _first_token_of(
+        self,
+        wid: str,
+        track: Tracker,
+        chunk: TokenChunk,
+        prefill_on: WorkerState,
+        d: WorkerState,
+        shape: RequestShape,
+    ) -> bool:
+        """Book a chunk; True when it brings the request's very first token."""
+        if chunk.token_ids and prefill_on is d and not d.decoding(wid):
+            d.done(wid)  # colocated: prefilled here; decoding from now on
+            d.add_decode(wid, shape.prompt_len, shape.slo_itl_s)
+        was_first = track.first_at is None
+        track.chunk(chunk)
+        return was_first and track.first_at is not None
+
+    def _summary(
+        self,
+        req: ParsedRequest,
+        first: Decision,
+        chosen: PathPrediction,
+        chunk: TokenChunk,
+        text: TextStream,
+        track: Tracker,
+    ) -> Summary:
+        stopped = text.stop_hit is not None
+        return Summary(
+            finish_reason="stop" if stopped else chunk.finish_reason,
+            stop_reason=text.stop_hit if stopped else chunk.stop_reason,
+            prompt_tokens=len(req.prompt_token_ids),
+            completion_tokens=track.output_tokens,
+            cached_prompt_tokens=chunk.num_cached_tokens,
+            path=first.chosen.path,
+            prefill_worker=first.chosen.prefill_worker,
+            decode_worker=chosen.decode_worker,
+            ttft_s=track.ttft_s or 0.0,
+            decision=first,
+        )
+
+    def _log_decision(self, rid: str, shape: RequestShape, decision: Decision) -> None:
+        c = decision.chosen
+        log.info(
+            "request %s -> %s %s%s: %s | %d prompt tokens, %d uncached; predicted TTFT %.0f ms "
+            "(queue %.0f, prefill %.0f, transfer %.0f), ITL %.1f ms, running ITL %.1f ms",
+            rid,
+            c.path.name.lower(),
+            c.prefill_worker + "->" if c.prefill_worker else "",
+            c.decode_worker,
+            decision.reason,
+            shape.prompt_len,
+            c.uncached_tokens,
+            c.ttft_s * 1000,
+            c.queue_s * 1000,
+            c.prefill_s * 1000,
+            c.transfer_s * 1000,
+            c.itl_s * 1000,
+            c.running_itl_s * 1000,
+        )
 
     def _place(
-        self, rid: str, shape: RequestShape, chosen: PathPrediction
+        self, wid: str, shape: RequestShape, chosen: PathPrediction
     ) -> tuple[WorkerState, WorkerState]:
-        """Enter a placed request in the books: (the worker that prefills it, its decode worker)."""
+        """Enter a placed request in the books: (the worker that prefills it, its decode worker).
+        A disaggregated request counts on its decode worker at once (its blocks are reserved
+        there first); a colocated one, once its first token is out."""
         d = self.states[chosen.decode_worker]
         prefill_on = self.states.get(chosen.prefill_worker) or d
         hit = prefill_on.cached_tokens(shape.hashes, shape.prompt_len)
         n_prefill = shape.prompt_len - hit
-        prefill_on.add_prefill(rid, n_prefill, prefill_pairs(n_prefill, hit))
+        prefill_on.add_prefill(wid, n_prefill, prefill_pairs(n_prefill, hit))
+        if prefill_on is not d:
+            d.add_decode(wid, shape.prompt_len, shape.slo_itl_s)
         prefill_on.prefix.insert(shape.hashes)
         d.prefix.insert(shape.hashes)
         return prefill_on, d
 
-    def _first_token(self, rid: str, decision: Decision, ttft_s: float) -> None:
+    def _trained(self, rid: str, decision: Decision, track: Tracker) -> None:
+        """The first token is out: keep the decision with its measured TTFT, and train the
+        path's bias (unless a failed handoff made the decode worker prefill after all)."""
+        ttft = track.ttft_s or 0.0
+        self.records.append(DecisionRecord(rid, decision, ttft))
         chosen = decision.chosen
-        self.planner.bias[chosen.path].observe(chosen.raw_ttft_s, ttft_s)
-        self.records.append(DecisionRecord(rid, decision, ttft_s))
+        if chosen.path is RoutePath.COLOCATED or track.handed_off:
+            self.planner.bias[chosen.path].observe(chosen.raw_ttft_s, ttft)
 
-    def _on_prefill(self, result: PrefillResult) -> None:
+    def _on_prefill(
+        self, track: Tracker, wid: str, chosen: PathPrediction, result: PrefillResult
+    ) -> None:
+        track.prefilled(result)
+        p = self.states.get(chosen.prefill_worker)
+        if p is not None:
+            p.done(wid)  # its prefill is over; the decode worker has the request now
         if result.transfer_ok and result.bytes_sent > 0:
             self.transfer.observe(result.bytes_sent, result.transfer_s)
+        if result.bytes_sent > 0 or not result.transfer_ok:
+            self.sink.transferred(
+                TransferRecord(
+                    result.bytes_sent, result.send_s, result.transfer_ok, result.failure_reason
+                )
+            )
 
     # -- reading -----------------------------------------------------------------------------
     def prediction_error(self, path: RoutePath | None = None, last: int = 200) -> float | None:

@@ -11,10 +11,12 @@ One linear model of a worker's step time, fitted online from the steps the worke
   - a chunked local prefill next to B decodes: ceil(tokens / (budget - B)) steps, each
     paying the decode batch too; the decodes' ITL during it is one such step (interference).
 
-The seed is a roofline: w1 = 2 * params / FLOP/s, w2 = w3 = 4 * layers * heads * head_dim / FLOP/s
-(QK^T and PV), w0 = weight bytes / memory bytes/s, from the device rates each worker measures at
-start. The fit is a ridge regression pulled toward that seed (a few pseudo-observations' worth),
-with older steps decaying, so early predictions are roofline and later ones are measured.
+The seed is a roofline from the device rates each worker measures at start: w0 = weight bytes /
+memory bytes/s (a step reads every weight), w1 = 2 * params / FLOP/s, w2 = 4 * layers * heads *
+head_dim / FLOP/s (QK^T and PV of a prefill), w3 = KV bytes per token / memory bytes/s (decode
+attention reads every context token's K and V). The fit is a ridge regression pulled toward that
+seed (a few pseudo-observations' worth), with older steps decaying, so early predictions are
+roofline and later ones are measured.
 
 The exposed KV transfer time (first token sampled -> send ended; layer-wise streaming hides the
 rest behind the prefill) is a second linear model, `latency + bytes / bandwidth`, fitted from the
@@ -102,13 +104,12 @@ class StepTimeModel:
 
     def __init__(self, info: WorkerInfo, prior_steps: float = 3.0, decay: float = 0.995) -> None:
         rate = info.rate
-        attn = 4.0 * info.num_layers * info.num_heads * info.head_dim / rate.flops_per_s
         seed = np.array(
             [
-                info.weight_bytes / rate.bytes_per_s,
+                info.weight_bytes / rate.bytes_per_s,  # a step reads every weight once
                 2.0 * info.num_params / rate.flops_per_s,
-                attn,
-                attn,
+                4.0 * info.num_layers * info.num_heads * info.head_dim / rate.flops_per_s,
+                info.kv_bytes_per_token / rate.bytes_per_s,  # decode reads each token's K, V
             ]
         )
         typical = np.array([1.0, 256.0, prefill_pairs(256, 0), 64.0 * 256])

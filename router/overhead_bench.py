@@ -128,7 +128,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     backend = FakeBackend(
         num_prefill=1, num_decode=1, vocab_size=len(tokenizer), chunk_tokens=MAX_TOKENS
     )
-    server = Server(ServeConfig(port=0), backend=backend, tokenizer=tokenizer)
+    server = Server(ServeConfig(port=0, metrics_port=0), backend=backend, tokenizer=tokenizer)
     await server.start()
     loop = asyncio.get_running_loop()
     try:

@@ -3,7 +3,7 @@ policies that choose among them.
 
   - auto: the cost model. Candidates that would push a running request's predicted ITL past its
     SLO are dropped while any other remains; of the rest, the one with the least predicted SLO
-    violation wins, then the lowest predicted TTFT.
+    violation wins, then the earliest predicted second token (TTFT + ITL).
   - colocated / disaggregated: always that path, workers from the balancer.
   - threshold (Dynamo's rule): disaggregated iff uncached prompt tokens > T and the prefill
     worker's queue holds fewer than Q requests.
@@ -57,6 +57,7 @@ class PathPrediction:
     raw_ttft_s: float  # the models alone
     itl_s: float  # this request's decode step
     running_itl_s: float  # the step the decode worker's running requests see meanwhile
+    running_itl_before_s: float  # ... and would see without this request
     running_itl_slo_s: float  # the tightest ITL SLO among them (inf: none)
     queue_s: float
     prefill_s: float
@@ -66,7 +67,17 @@ class PathPrediction:
 
     @property
     def pushes_running(self) -> bool:
-        return self.running_itl_s > self.running_itl_slo_s
+        """This request would take a running request's ITL past its SLO (work already queued
+        there, which stretches it anyway, is not this request's doing)."""
+        return (
+            self.running_itl_s > self.running_itl_slo_s
+            and self.running_itl_s > self.running_itl_before_s * 1.001
+        )
+
+    def rank(self, req: RequestShape) -> tuple[float, float]:
+        """Least SLO violation first, then the earliest predicted second token (TTFT + ITL:
+        of two equally fast prefills, the less busy decode worker wins)."""
+        return self.violation(req), self.ttft_s + self.itl_s
 
     def violation(self, req: RequestShape) -> float:
         return max(0.0, self.ttft_s / req.slo_ttft_s - 1) + max(0.0, self.itl_s / req.slo_itl_s - 1)
@@ -87,6 +98,7 @@ def predict_colocated(req: RequestShape, d: WorkerState, bias_s: float) -> PathP
     pairs = d.queued_pairs + prefill_pairs(n, cached)
     total, during = d.model.chunked_s(tokens, pairs, d.batch, d.context)
     own, _ = d.model.chunked_s(n, prefill_pairs(n, cached), d.batch, d.context)
+    _, before = d.model.chunked_s(d.queued_tokens, d.queued_pairs, d.batch, d.context)
     itl = d.model.decode_step_s(d.batch + 1, d.context + req.prompt_len + req.max_tokens // 2)
     return PathPrediction(
         path=RoutePath.COLOCATED,
@@ -96,6 +108,7 @@ def predict_colocated(req: RequestShape, d: WorkerState, bias_s: float) -> PathP
         raw_ttft_s=total,
         itl_s=itl,
         running_itl_s=during if d.batch else 0.0,
+        running_itl_before_s=before if d.batch else 0.0,
         running_itl_slo_s=d.min_itl_slo_s,
         queue_s=total - own,
         prefill_s=own,
@@ -134,6 +147,7 @@ def predict_disaggregated(
         raw_ttft_s=raw,
         itl_s=d.model.decode_step_s(d.batch + 1, ctx + req.max_tokens // 2),
         running_itl_s=d.model.decode_step_s(d.batch + 1, ctx) if d.batch else 0.0,
+        running_itl_before_s=d.model.decode_step_s(d.batch, d.context) if d.batch else 0.0,
         running_itl_slo_s=d.min_itl_slo_s,
         queue_s=total - own,
         prefill_s=own,
@@ -180,7 +194,7 @@ class Planner:
     ) -> Decision:
         cands = self.candidates(req, prefill, decode)
         best = tuple(
-            min(group, key=lambda c: (c.violation(req), c.ttft_s))
+            min(group, key=lambda c: c.rank(req))
             for path in (RoutePath.COLOCATED, RoutePath.DISAGGREGATED)
             if (group := [c for c in cands if c.path is path])
         )
@@ -228,7 +242,7 @@ class Planner:
     ) -> Decision:
         safe = [c for c in cands if not c.pushes_running]
         pool = safe or cands
-        chosen = min(pool, key=lambda c: (c.violation(req), c.ttft_s))
+        chosen = min(pool, key=lambda c: c.rank(req))
         others = [c for c in best if c.path is not chosen.path]
         parts = [f"{chosen.path.name.lower()}: predicted TTFT {_ms(chosen.ttft_s)}"]
         code = "cost_ttft"

@@ -72,6 +72,9 @@ class WorkerState:
     def add_decode(self, rid: str, context: int, itl_slo_s: float) -> None:
         self._decodes[rid] = _Decode(context, itl_slo_s)
 
+    def decoding(self, rid: str) -> bool:
+        return rid in self._decodes
+
     def grow(self, rid: str, tokens: int) -> None:
         d = self._decodes.get(rid)
         if d is not None:
@@ -126,6 +129,7 @@ class WorkerState:
 
     @property
     def load_score(self) -> float:
-        """Active tokens over the KV capacity, plus the polled KV usage: 0 idle, ~2 full."""
+        """The larger of the books' active tokens over the KV capacity and the polled KV usage
+        (the same tokens seen twice: the books are current, the poll sees everything)."""
         capacity = self.info.num_blocks * self.info.block_size
-        return (self.context + self.queued_tokens) / capacity + self.kv_usage
+        return max((self.context + self.queued_tokens) / capacity, self.kv_usage)

@@ -67,6 +67,7 @@ async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
         ),
         router=replace(base.router, policy=PolicyConfig(policy=Policy(args.policy))),
         port=0,
+        metrics_port=0,
     )
     server = Server(config)
     await server.start()

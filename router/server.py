@@ -1,10 +1,10 @@
 """`pdserve serve`: the pools, the request core and the gRPC server, started and stopped in order.
 
 Start: Ray (local on 127.0.0.1 unless an address is given) and the worker actors, the
-tokenizer, the core (with its load poller), then the gRPC server on host:port with health
-SERVING. Stop (SIGINT/SIGTERM, or `stop()`): health NOT_SERVING, no new RPCs, in-flight requests
-drained for up to `drain_timeout_s` (then cancelled, which aborts them on the workers), the
-poller, the actors, and Ray if this process started it.
+tokenizer, the metrics endpoint, the core (with its load poller), then the gRPC server on
+host:port with health SERVING. Stop (SIGINT/SIGTERM, or `stop()`): health NOT_SERVING, no new
+RPCs, in-flight requests drained for up to `drain_timeout_s` (then cancelled, which aborts them
+on the workers), the poller, the actors, the metrics endpoint.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from engine.config import ModelConfig
 from engine.loader import load_tokenizer
 from router.cluster import Cluster, ClusterConfig, init_ray
 from router.convert import ModelLimits
-from router.core import Backend, RequestCore, RouterConfig
+from router.core import RequestCore
+from router.core_types import Backend, RouterConfig
+from router.metrics import Metrics
 from router.servicer import SERVICE, GenerationServicer, add_services
 
 log = logging.getLogger("pdserve.server")
@@ -35,6 +37,7 @@ class ServeConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     host: str = "127.0.0.1"
     port: int = 50051  # 0: any free port (see Server.port)
+    metrics_port: int | None = 9400  # Prometheus /metrics on `host`; 0: any free port; None: off
     drain_timeout_s: float = 30.0
 
 
@@ -51,7 +54,10 @@ class Server:
         self.core: RequestCore | None = None
         self.grpc: grpc.aio.Server | None = None
         self.port = 0
+        self.metrics: Metrics | None = None
+        self.metrics_port = 0
         self._health: Any = None
+        self._watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         c = self.config
@@ -66,7 +72,11 @@ class Server:
             tokenizer = await asyncio.to_thread(load_tokenizer, model)
         infos = await backend.infos()
         limits = ModelLimits(vocab_size=infos[0].vocab_size, max_model_len=infos[0].max_model_len)
-        self.core = RequestCore(backend, infos, c.router)
+        if c.metrics_port is not None:
+            self.metrics = Metrics()
+            self.metrics_port = self.metrics.serve(c.host, c.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", c.host, self.metrics_port)
+        self.core = RequestCore(backend, infos, c.router, tokenizer, self.metrics)
         await self.core.refresh()
         self.core.start()
         self.grpc = grpc.aio.server(
@@ -82,6 +92,7 @@ class Server:
         if self.port == 0:
             raise OSError(f"could not listen on {c.host}:{c.port}")
         await self.grpc.start()
+        self._watch = asyncio.ensure_future(self._watch_health(backend))
         log.info(
             "pdserve listening on %s:%d (%d prefill, %d decode workers, policy %s)",
             c.host,
@@ -95,7 +106,27 @@ class Server:
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
 
+    async def _watch_health(self, backend: Backend) -> None:
+        """SERVING while a decode worker is up, NOT_SERVING while none is."""
+        serving = True
+        while True:
+            await asyncio.sleep(1.0)
+            now = bool(backend.decode_ids)
+            if now != serving:
+                serving = now
+                status = (
+                    health_pb2.HealthCheckResponse.SERVING
+                    if now
+                    else (health_pb2.HealthCheckResponse.NOT_SERVING)
+                )
+                for name in ("", SERVICE):
+                    await self._health.set(name, status)
+                log.warning("health: %s", "SERVING" if now else "NOT_SERVING (no decode worker)")
+
     async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         if self._health is not None:
             for name in ("", SERVICE):
                 await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -107,6 +138,8 @@ class Server:
         if self.cluster is not None:
             await asyncio.to_thread(self.cluster.shutdown)
             self.cluster = None
+        if self.metrics is not None:
+            self.metrics.close()
 
 
 async def serve(config: ServeConfig) -> None:
@@ -114,6 +147,9 @@ async def serve(config: ServeConfig) -> None:
     server = Server(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    # Ray installs its own SIGTERM handler (exit at once) when it starts: start it first, then
+    # take the signals over, so that SIGTERM drains like SIGINT.
+    init_ray(config.cluster.address)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:

@@ -12,9 +12,10 @@ which aborts the request on every worker it touched.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
@@ -26,7 +27,9 @@ from engine.errors import InvalidRequestError
 from engine.outputs import TokenLogprobs
 from pdserve_proto import generation_pb2 as pb
 from router.convert import ModelLimits, ParsedRequest, invalid_utf8_field, parse_request
-from router.core import CoreChunk, Overloaded, RequestCore, Summary
+from router.core import RequestCore
+from router.core_types import CoreChunk, NoWorkers, Overloaded, Summary
+from router.errors import WorkerLost
 
 SERVICE = "pdserve.v1.Generation"
 FINISH = {
@@ -55,6 +58,13 @@ def _deserialize(raw: bytes) -> pb.GenerateRequest | _BadWire:
         if field is not None:
             return _BadWire(field, "is not valid UTF-8")
         return _BadWire("request", f"could not be parsed: {exc}")
+
+
+def _worker_failure(exc: BaseException) -> bool:
+    """A worker (or the Ray runtime under it) failed, as opposed to a bug here."""
+    return any(c.__module__.startswith("ray.") for c in type(exc).__mro__) or isinstance(
+        exc, TimeoutError
+    )
 
 
 def _logprobs(lps: tuple[TokenLogprobs, ...]) -> list[pb.TokenLogprob]:
@@ -121,7 +131,7 @@ class GenerationServicer:
 
     async def _chunks(
         self, req: ParsedRequest, arrived: float, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[CoreChunk]:
+    ) -> AsyncGenerator[CoreChunk, None]:
         stream = self.core.generate(req, arrived)
         try:
             async for chunk in stream:
@@ -138,11 +148,15 @@ class GenerationServicer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
+        except (NoWorkers, WorkerLost) as exc:
+            log.warning("request %s: %s", req.request_id, exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except Exception as exc:
             log.exception("request %s failed", req.request_id)
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"request failed: {type(exc).__name__}: {exc}"
-            )
+            code = grpc.StatusCode.INTERNAL
+            if _worker_failure(exc):
+                code = grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, f"request failed: {type(exc).__name__}: {exc}")
         finally:
             await stream.aclose()
 
@@ -151,14 +165,15 @@ class GenerationServicer:
     ) -> AsyncIterator[pb.GenerateResponse]:
         arrived = time.monotonic()
         req = await self._parse(request, context)
-        async for c in self._chunks(req, arrived, context):
-            yield pb.GenerateResponse(
-                request_id=c.request_id,
-                token_ids=c.token_ids,
-                text=c.text,
-                logprobs=_logprobs(c.logprobs),
-                final=_final(c.final) if c.final is not None else None,
-            )
+        async with contextlib.aclosing(self._chunks(req, arrived, context)) as chunks:
+            async for c in chunks:
+                yield pb.GenerateResponse(
+                    request_id=c.request_id,
+                    token_ids=c.token_ids,
+                    text=c.text,
+                    logprobs=_logprobs(c.logprobs),
+                    final=_final(c.final) if c.final is not None else None,
+                )
 
     async def Complete(  # noqa: N802
         self, request: pb.GenerateRequest | _BadWire, context: grpc.aio.ServicerContext
@@ -169,11 +184,12 @@ class GenerationServicer:
         text: list[str] = []
         lps: list[TokenLogprobs] = []
         final: Summary | None = None
-        async for c in self._chunks(req, arrived, context):
-            ids.extend(c.token_ids)
-            text.append(c.text)
-            lps.extend(c.logprobs)
-            final = c.final or final
+        async with contextlib.aclosing(self._chunks(req, arrived, context)) as chunks:
+            async for c in chunks:
+                ids.extend(c.token_ids)
+                text.append(c.text)
+                lps.extend(c.logprobs)
+                final = c.final or final
         return pb.CompleteResponse(
             request_id=req.request_id,
             token_ids=ids,

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from router.cluster import init_ray
 from router.server import ServeConfig, Server
 
 T = TypeVar("T")
@@ -15,6 +16,10 @@ T = TypeVar("T")
 
 class ServerThread:
     def __init__(self, config: ServeConfig, **kwargs: Any) -> None:
+        if "backend" not in kwargs:
+            # Ray's own processes die with the thread that started them (PR_SET_PDEATHSIG):
+            # start it here, on the long-lived main thread, not on the server's loop thread.
+            init_ray(config.cluster.address)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()

@@ -67,7 +67,7 @@ def test_bad_requests_name_their_field():
     refused("prompt_token_ids", prompt_token_ids=[1, 999])
     refused("stop_token_ids", prompt="a", sampling=pb.SamplingParams(stop_token_ids=[-2]))
     assert "bytes" in refused("prompt", prompt="x" * (10 << 20))  # a 10 MB prompt
-    refused("prompt", prompt_token_ids=[1] * 1024)  # the whole context
+    refused("prompt_token_ids", prompt_token_ids=[1] * 1024)  # the whole context
     refused("slo.ttft_ms", prompt="a", slo=pb.SloHint(ttft_ms=-1))
     refused("path", prompt="a", path=7)
 
@@ -86,3 +86,19 @@ def test_fast_encode_gives_the_tokenizers_own_ids(model):
         "<|im_start|>",
     ]:
         assert encode(tok, text) == tok.encode(text), text
+
+
+def test_chat_without_a_template_or_refused_by_it_names_messages():
+    import copy
+
+    msgs = [pb.ChatMessage(role="user", content="hi")]
+    bare = copy.deepcopy(TOK)
+    bare.chat_template = None
+    with pytest.raises(InvalidRequestError) as info:
+        parse_request(pb.GenerateRequest(messages=msgs), bare, LIMITS)
+    assert info.value.field == "messages" and "no chat template" in str(info.value)
+    strict = copy.deepcopy(TOK)
+    strict.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(InvalidRequestError) as info:
+        parse_request(pb.GenerateRequest(messages=msgs), strict, LIMITS)
+    assert info.value.field == "messages" and "roles must alternate" in str(info.value)

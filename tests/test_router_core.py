@@ -6,9 +6,12 @@ import asyncio
 
 import pytest
 
+from engine.config import ModelConfig
+from engine.loader import load_tokenizer
 from engine.sampling_params import SamplingParams
 from router.convert import ParsedRequest, RoutePath
-from router.core import Overloaded, RequestCore, RouterConfig
+from router.core import RequestCore
+from router.core_types import Overloaded, RouterConfig
 from router.fake_backend import FakeBackend
 
 
@@ -23,8 +26,11 @@ def request(rid: str, n: int = 32, max_tokens: int = 4, slo_ttft_ms: float | Non
     )
 
 
+TOKENIZER = load_tokenizer(ModelConfig(model="tiny-llama"))
+
+
 async def make_core(backend: FakeBackend, **config) -> RequestCore:
-    core = RequestCore(backend, await backend.infos(), RouterConfig(**config))
+    core = RequestCore(backend, await backend.infos(), RouterConfig(**config), TOKENIZER)
     await core.refresh()
     return core
 
@@ -48,7 +54,8 @@ def test_a_full_queue_is_refused_at_once_and_frees_when_requests_move_on():
         with pytest.raises(Overloaded) as err:
             await consume(core, request("r2"))
         assert err.value.reason == "queue_full" and err.value.retry_after_s > 0
-        assert "r2" not in backend.started  # no work was done for it
+        # No work was done for it (workers see internal ids: the client's id, '#', a number).
+        assert not [w for w in backend.started if w.startswith("r2#")]
         gate.set()
         outs = await asyncio.gather(*waiting)
         assert [sum(len(c.token_ids) for c in o) for o in outs] == [4, 4]
@@ -86,7 +93,7 @@ def test_leaving_early_closes_the_backend_stream_and_the_books():
         got = [await stream.__anext__() for _ in range(3)]
         assert sum(len(c.token_ids) for c in got) == 3
         await stream.aclose()
-        assert backend.closed == ["c"]
+        assert [w.split("#")[0] for w in backend.closed] == ["c"]
         assert core.pending == core.active == 0
         d = core.states["decode-0"]
         assert d.batch == 0 and d.queued_tokens == 0

@@ -31,6 +31,7 @@ def srv():
         # Three decode workers: each case kills one and still leaves a choice.
         cluster=ClusterConfig(model=MODEL, num_prefill=1, num_decode=3, engine=engine),
         port=0,
+        metrics_port=0,
         drain_timeout_s=5,
     )
     s = ServerThread(config)
@@ -41,7 +42,7 @@ def srv():
 def holder(srv, rid: str) -> str | None:
     """The decode worker the router's books say is decoding `rid`."""
     for w, state in srv.server.core.states.items():
-        if w.startswith("decode") and rid in state._decodes:
+        if w.startswith("decode") and any(k.startswith(rid + "#") for k in state._decodes):
             return w
     return None
 

@@ -36,6 +36,7 @@ def srv():
             model=MODEL, num_prefill=1, num_decode=2, engine=engine, kv_transfer_deadline_s=10
         ),
         port=0,
+        metrics_port=0,
         drain_timeout_s=5,
     )
     s = ServerThread(config)
@@ -247,3 +248,49 @@ def test_deadline_aborts_the_request_everywhere(srv, stub):
         list(stub.Generate(_long(pb.PATH_DISAGGREGATED), timeout=0.3))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert_pools_full(srv, within_s=1.0)
+
+
+def test_router_text_and_stop_strings_match_the_engine(srv, stub):
+    """The router detokenizes itself; its text (stop strings cut out) equals the engine's."""
+    from engine.config import CacheConfig, EngineConfig, ModelConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    from tests.helpers import loaded
+
+    set_policy(srv, Policy.AUTO)
+    engine = LLMEngine(
+        EngineConfig(model=ModelConfig(model=MODEL), cache=CacheConfig(block_size=4)),
+        loaded(MODEL),
+    )
+    prompt = "the quick brown fox"
+    plain = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))[0]
+    stop = plain.text[8:10]  # two characters from the middle of the greedy text
+    want = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, stop=(stop,)))[
+        0
+    ]
+    assert want.stop_reason == stop and len(want.text) < len(plain.text)
+    for path in (pb.PATH_COLOCATED, pb.PATH_DISAGGREGATED):
+        req = pb.GenerateRequest(
+            prompt=prompt,
+            sampling=pb.SamplingParams(max_tokens=24, temperature=0.0, stop=[stop]),
+            path=path,
+        )
+        msgs = list(stub.Generate(req, timeout=60))
+        assert "".join(m.text for m in msgs) == want.text
+        assert [t for m in msgs for t in m.token_ids] == list(want.token_ids)
+        final = msgs[-1].final
+        assert final.finish_reason == pb.FINISH_REASON_STOP and final.stop_string == stop
+    assert_pools_full(srv, within_s=2)
+
+
+def test_two_requests_with_the_same_client_id_both_complete(srv, stub):
+    prompts = random_prompts([12, 30], seed=5)
+    reqs = [greedy(p) for p in prompts]
+    for r in reqs:
+        r.request_id = "same-id"
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda r: unary_tokens(stub, r), reqs))
+    for p, (toks, final) in zip(prompts, outs):
+        assert toks == hf_greedy(MODEL, p, MAX_NEW)
+        assert final.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP)
+    assert_pools_full(srv, within_s=2)

@@ -1,0 +1,251 @@
+"""Every Prometheus metric pdserve exports, in one place: the router's process edge turns the
+core's records (router/stats.py) and the workers' load reports into these. Workers open no port
+of their own; their figures reach here through the router.
+
+Names follow vLLM's and SGLang's (time_to_first_token_seconds, inter_token_latency_seconds, ...)
+under the `pdserve_` prefix, with units in the name. Request latencies carry the label `path`
+(colocated | disaggregated); worker figures carry `worker` and `role`. One bucket list serves
+millisecond ITLs and tens-of-seconds TTFTs alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from engine.serving import WorkerLoad
+from router.stats import RequestRecord, TransferRecord
+
+# 1 ms .. 120 s: ITLs of a few ms to TTFTs of tens of seconds.
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+    0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
+RATIO_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.35, 0.5, 0.75, 1.0, 2.0, 5.0)
+PATH = ("path",)
+WORKER = ("worker", "role")
+
+
+class Metrics:
+    """The metrics of one router, in their own registry (several routers can share a process)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+
+        def hist(name: str, doc: str, labels: tuple[str, ...] = PATH) -> Histogram:
+            return Histogram(name, doc, labels, registry=r, buckets=LATENCY_BUCKETS)
+
+        self.ttft = hist(
+            "pdserve_time_to_first_token_seconds",
+            "Request arrival at the router to its first token leaving the router (what the "
+            "client sees), by path.",
+        )
+        self.itl = hist(
+            "pdserve_inter_token_latency_seconds", "Gap between consecutive output tokens."
+        )
+        self.tpot = hist(
+            "pdserve_time_per_output_token_seconds",
+            "(e2e - TTFT) / (output tokens - 1), per request.",
+        )
+        self.e2e = hist("pdserve_e2e_request_latency_seconds", "Arrival to the last token.")
+        self.queue = hist(
+            "pdserve_request_queue_time_seconds",
+            "Arrival on the worker that prefills the request to its first scheduling there.",
+        )
+        self.prefill = hist(
+            "pdserve_prefill_time_seconds",
+            "First scheduling to first token on the prefilling worker.",
+        )
+        self.transfer = hist("pdserve_kv_transfer_seconds", "One KV send, start to end.", ())
+        self.transfer_bytes = Counter(
+            "pdserve_kv_transfer_bytes", "KV bytes sent by prefill workers.", registry=r
+        )
+        self.transfers = Counter("pdserve_kv_transfers", "KV sends that completed.", registry=r)
+        self.transfer_failures = Counter(
+            "pdserve_kv_transfer_failures",
+            "KV sends that failed, by reason.",
+            ("reason",),
+            registry=r,
+        )
+        self.bandwidth = Gauge(
+            "pdserve_kv_transfer_bandwidth_bytes_per_second",
+            "Bandwidth of the latest completed KV send.",
+            registry=r,
+        )
+        self.decisions = Counter(
+            "pdserve_path_decisions",
+            "Path choices, by path and reason.",
+            ("path", "reason"),
+            registry=r,
+        )
+        self.prediction_error = Histogram(
+            "pdserve_ttft_prediction_error_ratio",
+            "abs(predicted - measured) / measured TTFT, per request, by path.",
+            PATH,
+            registry=r,
+            buckets=RATIO_BUCKETS,
+        )
+        self.predicted_ttft = hist(
+            "pdserve_ttft_predicted_seconds",
+            "The TTFT the cost model predicted for the path taken.",
+        )
+        self.rejections = Counter(
+            "pdserve_admission_rejections",
+            "Requests refused at admission, by reason.",
+            ("reason",),
+            registry=r,
+        )
+        self.requests = Counter(
+            "pdserve_requests",
+            "Requests that ran, by path and finish reason.",
+            ("path", "finish_reason"),
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens", "Prompt tokens of requests that ran.", PATH, registry=r
+        )
+        self.cached_prompt_tokens = Counter(
+            "pdserve_cached_prompt_tokens",
+            "Prompt tokens found in a prefix cache.",
+            PATH,
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "pdserve_generation_tokens", "Output tokens streamed.", PATH, registry=r
+        )
+        self.resumed = Counter(
+            "pdserve_requests_resumed",
+            "Requests moved to another decode worker after one died.",
+            registry=r,
+        )
+        self.running = Gauge(
+            "pdserve_worker_requests_running", "Requests in the running batch.", WORKER, registry=r
+        )
+        self.waiting = Gauge(
+            "pdserve_worker_requests_waiting",
+            "Requests waiting to be scheduled (or for KV).",
+            WORKER,
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            "pdserve_worker_kv_cache_usage_ratio",
+            "Fraction of KV blocks in use.",
+            WORKER,
+            registry=r,
+        )
+        self.queued_tokens = Gauge(
+            "pdserve_worker_queued_prefill_tokens",
+            "Prompt tokens not yet computed.",
+            WORKER,
+            registry=r,
+        )
+        self.prefix_queries = Counter(
+            "pdserve_worker_prefix_cache_queries_tokens",
+            "Prompt tokens looked up in the prefix cache.",
+            WORKER,
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "pdserve_worker_prefix_cache_hits_tokens",
+            "Prompt tokens found in the prefix cache.",
+            WORKER,
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "pdserve_worker_preemptions",
+            "Requests preempted (recomputed later).",
+            WORKER,
+            registry=r,
+        )
+        self.worker_failures = Counter(
+            "pdserve_worker_failures",
+            "Workers found dead; they leave their pool.",
+            WORKER,
+            registry=r,
+        )
+        self.workers = Gauge("pdserve_workers", "Live workers, by role.", ("role",), registry=r)
+        self._last: dict[str, WorkerLoad] = {}
+
+    def serve(self, host: str, port: int) -> int:
+        """Expose /metrics on host:port (0: any free port); returns the port."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        return int(server.server_address[1])
+
+    def close(self) -> None:
+        server = getattr(self, "_http", None)
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+    # -- the StatsSink the core reports to ------------------------------------------------------
+    def decided(self, path: str, reason: str) -> None:
+        self.decisions.labels(path, reason).inc()
+
+    def rejected(self, reason: str) -> None:
+        self.rejections.labels(reason).inc()
+
+    def finished(self, rec: RequestRecord) -> None:
+        p = rec.path
+        self.requests.labels(p, rec.finish_reason).inc()
+        self.prompt_tokens.labels(p).inc(rec.prompt_tokens)
+        self.cached_prompt_tokens.labels(p).inc(rec.cached_prompt_tokens)
+        self.generation_tokens.labels(p).inc(rec.output_tokens)
+        self.e2e.labels(p).observe(rec.e2e_s)
+        self.resumed.inc(rec.resumed)
+        if rec.ttft_s is None:
+            return
+        self.ttft.labels(p).observe(rec.ttft_s)
+        self.queue.labels(p).observe(rec.queue_s)
+        if rec.prefill_s is not None:
+            self.prefill.labels(p).observe(rec.prefill_s)
+        itl = self.itl.labels(p)
+        for gap in rec.itl_s:
+            itl.observe(gap)
+        if rec.output_tokens > 1:
+            self.tpot.labels(p).observe((rec.e2e_s - rec.ttft_s) / (rec.output_tokens - 1))
+        self.predicted_ttft.labels(p).observe(rec.predicted_ttft_s)
+        if rec.ttft_s > 0:
+            err = abs(rec.predicted_ttft_s - rec.ttft_s) / rec.ttft_s
+            self.prediction_error.labels(p).observe(err)
+
+    def transferred(self, rec: TransferRecord) -> None:
+        self.transfer.observe(rec.seconds)
+        self.transfer_bytes.inc(rec.bytes)
+        if rec.ok:
+            self.transfers.inc()
+            if rec.seconds > 0:
+                self.bandwidth.set(rec.bytes / rec.seconds)
+        else:
+            self.transfer_failures.labels(rec.reason or "error").inc()
+
+    def loads(self, loads: Sequence[WorkerLoad]) -> None:
+        roles: dict[str, int] = {"prefill": 0, "decode": 0}
+        for ld in loads:
+            w = (ld.worker_id, ld.role)
+            roles[ld.role] = roles.get(ld.role, 0) + 1
+            self.running.labels(*w).set(ld.running)
+            self.waiting.labels(*w).set(ld.waiting + ld.waiting_for_kv)
+            self.kv_usage.labels(*w).set(ld.kv_usage)
+            self.queued_tokens.labels(*w).set(ld.queued_prefill_tokens)
+            last = self._last.get(ld.worker_id)
+            if last is not None:  # the worker reports totals since it started: add the growth
+                self.prefix_queries.labels(*w).inc(max(0, ld.prefix_queries - last.prefix_queries))
+                self.prefix_hits.labels(*w).inc(max(0, ld.prefix_hits - last.prefix_hits))
+                self.preemptions.labels(*w).inc(max(0, ld.preemptions - last.preemptions))
+            else:
+                self.prefix_queries.labels(*w).inc(ld.prefix_queries)
+                self.prefix_hits.labels(*w).inc(ld.prefix_hits)
+                self.preemptions.labels(*w).inc(ld.preemptions)
+            self._last[ld.worker_id] = ld
+        for role, n in roles.items():
+            self.workers.labels(role).set(n)
+
+    def worker_lost(self, worker_id: str, role: str) -> None:
+        self.worker_failures.labels(worker_id, role).inc()
+        for g in (self.running, self.waiting, self.kv_usage, self.queued_tokens):
+            try:
+                g.remove(worker_id, role)
+            except KeyError:
+                pass

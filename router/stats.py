@@ -1,0 +1,76 @@
+"""What the request core reports as it works, as plain records; the process edge (router/metrics.py)
+turns them into Prometheus metrics. The core never touches a metric itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.serving import WorkerLoad
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One request that ran, measured at the router (one clock: time.monotonic())."""
+
+    request_id: str
+    path: str  # "colocated" | "disaggregated": the path chosen first
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    output_tokens: int
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    ttft_s: float | None  # arrival at the router -> first token out of it; None: no token
+    predicted_ttft_s: float
+    itl_s: tuple[float, ...]  # gaps between consecutive output tokens
+    e2e_s: float  # arrival -> last token (or the end)
+    queue_s: float  # arrival on the worker that prefilled it -> first scheduled there
+    prefill_s: float | None  # first scheduled -> first token on the prefilling worker
+    resumed: int  # times it moved to another decode worker after one died
+
+
+@dataclass(frozen=True, slots=True)
+class TransferRecord:
+    """One KV send, as the prefill worker reported it."""
+
+    bytes: int
+    seconds: float  # the connector's own: send started -> ended
+    ok: bool
+    reason: str | None  # a kv_transfer FailureReason value when not ok
+
+
+class StatsSink(Protocol):
+    def decided(self, path: str, reason: str) -> None: ...
+
+    def rejected(self, reason: str) -> None: ...
+
+    def finished(self, record: RequestRecord) -> None: ...
+
+    def transferred(self, record: TransferRecord) -> None: ...
+
+    def loads(self, loads: Sequence[WorkerLoad]) -> None: ...
+
+    def worker_lost(self, worker_id: str, role: str) -> None: ...
+
+
+class NullSink:
+    """Records nothing (the core without metrics, e.g. in unit tests)."""
+
+    def decided(self, path: str, reason: str) -> None:
+        pass
+
+    def rejected(self, reason: str) -> None:
+        pass
+
+    def finished(self, record: RequestRecord) -> None:
+        pass
+
+    def transferred(self, record: TransferRecord) -> None:
+        pass
+
+    def loads(self, loads: Sequence[WorkerLoad]) -> None:
+        pass
+
+    def worker_lost(self, worker_id: str, role: str) -> None:
+        pass

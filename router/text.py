@@ -1,0 +1,34 @@
+"""The router's own text for one request: incremental detokenization and stop strings with the
+engine's classes, over the token ids the workers stream. Text held back at a worker (an
+unfinished character, a possible stop-string prefix) is never lost when a request moves to
+another worker, and a stop string that spans the move is still found."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from engine.stop_strings import StopStringMatcher
+
+
+class TextStream:
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams):
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self._stops = StopStringMatcher(params)
+        self.stop_hit: str | None = None  # the stop string that ended the text, once found
+
+    def feed(self, token_ids: Sequence[int], finished: bool) -> str:
+        """The new text `token_ids` complete; after a stop string is found (`stop_hit`), the
+        text is final and the request should end."""
+        for t in token_ids:
+            self._detok.add(t)
+        if finished:
+            self._detok.flush()
+        hit = self._stops.find(self._detok.text)
+        if hit is not None:
+            self.stop_hit = hit
+        if finished or self.stop_hit is not None:
+            return self._stops.final_delta(self._detok.text)
+        return self._stops.safe_delta(self._detok.text)

@@ -1,0 +1,78 @@
+"""One request's timeline as the router sees it, kept while it streams and turned into a
+RequestRecord at the end. All times are time.monotonic()."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.serving import PrefillResult, TokenChunk
+from router.stats import RequestRecord
+
+
+@dataclass(slots=True)
+class Tracker:
+    request_id: str
+    arrived: float
+    path: str
+    prompt_tokens: int
+    predicted_ttft_s: float
+    first_at: float | None = None
+    last_at: float | None = None
+    output_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    itl_s: list[float] = field(default_factory=list)
+    queue_s: float = 0.0
+    prefill_s: float | None = None
+    finish_reason: str = "abort"  # until a chunk says otherwise: the client left, or a failure
+    resumed: int = 0
+    handed_off: bool = False  # the prefill worker's KV reached the decode worker
+
+    def prefilled(self, result: PrefillResult) -> None:
+        """The prefill worker's own figures (disaggregated path)."""
+        if result.first_token is None:
+            return
+        self.handed_off = result.transfer_ok
+        self.queue_s = result.queue_s
+        self.prefill_s = max(0.0, result.prefill_s - result.queue_s)
+
+    def chunk(self, chunk: TokenChunk) -> None:
+        now = time.monotonic()
+        n = len(chunk.token_ids)
+        if n:
+            if self.first_at is None:
+                self.first_at = now
+                if not self.handed_off:
+                    self.queue_s = chunk.queue_s
+                    self.prefill_s = chunk.prefill_s
+            elif self.last_at is not None:
+                # Tokens that arrive together share the gap since the previous ones.
+                self.itl_s.extend([(now - self.last_at) / n] * n)
+            self.last_at = now
+            self.output_tokens += n
+
+    def ended(self, finish_reason: str | None, cached_prompt_tokens: int) -> None:
+        self.finish_reason = finish_reason or "stop"
+        self.cached_prompt_tokens = cached_prompt_tokens
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_at is None else self.first_at - self.arrived
+
+    def record(self, failed: bool = False) -> RequestRecord:
+        end = self.last_at if self.last_at is not None else time.monotonic()
+        return RequestRecord(
+            request_id=self.request_id,
+            path=self.path,
+            prompt_tokens=self.prompt_tokens,
+            cached_prompt_tokens=self.cached_prompt_tokens,
+            output_tokens=self.output_tokens,
+            finish_reason="error" if failed else self.finish_reason,
+            ttft_s=self.ttft_s,
+            predicted_ttft_s=self.predicted_ttft_s,
+            itl_s=tuple(self.itl_s),
+            e2e_s=max(0.0, end - self.arrived),
+            queue_s=self.queue_s,
+            prefill_s=self.prefill_s,
+            resumed=self.resumed,
+        )
