@@ -220,12 +220,27 @@ def _complete(args: argparse.Namespace, _extra: list[str]) -> int:
     return client.run(args)
 
 
+def _add_status(sub: argparse._SubParsersAction) -> None:
+    from router import status
+
+    p = sub.add_parser("status", help="summarize a running server from its metrics endpoint")
+    status.add_arguments(p)
+    p.set_defaults(handler=_status, passthrough=False)
+
+
+def _status(args: argparse.Namespace, _extra: list[str]) -> int:
+    from router import status
+
+    return status.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     _add_serve(sub)
     _add_complete(sub)
+    _add_status(sub)
     _add_bench_engine(sub)
     return parser
 

@@ -1,0 +1,159 @@
+"""`pdserve status`: a terminal summary of a running server, read from its metrics endpoint
+(the same figures Prometheus scrapes): pools and workers, KV usage, queues, request and token
+rates, latency quantiles by path, the router's choices, transfers and refusals.
+
+Rates come from two scrapes `--interval` seconds apart; quantiles are over everything since the
+server started, interpolated within histogram buckets as Prometheus' histogram_quantile does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import defaultdict
+from collections.abc import Iterable
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default="127.0.0.1:9400", help="the server's metrics host:port")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between two scrapes")
+
+
+def scrape(address: str, timeout: float = 5.0) -> Samples:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = address if address.startswith("http") else f"http://{address}/metrics"
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        text = resp.read().decode()
+    out: Samples = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+    return out
+
+
+def _by(samples: Samples, name: str, *keys: str) -> dict[tuple[str, ...], float]:
+    """Sum of `name`'s samples grouped by the label values of `keys`."""
+    acc: dict[tuple[str, ...], float] = defaultdict(float)
+    for (n, labels), v in samples.items():
+        if n == name:
+            d = dict(labels)
+            acc[tuple(d.get(k, "") for k in keys)] += v
+    return dict(acc)
+
+
+def quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:
+    """histogram_quantile over cumulative (upper bound, count) pairs."""
+    bs = sorted(buckets)
+    if not bs or bs[-1][1] <= 0:
+        return None
+    rank = q * bs[-1][1]
+    prev_le, prev_c = 0.0, 0.0
+    for le, c in bs:
+        if c >= rank:
+            if math.isinf(le):
+                return prev_le
+            return prev_le + (le - prev_le) * (rank - prev_c) / max(c - prev_c, 1e-12)
+        prev_le, prev_c = le, c
+    return prev_le
+
+
+def _quantiles(samples: Samples, metric: str) -> dict[str, tuple[float | None, float | None]]:
+    per_path: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for (n, labels), v in samples.items():
+        if n == metric + "_bucket":
+            d = dict(labels)
+            per_path[d.get("path", "")].append((float(d["le"]), v))
+    return {p: (quantile(0.5, b), quantile(0.99, b)) for p, b in sorted(per_path.items())}
+
+
+def _fmt_s(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v * 1000:.0f} ms" if v < 1 else f"{v:.2f} s"
+
+
+def render(before: Samples, after: Samples, seconds: float, address: str) -> str:
+    lines = [f"pdserve metrics at {address}"]
+    roles = _by(after, "pdserve_workers", "role")
+    lines.append(
+        "workers: " + ", ".join(f"{int(v)} {r[0]}" for r, v in sorted(roles.items())) or "none"
+    )
+    lines.append(
+        f"{'worker':<12} {'role':<8} {'running':>7} {'waiting':>7} {'KV used':>8} "
+        f"{'queued prefill tok':>18} {'prefix hits':>11} {'preempted':>9}"
+    )
+    running = _by(after, "pdserve_worker_requests_running", "worker", "role")
+    waiting = _by(after, "pdserve_worker_requests_waiting", "worker", "role")
+    kv = _by(after, "pdserve_worker_kv_cache_usage_ratio", "worker", "role")
+    queued = _by(after, "pdserve_worker_queued_prefill_tokens", "worker", "role")
+    hits = _by(after, "pdserve_worker_prefix_cache_hits_tokens_total", "worker", "role")
+    queries = _by(after, "pdserve_worker_prefix_cache_queries_tokens_total", "worker", "role")
+    preempt = _by(after, "pdserve_worker_preemptions_total", "worker", "role")
+    for key in sorted(running, key=lambda k: (k[1], k[0])):
+        hit = hits.get(key, 0) / queries[key] if queries.get(key) else 0.0
+        lines.append(
+            f"{key[0]:<12} {key[1]:<8} {running[key]:>7.0f} {waiting.get(key, 0):>7.0f} "
+            f"{kv.get(key, 0):>8.1%} {queued.get(key, 0):>18.0f} {hit:>11.1%} "
+            f"{preempt.get(key, 0):>9.0f}"
+        )
+    reqs = _by(after, "pdserve_requests_total", "path")
+    reqs0 = _by(before, "pdserve_requests_total", "path")
+    toks = sum(_by(after, "pdserve_generation_tokens_total").values())
+    toks0 = sum(_by(before, "pdserve_generation_tokens_total").values())
+    total = sum(reqs.values())
+    rate = (total - sum(reqs0.values())) / seconds
+    per_path = ", ".join(f"{p[0]} {v:.0f}" for p, v in sorted(reqs.items()))
+    lines.append(
+        f"requests: {total:.0f} ({per_path or 'none'}); now {rate:.1f} req/s, "
+        f"{(toks - toks0) / seconds:.0f} output tok/s"
+    )
+    fin = _by(after, "pdserve_requests_total", "finish_reason")
+    lines.append("finish: " + (", ".join(f"{k[0]} {v:.0f}" for k, v in sorted(fin.items())) or "-"))
+    for label, metric in (
+        ("TTFT", "pdserve_time_to_first_token_seconds"),
+        ("ITL", "pdserve_inter_token_latency_seconds"),
+    ):
+        qs = _quantiles(after, metric)
+        text = "; ".join(f"{p} {_fmt_s(a)} / {_fmt_s(b)}" for p, (a, b) in qs.items())
+        lines.append(f"{label} p50 / p99: {text or '-'}")
+    dec = _by(after, "pdserve_path_decisions_total", "path", "reason")
+    lines.append(
+        "decisions: " + (", ".join(f"{p}/{r} {v:.0f}" for (p, r), v in sorted(dec.items())) or "-")
+    )
+    rej = _by(after, "pdserve_admission_rejections_total", "reason")
+    lines.append(
+        "rejected: " + (", ".join(f"{k[0]} {v:.0f}" for k, v in sorted(rej.items())) or "none")
+    )
+    ok = sum(_by(after, "pdserve_kv_transfers_total").values())
+    nbytes = sum(_by(after, "pdserve_kv_transfer_bytes_total").values())
+    fails = _by(after, "pdserve_kv_transfer_failures_total", "reason")
+    bw = sum(_by(after, "pdserve_kv_transfer_bandwidth_bytes_per_second").values())
+    lines.append(
+        f"KV transfers: {ok:.0f} done, {nbytes / 1e6:.1f} MB, "
+        f"{sum(fails.values()):.0f} failed, latest {bw / 1e9:.2f} GB/s"
+    )
+    err = _quantiles(after, "pdserve_ttft_prediction_error_ratio")
+    lines.append(
+        "TTFT prediction error, median: "
+        + ("; ".join(f"{p} {a:.0%}" for p, (a, _) in err.items() if a is not None) or "-")
+    )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        before = scrape(args.address)
+        time.sleep(args.interval)
+        after = scrape(args.address)
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"error: no pdserve metrics at {args.address}? ({exc})", file=sys.stderr)
+        return 1
+    print(render(before, after, args.interval, args.address))
+    return 0

@@ -1,0 +1,224 @@
+"""pdserve's metrics against a real Prometheus server (Debian's `prometheus`, which .ci/run
+installs): the repository's prometheus.yml and alerts.yml (targets rewritten to this test's
+ports), a short mixed load, then Prometheus' HTTP API and `pdserve status`."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import socket
+import statistics
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve_proto import generation_pb2 as pb
+from pdserve_proto import generation_pb2_grpc as pb_grpc
+from router import status
+from router.cluster import ClusterConfig
+from router.server import ServeConfig
+from tests.grpc_server import ServerThread
+from tests.helpers import random_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+BLOCK = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    assert path, f"{name} not found: install Debian's prometheus package (.ci/run does)"
+    return path
+
+
+def api(port: int, query: str) -> dict:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.load(resp)
+
+
+def dashboard_exprs() -> list[str]:
+    doc = json.loads((DEPLOY / "grafana" / "pdserve.json").read_text())
+    exprs = [t["expr"] for p in doc["panels"] for t in p["targets"]]
+    return [e.replace("$__rate_interval", "1m").replace("$__range", "5m") for e in exprs]
+
+
+def alert_exprs() -> list[str]:
+    doc = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    return [r["expr"] for g in doc["groups"] for r in g["rules"]]
+
+
+@pytest.fixture(scope="module")
+def srv():
+    engine = EngineConfig(
+        cache=CacheConfig(block_size=BLOCK, num_blocks=512),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=16),
+    )
+    config = ServeConfig(
+        cluster=ClusterConfig(model="tiny-llama", num_prefill=1, num_decode=1, engine=engine),
+        port=0,
+        metrics_port=0,
+        drain_timeout_s=5,
+    )
+    s = ServerThread(config)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def prometheus(srv, tmp_path_factory):
+    d = tmp_path_factory.mktemp("prometheus")
+    cfg = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    cfg["global"]["scrape_interval"] = "1s"
+    cfg["global"]["evaluation_interval"] = "1s"
+    for job in cfg["scrape_configs"]:
+        if job["job_name"] == "pdserve":
+            job["static_configs"] = [{"targets": [f"127.0.0.1:{srv.server.metrics_port}"]}]
+        else:  # Ray's service discovery: this test's own (empty) file
+            (d / "ray_sd.json").write_text("[]")
+            job["file_sd_configs"] = [{"files": [str(d / "ray_sd.json")]}]
+    (d / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    shutil.copy(DEPLOY / "prometheus" / "alerts.yml", d / "alerts.yml")
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            tool("prometheus"),
+            f"--config.file={d / 'prometheus.yml'}",
+            f"--storage.tsdb.path={d / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(d / "prometheus.log", "w"),
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        assert proc.poll() is None, (d / "prometheus.log").read_text()[-2000:]
+        assert time.monotonic() < deadline, "prometheus did not become ready"
+        time.sleep(0.2)
+    yield port, d
+    proc.terminate()
+    proc.wait(20)
+
+
+def test_promtool_accepts_the_config_and_the_rules():
+    assert (
+        subprocess.run(
+            [tool("promtool"), "check", "rules", str(DEPLOY / "prometheus" / "alerts.yml")],
+            capture_output=True,
+        ).returncode
+        == 0
+    )
+    out = subprocess.run(
+        [tool("promtool"), "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_dashboard_is_what_its_script_writes():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make", DEPLOY / "grafana" / "make_dashboard.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert (DEPLOY / "grafana" / "pdserve.json").read_text() == mod.render(), (
+        "run python deploy/grafana/make_dashboard.py"
+    )
+
+
+def _run(stub, ids, path):
+    req = pb.GenerateRequest(
+        prompt_token_ids=ids,
+        sampling=pb.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+        path=path,
+    )
+    t0 = time.monotonic()
+    first = None
+    final = None
+    for msg in stub.Generate(req, timeout=60):
+        if first is None and msg.token_ids:
+            first = time.monotonic() - t0
+        if msg.HasField("final"):
+            final = msg.final
+    return first, final
+
+
+@pytest.mark.timeout(240)
+def test_metrics_through_a_real_prometheus(srv, prometheus):
+    port, _ = prometheus
+    lengths = [9, 17, 23, 30, 41, 52]
+    prompts = random_prompts(lengths * 2, seed=123)  # every prompt fresh: no prefix hits
+    paths = [pb.PATH_COLOCATED] * len(lengths) + [pb.PATH_DISAGGREGATED] * len(lengths)
+    info = srv.server.core.states["decode-0"].info
+    with grpc.insecure_channel(srv.address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        results = [_run(stub, p, path) for p, path in zip(prompts, paths)]
+        for bad in (pb.GenerateRequest(), pb.GenerateRequest(prompt_token_ids=[1, 9999])):
+            with pytest.raises(grpc.RpcError):
+                stub.Complete(bad, timeout=10)  # refused: not a request that ran
+    n = len(prompts)
+    # Counters, read straight from the endpoint: exactly the requests that ran.
+    samples = status.scrape(f"127.0.0.1:{srv.server.metrics_port}")
+    total = sum(v for (name, _), v in samples.items() if name == "pdserve_requests_total")
+    assert total == n
+    sent = sum(v for (name, _), v in samples.items() if name == "pdserve_kv_transfer_bytes_total")
+    want = sum(
+        math.ceil(len(p) / BLOCK) * BLOCK * info.kv_bytes_per_token
+        for p, path in zip(prompts, paths)
+        if path == pb.PATH_DISAGGREGATED
+    )
+    assert sent == want
+    # TTFT at the router agrees with the client's within a few milliseconds at the median.
+    diffs = [abs(client - final.ttft_ms / 1000) for client, final in results]
+    assert statistics.median(diffs) < 0.005, diffs
+    # Prometheus has scraped it all: wait for the count to arrive.
+    deadline = time.monotonic() + 30
+    while True:
+        got = api(port, "sum(pdserve_requests_total)")["data"]["result"]
+        if got and float(got[0]["value"][1]) == n:
+            break
+        assert time.monotonic() < deadline, got
+        time.sleep(0.5)
+    up = api(port, 'up{job="pdserve"}')["data"]["result"]
+    assert [float(r["value"][1]) for r in up] == [1.0]
+    for expr in dashboard_exprs() + alert_exprs():
+        res = api(port, expr)
+        assert res["status"] == "success", (expr, res)
+    for series in (
+        "pdserve_time_to_first_token_seconds_count",
+        "pdserve_inter_token_latency_seconds_count",
+        "pdserve_kv_transfer_bytes_total",
+        "pdserve_kv_transfer_seconds_count",
+        "pdserve_path_decisions_total",
+        "pdserve_worker_kv_cache_usage_ratio",
+    ):
+        assert api(port, series)["data"]["result"], f"no data for {series}"
+    by_path = api(port, "sum by (path) (pdserve_time_to_first_token_seconds_count)")
+    counts = {r["metric"]["path"]: float(r["value"][1]) for r in by_path["data"]["result"]}
+    assert counts == {"colocated": len(lengths), "disaggregated": len(lengths)}
+    # `pdserve status` shows the same figures.
+    text = status.render(samples, samples, 1.0, "test")
+    assert f"requests: {n} (colocated {len(lengths)}, disaggregated {len(lengths)})" in text
+    assert "decode-0" in text and "prefill-0" in text
+    assert f"KV transfers: {len(lengths)} done" in text
