@@ -148,18 +148,18 @@ def _in_cache(buf: torch.Tensor, kv: KVCache) -> bool:
     return any(t.data_ptr() <= ptr < t.data_ptr() + t.numel() * t.element_size() for t in kv.layers)
 
 
-def _delay_data_sends(pair: Pair, delay_s: float) -> None:
-    """The sender posts each LAYER header at once and its data `delay_s` later."""
+def _hold_data_sends(pair: Pair, release: threading.Event) -> None:
+    """The sender posts each LAYER header at once and its data only once `release` is set."""
     post = pair.post
 
-    def delayed(staging, messages):
+    def held(staging, messages):
         works = post(staging, messages[:1])
         if len(messages) > 1:
-            time.sleep(delay_s)
+            release.wait(10)
             works += post(staging, messages[1:])
         return works
 
-    pair.post = delayed  # type: ignore[method-assign]
+    pair.post = held  # type: ignore[method-assign]
 
 
 def _watch_recvs_into(pair: Pair, kv: KVCache) -> threading.Event:
@@ -177,47 +177,67 @@ def _watch_recvs_into(pair: Pair, kv: KVCache) -> threading.Event:
     return posted
 
 
+def _blocked(call, *args) -> threading.Thread:
+    """Start `call(*args)` on a thread and check it is still waiting a moment later."""
+    t = threading.Thread(target=call, args=args, daemon=True)
+    t.start()
+    t.join(0.3)
+    assert t.is_alive(), f"{call.__name__} returned while the message was on the wire"
+    return t
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("end", ["abort", "deadline"])
+@pytest.mark.parametrize("end", ["abort", "deadline", "broken pair"])
 def test_receive_ended_during_a_direct_recv_never_writes_after_failed(pd, end):
-    """The data of a layer lands straight in the destination blocks while the receive is
-    aborted (or its deadline passes): the end waits for the data, and once FAILED is visible
-    the blocks never change again."""
+    """A layer's data is on its way straight into the destination blocks when the receive is
+    aborted (or its deadline passes, or the pair breaks): the receive ends only once the data
+    is in, and once FAILED is visible the blocks never change again."""
     p, d = pd
     lay = p.layout
     src_kv, dst_kv = kp.cache(lay, 16, seed=21), kp.cache(lay, 16, seed=None)
-    delay_s = 0.8
-    _delay_data_sends(_pair(p, "D"), delay_s)
+    release = threading.Event()
+    _hold_data_sends(_pair(p, "D"), release)
     posted = _watch_recvs_into(_pair(d, "P"), dst_kv)
     deadline_s = 0.3 if end == "deadline" else 10.0
     d.start_recv(req("x", "P", RUN_SRC, RUN_DST, deadline_s), dst_kv)
     p.start_send(req("x", "D", RUN_SRC, RUN_DST, deadline_s), src_kv)
     p.send_layer("x", 0)
     assert posted.wait(5), "no direct recv was posted"
-    t0 = time.monotonic()
     if end == "abort":
-        d.abort("x")
-        assert d.poll("x") is TransferStatus.FAILED
-    else:
-        time.sleep(deadline_s + 0.1)  # the deadline has passed; the data is still on its way
+        ender = _blocked(d.abort, "x")
         assert not d.poll("x").finished
+        release.set()
+        ender.join(10)
+        assert not ender.is_alive() and d.poll("x") is TransferStatus.FAILED
+    elif end == "deadline":
+        time.sleep(deadline_s + 0.1)
+        assert not d.poll("x").finished  # past the deadline, but the data is on its way
+        release.set()
         assert d.wait("x", 5) is TransferStatus.FAILED
         assert d.result("x").reason is FailureReason.TIMEOUT  # type: ignore[union-attr]
-    assert time.monotonic() - t0 > delay_s / 2  # the end waited for the data
+    else:
+        _pair(d, "P").break_("broken by the test")  # as a lane thread would: without waiting
+        assert not d.poll("x").finished
+        release.set()
+        assert d.wait("x", 5) is TransferStatus.FAILED
+        assert d.result("x").reason is FailureReason.PEER_DEAD  # type: ignore[union-attr]
     seen = [t.clone() for t in dst_kv.layers]
-    # The data that was in flight is in; nothing else was written.
+    # The data that was on the wire is in; nothing else was written.
     assert torch.equal(dst_kv.layers[0][list(RUN_DST)], src_kv.layers[0][list(RUN_SRC)])
     assert all(torch.count_nonzero(t) == 0 for t in dst_kv.layers[1:])
-    # The sender hears of it; more layers it had queued are dropped, and the blocks stay put.
+    # The sender hears of it; layers it announces later are dropped, and the blocks stay put.
     for layer in range(1, lay.num_layers):
         p.send_layer("x", layer)
     assert p.wait("x", 5) is TransferStatus.FAILED
     if end == "abort":  # told while its sender thread held the send's io_lock: applied on release
         assert p.result("x").reason is FailureReason.PEER_ABORTED  # type: ignore[union-attr]
-    time.sleep(delay_s + 0.2)
+    time.sleep(0.3)
     assert all(torch.equal(a, b) for a, b in zip(seen, dst_kv.layers))
     del _pair(p, "D").post
-    _still_in_step(p, d)
+    if end == "broken pair":
+        _release_all(p, d)
+    else:
+        _still_in_step(p, d)
 
 
 @pytest.mark.timeout(60)
@@ -229,7 +249,8 @@ def test_send_aborted_during_a_direct_send_has_read_its_blocks_when_abort_return
     src_kv, dst_kv = kp.cache(lay, 16, seed=31), kp.cache(lay, 16, seed=None)
     want = src_kv.layers[0][list(RUN_SRC)].clone()
     sent = threading.Event()
-    post = _pair(p, "D").post
+    send_pair = _pair(p, "D")
+    post = send_pair.post
 
     def watched(staging, messages):
         works = post(staging, messages)
@@ -237,29 +258,32 @@ def test_send_aborted_during_a_direct_send_has_read_its_blocks_when_abort_return
             sent.set()
         return works
 
-    _pair(p, "D").post = watched  # type: ignore[method-assign]
-    # The receiver posts its data recvs late, so the send stays on the wire meanwhile.
+    send_pair.post = watched  # type: ignore[method-assign]
+    # The receiver posts its data recvs only once released: the send stays on the wire.
+    release = threading.Event()
     recv_pair = _pair(d, "P")
     post_recv = recv_pair.post_recv
 
-    def late(staging, buf, tag):
+    def held(staging, buf, tag):
         if tag != HEADER_TAG:
-            time.sleep(0.8)
+            release.wait(10)
         return post_recv(staging, buf, tag)
 
-    recv_pair.post_recv = late  # type: ignore[method-assign]
+    recv_pair.post_recv = held  # type: ignore[method-assign]
     d.start_recv(req("s", "P", RUN_SRC, RUN_DST), dst_kv)
     p.start_send(req("s", "D", RUN_SRC, RUN_DST), src_kv)
     p.send_layer("s", 0)
     assert sent.wait(5), "no direct send was posted"
-    p.abort("s")
-    assert p.poll("s") is TransferStatus.FAILED
+    ender = _blocked(p.abort, "s")
+    release.set()
+    ender.join(10)
+    assert not ender.is_alive() and p.poll("s") is TransferStatus.FAILED
     for t in src_kv.layers:  # the owner frees the blocks and they are written at once
         t.fill_(-1.0)
     assert d.wait("s", 10) is TransferStatus.FAILED
     assert d.result("s").reason is FailureReason.PEER_ABORTED  # type: ignore[union-attr]
     assert torch.equal(dst_kv.layers[0][list(RUN_DST)], want)
-    del recv_pair.post_recv
+    del send_pair.post, recv_pair.post_recv
     _still_in_step(p, d)
 
 
@@ -272,7 +296,12 @@ def _still_in_step(p, d) -> None:
     assert d.wait("after", 10) is TransferStatus.DONE
     assert p.wait("after", 10) is TransferStatus.DONE
     kp.assert_blocks_equal(src_kv, dst_kv, RUN_SRC, RUN_DST)
-    for conn in (p, d):
+    _release_all(p, d)
+
+
+def _release_all(*conns) -> None:
+    for conn in conns:
         for tid in list(conn._table._records):
+            assert conn.wait(tid, 10).finished
             conn.release(tid)
         assert conn.num_records() == 0
