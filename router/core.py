@@ -182,6 +182,8 @@ class RequestCore:
                             self._trained(rid, first, track)
                         emitted.extend(chunk.token_ids)
                         d.grow(wid, len(chunk.token_ids))
+                        if chunk.token_ids:
+                            self.sink.streamed(path, len(chunk.token_ids))
                         delta = text.feed(chunk.token_ids, chunk.finished)
                         done = chunk.finished or text.stop_hit is not None
                         final = None

@@ -112,7 +112,10 @@ class Metrics:
             registry=r,
         )
         self.generation_tokens = Counter(
-            "pdserve_generation_tokens", "Output tokens streamed.", PATH, registry=r
+            "pdserve_generation_tokens",
+            "Output tokens streamed, as they leave the router.",
+            PATH,
+            registry=r,
         )
         self.resumed = Counter(
             "pdserve_requests_resumed",
@@ -191,7 +194,6 @@ class Metrics:
         self.requests.labels(p, rec.finish_reason).inc()
         self.prompt_tokens.labels(p).inc(rec.prompt_tokens)
         self.cached_prompt_tokens.labels(p).inc(rec.cached_prompt_tokens)
-        self.generation_tokens.labels(p).inc(rec.output_tokens)
         self.e2e.labels(p).observe(rec.e2e_s)
         self.resumed.inc(rec.resumed)
         if rec.ttft_s is None:
@@ -209,6 +211,9 @@ class Metrics:
         if rec.ttft_s > 0:
             err = abs(rec.predicted_ttft_s - rec.ttft_s) / rec.ttft_s
             self.prediction_error.labels(p).observe(err)
+
+    def streamed(self, path: str, tokens: int) -> None:
+        self.generation_tokens.labels(path).inc(tokens)
 
     def transferred(self, rec: TransferRecord) -> None:
         self.transfer.observe(rec.seconds)

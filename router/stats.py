@@ -47,6 +47,8 @@ class StatsSink(Protocol):
 
     def finished(self, record: RequestRecord) -> None: ...
 
+    def streamed(self, path: str, tokens: int) -> None: ...
+
     def transferred(self, record: TransferRecord) -> None: ...
 
     def loads(self, loads: Sequence[WorkerLoad]) -> None: ...
@@ -64,6 +66,9 @@ class NullSink:
         pass
 
     def finished(self, record: RequestRecord) -> None:
+        pass
+
+    def streamed(self, path: str, tokens: int) -> None:
         pass
 
     def transferred(self, record: TransferRecord) -> None:
