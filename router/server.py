@@ -13,13 +13,12 @@ import asyncio
 import contextlib
 import logging
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
 
-from engine.config import ModelConfig
 from engine.loader import load_tokenizer
 from router.cluster import Cluster, ClusterConfig, init_ray
 from router.convert import ModelLimits
@@ -68,7 +67,8 @@ class Server:
             backend = self.cluster
         tokenizer = self._tokenizer
         if tokenizer is None:
-            model = ModelConfig(model=c.cluster.model)
+            # The workers' own model config (cache folder, seed), under the cluster's model name.
+            model = replace(c.cluster.engine.model, model=c.cluster.model)
             tokenizer = await asyncio.to_thread(load_tokenizer, model)
         infos = await backend.infos()
         limits = ModelLimits(vocab_size=infos[0].vocab_size, max_model_len=infos[0].max_model_len)

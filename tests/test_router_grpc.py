@@ -56,8 +56,10 @@ def set_policy(srv, policy: Policy, **kw) -> None:
 
 
 def assert_pools_full(srv, within_s: float = 0.0) -> None:
-    """Every worker's pool is full and idle, now or within `within_s` seconds."""
+    """Every worker's pool is full and idle, and the router's books are empty, now or within
+    `within_s` seconds."""
     deadline = time.monotonic() + within_s
+    core = srv.server.core
     while True:
         loads = srv.run(srv.server.cluster.load())
         busy = [
@@ -70,12 +72,10 @@ def assert_pools_full(srv, within_s: float = 0.0) -> None:
             or ld.waiting_for_kv
             or ld.open_transfers
         ]
-        if not busy:
+        if not busy and core.pending == 0 and core.active == 0:
             break
-        assert time.monotonic() < deadline, busy
+        assert time.monotonic() < deadline, (busy, core.pending, core.active)
         time.sleep(0.02)
-    core = srv.server.core
-    assert core.pending == 0 and core.active == 0
 
 
 def greedy(ids, **kw) -> pb.GenerateRequest:
@@ -294,3 +294,19 @@ def test_two_requests_with_the_same_client_id_both_complete(srv, stub):
         assert toks == hf_greedy(MODEL, p, MAX_NEW)
         assert final.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP)
     assert_pools_full(srv, within_s=2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("delay_s", [0.0, 0.03, 0.1])
+def test_cancel_during_reserve_prefill_or_transfer_frees_every_pool(srv, stub, delay_s):
+    """A long prompt on the disaggregated path, cancelled before its first token: somewhere in
+    reserve, prefill (32-token chunks over 900 tokens) or the KV transfer."""
+    req = pb.GenerateRequest(
+        prompt_token_ids=random_prompts([900], seed=int(delay_s * 1000) + 7)[0],
+        sampling=pb.SamplingParams(max_tokens=50, temperature=0.0),
+        path=pb.PATH_DISAGGREGATED,
+    )
+    call = stub.Generate(req, timeout=60)
+    time.sleep(delay_s)
+    call.cancel()
+    assert_pools_full(srv, within_s=1.0)
