@@ -160,6 +160,7 @@ class Scheduler:
         return len(self.running) + len(self.waiting_for_kv)
 
     def _admit_waiting(self, budget: int, chunks: dict[str, int]) -> int:
+        admitted = 0
         while self.waiting and budget > 0 and self.num_seq_slots_used < self.config.max_num_seqs:
             req = self.waiting[0]
             if cdiv(req.num_tokens, self.kv.block_size) > self.kv.pool.num_blocks:
@@ -170,8 +171,10 @@ class Scheduler:
             )
             remaining = req.num_tokens - req.num_computed_tokens - computed.num_tokens
             if not self.config.enable_chunked_prefill and remaining > budget:
-                # Unchunked: the whole prompt in one step, alone if it exceeds the budget.
-                if chunks or budget < self.config.max_num_batched_tokens:
+                # Unchunked: the whole prompt in one step, past the budget if it must, next to
+                # the running decodes, which stall for it (the interference chunking avoids).
+                # Never two prompts past the budget in one step.
+                if admitted:
                     break
                 n = remaining
             else:
@@ -186,6 +189,7 @@ class Scheduler:
                 req.scheduled_time = time.monotonic()
             self.running.append(req)
             chunks[req.request_id] = n
+            admitted += 1
             budget = max(0, budget - n)
         return budget
 
@@ -215,8 +219,9 @@ class Scheduler:
     def _check_invariants(self, out: SchedulerOutput) -> None:
         ids = [s.request_id for s in out.scheduled]
         assert len(ids) == len(set(ids)), "request scheduled twice"
-        lone = len(ids) == 1 and not self.config.enable_chunked_prefill
-        assert lone or out.num_batched_tokens <= self.config.max_num_batched_tokens
+        prompts = [s for s in out.scheduled if len(s.token_ids) > 1]
+        unchunked_one = not self.config.enable_chunked_prefill and len(prompts) == 1
+        assert unchunked_one or out.num_batched_tokens <= self.config.max_num_batched_tokens
         assert self.num_seq_slots_used <= self.config.max_num_seqs
         for r in self.running:
             assert r.num_tokens > r.num_computed_tokens, f"{r.request_id} has nothing left to run"

@@ -179,3 +179,23 @@ class CompleteResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     final: FinalInfo
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., final: _Optional[_Union[FinalInfo, _Mapping]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("model", "vocab_size", "max_model_len", "prefill_workers", "decode_workers", "policy")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    vocab_size: int
+    max_model_len: int
+    prefill_workers: _containers.RepeatedScalarFieldContainer[str]
+    decode_workers: _containers.RepeatedScalarFieldContainer[str]
+    policy: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., prefill_workers: _Optional[_Iterable[str]] = ..., decode_workers: _Optional[_Iterable[str]] = ..., policy: _Optional[str] = ...) -> None: ...

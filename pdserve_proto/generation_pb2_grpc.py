@@ -45,6 +45,11 @@ class GenerationStub:
                 request_serializer=generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=generation__pb2.CompleteResponse.FromString,
                 _registered_method=True)
+        self.Info = channel.unary_unary(
+                '/pdserve.v1.Generation/Info',
+                request_serializer=generation__pb2.InfoRequest.SerializeToString,
+                response_deserializer=generation__pb2.InfoResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -64,6 +69,13 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Info(self, request, context):
+        """What this server serves: the model, its limits, the pools and the policy.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +88,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Complete,
                     request_deserializer=generation__pb2.GenerateRequest.FromString,
                     response_serializer=generation__pb2.CompleteResponse.SerializeToString,
+            ),
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=generation__pb2.InfoRequest.FromString,
+                    response_serializer=generation__pb2.InfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +149,33 @@ class Generation:
             '/pdserve.v1.Generation/Complete',
             generation__pb2.GenerateRequest.SerializeToString,
             generation__pb2.CompleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Generation/Info',
+            generation__pb2.InfoRequest.SerializeToString,
+            generation__pb2.InfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -145,6 +145,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="requests waiting for a first token before RESOURCE_EXHAUSTED",
     )
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
+    p.add_argument(
+        "--chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts into chunks under the token budget (--no-chunked-prefill: a "
+        "prompt runs whole in one step, the interference baseline)",
+    )
     p.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache per worker (CPU)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds, on SIGINT/SIGTERM")
     p.set_defaults(handler=_serve, passthrough=False)
@@ -171,7 +178,10 @@ def _serve(args: argparse.Namespace, _extra: list[str]) -> int:
         )
         engine = EngineConfig(
             cache=cache,
-            scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_chunked_prefill=args.chunked_prefill,
+            ),
         )
         config = ServeConfig(
             cluster=ClusterConfig(

@@ -86,7 +86,7 @@ class Server:
             ]
         )
         self._health = await add_services(
-            self.grpc, GenerationServicer(self.core, tokenizer, limits)
+            self.grpc, GenerationServicer(self.core, tokenizer, limits, c.cluster.model)
         )
         self.port = self.grpc.add_insecure_port(f"{c.host}:{c.port}")
         if self.port == 0:

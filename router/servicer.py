@@ -110,10 +110,24 @@ def _final(s: Summary) -> pb.FinalInfo:
 
 
 class GenerationServicer:
-    def __init__(self, core: RequestCore, tokenizer: Any, limits: ModelLimits) -> None:
+    def __init__(self, core: RequestCore, tokenizer: Any, limits: ModelLimits, model: str) -> None:
         self.core = core
         self.tokenizer = tokenizer
         self.limits = limits
+        self.model = model
+
+    async def Info(  # noqa: N802
+        self, request: pb.InfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.InfoResponse:
+        b = self.core.backend
+        return pb.InfoResponse(
+            model=self.model,
+            vocab_size=self.limits.vocab_size,
+            max_model_len=self.limits.max_model_len,
+            prefill_workers=list(b.prefill_ids),
+            decode_workers=list(b.decode_ids),
+            policy=self.core.planner.config.policy.value,
+        )
 
     async def _parse(
         self, request: pb.GenerateRequest | _BadWire, context: grpc.aio.ServicerContext
@@ -212,6 +226,11 @@ async def add_services(server: grpc.aio.Server, servicer: GenerationServicer) ->
             servicer.Complete,
             request_deserializer=_deserialize,
             response_serializer=pb.CompleteResponse.SerializeToString,
+        ),
+        "Info": grpc.unary_unary_rpc_method_handler(
+            servicer.Info,
+            request_deserializer=pb.InfoRequest.FromString,
+            response_serializer=pb.InfoResponse.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -161,18 +161,23 @@ def test_eos_and_stop_token_ids_finish():
     assert s.kv.pool.all_free()
 
 
-def test_unchunked_prefill_runs_whole_prompt():
+def test_unchunked_prefill_runs_whole_prompt_and_stalls_the_decodes():
     s = make(budget=8, chunked=False)
     s.add_request(req("d", 3, max_tokens=10))
     step(s)
     s.add_request(req("long", 20, start=100))
+    s.add_request(req("next", 12, start=200))
     out = step(s)
-    # The long prompt doesn't fit next to the decode: it waits, then runs alone and whole.
-    assert [x.request_id for x in out.scheduled] == ["d"]
-    s.finish_requests(["d"], FinishReason.ABORT)
+    # The long prompt runs whole, past the budget, in the same step as the decode (which waits
+    # for all 20 tokens: the interference chunking avoids); a second long prompt waits.
+    assert [(x.request_id, len(x.token_ids)) for x in out.scheduled] == [("d", 1), ("long", 20)]
     out = step(s)
-    assert [len(x.token_ids) for x in out.scheduled] == [20]
-    s.finish_requests(["long"], FinishReason.ABORT)
+    assert [(x.request_id, len(x.token_ids)) for x in out.scheduled] == [
+        ("d", 1),
+        ("long", 1),
+        ("next", 12),
+    ]
+    s.finish_requests(["d", "long", "next"], FinishReason.ABORT)
     assert s.kv.pool.all_free()
 
 
