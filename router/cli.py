@@ -244,6 +244,23 @@ def _status(args: argparse.Namespace, _extra: list[str]) -> int:
     return status.run(args)
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="SLO goodput benchmark: a trace through each policy (see `pdserve bench -h`)",
+        add_help=False,
+    )
+    p.set_defaults(handler=_bench, passthrough=True)
+
+
+def _bench(_args: argparse.Namespace, extra: list[str]) -> int:
+    from bench import cli as bench_cli
+
+    parser = argparse.ArgumentParser(prog="pdserve bench", description=bench_cli.__doc__)
+    bench_cli.add_arguments(parser)
+    return int(bench_cli.run(parser.parse_args(extra)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -252,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_complete(sub)
     _add_status(sub)
     _add_bench_engine(sub)
+    _add_bench(sub)
     return parser
 
 

@@ -1,0 +1,262 @@
+"""`pdserve bench`: the same trace through each policy, same seed, one run, one table.
+
+Without --address, each policy gets its own `pdserve serve` (same model, same total workers and
+threads; restarted between policies). With --address, the running server is measured as is.
+
+Per policy: warm-up, the trace (open loop at --rate), optionally a goodput-vs-rate sweep. SLOs
+come from --slo-ttft / --slo-itl, or else from single requests measured alone on the first
+server (TTFT of the trace's 90th-percentile prompt x --slo-ttft-scale, ITL x --slo-itl-scale),
+the same for every policy. With the disaggregated policy in the list, the trace's short
+requests also run alone on its server: the decode-only baseline for ITL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from bench import loadgen, slo, trace
+from bench.server import POLICIES, Deployment, ServerProcess
+
+FIXED = ("colocated-nochunk", "colocated", "disaggregated", "threshold")
+
+
+def _lengths(text: str) -> tuple[int, int]:
+    a, _, b = text.partition(":")
+    return int(a), int(b or a)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=None, help="measure a running server (one policy)")
+    p.add_argument(
+        "--trace", default="mixed", help=f"{trace.BUILTIN}, a .jsonl/.json file, or synthetic"
+    )
+    p.add_argument("--num-requests", type=int, default=None, help="the first N requests")
+    p.add_argument("--rate", type=float, default=1.0, help="requests/s (trace arrivals / rate)")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply every length")
+    p.add_argument("--burstiness", type=float, default=1.0, help="synthetic: gamma shape")
+    p.add_argument("--prompt-len", type=_lengths, default=(32, 512), help="synthetic: A:B")
+    p.add_argument("--output-len", type=_lengths, default=(16, 128), help="synthetic: A:B")
+    p.add_argument("--policy", default=",".join(POLICIES), help="comma-separated")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--threshold-tokens", type=int, default=512)
+    p.add_argument("--threshold-queue", type=int, default=4)
+    p.add_argument("--slo-ttft", type=float, default=None, help="seconds")
+    p.add_argument("--slo-itl", type=float, default=None, help="seconds")
+    p.add_argument("--slo-itl-metric", choices=["itl_p99", "tpot"], default="itl_p99")
+    p.add_argument("--slo-ttft-scale", type=float, default=4.0)
+    p.add_argument("--slo-itl-scale", type=float, default=2.0)
+    p.add_argument("--long-prompt", type=int, default=512, help="prompts this long are 'long'")
+    p.add_argument("--no-baseline", action="store_true", help="skip the decode-only baseline")
+    p.add_argument(
+        "--sweep-rate", action="store_true", help="per policy: highest rate at >= 90%% attainment"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=900.0, help="per request, seconds")
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="folder for PNGs")
+
+
+def _trace(args: argparse.Namespace) -> list[trace.TraceRequest]:
+    if args.trace == "synthetic":
+        n = args.num_requests or 100
+        return trace.synthetic(n, args.prompt_len, args.output_len, args.burstiness, args.seed)
+    return trace.load(args.trace, args.num_requests, args.scale)
+
+
+def _run(
+    address: str, reqs: list[trace.TraceRequest], rate: float, vocab: int, args: Any, desc: str
+):
+    bar = tqdm(total=len(reqs), desc=desc, unit="req", leave=False)
+    t0 = time.monotonic()
+    results = asyncio.run(
+        loadgen.run(address, reqs, rate, vocab, args.seed, args.timeout, lambda _r: bar.update())
+    )
+    bar.close()
+    return results, time.monotonic() - t0
+
+
+def _calibrate(address: str, reqs: list[trace.TraceRequest], vocab: int, args: Any) -> dict:
+    """Single requests alone: TTFT at the trace's 90th-percentile prompt, and ITL."""
+    lens = sorted(r.prompt_len for r in reqs)
+    p90 = lens[int(0.9 * (len(lens) - 1))]
+    probe = [trace.TraceRequest(0.0, p90, 32)]
+    ttfts, itls = [], []
+    for i in range(3):
+        res, _ = _run(address, probe, 1.0, vocab, args, f"calibrate {i + 1}/3")
+        if res[0].ok:
+            ttfts.append(res[0].ttft_s)
+            itls.append(statistics.median(res[0].itl_s))
+    if not ttfts:
+        raise RuntimeError("calibration requests failed; see the server log")
+    return {"prompt_len": p90, "ttft_s": statistics.median(ttfts), "itl_s": statistics.median(itls)}
+
+
+def _sweep(address: str, reqs, vocab: int, objective: slo.Slo, args: Any, policy: str):
+    lo, hi = args.rate / 4, args.rate * 4
+    points = []
+    best = 0.0
+    for _ in range(5):
+        mid = (lo * hi) ** 0.5
+        res, wall = _run(address, reqs, mid, vocab, args, f"{policy} sweep {mid:.2f}/s")
+        fig = slo.figures(res, objective, wall)
+        points.append((mid, fig["goodput_rps"]))
+        if fig["attainment"] >= 0.9:
+            best, lo = mid, mid
+        else:
+            hi = mid
+    return best, points
+
+
+def run(args: argparse.Namespace) -> int:
+    reqs = _trace(args)
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        print(f"error: --policy: unknown {unknown}; choose from {list(POLICIES)}")
+        return 2
+    if args.address:
+        policies = policies[:1]
+    deployment = Deployment(args.model, args.prefill, args.decode, args.threads, args.kv_cache_gib,
+                            args.threshold_tokens, args.threshold_queue)  # fmt: skip
+    logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
+    out: dict[str, Any] = {"trace": args.trace, "rate": args.rate, "num_requests": len(reqs),
+                           "policies": {}, "requests": []}  # fmt: skip
+    objective: slo.Slo | None = None
+    runs: dict[str, list[loadgen.RequestResult]] = {}
+    sweeps: dict[str, list[tuple[float, float]]] = {}
+    for policy in policies:
+        server = None if args.address else ServerProcess(deployment, policy, logs / f"{policy}.log")
+        try:
+            address = args.address or server.address  # type: ignore[union-attr]
+            info = server.wait_ready() if server else _info(address)
+            vocab = info.vocab_size
+            if objective is None:
+                objective = _objective(args, address, reqs, vocab, out)
+            _run(address, [trace.TraceRequest(0.0, 16, 4)], 1.0, vocab, args, "warm-up")
+            results, wall = _run(address, reqs, args.rate, vocab, args, policy)
+            runs[policy] = results
+            fig = slo.figures(results, objective, wall)
+            if args.sweep_rate:
+                fig["max_rate_at_90pct"], sweeps[policy] = _sweep(
+                    address, reqs, vocab, objective, args, policy
+                )
+            out["policies"][policy] = fig
+            out["requests"] += [dict(r.to_json(), policy=policy) for r in results]
+            if policy == "disaggregated" and not args.no_baseline:
+                short = [r for r in reqs if r.prompt_len < args.long_prompt]
+                base, base_wall = _run(
+                    address, short, args.rate, vocab, args, "baseline (short alone)"
+                )
+                out["baseline"] = {"policy": "disaggregated, short requests alone",
+                                   "itl_s": slo.summary([g for r in base if r.ok for g in r.itl_s]),
+                                   "requests": len(short)}  # fmt: skip
+        finally:
+            if server is not None:
+                server.stop()
+    _report(out, runs, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    if args.plot:
+        from bench import plots
+
+        folder = Path(args.plot)
+        folder.mkdir(parents=True, exist_ok=True)
+        plots.itl_over_time(runs, args.long_prompt, folder)
+        plots.cdfs(runs, folder)
+        if sweeps:
+            plots.goodput_vs_rate(sweeps, folder)
+        print(f"plots in {folder}/")
+    print(f"server logs in {logs}/")
+    return 0
+
+
+def _info(address: str):
+    import grpc
+
+    from pdserve_proto import generation_pb2 as pb
+    from pdserve_proto import generation_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.GenerationStub(channel).Info(
+            pb.InfoRequest(), timeout=30, wait_for_ready=True
+        )
+
+
+def _objective(args: Any, address: str, reqs, vocab: int, out: dict) -> slo.Slo:
+    cal = None
+    if args.slo_ttft is None or args.slo_itl is None:
+        cal = _calibrate(address, reqs, vocab, args)
+        out["calibration"] = cal
+    ttft = args.slo_ttft if args.slo_ttft is not None else args.slo_ttft_scale * cal["ttft_s"]
+    itl = args.slo_itl if args.slo_itl is not None else args.slo_itl_scale * cal["itl_s"]
+    out["slo"] = {"ttft_s": ttft, "itl_s": itl, "itl_metric": args.slo_itl_metric}
+    how = (
+        "given"
+        if cal is None
+        else (
+            f"{args.slo_ttft_scale:g} x TTFT {cal['ttft_s']:.3f} s of a lone "
+            f"{cal['prompt_len']}-token prompt; "
+            f"{args.slo_itl_scale:g} x ITL {cal['itl_s'] * 1000:.1f} ms"
+        )
+    )
+    print(f"SLO: TTFT <= {ttft:.3f} s, {args.slo_itl_metric} <= {itl * 1000:.1f} ms ({how})")
+    return slo.Slo(ttft, itl, args.slo_itl_metric)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.0f}"
+
+
+def _report(out: dict, runs: dict, args: Any) -> None:
+    pol = out["policies"]
+    fixed = [pol[p]["goodput_rps"] for p in FIXED if p in pol]
+    best_fixed = max(fixed) if fixed else None
+    head = (f"{'policy':<18} {'done':>4} {'fail':>4} {'rej':>4} {'TTFT p50':>8} {'p99':>6} "
+            f"{'ITL p50':>7} {'p99':>6} {'TPOT':>5} {'req/s':>6} {'tok/s':>6} {'attain':>6} "
+            f"{'goodput':>7} {'vs best fixed':>13}")  # fmt: skip
+    print(
+        f"trace {out['trace']}, {out['num_requests']} requests at {out['rate']:g}/s; ms unless said"
+    )
+    print(head)
+    for p, f in pol.items():
+        ratio = f"{f['goodput_rps'] / best_fixed:.2f}x" if best_fixed else "-"
+        cells = [
+            f"{p:<18}",
+            f"{f['completed']:>4}",
+            f"{f['failed']:>4}",
+            f"{f['rejected']:>4}",
+            f"{_ms(f['ttft_s']['p50']):>8}",
+            f"{_ms(f['ttft_s']['p99']):>6}",
+            f"{_ms(f['itl_s']['p50']):>7}",
+            f"{_ms(f['itl_s']['p99']):>6}",
+            f"{_ms(f['tpot_s']['p50']):>5}",
+            f"{f['throughput_rps']:>6.2f}",
+            f"{f['output_tok_s']:>6.1f}",
+            f"{f['attainment']:>6.0%}",
+            f"{f['goodput_rps']:>7.3f}",
+            f"{ratio:>13}",
+        ]
+        print(" ".join(cells))
+    base = out.get("baseline")
+    if base and "disaggregated" in runs:
+        short = [r for r in runs["disaggregated"] if r.ok and r.prompt_len < args.long_prompt]
+        p99 = slo.summary([g for r in short for g in r.itl_s])["p99"]
+        b99 = base["itl_s"]["p99"]
+        if p99 and b99:
+            out["baseline"]["disaggregated_short_itl_p99_s"] = p99
+            out["baseline"]["ratio"] = p99 / b99
+            print(f"short requests' ITL p99: disaggregated {p99 * 1000:.0f} ms vs alone "
+                  f"{b99 * 1000:.0f} ms = {p99 / b99:.2f}x (target <= 1.3x)")  # fmt: skip

@@ -1,0 +1,121 @@
+"""Open-loop load over gRPC: each request is sent at its arrival time whether or not earlier ones
+have finished, and timed at the client (first token, every later token, the end)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from bench.trace import TraceRequest, prompt_ids
+from pdserve_proto import generation_pb2 as pb
+from pdserve_proto import generation_pb2_grpc as pb_grpc
+
+PATHS = {pb.PATH_COLOCATED: "colocated", pb.PATH_DISAGGREGATED: "disaggregated"}
+
+
+@dataclass(slots=True)
+class RequestResult:
+    index: int
+    prompt_len: int
+    output_len: int
+    sent_s: float  # since the start of the run
+    ttft_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)  # since the start, one per token
+    e2e_s: float | None = None
+    tokens: int = 0
+    status: str = "OK"  # a gRPC status code name
+    path: str = ""
+    router_ttft_s: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "OK" and self.tokens == self.output_len
+
+    @property
+    def itl_s(self) -> list[float]:
+        t = self.token_times_s
+        return [b - a for a, b in zip(t, t[1:])]
+
+    def to_json(self) -> dict:
+        return {
+            "index": self.index,
+            "prompt_len": self.prompt_len,
+            "output_len": self.output_len,
+            "sent_s": self.sent_s,
+            "ttft_s": self.ttft_s,
+            "e2e_s": self.e2e_s,
+            "tokens": self.tokens,
+            "status": self.status,
+            "path": self.path,
+            "router_ttft_s": self.router_ttft_s,
+            "itl_s": self.itl_s,
+        }
+
+
+async def _one(
+    stub: pb_grpc.GenerationStub,
+    req: pb.GenerateRequest,
+    res: RequestResult,
+    t0: float,
+    timeout: float,
+) -> None:
+    sent = time.monotonic()
+    try:
+        async for msg in stub.Generate(req, timeout=timeout):
+            now = time.monotonic()
+            if msg.token_ids:
+                if res.ttft_s is None:
+                    res.ttft_s = now - sent
+                # Tokens of one message arrived together.
+                res.token_times_s.extend([now - t0] * len(msg.token_ids))
+                res.tokens += len(msg.token_ids)
+            if msg.HasField("final"):
+                res.path = PATHS.get(msg.final.path, "")
+                res.router_ttft_s = msg.final.ttft_ms / 1000
+        res.e2e_s = time.monotonic() - sent
+    except grpc.aio.AioRpcError as exc:
+        res.status = exc.code().name
+
+
+async def run(
+    address: str,
+    trace: Sequence[TraceRequest],
+    rate: float,
+    vocab: int,
+    seed: int,
+    timeout: float = 600.0,
+    on_done: Callable[[RequestResult], None] | None = None,
+) -> list[RequestResult]:
+    """Send `trace` at `rate` requests/s (arrival_s / rate); results in trace order."""
+    async with grpc.aio.insecure_channel(
+        address, options=[("grpc.max_receive_message_length", 64 << 20)]
+    ) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        results = [
+            RequestResult(i, r.prompt_len, r.output_len, r.arrival_s / rate)
+            for i, r in enumerate(trace)
+        ]
+        reqs = [_request(r, i, vocab, seed) for i, r in enumerate(trace)]
+        t0 = time.monotonic()
+        tasks = []
+        for req, res in zip(reqs, results):
+            delay = t0 + res.sent_s - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.ensure_future(_one(stub, req, res, t0, timeout))
+            if on_done is not None:
+                task.add_done_callback(lambda _t, r=res: on_done(r))
+            tasks.append(task)
+        await asyncio.gather(*tasks)
+    return results
+
+
+def _request(r: TraceRequest, index: int, vocab: int, seed: int) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+    if r.prompt_text is not None:
+        return pb.GenerateRequest(prompt=r.prompt_text, sampling=sampling)
+    return pb.GenerateRequest(prompt_token_ids=prompt_ids(r, index, vocab, seed), sampling=sampling)

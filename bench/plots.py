@@ -1,0 +1,76 @@
+"""The study's pictures (matplotlib, no screen needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.loadgen import RequestResult  # noqa: E402
+
+
+def itl_over_time(runs: dict[str, list[RequestResult]], long_from: int, out: Path) -> Path:
+    """Every inter-token gap at the time it ended, per policy; long-prompt arrivals as lines."""
+    fig, axes = plt.subplots(
+        len(runs), 1, figsize=(10, 2.4 * len(runs)), sharex=True, squeeze=False
+    )
+    for ax, (policy, results) in zip(axes[:, 0], runs.items()):
+        t = [b for r in results for b in r.token_times_s[1:]]
+        g = [x for r in results for x in r.itl_s]
+        ax.scatter(t, np.asarray(g) * 1000, s=2, alpha=0.5)
+        for r in results:
+            if r.prompt_len >= long_from:
+                ax.axvline(r.sent_s, color="red", alpha=0.3, linewidth=0.8)
+        ax.set_ylabel("ITL ms")
+        ax.set_yscale("log")
+        ax.set_title(f"{policy} (red: long-prompt arrivals)", fontsize=9)
+    axes[-1, 0].set_xlabel("seconds since the start")
+    fig.tight_layout()
+    path = out / "itl_over_time.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def cdfs(runs: dict[str, list[RequestResult]], out: Path) -> Path:
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for policy, results in runs.items():
+        for ax, vals in (
+            (a, [r.ttft_s for r in results if r.ttft_s is not None]),
+            (b, [x for r in results for x in r.itl_s]),
+        ):
+            if vals:
+                v = np.sort(vals)
+                ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=policy)
+    a.set_xlabel("TTFT s")
+    b.set_xlabel("ITL s")
+    for ax in (a, b):
+        ax.set_xscale("log")
+        ax.set_ylabel("fraction")
+        ax.grid(alpha=0.3)
+    a.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "cdf.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def goodput_vs_rate(sweeps: dict[str, list[tuple[float, float]]], out: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy, points in sweeps.items():
+        pts = sorted(points)
+        ax.plot([r for r, _ in pts], [g for _, g in pts], marker="o", label=policy)
+    ax.set_xlabel("offered rate, requests/s")
+    ax.set_ylabel("goodput, requests/s meeting the SLO")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "goodput_vs_rate.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,99 @@
+"""One `pdserve serve` process per policy: started with the same total resources each time,
+waited for (bounded), and stopped with SIGINT so that it drains."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from pdserve_proto import generation_pb2 as pb
+from pdserve_proto import generation_pb2_grpc as pb_grpc
+
+# The study's policies: how each maps onto `pdserve serve`.
+POLICIES = {
+    "colocated-nochunk": ("colocated", ["--no-chunked-prefill"]),
+    "colocated": ("colocated", []),
+    "disaggregated": ("disaggregated", []),
+    "threshold": ("threshold", []),
+    "auto": ("auto", []),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    model: str
+    num_prefill: int
+    num_decode: int
+    threads: int
+    kv_cache_gib: float
+    threshold_tokens: int
+    threshold_queue: int
+
+    def args(self, policy: str) -> list[str]:
+        """Colocated policies get every worker as a decode worker: the same total resources."""
+        name, extra = POLICIES[policy]
+        colocated = name == "colocated"
+        return [
+            "--model", self.model,
+            "--prefill", "0" if colocated else str(self.num_prefill),
+            "--decode", str(self.num_decode + (self.num_prefill if colocated else 0)),
+            "--policy", name,
+            "--threads", str(self.threads),
+            "--kv-cache-gib", str(self.kv_cache_gib),
+            "--threshold-tokens", str(self.threshold_tokens),
+            "--threshold-queue", str(self.threshold_queue),
+            "--metrics-port", "-1",
+            *extra,
+        ]  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    def __init__(self, deployment: Deployment, policy: str, log: Path) -> None:
+        self.port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self._log = open(log, "w")
+        cmd = [sys.executable, "-m", "router.cli", "serve", "--port", str(self.port)]
+        self.proc = subprocess.Popen(
+            cmd + deployment.args(policy),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.log_path = log
+
+    def wait_ready(self, timeout_s: float = 600.0) -> pb.InfoResponse:
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"pdserve serve exited; see {self.log_path}")
+                try:
+                    return stub.Info(pb.InfoRequest(), timeout=5, wait_for_ready=True)
+                except grpc.RpcError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"server not ready in {timeout_s:.0f} s") from None
+
+    def stop(self, timeout_s: float = 120.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        self._log.close()
