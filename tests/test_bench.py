@@ -1,0 +1,117 @@
+"""pdserve bench: traces, SLO maths, and a short end-to-end run over two policies (tiny model)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from bench import cli, slo, trace
+from bench.loadgen import RequestResult
+
+
+def test_builtin_traces_load_scale_and_draw_the_same_tokens():
+    mixed = trace.load("mixed")
+    assert len(mixed) == 200
+    assert sum(1 for r in mixed if r.prompt_len >= 1024) > 10  # the long prompts are there
+    few = trace.load("mixed", num_requests=5, scale=0.5)
+    assert [r.prompt_len for r in few] == [round(r.prompt_len * 0.5) for r in mixed[:5]]
+    a = trace.prompt_ids(mixed[3], 3, 1000, seed=1)
+    assert a == trace.prompt_ids(mixed[3], 3, 1000, seed=1) and len(a) == mixed[3].prompt_len
+    assert a != trace.prompt_ids(mixed[3], 3, 1000, seed=2)
+
+
+def test_shared_prefixes_are_the_same_tokens(tmp_path):
+    path = tmp_path / "t.jsonl"
+    lines = [
+        {"arrival_s": 0.1, "prompt_len": 40, "output_len": 4, "prefix_id": "sys", "prefix_len": 32},
+        {"arrival_s": 0.2, "prompt_len": 50, "output_len": 4, "prefix_id": "sys", "prefix_len": 32},
+    ]
+    path.write_text("\n".join(json.dumps(x) for x in lines))
+    a, b = trace.load(str(path))
+    ia, ib = trace.prompt_ids(a, 0, 500, 0), trace.prompt_ids(b, 1, 500, 0)
+    assert ia[:32] == ib[:32] and ia[32:] != ib[32:40]
+
+
+def test_bad_trace_line_names_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"arrival_s": 0, "prompt_len": 3, "output_len": 1}\n{"arrival_s": 1}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        trace.load(str(path))
+
+
+def test_sharegpt_files_become_text_prompts(tmp_path):
+    path = tmp_path / "sg.json"
+    doc = [
+        {
+            "conversations": [
+                {"from": "human", "value": "x" * 400},
+                {"from": "gpt", "value": "y" * 80},
+            ]
+        }
+    ]
+    path.write_text(json.dumps(doc))
+    (r,) = trace.load(str(path))
+    assert r.prompt_text == "x" * 400 and r.prompt_len == 100 and r.output_len == 20
+
+
+def _result(ttft, gaps, status="OK", n=None):
+    times = [ttft]
+    for g in gaps:
+        times.append(times[-1] + g)
+    n = len(times) if n is None else n
+    return RequestResult(0, 10, n, 0.0, ttft, times, times[-1], len(times), status)
+
+
+def test_attainment_needs_both_ttft_and_itl():
+    objective = slo.Slo(ttft_s=1.0, itl_s=0.1)
+    assert slo.attains(_result(0.5, [0.05] * 10), objective)
+    assert not slo.attains(_result(1.5, [0.05] * 10), objective)  # TTFT missed
+    assert not slo.attains(_result(0.5, [0.05] * 9 + [2.0]), objective)  # one stall: p99 missed
+    assert not slo.attains(_result(0.5, [0.05] * 10, status="UNAVAILABLE"), objective)
+    assert not slo.attains(_result(0.5, [0.05] * 10, n=20), objective)  # fewer tokens than asked
+    tpot = slo.Slo(ttft_s=1.0, itl_s=0.3, itl_metric="tpot")
+    assert slo.attains(_result(0.5, [0.05] * 9 + [2.0]), tpot)  # the mean forgives one stall
+    figs = slo.figures(
+        [
+            _result(0.5, [0.05] * 10),
+            _result(2.0, [0.05] * 10),
+            _result(0.5, [], "RESOURCE_EXHAUSTED", n=5),
+        ],
+        objective,
+        wall_s=2.0,
+    )
+    assert figs["completed"] == 2 and figs["rejected"] == 1 and figs["failed"] == 0
+    assert figs["attainment"] == pytest.approx(1 / 3) and figs["goodput_rps"] == 0.5
+
+
+@pytest.mark.timeout(300)
+def test_two_policies_end_to_end(tmp_path):
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    out = tmp_path / "out.json"
+    args = parser.parse_args(
+        [
+            "--model", "tiny-llama", "--trace", "mixed", "--num-requests", "10",
+            "--scale", "0.2", "--rate", "20", "--policy", "colocated-nochunk,disaggregated",
+            "--kv-cache-gib", "0.05", "--long-prompt", "150",
+            "--json", str(out), "--plot", str(tmp_path / "plots"),
+        ]
+    )  # fmt: skip
+    assert cli.run(args) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["policies"]) == {"colocated-nochunk", "disaggregated"}
+    assert doc["slo"]["ttft_s"] > 0 and doc["slo"]["itl_s"] > 0
+    for fig in doc["policies"].values():
+        assert fig["completed"] == 10 and fig["failed"] == fig["rejected"] == 0
+        for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
+            assert set(fig[key]) == {"p50", "p90", "p99", "mean"}
+        assert 0 <= fig["attainment"] <= 1 and fig["throughput_rps"] > 0
+    assert len(doc["requests"]) == 20
+    paths = {r["policy"]: {x["path"] for x in doc["requests"] if x["policy"] == r["policy"]}
+             for r in doc["requests"]}  # fmt: skip
+    assert paths == {"colocated-nochunk": {"colocated"}, "disaggregated": {"disaggregated"}}
+    assert doc["baseline"]["itl_s"]["p99"] is not None
+    assert (tmp_path / "plots" / "itl_over_time.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "cdf.png").stat().st_size > 0
