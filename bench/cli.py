@@ -61,6 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-prompt", type=int, default=512, help="prompts this long are 'long'")
     p.add_argument("--no-baseline", action="store_true", help="skip the decode-only baseline")
     p.add_argument(
+        "--no-slo-hint",
+        action="store_true",
+        help="do not tell the server each request's SLO (by default it is sent, for admission "
+        "and the auto policy, the same for every policy)",
+    )
+    p.add_argument(
         "--sweep-rate", action="store_true", help="per policy: highest rate at >= 90%% attainment"
     )
     p.add_argument("--seed", type=int, default=0)
@@ -77,12 +83,23 @@ def _trace(args: argparse.Namespace) -> list[trace.TraceRequest]:
 
 
 def _run(
-    address: str, reqs: list[trace.TraceRequest], rate: float, vocab: int, args: Any, desc: str
+    address: str,
+    reqs: list[trace.TraceRequest],
+    rate: float,
+    vocab: int,
+    args: Any,
+    desc: str,
+    objective: slo.Slo | None = None,
 ):
     bar = tqdm(total=len(reqs), desc=desc, unit="req", leave=False)
     t0 = time.monotonic()
+    hint = None
+    if objective is not None and not args.no_slo_hint:
+        hint = (objective.ttft_s, objective.itl_s)
     results = asyncio.run(
-        loadgen.run(address, reqs, rate, vocab, args.seed, args.timeout, lambda _r: bar.update())
+        loadgen.run(
+            address, reqs, rate, vocab, args.seed, args.timeout, lambda _r: bar.update(), hint
+        )
     )
     bar.close()
     return results, time.monotonic() - t0
@@ -110,7 +127,7 @@ def _sweep(address: str, reqs, vocab: int, objective: slo.Slo, args: Any, policy
     best = 0.0
     for _ in range(5):
         mid = (lo * hi) ** 0.5
-        res, wall = _run(address, reqs, mid, vocab, args, f"{policy} sweep {mid:.2f}/s")
+        res, wall = _run(address, reqs, mid, vocab, args, f"{policy} sweep {mid:.2f}/s", objective)
         fig = slo.figures(res, objective, wall)
         points.append((mid, fig["goodput_rps"]))
         if fig["attainment"] >= 0.9:
@@ -146,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
             if objective is None:
                 objective = _objective(args, address, reqs, vocab, out)
             _run(address, [trace.TraceRequest(0.0, 16, 4)], 1.0, vocab, args, "warm-up")
-            results, wall = _run(address, reqs, args.rate, vocab, args, policy)
+            results, wall = _run(address, reqs, args.rate, vocab, args, policy, objective)
             runs[policy] = results
             fig = slo.figures(results, objective, wall)
             if args.sweep_rate:
@@ -157,8 +174,8 @@ def run(args: argparse.Namespace) -> int:
             out["requests"] += [dict(r.to_json(), policy=policy) for r in results]
             if policy == "disaggregated" and not args.no_baseline:
                 short = [r for r in reqs if r.prompt_len < args.long_prompt]
-                base, base_wall = _run(
-                    address, short, args.rate, vocab, args, "baseline (short alone)"
+                base, _ = _run(
+                    address, short, args.rate, vocab, args, "baseline (short alone)", objective
                 )
                 out["baseline"] = {"policy": "disaggregated, short requests alone",
                                    "itl_s": slo.summary([g for r in base if r.ok for g in r.itl_s]),

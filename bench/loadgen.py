@@ -89,8 +89,10 @@ async def run(
     seed: int,
     timeout: float = 600.0,
     on_done: Callable[[RequestResult], None] | None = None,
+    slo_hint: tuple[float, float] | None = None,
 ) -> list[RequestResult]:
-    """Send `trace` at `rate` requests/s (arrival_s / rate); results in trace order."""
+    """Send `trace` at `rate` requests/s (arrival_s / rate); results in trace order.
+    `slo_hint` (TTFT s, ITL s) goes with every request, for the router's admission and policy."""
     async with grpc.aio.insecure_channel(
         address, options=[("grpc.max_receive_message_length", 64 << 20)]
     ) as channel:
@@ -100,6 +102,9 @@ async def run(
             for i, r in enumerate(trace)
         ]
         reqs = [_request(r, i, vocab, seed) for i, r in enumerate(trace)]
+        if slo_hint is not None:
+            for req in reqs:
+                req.slo.ttft_ms, req.slo.itl_ms = slo_hint[0] * 1000, slo_hint[1] * 1000
         t0 = time.monotonic()
         tasks = []
         for req, res in zip(reqs, results):
