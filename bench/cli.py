@@ -5,7 +5,7 @@ threads; restarted between policies). With --address, the running server is meas
 
 Per policy: warm-up, the trace (open loop at --rate), optionally a goodput-vs-rate sweep. SLOs
 come from --slo-ttft / --slo-itl, or else from single requests measured alone on the first
-server (TTFT of the trace's 90th-percentile prompt x --slo-ttft-scale, ITL x --slo-itl-scale),
+server (TTFT of the trace's 99th-percentile prompt x --slo-ttft-scale, ITL x --slo-itl-scale),
 the same for every policy. With the disaggregated policy in the list, the trace's short
 requests also run alone on its server: the decode-only baseline for ITL.
 """
@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft", type=float, default=None, help="seconds")
     p.add_argument("--slo-itl", type=float, default=None, help="seconds")
     p.add_argument("--slo-itl-metric", choices=["itl_p99", "tpot"], default="itl_p99")
-    p.add_argument("--slo-ttft-scale", type=float, default=4.0)
+    p.add_argument("--slo-ttft-scale", type=float, default=3.0)
     p.add_argument("--slo-itl-scale", type=float, default=2.0)
     p.add_argument("--long-prompt", type=int, default=512, help="prompts this long are 'long'")
     p.add_argument("--no-baseline", action="store_true", help="skip the decode-only baseline")
@@ -106,10 +106,11 @@ def _run(
 
 
 def _calibrate(address: str, reqs: list[trace.TraceRequest], vocab: int, args: Any) -> dict:
-    """Single requests alone: TTFT at the trace's 90th-percentile prompt, and ITL."""
+    """Single requests alone: TTFT at the trace's 99th-percentile prompt (one TTFT SLO for the
+    whole trace, so it must be one its long prompts can meet), and ITL."""
     lens = sorted(r.prompt_len for r in reqs)
-    p90 = lens[int(0.9 * (len(lens) - 1))]
-    probe = [trace.TraceRequest(0.0, p90, 32)]
+    p99 = lens[int(0.99 * (len(lens) - 1))]
+    probe = [trace.TraceRequest(0.0, p99, 32)]
     ttfts, itls = [], []
     for i in range(3):
         res, _ = _run(address, probe, 1.0, vocab, args, f"calibrate {i + 1}/3")
@@ -118,7 +119,7 @@ def _calibrate(address: str, reqs: list[trace.TraceRequest], vocab: int, args: A
             itls.append(statistics.median(res[0].itl_s))
     if not ttfts:
         raise RuntimeError("calibration requests failed; see the server log")
-    return {"prompt_len": p90, "ttft_s": statistics.median(ttfts), "itl_s": statistics.median(itls)}
+    return {"prompt_len": p99, "ttft_s": statistics.median(ttfts), "itl_s": statistics.median(itls)}
 
 
 def _sweep(address: str, reqs, vocab: int, objective: slo.Slo, args: Any, policy: str):
