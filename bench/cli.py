@@ -90,6 +90,7 @@ def _run(
     args: Any,
     desc: str,
     objective: slo.Slo | None = None,
+    seed: int | None = None,
 ):
     bar = tqdm(total=len(reqs), desc=desc, unit="req", leave=False)
     t0 = time.monotonic()
@@ -98,7 +99,14 @@ def _run(
         hint = (objective.ttft_s, objective.itl_s)
     results = asyncio.run(
         loadgen.run(
-            address, reqs, rate, vocab, args.seed, args.timeout, lambda _r: bar.update(), hint
+            address,
+            reqs,
+            rate,
+            vocab,
+            args.seed if seed is None else seed,
+            args.timeout,
+            lambda _r: bar.update(),
+            hint,
         )
     )
     bar.close()
@@ -113,7 +121,9 @@ def _calibrate(address: str, reqs: list[trace.TraceRequest], vocab: int, args: A
     probe = [trace.TraceRequest(0.0, p99, 32)]
     ttfts, itls = [], []
     for i in range(3):
-        res, _ = _run(address, probe, 1.0, vocab, args, f"calibrate {i + 1}/3")
+        # A fresh prompt each time (its own seed): a repeat would hit the prefix cache.
+        seed = 1_000_000 + args.seed * 10 + i
+        res, _ = _run(address, probe, 1.0, vocab, args, f"calibrate {i + 1}/3", seed=seed)
         if res[0].ok:
             ttfts.append(res[0].ttft_s)
             itls.append(statistics.median(res[0].itl_s))
@@ -163,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
             vocab = info.vocab_size
             if objective is None:
                 objective = _objective(args, address, reqs, vocab, out)
-            _run(address, [trace.TraceRequest(0.0, 16, 4)], 1.0, vocab, args, "warm-up")
+            warm = [trace.TraceRequest(0.0, 16, 4)]
+            _run(address, warm, 1.0, vocab, args, "warm-up", seed=2_000_000 + args.seed)
             results, wall = _run(address, reqs, args.rate, vocab, args, policy, objective)
             runs[policy] = results
             fig = slo.figures(results, objective, wall)
