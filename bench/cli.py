@@ -225,7 +225,7 @@ def _info(address: str):
 
 
 def _objective(args: Any, address: str, reqs, vocab: int, out: dict) -> slo.Slo:
-    cal = None
+    cal: dict = {}
     if args.slo_ttft is None or args.slo_itl is None:
         cal = _calibrate(address, reqs, vocab, args)
         out["calibration"] = cal

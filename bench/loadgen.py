@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -111,12 +111,21 @@ async def run(
             delay = t0 + res.sent_s - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.ensure_future(_one(stub, req, res, t0, timeout))
-            if on_done is not None:
-                task.add_done_callback(lambda _t, r=res: on_done(r))
-            tasks.append(task)
+            tasks.append(
+                asyncio.ensure_future(_done(_one(stub, req, res, t0, timeout), res, on_done))
+            )
         await asyncio.gather(*tasks)
     return results
+
+
+async def _done(
+    work: Awaitable[None],
+    res: RequestResult,
+    on_done: Callable[[RequestResult], None] | None,
+) -> None:
+    await work
+    if on_done is not None:
+        on_done(res)
 
 
 def _request(r: TraceRequest, index: int, vocab: int, seed: int) -> pb.GenerateRequest:

@@ -2,8 +2,9 @@
 policies that choose among them.
 
   - auto: the cost model. Candidates that would push a running request's predicted ITL past its
-    SLO are dropped while any other remains; of the rest, the one with the least predicted SLO
-    violation wins, then the earliest predicted second token (TTFT + ITL).
+    SLO are dropped while any other remains (if none remains, the one that pushes least wins);
+    of the rest, the one with the least predicted SLO violation wins, then the earliest
+    predicted second token (TTFT + ITL).
   - colocated / disaggregated: always that path, workers from the balancer.
   - threshold (Dynamo's rule): disaggregated iff uncached prompt tokens > T and the prefill
     worker's queue holds fewer than Q requests.
@@ -66,13 +67,17 @@ class PathPrediction:
     transfer_bytes: int
 
     @property
+    def overshoot_s(self) -> float:
+        """How far this request takes a running request's ITL past its SLO (past what work
+        already there does anyway, which is not this request's doing)."""
+        floor = max(self.running_itl_slo_s, self.running_itl_before_s)
+        return max(0.0, self.running_itl_s - floor)
+
+    @property
     def pushes_running(self) -> bool:
-        """This request would take a running request's ITL past its SLO (work already queued
-        there, which stretches it anyway, is not this request's doing)."""
-        return (
-            self.running_itl_s > self.running_itl_slo_s
-            and self.running_itl_s > self.running_itl_before_s * 1.001
-        )
+        """Past the SLO by more than a tenth of it (one more sequence in a batch that already
+        runs at its SLO is not a push; a prefill chunk in its steps is)."""
+        return self.overshoot_s > 0.1 * self.running_itl_slo_s
 
     def rank(self, req: RequestShape) -> tuple[float, float]:
         """Least SLO violation first, then the earliest predicted second token (TTFT + ITL:
@@ -241,8 +246,10 @@ class Planner:
         self, req: RequestShape, cands: list[PathPrediction], best: tuple[PathPrediction, ...]
     ) -> Decision:
         safe = [c for c in cands if not c.pushes_running]
-        pool = safe or cands
-        chosen = min(pool, key=lambda c: c.rank(req))
+        if safe:
+            chosen = min(safe, key=lambda c: c.rank(req))
+        else:  # every choice pushes: the one that pushes least
+            chosen = min(cands, key=lambda c: (c.overshoot_s, *c.rank(req)))
         others = [c for c in best if c.path is not chosen.path]
         parts = [f"{chosen.path.name.lower()}: predicted TTFT {_ms(chosen.ttft_s)}"]
         code = "cost_ttft"
@@ -260,7 +267,10 @@ class Planner:
         elif code == "cost_ttft" and any(o.violation(req) > 0 for o in others):
             code = "cost_slo"
         if not safe:
-            parts.append("every choice pushes a running request past its ITL SLO")
+            parts.append(
+                "every choice pushes a running request past its ITL SLO; this one least "
+                f"(+{_ms(chosen.overshoot_s)})"
+            )
         return Decision(chosen, best, "; ".join(parts), code)
 
     def _threshold(

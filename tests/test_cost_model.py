@@ -223,3 +223,16 @@ def test_measured_ttft_trains_the_bias_of_its_path():
     again = pl.decide(shape(16, seed=3), [p], [d])
     same = next(b for b in again.best if b.path is first.path)
     assert same.ttft_s - same.raw_ttft_s == pytest.approx(0.040, rel=0.01)
+
+
+def test_a_batch_already_at_its_itl_slo_still_steers_long_prompts_away():
+    """One more sequence in a batch that runs at its SLO is no push; a prefill chunk is."""
+    pl = planner()
+    p = trained("prefill-0", "prefill")
+    d = trained("decode-0", "decode", seed=1)
+    step = d.model.decode_step_s(20, 20 * 300)
+    with_decodes(d, 20, 300, itl_slo_s=step * 0.99)  # already just past its SLO
+    decision = pl.decide(shape(1500, seed=21), [p], [d])
+    assert decision.chosen.path is RoutePath.DISAGGREGATED, decision.reason
+    best = {b.path: b for b in decision.best}
+    assert best[RoutePath.COLOCATED].overshoot_s > 10 * best[RoutePath.DISAGGREGATED].overshoot_s
