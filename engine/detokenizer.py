@@ -21,6 +21,7 @@ leading space (sentencepiece) keep that space here, as a stream continuing the p
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -34,7 +35,15 @@ _MAX_HELD = 16
 class IncrementalDetokenizer:
     """Turns one request's output token ids into text deltas."""
 
-    __slots__ = ("_emitted", "_ids", "_read_offset", "_skip_special", "_text", "_tokenizer")
+    __slots__ = (
+        "_backend",
+        "_emitted",
+        "_ids",
+        "_read_offset",
+        "_skip_special",
+        "_text",
+        "_tokenizer",
+    )
 
     def __init__(
         self,
@@ -43,6 +52,9 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
+        # The Rust tokenizer under a fast one decodes the same text without the Python wrapper's
+        # per-call argument handling (decode runs twice per token).
+        self._backend: Any = getattr(tokenizer, "backend_tokenizer", None)
         self._skip_special = skip_special_tokens
         # The window: ids from prefix_offset on. Ids before it are never decoded again.
         self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
@@ -58,7 +70,12 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Append one output token; return the new text it completes (often "", never partial)."""
-        self._ids.append(token_id)
+        return self.extend((token_id,))
+
+    def extend(self, token_ids: Sequence[int]) -> str:
+        """Append output tokens that arrived together; return the new text they complete, with
+        one decode for all of them."""
+        self._ids.extend(token_ids)
         window_text = self._decode(self._ids)
         held = len(self._ids) - self._read_offset
         stable = len(window_text.rstrip(_REPLACEMENT)) if held <= _MAX_HELD else len(window_text)
@@ -87,6 +104,8 @@ class IncrementalDetokenizer:
         self._emitted = len(self._decode(self._ids))
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return str(self._backend.decode(ids, skip_special_tokens=self._skip_special))
         # Clean-up of spaces around punctuation is a whole-text transform; applied per window it
         # would diverge from the full decode.
         text = self._tokenizer.decode(

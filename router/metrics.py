@@ -11,6 +11,7 @@ millisecond ITLs and tens-of-seconds TTFTs alike.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -169,6 +170,15 @@ class Metrics:
         )
         self.workers = Gauge("pdserve_workers", "Live workers, by role.", ("role",), registry=r)
         self._last: dict[str, WorkerLoad] = {}
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def _c(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, looked up once (the request path calls these per token)."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def serve(self, host: str, port: int) -> int:
         """Expose /metrics on host:port (0: any free port); returns the port."""
@@ -184,36 +194,37 @@ class Metrics:
 
     # -- the StatsSink the core reports to ------------------------------------------------------
     def decided(self, path: str, reason: str) -> None:
-        self.decisions.labels(path, reason).inc()
+        self._c(self.decisions, path, reason).inc()
 
     def rejected(self, reason: str) -> None:
-        self.rejections.labels(reason).inc()
+        self._c(self.rejections, reason).inc()
 
     def finished(self, rec: RequestRecord) -> None:
         p = rec.path
-        self.requests.labels(p, rec.finish_reason).inc()
-        self.prompt_tokens.labels(p).inc(rec.prompt_tokens)
-        self.cached_prompt_tokens.labels(p).inc(rec.cached_prompt_tokens)
-        self.e2e.labels(p).observe(rec.e2e_s)
-        self.resumed.inc(rec.resumed)
+        self._c(self.requests, p, rec.finish_reason).inc()
+        self._c(self.prompt_tokens, p).inc(rec.prompt_tokens)
+        self._c(self.cached_prompt_tokens, p).inc(rec.cached_prompt_tokens)
+        self._c(self.e2e, p).observe(rec.e2e_s)
+        if rec.resumed:
+            self.resumed.inc(rec.resumed)
         if rec.ttft_s is None:
             return
-        self.ttft.labels(p).observe(rec.ttft_s)
-        self.queue.labels(p).observe(rec.queue_s)
+        self._c(self.ttft, p).observe(rec.ttft_s)
+        self._c(self.queue, p).observe(rec.queue_s)
         if rec.prefill_s is not None:
-            self.prefill.labels(p).observe(rec.prefill_s)
-        itl = self.itl.labels(p)
+            self._c(self.prefill, p).observe(rec.prefill_s)
+        itl = self._c(self.itl, p)
         for gap in rec.itl_s:
             itl.observe(gap)
         if rec.output_tokens > 1:
-            self.tpot.labels(p).observe((rec.e2e_s - rec.ttft_s) / (rec.output_tokens - 1))
-        self.predicted_ttft.labels(p).observe(rec.predicted_ttft_s)
+            self._c(self.tpot, p).observe((rec.e2e_s - rec.ttft_s) / (rec.output_tokens - 1))
+        self._c(self.predicted_ttft, p).observe(rec.predicted_ttft_s)
         if rec.ttft_s > 0:
             err = abs(rec.predicted_ttft_s - rec.ttft_s) / rec.ttft_s
-            self.prediction_error.labels(p).observe(err)
+            self._c(self.prediction_error, p).observe(err)
 
     def streamed(self, path: str, tokens: int) -> None:
-        self.generation_tokens.labels(path).inc(tokens)
+        self._c(self.generation_tokens, path).inc(tokens)
 
     def transferred(self, rec: TransferRecord) -> None:
         self.transfer.observe(rec.seconds)

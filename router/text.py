@@ -22,8 +22,8 @@ class TextStream:
     def feed(self, token_ids: Sequence[int], finished: bool) -> str:
         """The new text `token_ids` complete; after a stop string is found (`stop_hit`), the
         text is final and the request should end."""
-        for t in token_ids:
-            self._detok.add(t)
+        if token_ids:
+            self._detok.extend(token_ids)
         if finished:
             self._detok.flush()
         hit = self._stops.find(self._detok.text)

@@ -116,3 +116,14 @@ def test_smollm2_preserves_spaces(smollm2_tokenizer: PreTrainedTokenizerBase, te
     deltas = _stream(detok, ids)
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) + detok.flush() == text == smollm2_tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("group", [2, 3, 7, 16])
+def test_tokens_that_arrive_together_give_the_same_text(group: int) -> None:
+    tokenizer = byte_tokenizer()
+    ids = tokenizer.encode(MULTIBYTE)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("prompt: "))
+    deltas = [detok.extend(ids[i : i + group]) for i in range(0, len(ids), group)]
+    deltas.append(detok.flush())
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == MULTIBYTE == detok.text
