@@ -75,6 +75,10 @@ class BlockPool:
                 self.block_hash[b] = None
             self.ref_cnt[b] = 1
             out.append(b)
+        # Ascending: blocks with neighbouring ids taken together then form one run, which a KV
+        # transfer moves straight from (or into) the cache, without a staging copy. (Requests
+        # free tail first, so the queue often holds a run in descending order.)
+        out.sort()
         return out
 
     def free(self, block_ids: Sequence[int]) -> None:

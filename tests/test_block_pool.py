@@ -59,3 +59,16 @@ def test_prefix_hash_is_chained_and_stable():
     )
     assert prefix_hash.max_cacheable_tokens(8, 4) == 4
     assert prefix_hash.max_cacheable_tokens(9, 4) == 8
+
+
+def test_blocks_freed_tail_first_come_back_as_one_ascending_run():
+    pool = BlockPool(16)
+    a = pool.allocate(5)
+    b = pool.allocate(3)
+    assert a == [0, 1, 2, 3, 4] and b == [5, 6, 7]
+    pool.free(list(reversed(b)))  # requests free tail first
+    rest = pool.allocate(8)  # the untouched 8..15
+    again = pool.allocate(3)
+    assert again == [5, 6, 7]  # one ascending run again: a KV transfer moves it without a copy
+    pool.free(a + rest + again)
+    assert pool.num_free_blocks == 16
