@@ -124,6 +124,7 @@ class RequestCore:
         )
         prefill, decode = self._pools()
         if not decode:
+            self.sink.rejected("no_workers")
             raise NoWorkers("no decode worker is up; the server cannot take requests now")
         return shape, self.planner.decide(shape, prefill, decode, req.path)
 
@@ -182,8 +183,6 @@ class RequestCore:
                             self._trained(rid, first, track)
                         emitted.extend(chunk.token_ids)
                         d.grow(wid, len(chunk.token_ids))
-                        if chunk.token_ids:
-                            self.sink.streamed(path, len(chunk.token_ids))
                         delta = text.feed(chunk.token_ids, chunk.finished)
                         done = chunk.finished or text.stop_hit is not None
                         final = None
@@ -261,7 +260,9 @@ class RequestCore:
             d.done(wid)  # colocated: prefilled here; decoding from now on
             d.add_decode(wid, shape.prompt_len, shape.slo_itl_s)
         was_first = track.first_at is None
-        track.chunk(chunk)
+        gaps = track.chunk(chunk)
+        if chunk.token_ids:
+            self.sink.streamed(track.path, len(chunk.token_ids), gaps)
         return was_first and track.first_at is not None
 
     def _summary(
@@ -329,6 +330,9 @@ class RequestCore:
         path's bias (unless a failed handoff made the decode worker prefill after all)."""
         ttft = track.ttft_s or 0.0
         self.records.append(DecisionRecord(rid, decision, ttft))
+        self.sink.first_token(
+            track.path, ttft, track.queue_s, track.prefill_s, decision.chosen.ttft_s
+        )
         chosen = decision.chosen
         if chosen.path is RoutePath.COLOCATED or track.handed_off:
             self.planner.bias[chosen.path].observe(chosen.raw_ttft_s, ttft)
@@ -342,7 +346,7 @@ class RequestCore:
             p.done(wid)  # its prefill is over; the decode worker has the request now
         if result.transfer_ok and result.bytes_sent > 0:
             self.transfer.observe(result.bytes_sent, result.transfer_s)
-        if result.bytes_sent > 0 or not result.transfer_ok:
+        if result.transfer_ok and result.bytes_sent > 0 or not result.transfer_ok:
             self.sink.transferred(
                 TransferRecord(
                     result.bytes_sent, result.send_s, result.transfer_ok, result.failure_reason

@@ -16,6 +16,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from engine.serving import WorkerLoad
+from kv_transfer import FailureReason
 from router.stats import RequestRecord, TransferRecord
 
 # 1 ms .. 120 s: ITLs of a few ms to TTFTs of tens of seconds.
@@ -169,6 +170,8 @@ class Metrics:
             registry=r,
         )
         self.workers = Gauge("pdserve_workers", "Live workers, by role.", ("role",), registry=r)
+        for reason in FailureReason:  # at 0 from the start: the first failure is an increase
+            self.transfer_failures.labels(reason.value)
         self._last: dict[str, WorkerLoad] = {}
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
@@ -199,6 +202,24 @@ class Metrics:
     def rejected(self, reason: str) -> None:
         self._c(self.rejections, reason).inc()
 
+    def first_token(
+        self, path: str, ttft_s: float, queue_s: float, prefill_s: float | None, predicted_s: float
+    ) -> None:
+        self._c(self.ttft, path).observe(ttft_s)
+        self._c(self.queue, path).observe(queue_s)
+        if prefill_s is not None:
+            self._c(self.prefill, path).observe(prefill_s)
+        self._c(self.predicted_ttft, path).observe(predicted_s)
+        if ttft_s > 0:
+            err = abs(predicted_s - ttft_s) / ttft_s
+            self._c(self.prediction_error, path).observe(err)
+
+    def streamed(self, path: str, tokens: int, gaps_s: Sequence[float]) -> None:
+        self._c(self.generation_tokens, path).inc(tokens)
+        itl = self._c(self.itl, path)
+        for gap in gaps_s:
+            itl.observe(gap)
+
     def finished(self, rec: RequestRecord) -> None:
         p = rec.path
         self._c(self.requests, p, rec.finish_reason).inc()
@@ -207,29 +228,13 @@ class Metrics:
         self._c(self.e2e, p).observe(rec.e2e_s)
         if rec.resumed:
             self.resumed.inc(rec.resumed)
-        if rec.ttft_s is None:
-            return
-        self._c(self.ttft, p).observe(rec.ttft_s)
-        self._c(self.queue, p).observe(rec.queue_s)
-        if rec.prefill_s is not None:
-            self._c(self.prefill, p).observe(rec.prefill_s)
-        itl = self._c(self.itl, p)
-        for gap in rec.itl_s:
-            itl.observe(gap)
-        if rec.output_tokens > 1:
+        if rec.ttft_s is not None and rec.output_tokens > 1:
             self._c(self.tpot, p).observe((rec.e2e_s - rec.ttft_s) / (rec.output_tokens - 1))
-        self._c(self.predicted_ttft, p).observe(rec.predicted_ttft_s)
-        if rec.ttft_s > 0:
-            err = abs(rec.predicted_ttft_s - rec.ttft_s) / rec.ttft_s
-            self._c(self.prediction_error, p).observe(err)
-
-    def streamed(self, path: str, tokens: int) -> None:
-        self._c(self.generation_tokens, path).inc(tokens)
 
     def transferred(self, rec: TransferRecord) -> None:
-        self.transfer.observe(rec.seconds)
-        self.transfer_bytes.inc(rec.bytes)
         if rec.ok:
+            self.transfer.observe(rec.seconds)
+            self.transfer_bytes.inc(rec.bytes)
             self.transfers.inc()
             if rec.seconds > 0:
                 self.bandwidth.set(rec.bytes / rec.seconds)
@@ -246,14 +251,15 @@ class Metrics:
             self.kv_usage.labels(*w).set(ld.kv_usage)
             self.queued_tokens.labels(*w).set(ld.queued_prefill_tokens)
             last = self._last.get(ld.worker_id)
-            if last is not None:  # the worker reports totals since it started: add the growth
-                self.prefix_queries.labels(*w).inc(max(0, ld.prefix_queries - last.prefix_queries))
-                self.prefix_hits.labels(*w).inc(max(0, ld.prefix_hits - last.prefix_hits))
-                self.preemptions.labels(*w).inc(max(0, ld.preemptions - last.preemptions))
-            else:
-                self.prefix_queries.labels(*w).inc(ld.prefix_queries)
-                self.prefix_hits.labels(*w).inc(ld.prefix_hits)
-                self.preemptions.labels(*w).inc(ld.preemptions)
+            # The worker reports totals since it started: add the growth (all of it when the
+            # total went down, i.e. the worker started afresh).
+            for counter, now, before in (
+                (self.prefix_queries, ld.prefix_queries, last.prefix_queries if last else 0),
+                (self.prefix_hits, ld.prefix_hits, last.prefix_hits if last else 0),
+                (self.preemptions, ld.preemptions, last.preemptions if last else 0),
+            ):
+                counter.labels(*w).inc(now - before if now >= before else now)
+            self.worker_failures.labels(*w)  # exists at 0, so that its first failure is an increase
             self._last[ld.worker_id] = ld
         for role, n in roles.items():
             self.workers.labels(role).set(n)

@@ -45,9 +45,13 @@ class StatsSink(Protocol):
 
     def rejected(self, reason: str) -> None: ...
 
-    def finished(self, record: RequestRecord) -> None: ...
+    def first_token(
+        self, path: str, ttft_s: float, queue_s: float, prefill_s: float | None, predicted_s: float
+    ) -> None: ...
 
-    def streamed(self, path: str, tokens: int) -> None: ...
+    def streamed(self, path: str, tokens: int, gaps_s: Sequence[float]) -> None: ...
+
+    def finished(self, record: RequestRecord) -> None: ...
 
     def transferred(self, record: TransferRecord) -> None: ...
 
@@ -65,10 +69,15 @@ class NullSink:
     def rejected(self, reason: str) -> None:
         pass
 
-    def finished(self, record: RequestRecord) -> None:
+    def first_token(
+        self, path: str, ttft_s: float, queue_s: float, prefill_s: float | None, predicted_s: float
+    ) -> None:
         pass
 
-    def streamed(self, path: str, tokens: int) -> None:
+    def streamed(self, path: str, tokens: int, gaps_s: Sequence[float]) -> None:
+        pass
+
+    def finished(self, record: RequestRecord) -> None:
         pass
 
     def transferred(self, record: TransferRecord) -> None:

@@ -83,7 +83,7 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
     lines = [f"pdserve metrics at {address}"]
     roles = _by(after, "pdserve_workers", "role")
     lines.append(
-        "workers: " + ", ".join(f"{int(v)} {r[0]}" for r, v in sorted(roles.items())) or "none"
+        "workers: " + (", ".join(f"{int(v)} {r[0]}" for r, v in sorted(roles.items())) or "none")
     )
     lines.append(
         f"{'worker':<12} {'role':<8} {'running':>7} {'waiting':>7} {'KV used':>8} "

@@ -29,16 +29,19 @@ class Tracker:
     handed_off: bool = False  # the prefill worker's KV reached the decode worker
 
     def prefilled(self, result: PrefillResult) -> None:
-        """The prefill worker's own figures (disaggregated path)."""
-        if result.first_token is None:
+        """The prefill worker's own figures (disaggregated path), for the first prefill only
+        (a resumed request's later prefill does not change its TTFT's story)."""
+        if result.first_token is None or self.first_at is not None:
             return
         self.handed_off = result.transfer_ok
         self.queue_s = result.queue_s
         self.prefill_s = max(0.0, result.prefill_s - result.queue_s)
 
-    def chunk(self, chunk: TokenChunk) -> None:
+    def chunk(self, chunk: TokenChunk) -> list[float]:
+        """Book a chunk; returns the inter-token gaps it adds."""
         now = time.monotonic()
         n = len(chunk.token_ids)
+        gaps: list[float] = []
         if n:
             if self.first_at is None:
                 self.first_at = now
@@ -47,9 +50,11 @@ class Tracker:
                     self.prefill_s = chunk.prefill_s
             elif self.last_at is not None:
                 # Tokens that arrive together share the gap since the previous ones.
-                self.itl_s.extend([(now - self.last_at) / n] * n)
+                gaps = [(now - self.last_at) / n] * n
+                self.itl_s.extend(gaps)
             self.last_at = now
             self.output_tokens += n
+        return gaps
 
     def ended(self, finish_reason: str | None, cached_prompt_tokens: int) -> None:
         self.finish_reason = finish_reason or "stop"

@@ -115,3 +115,12 @@ def test_two_policies_end_to_end(tmp_path):
     assert doc["baseline"]["itl_s"]["p99"] is not None
     assert (tmp_path / "plots" / "itl_over_time.png").stat().st_size > 0
     assert (tmp_path / "plots" / "cdf.png").stat().st_size > 0
+
+
+def test_summaries_and_tpot():
+    figs = slo.summary([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert figs["p50"] == 3.0 and figs["mean"] == 22.0
+    assert figs["p99"] == pytest.approx(96.16)  # numpy's linear interpolation
+    r = _result(0.5, [0.1] * 10)  # 11 tokens: TTFT 0.5 s, then 10 gaps of 0.1 s
+    assert slo.tpot(r) == pytest.approx(0.1)
+    assert slo.summary([]) == {"p50": None, "p90": None, "p99": None, "mean": None}

@@ -94,6 +94,7 @@ def prometheus(srv, tmp_path_factory):
     (d / "prometheus.yml").write_text(yaml.safe_dump(cfg))
     shutil.copy(DEPLOY / "prometheus" / "alerts.yml", d / "alerts.yml")
     port = free_port()
+    log = (d / "prometheus.log").open("w")
     proc = subprocess.Popen(
         [
             tool("prometheus"),
@@ -102,22 +103,25 @@ def prometheus(srv, tmp_path_factory):
             f"--web.listen-address=127.0.0.1:{port}",
         ],
         stdout=subprocess.DEVNULL,
-        stderr=open(d / "prometheus.log", "w"),
+        stderr=log,
     )
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        assert proc.poll() is None, (d / "prometheus.log").read_text()[-2000:]
-        assert time.monotonic() < deadline, "prometheus did not become ready"
-        time.sleep(0.2)
-    yield port, d
-    proc.terminate()
-    proc.wait(20)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, (d / "prometheus.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "prometheus did not become ready"
+            time.sleep(0.2)
+        yield port, d
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()
 
 
 def test_promtool_accepts_the_config_and_the_rules():
@@ -222,3 +226,26 @@ def test_metrics_through_a_real_prometheus(srv, prometheus):
     assert f"requests: {n} (colocated {len(lengths)}, disaggregated {len(lengths)})" in text
     assert "decode-0" in text and "prefill-0" in text
     assert f"KV transfers: {len(lengths)} done" in text
+
+
+def test_every_metric_the_dashboard_alerts_and_status_use_exists():
+    """A renamed metric must not blank a panel, an alert or a status line silently."""
+    import re
+
+    from router.metrics import Metrics
+
+    known = set()
+    for fam in Metrics().registry.collect():
+        known.add(fam.name)
+        known.update(s.name for s in fam.samples)
+    texts = [
+        (DEPLOY / "grafana" / "pdserve.json").read_text(),
+        (DEPLOY / "prometheus" / "alerts.yml").read_text(),
+        (ROOT / "router" / "status.py").read_text(),
+    ]
+    used = {m for t in texts for m in re.findall(r"pdserve_[a-z_]+", t)}
+    suffixes = ("_bucket", "_count", "_sum", "_total")
+    missing = {
+        m for m in used if m not in known and not any(m.removesuffix(x) in known for x in suffixes)
+    }
+    assert not missing

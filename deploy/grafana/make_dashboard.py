@@ -70,11 +70,15 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         ],
     ),
     (
-        "KV transfer bandwidth",
+        "KV transfers: traffic and bytes per second of send time",
         "Bps",
         [
-            q("sent", "sum(rate(pdserve_kv_transfer_bytes_total[$__rate_interval]))"),
-            q("latest transfer", "max(pdserve_kv_transfer_bandwidth_bytes_per_second)"),
+            q("traffic", "sum(rate(pdserve_kv_transfer_bytes_total[$__rate_interval]))"),
+            q(
+                "per second of send time",
+                "sum(rate(pdserve_kv_transfer_bytes_total[$__rate_interval])) / "
+                "sum(rate(pdserve_kv_transfer_seconds_sum[$__rate_interval]))",
+            ),
         ],
     ),
     (
