@@ -136,7 +136,7 @@ def _calibrate(address: str, reqs: list[trace.TraceRequest], vocab: int, args: A
 
 def _sweep(address: str, reqs, vocab: int, objective: slo.Slo, args: Any, policy: str):
     lo, hi = args.rate / 4, args.rate * 4
-    points = []
+    points: list[tuple[float, float]] = []
     best = 0.0
     for _ in range(5):
         mid = (lo * hi) ** 0.5
