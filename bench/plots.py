@@ -29,11 +29,7 @@ def itl_over_time(runs: dict[str, list[RequestResult]], long_from: int, out: Pat
         ax.set_yscale("log")
         ax.set_title(f"{policy} (red: long-prompt arrivals)", fontsize=9)
     axes[-1, 0].set_xlabel("seconds since the start")
-    fig.tight_layout()
-    path = out / "itl_over_time.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "itl_over_time.png")
 
 
 def cdfs(runs: dict[str, list[RequestResult]], out: Path) -> Path:
@@ -53,11 +49,7 @@ def cdfs(runs: dict[str, list[RequestResult]], out: Path) -> Path:
         ax.set_ylabel("fraction")
         ax.grid(alpha=0.3)
     a.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "cdf.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "cdf.png")
 
 
 def goodput_vs_rate(sweeps: dict[str, list[tuple[float, float]]], out: Path) -> Path:
@@ -69,8 +61,11 @@ def goodput_vs_rate(sweeps: dict[str, list[tuple[float, float]]], out: Path) -> 
     ax.set_ylabel("goodput, requests/s meeting the SLO")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return _save(fig, out / "goodput_vs_rate.png")
+
+
+def _save(fig: plt.Figure, path: Path) -> Path:
     fig.tight_layout()
-    path = out / "goodput_vs_rate.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -11,17 +11,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestOutput, TokenLogprobs
 from engine.request import FinishReason, Request, RequestStatus
 from engine.scheduler import Scheduler
-from engine.stop_strings import StopStringMatcher
+from engine.text_stream import TextStream
 
 
 @dataclass(slots=True)
 class _Stream:
-    detok: IncrementalDetokenizer
-    stops: StopStringMatcher
+    text: TextStream
     num_sent: int = 0  # output tokens already reported
 
 
@@ -36,8 +34,7 @@ class OutputProcessor:
 
     def open(self, req: Request) -> None:
         self._streams[req.request_id] = _Stream(
-            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
-            StopStringMatcher(req.sampling),
+            TextStream(self.tokenizer, req.prompt_token_ids, req.sampling)
         )
 
     def close(self, request_id: str) -> None:
@@ -50,11 +47,8 @@ class OutputProcessor:
         if new_ids and req.first_token_time is None:
             req.first_token_time = time.monotonic()
         st.num_sent += len(new_ids)
-        for t in new_ids:
-            st.detok.add(t)
-        if req.is_finished:
-            st.detok.flush()  # nothing held back is lost at the end
-        hit = st.stops.find(st.detok.text)
+        delta = st.text.feed(new_ids, req.is_finished)
+        hit = st.text.stop_hit
         if hit is not None:
             if req.is_finished:  # EOS or length in the same step: the stop string still wins
                 req.status = RequestStatus.FINISHED_STOPPED
@@ -64,10 +58,7 @@ class OutputProcessor:
             req.stop_reason = hit
         finished = req.is_finished
         if finished:
-            delta = st.stops.final_delta(st.detok.text)
             del self._streams[req.request_id]
-        else:
-            delta = st.stops.safe_delta(st.detok.text)
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=new_ids,

@@ -30,6 +30,7 @@ from typing import Any
 
 from engine.prefix_hash import block_hashes
 from engine.serving import PrefillResult, TokenChunk, WorkerInfo
+from engine.text_stream import TextStream
 from router.convert import ParsedRequest, RoutePath
 from router.core_types import (
     Backend,
@@ -45,7 +46,6 @@ from router.errors import WorkerLost
 from router.policy import Decision, PathPrediction, Planner, RequestShape
 from router.pool_state import WorkerState
 from router.stats import NullSink, StatsSink, TransferRecord
-from router.text import TextStream
 from router.tracker import Tracker
 
 log = logging.getLogger("pdserve.router")
@@ -346,7 +346,7 @@ class RequestCore:
             p.done(wid)  # its prefill is over; the decode worker has the request now
         if result.transfer_ok and result.bytes_sent > 0:
             self.transfer.observe(result.bytes_sent, result.transfer_s)
-        if result.transfer_ok and result.bytes_sent > 0 or not result.transfer_ok:
+        if result.bytes_sent > 0 or not result.transfer_ok:  # a send happened, or failed
             self.sink.transferred(
                 TransferRecord(
                     result.bytes_sent, result.send_s, result.transfer_ok, result.failure_reason

@@ -1,7 +1,9 @@
-"""The router's own text for one request: incremental detokenization and stop strings with the
-engine's classes, over the token ids the workers stream. Text held back at a worker (an
-unfinished character, a possible stop-string prefix) is never lost when a request moves to
-another worker, and a stop string that spans the move is still found."""
+"""One request's output text: incremental detokenization and stop strings over its token ids.
+
+The engine's output processor keeps one per running request (a stop string found ends the
+request). The router keeps its own over the ids the workers stream, so that text a worker held
+back (an unfinished character, a possible stop-string prefix) is not lost when a request moves
+to another worker, and a stop string that spans the move is still found."""
 
 from __future__ import annotations
 
