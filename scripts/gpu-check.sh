@@ -1,19 +1,71 @@
 #!/usr/bin/env bash
-# On a machine with CUDA: the tests marked gpu/multigpu and the GPU figures, as one run.
-# Installs a CUDA build of torch into .venv (TORCH_INDEX_URL / TORCH_SPEC as in install.sh),
-# then writes everything under ${OUT:-gpu-out}/.
-set -euo pipefail
+# On a machine with CUDA: the tests marked gpu/multigpu, the engine tests with CUDA as the
+# default device, and the engine's throughput on CUDA, as one run. Everything lands in
+# ${OUT:-gpu-out}/.
+#
+# Two ways to get the dependencies:
+#   - online: scripts/install.sh into .venv with a CUDA build of torch (TORCH_SPEC, TORCH_INDEX_URL);
+#   - offline (GPU_WHEELS=DIR): the machine's own python3 with its torch, plus the wheels in DIR
+#     installed into /tmp/site (and DIR/ray-slim.tar.xz, Ray unpacked, if Ray is missing).
+# GPU_MODEL=DIR: a model folder's config and tokenizer (no weights); the throughput figures then
+# use random weights of that shape (tokens/s does not depend on the weights' values).
+set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-gpu-out}
 mkdir -p "$out"
-TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0} TORCH_INDEX_URL=${TORCH_INDEX_URL:-} \
-    bash scripts/install.sh test
-export PATH="$PWD/.venv/bin:$PATH"
-nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
-python -c "import torch; print(torch.__version__, torch.cuda.is_available(), torch.cuda.device_count())" \
-    | tee "$out/torch.txt"
-python -m pytest -q -m "gpu or multigpu" -rs 2>&1 | tee "$out/pytest-gpu.txt"
-python -m kv_transfer.bench --json "$out/bench-kv-transfer.json" 2>&1 | tee "$out/kv-bench.txt" || true
-pdserve bench-engine --model smollm2-135m --requests 64 --skip hf_continuous \
+t_start=$(date +%s)
+stamp() { echo "== $(( $(date +%s) - t_start )) s: $*" | tee -a "$out/steps.txt"; }
+
+if [ -n "${GPU_WHEELS:-}" ]; then
+    PY=python3
+    stamp "offline install from $GPU_WHEELS"
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "$GPU_WHEELS"/*.whl || exit 1
+    if [ -f "$GPU_WHEELS/ray-slim.tar.xz" ] && ! $PY -c "import ray" 2>/dev/null; then
+        tar -xJf "$GPU_WHEELS/ray-slim.tar.xz" -C /tmp/site || exit 1
+    fi
+    export PYTHONPATH="/tmp/site:$PWD"
+else
+    TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0} TORCH_INDEX_URL=${TORCH_INDEX_URL:-} \
+        bash scripts/install.sh test || exit 1
+    PY="$PWD/.venv/bin/python"
+fi
+export PYTHONUNBUFFERED=1
+
+stamp "versions"
+nvidia-smi > "$out/nvidia-smi.txt" 2>&1
+$PY - <<'EOF' 2>&1 | tee "$out/versions.txt"
+import grpc, ray, torch, transformers
+print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.device_count(),
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
+print("transformers", transformers.__version__, "ray", ray.__version__, "grpcio", grpc.__version__)
+EOF
+
+stamp "pytest -m 'gpu or multigpu'"
+timeout 200 $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" -rs \
+    tests/test_gpu.py tests/test_kv_transfer_peers.py tests/test_cluster_gpu.py \
+    2>&1 | tee "$out/pytest-gpu.txt"
+
+stamp "engine tests, CUDA as the default device"
+timeout 120 $PY -m pytest -q -p no:cacheprovider --maxfail=5 -rs tests/test_engine_equality.py \
+    tests/test_engine_api.py tests/test_sampling.py tests/test_async_engine.py \
+    tests/test_kv_handoff.py 2>&1 | tail -40 | tee "$out/pytest-engine-cuda.txt"
+
+model=smollm2-135m
+if [ -n "${GPU_MODEL:-}" ]; then
+    stamp "random weights in the shape of $GPU_MODEL"
+    model=/tmp/pdserve-gpu-model
+    mkdir -p "$model" && cp "$GPU_MODEL"/* "$model"/
+    $PY - "$model" <<'EOF' 2>&1 | tail -3
+import sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+torch.manual_seed(0)
+cfg = AutoConfig.from_pretrained(sys.argv[1])
+AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(sys.argv[1])
+EOF
+fi
+stamp "bench-engine on CUDA ($model)"
+timeout 120 $PY -m engine.bench_engine --model "$model" --requests 64 --skip hf_continuous \
     --hf-sequential-requests 8 --json "$out/bench-engine-cuda.json" 2>&1 \
-    | tail -8 | tee "$out/bench-engine.txt" || true
+    | tail -12 | tee "$out/bench-engine.txt"
+stamp "done"
