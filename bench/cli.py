@@ -110,8 +110,8 @@ def _run(
     bar.close()
     # From the first send to the last answer: the wait before the trace's first arrival is not
     # part of the run.
-    start = min(r.sent_s for r in results)
-    end = max(r.sent_s + (r.e2e_s or 0.0) for r in results)
+    start = min((r.sent_s for r in results), default=0.0)
+    end = max((r.sent_s + (r.e2e_s or 0.0) for r in results), default=0.0)
     return results, max(end - start, 1e-9)
 
 
@@ -191,20 +191,9 @@ def run(args: argparse.Namespace) -> int:
             out["policies"][policy] = fig
             out["requests"] += [dict(r.to_json(), policy=policy) for r in results]
             if policy == "disaggregated" and not args.no_baseline:
-                short = [r for r in reqs if r.prompt_len < args.long_prompt]
-                base, _ = _run(
-                    address,
-                    short,
-                    args.rate,
-                    vocab,
-                    args,
-                    "baseline (short alone)",
-                    objective,
-                    4_000_000 + args.seed,  # prompts of its own: the main run's are cached
-                )
-                out["baseline"] = {"policy": "disaggregated, short requests alone",
-                                   "itl_s": slo.summary([g for r in base if r.ok for g in r.itl_s]),
-                                   "requests": len(short)}  # fmt: skip
+                out["baseline"] = _baseline(address, reqs, vocab, args, objective)
+            if args.json:  # after every policy: a later failure keeps what was measured
+                Path(args.json).write_text(json.dumps(out, indent=1))
         finally:
             if server is not None:
                 server.stop()
@@ -223,6 +212,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"plots in {folder}/")
     print(f"server logs in {logs}/")
     return 0
+
+
+def _baseline(address: str, reqs, vocab: int, args: Any, objective: slo.Slo) -> dict:
+    """The trace's short requests alone, at their own arrival times, on the deployment now up:
+    the ITL they see without the long prompts beside them."""
+    short = [r for r in reqs if r.prompt_len < args.long_prompt]
+    if not short:
+        print(f"decode-only baseline skipped: no prompt shorter than {args.long_prompt} tokens")
+        return {"policy": "disaggregated, short requests alone", "requests": 0,
+                "skipped": f"no prompt shorter than --long-prompt {args.long_prompt}"}  # fmt: skip
+    base, _ = _run(
+        address,
+        short,
+        args.rate,
+        vocab,
+        args,
+        "baseline (short alone)",
+        objective,
+        4_000_000 + args.seed,  # prompts of its own: the main run's are cached
+    )
+    return {"policy": "disaggregated, short requests alone",
+            "itl_s": slo.summary([g for r in base if r.ok for g in r.itl_s]),
+            "requests": len(short)}  # fmt: skip
 
 
 def _info(address: str):
@@ -295,7 +307,7 @@ def _report(out: dict, runs: dict, args: Any) -> None:
         ]
         print(" ".join(cells))
     base = out.get("baseline")
-    if base and "disaggregated" in runs:
+    if base and base.get("itl_s") and "disaggregated" in runs:
         short = [r for r in runs["disaggregated"] if r.ok and r.prompt_len < args.long_prompt]
         p99 = slo.summary([g for r in short for g in r.itl_s])["p99"]
         b99 = base["itl_s"]["p99"]

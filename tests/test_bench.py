@@ -127,3 +127,14 @@ def test_summaries_and_tpot():
     r = _result(0.5, [0.1] * 10)  # 11 tokens: TTFT 0.5 s, then 10 gaps of 0.1 s
     assert slo.tpot(r) == pytest.approx(0.1)
     assert slo.summary([]) == {"p50": None, "p90": None, "p99": None, "mean": None}
+
+
+def test_baseline_is_skipped_when_every_prompt_is_long():
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--trace", "long-prompt", "--long-prompt", "512"])
+    reqs = trace.load("long-prompt")
+    assert min(r.prompt_len for r in reqs) >= 512
+    # No server at this address: a skipped baseline sends nothing.
+    base = cli._baseline("127.0.0.1:1", reqs, 100, args, slo.Slo(1.0, 0.1, "itl_p99"))
+    assert base["requests"] == 0 and "long-prompt 512" in base["skipped"]
