@@ -181,6 +181,8 @@ class RequestCore:
                         if self._first_token_of(wid, track, chunk, prefill_on, d, shape):
                             self.pending -= 1
                             self._trained(rid, first, track)
+                            if (track.ttft_s or 0.0) > shape.slo_ttft_s:
+                                d.unprotect(wid)
                         emitted.extend(chunk.token_ids)
                         d.grow(wid, len(chunk.token_ids))
                         delta = text.feed(chunk.token_ids, chunk.finished)

@@ -3,6 +3,7 @@ policies that choose among them.
 
   - auto: the cost model. Candidates that would push a running request's predicted ITL past its
     SLO are dropped while any other remains (if none remains, the one that pushes least wins);
+    a request whose first token came after its TTFT SLO cannot attain and guards nothing;
     of the rest, the one with the least predicted SLO violation wins, then the earliest
     predicted second token (TTFT + ITL).
   - colocated / disaggregated: always that path, workers from the balancer.

@@ -72,6 +72,13 @@ class WorkerState:
     def add_decode(self, rid: str, context: int, itl_slo_s: float) -> None:
         self._decodes[rid] = _Decode(context, itl_slo_s)
 
+    def unprotect(self, rid: str) -> None:
+        """`rid` is past its TTFT SLO and can no longer attain: its ITL SLO stops guarding
+        what may run beside it (auto's ITL guard protects the requests that can still attain)."""
+        d = self._decodes.get(rid)
+        if d is not None:
+            d.itl_slo_s = float("inf")
+
     def decoding(self, rid: str) -> bool:
         return rid in self._decodes
 
@@ -110,7 +117,8 @@ class WorkerState:
 
     @property
     def min_itl_slo_s(self) -> float:
-        """The tightest ITL SLO among the requests decoding here (inf when none)."""
+        """The tightest ITL SLO among the requests decoding here that can still attain (inf when
+        none)."""
         return min((d.itl_slo_s for d in self._decodes.values()), default=float("inf"))
 
     # -- what the worker knows ------------------------------------------------------------------

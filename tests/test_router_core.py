@@ -115,3 +115,26 @@ def test_every_decision_is_recorded_with_its_measured_ttft():
         assert core.prediction_error() is not None
 
     run(main())
+
+
+def test_a_request_past_its_ttft_slo_no_longer_guards_the_itl_of_its_worker():
+    async def main():
+        gate = asyncio.Event()
+        backend = FakeBackend(num_prefill=0, gate=gate)
+        core = await make_core(backend, slo_itl_s=0.2)
+        d = core.states["decode-0"]
+        now = asyncio.get_running_loop().time()
+        lost = core.generate(request("lost", max_tokens=50, slo_ttft_ms=1), now)
+        kept = core.generate(request("kept", max_tokens=50, slo_ttft_ms=60_000), now)
+        first_lost = asyncio.ensure_future(lost.__anext__())
+        await asyncio.sleep(0.02)  # past the 1 ms SLO before its first token
+        gate.set()
+        await first_lost
+        assert d.batch == 1 and d.min_itl_slo_s == float("inf")  # it cannot attain any more
+        await kept.__anext__()
+        assert d.batch == 2 and d.min_itl_slo_s == pytest.approx(0.2)  # this one still can
+        await lost.aclose()
+        await kept.aclose()
+        assert d.batch == 0
+
+    run(main())
