@@ -17,6 +17,7 @@ import asyncio
 import json
 import statistics
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     p.add_argument("--threshold-tokens", type=int, default=512)
     p.add_argument("--threshold-queue", type=int, default=4)
+    p.add_argument(
+        "--step-target-ms",
+        type=float,
+        default=None,
+        help="every server's --step-target-ms (chunk sizing next to decodes)",
+    )
     p.add_argument("--slo-ttft", type=float, default=None, help="seconds")
     p.add_argument("--slo-itl", type=float, default=None, help="seconds")
     p.add_argument("--slo-itl-metric", choices=["itl_p99", "tpot"], default="itl_p99")
@@ -164,10 +171,12 @@ def run(args: argparse.Namespace) -> int:
     if args.address:
         policies = policies[:1]
     deployment = Deployment(args.model, args.prefill, args.decode, args.threads, args.kv_cache_gib,
-                            args.threshold_tokens, args.threshold_queue)  # fmt: skip
+                            args.threshold_tokens, args.threshold_queue,
+                            args.step_target_ms)  # fmt: skip
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
     out: dict[str, Any] = {"trace": args.trace, "rate": args.rate, "num_requests": len(reqs),
-                           "policies": {}, "requests": []}  # fmt: skip
+                           "deployment": asdict(deployment), "policies": {},
+                           "requests": []}  # fmt: skip
     objective: slo.Slo | None = None
     runs: dict[str, list[loadgen.RequestResult]] = {}
     sweeps: dict[str, list[tuple[float, float]]] = {}

@@ -83,8 +83,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
+    # While requests are decoding, size each step's prefill chunk so that the step takes about
+    # this long (learned from the steps just run; see Scheduler.observe_step): long prompts then
+    # cost the running requests no more than this per token. None: the token budget alone.
+    step_target_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.step_target_s is not None and not self.step_target_s > 0:
+            raise ValueError(f"step_target_s must be > 0, got {self.step_target_s}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"

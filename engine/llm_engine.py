@@ -202,7 +202,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         result = self.runner.execute(so, hook)
         if not so.is_empty:
-            self.step_stats.record(so, time.perf_counter() - t0)
+            stat = self.step_stats.record(so, time.perf_counter() - t0)
+            self.scheduler.observe_step(stat.prefill_tokens, stat.decode_seqs, stat.seconds)
         touched = self.scheduler.update_from_output(so, result)
         lp_by_id = dict(zip(result.request_ids, result.logprobs)) if result.logprobs else {}
         outs = []

@@ -7,6 +7,9 @@ prefill or decode code path. Within a step:
      stalls them;
   2. running requests still prefilling continue with the budget left, in admission order;
   3. waiting requests (new or preempted) are admitted with what is left, chunked to fit.
+With `step_target_s` set, a step that has decodes in it takes only as many prefill tokens as
+keep it near that time (a ChunkSizer learns how many from the steps just run); a step without
+decodes takes the whole budget, at full prefill efficiency.
 When blocks run out, the newest running request is preempted: its blocks are freed and it is
 recomputed later from prompt + outputs (recompute preemption).
 
@@ -33,10 +36,41 @@ _FINISH_STATUS = {
 }
 
 
+MIN_CHUNK = 16  # the fewest prefill tokens a step with decodes takes: every prompt advances
+
+
+class ChunkSizer:
+    """How many prefill tokens a step next to running decodes may take to last `target_s`.
+
+    A step's time is about a + b * tokens (a: the decodes and fixed costs). Scaling the last
+    chunk by target / measured time is a fixed-point iteration whose fixed point is the chunk
+    that takes `target_s` ((target - a) / b), and whose error shrinks by a / target each step; it
+    follows a and b as batches and prompt positions change. Growth is capped at 2x a step, so a
+    wrong guess costs one slow step at most; a step over the target shrinks the chunk at once."""
+
+    def __init__(self, target_s: float, budget: int) -> None:
+        self.target_s = target_s
+        self.budget = budget
+        self.chunk = min(budget, 4 * MIN_CHUNK)  # a first guess, small: learned up from there
+
+    def observe(self, prefill_tokens: int, decodes: int, seconds: float) -> None:
+        # Only steps that ran decodes next to most of a chunk say what a chunk costs (the tail
+        # of a prompt, a few tokens, would say the fixed costs alone).
+        if decodes == 0 or seconds <= 0 or prefill_tokens < max(1, self.chunk // 2):
+            return
+        want = prefill_tokens * self.target_s / seconds
+        self.chunk = int(max(MIN_CHUNK, min(self.budget, want, 2 * self.chunk)))
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
+        self.sizer = (
+            ChunkSizer(config.step_target_s, config.max_num_batched_tokens)
+            if config.step_target_s is not None and config.enable_chunked_prefill
+            else None
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Disaggregated decode side: blocks reserved, KV on its way (see kv_handoff.py).
@@ -114,6 +148,8 @@ class Scheduler:
 
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        if self.sizer is not None and decodes:
+            budget = min(budget, len(decodes) + self.sizer.chunk)
         for req in decodes + prefills:
             if budget == 0:
                 break
@@ -145,6 +181,11 @@ class Scheduler:
         out = self._build_output(chunks, preempted)
         self._check_invariants(out)
         return out
+
+    def observe_step(self, prefill_tokens: int, decodes: int, seconds: float) -> None:
+        """What the step just run cost: teaches the chunk sizer (a no-op without a target)."""
+        if self.sizer is not None:
+            self.sizer.observe(prefill_tokens, decodes, seconds)
 
     def _end_for_capacity(self, req: Request) -> None:
         if req in self.running:

@@ -53,6 +53,7 @@ class WorkerInfo:
     max_model_len: int
     vocab_size: int
     rate: DeviceRate
+    step_target_s: float | None = None  # SchedulerConfig.step_target_s where chunking is on
 
 
 def worker_info(engine: LLMEngine, worker_id: str, role: str, rate: DeviceRate) -> WorkerInfo:
@@ -83,6 +84,7 @@ def worker_info(engine: LLMEngine, worker_id: str, role: str, rate: DeviceRate) 
         max_model_len=engine.max_model_len,
         vocab_size=engine.vocab_size,
         rate=rate,
+        step_target_s=engine.scheduler.sizer.target_s if engine.scheduler.sizer else None,
     )
 
 

@@ -58,9 +58,11 @@ class StepRecorder:
         self._steps: deque[StepStat] = deque(maxlen=MAX_KEPT)
         self.total_steps = 0
 
-    def record(self, so: SchedulerOutput, seconds: float) -> None:
-        self._steps.append(step_stat(so, seconds))
+    def record(self, so: SchedulerOutput, seconds: float) -> StepStat:
+        stat = step_stat(so, seconds)
+        self._steps.append(stat)
         self.total_steps += 1
+        return stat
 
     def drain(self) -> tuple[StepStat, ...]:
         out = tuple(self._steps)

@@ -25,6 +25,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
 def _error(exc: Exception) -> int:
     print(f"error: {exc}", file=sys.stderr)
     return EXIT_USAGE
@@ -152,6 +159,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="split long prompts into chunks under the token budget (--no-chunked-prefill: a "
         "prompt runs whole in one step, the interference baseline)",
     )
+    p.add_argument(
+        "--step-target-ms",
+        type=_positive_float,
+        default=None,
+        help="while requests decode, size prefill chunks so a step takes about this long "
+        "(chunked prefill only; default: the token budget alone)",
+    )
     p.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache per worker (CPU)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds, on SIGINT/SIGTERM")
     p.set_defaults(handler=_serve, passthrough=False)
@@ -181,6 +195,7 @@ def _serve(args: argparse.Namespace, _extra: list[str]) -> int:
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_chunked_prefill=args.chunked_prefill,
+                step_target_s=None if args.step_target_ms is None else args.step_target_ms / 1000,
             ),
         )
         config = ServeConfig(

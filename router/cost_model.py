@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from engine.scheduler import MIN_CHUNK
 from engine.serving import WorkerInfo
 from engine.step_stats import StepStat
 
@@ -115,6 +116,7 @@ class StepTimeModel:
         typical = np.array([1.0, 256.0, prefill_pairs(256, 0), 64.0 * 256])
         self.fit = OnlineRidge(seed, typical, prior_steps, decay)
         self.budget = info.max_num_batched_tokens
+        self.step_target_s = info.step_target_s
         self._w: StepCoefficients | None = None  # the fit as plain floats (predictions are hot)
 
     def observe(self, s: StepStat) -> None:
@@ -149,9 +151,15 @@ class StepTimeModel:
         context `context`, the step time those decodes see meanwhile)."""
         if tokens <= 0:
             return 0.0, self.decode_step_s(batch, context)
-        chunk = max(1, self.budget - batch)
-        steps = math.ceil(tokens / chunk)
         w0, w1, w2, w3 = self.coefficients
+        chunk = max(1, self.budget - batch)
+        if self.step_target_s is not None and batch:
+            # The worker sizes chunks next to decodes so that a step takes its target.
+            fixed = w0 + w1 * batch + w3 * context
+            per_token = w1 + w2 * pairs / tokens
+            fit = (self.step_target_s - fixed) / per_token if per_token > 0 else chunk
+            chunk = int(min(chunk, max(MIN_CHUNK, fit)))
+        steps = math.ceil(tokens / chunk)
         total = steps * (w0 + w1 * batch + w3 * context) + w1 * tokens + w2 * pairs
         per_step = w0 + w1 * (batch + min(chunk, tokens)) + w2 * pairs / steps
         return total, per_step + w3 * context

@@ -26,13 +26,16 @@ def make_engine(
     chunked: bool = True,
     caching: bool = True,
     attention_backend: str = "auto",
+    step_target_s: float | None = None,
 ) -> LLMEngine:
     cfg = EngineConfig(
         model=ModelConfig(model=name, attention_backend=attention_backend),
         cache=CacheConfig(
             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching
         ),
-        scheduler=SchedulerConfig(budget, min(max_num_seqs, budget), chunked),
+        scheduler=SchedulerConfig(
+            budget, min(max_num_seqs, budget), chunked, step_target_s=step_target_s
+        ),
     )
     return LLMEngine(cfg, loaded(name))
 

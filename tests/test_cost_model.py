@@ -24,9 +24,12 @@ def true_step(tokens: int, pairs: float, ctx: int) -> float:
     return float(TRUE @ np.array([1.0, tokens, pairs, ctx]))
 
 
-def trained(worker_id: str, role: str, seed: int = 0) -> WorkerState:
+def trained(
+    worker_id: str, role: str, seed: int = 0, step_target_s: float | None = None
+) -> WorkerState:
     """A worker whose model has seen 300 steps of mixed shapes timed by TRUE (+-2% noise)."""
-    state = WorkerState(replace(fake_info(worker_id, role), block_size=BLOCK))
+    info = replace(fake_info(worker_id, role), block_size=BLOCK, step_target_s=step_target_s)
+    state = WorkerState(info)
     rng = np.random.default_rng(seed)
     for _ in range(300):
         batch = int(rng.integers(0, 32))
@@ -236,3 +239,27 @@ def test_a_batch_already_at_its_itl_slo_still_steers_long_prompts_away():
     assert decision.chosen.path is RoutePath.DISAGGREGATED, decision.reason
     best = {b.path: b for b in decision.best}
     assert best[RoutePath.COLOCATED].overshoot_s > 10 * best[RoutePath.DISAGGREGATED].overshoot_s
+
+
+def test_a_step_target_makes_colocated_safe_for_running_requests_at_a_longer_ttft():
+    pl = planner()
+    p = trained("prefill-0", "prefill")
+    for _ in range(3):  # the prefill worker is busy: three long prompts queued
+        p.add_prefill(f"queued-{len(p._prefills)}", 1500, prefill_pairs(1500, 0))
+    plain = with_decodes(trained("decode-0", "decode", seed=1), 4, 200, itl_slo_s=0.15)
+    sized = with_decodes(
+        trained("decode-0", "decode", seed=1, step_target_s=0.12), 4, 200, itl_slo_s=0.15
+    )
+    req = shape(800, seed=4, slo_ttft=20.0)
+    before = pl.decide(req, [p], [plain])
+    after = pl.decide(req, [p], [sized])
+    colo_before = {b.path: b for b in before.best}[RoutePath.COLOCATED]
+    colo_after = {b.path: b for b in after.best}[RoutePath.COLOCATED]
+    # 512-token chunks next to the decodes: over a second a step; sized: about the target.
+    assert colo_before.running_itl_s > 1.0 and colo_before.pushes_running
+    assert colo_after.running_itl_s == pytest.approx(0.12, rel=0.1)
+    assert not colo_after.pushes_running
+    assert colo_after.ttft_s > colo_before.ttft_s  # smaller chunks: more steps
+    # Behind the queued prompts the prefill worker is slower still: auto prefills locally now.
+    assert before.chosen.path is RoutePath.DISAGGREGATED
+    assert after.chosen.path is RoutePath.COLOCATED

@@ -3,6 +3,7 @@
 import pytest
 
 from engine.sampling_params import SamplingParams
+from engine.scheduler import MIN_CHUNK
 from tests.helpers import assert_pool_free, hf_greedy, make_engine, random_prompts
 
 ARCHS = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"]
@@ -67,6 +68,18 @@ def test_greedy_matches_transformers_under_preemption(arch):
     assert engine.scheduler.num_preemptions > 0
     for p, g in zip(prompts, got):
         assert g == hf_greedy(arch, p, MAX_NEW), f"prompt of {len(p)} tokens"
+    assert_pool_free(engine)
+
+
+def test_greedy_matches_transformers_with_chunks_sized_to_a_step_target():
+    # A target no step can meet: every prefill next to a decode goes in the smallest chunks.
+    engine = make_engine("tiny-llama", block_size=4, budget=64, step_target_s=1e-6)
+    prompts = random_prompts([5, 90, 11, 70], seed=8)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    got = run_staggered(engine, prompts, params)
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy("tiny-llama", p, MAX_NEW)
+    assert engine.scheduler.sizer is not None and engine.scheduler.sizer.chunk == MIN_CHUNK
     assert_pool_free(engine)
 
 

@@ -190,3 +190,36 @@ def test_abort_waiting_and_running():
     assert s.num_unfinished == 0 and s.kv.pool.all_free()
     out = s.schedule()
     assert set(out.finished_request_ids) == {"a", "b"}
+
+
+def test_step_target_sizes_prefill_chunks_next_to_decodes():
+    # A fake device: a step costs 50 ms + 1 ms per prefill token; the target is 150 ms, so the
+    # chunk that fits next to the decode is 100 tokens.
+    kv = KVCacheManager(512, 4, True)
+    s = Scheduler(SchedulerConfig(512, 8, True, step_target_s=0.150), kv)
+    s.add_request(req("p0", 600, max_tokens=2, start=5000))
+    first = step(s)
+    assert first.num_batched_tokens == 512  # nothing decoding: the whole budget
+    s.add_request(req("d", 3, max_tokens=200))
+    while s.requests["d"].num_computed_tokens < 3 or "p0" in s.requests:
+        step(s)
+    s.add_request(req("p", 2000, start=100))
+    chunks = []
+    for _ in range(10):
+        out = step(s)
+        n = sum(len(x.token_ids) for x in out.scheduled if x.request_id == "p")
+        assert any(x.request_id == "d" for x in out.scheduled)  # the decode runs every step
+        chunks.append(n)
+        s.observe_step(n, 1, 0.050 + 0.001 * n)
+    assert chunks[0] == 64  # a small first guess, learned up from there
+    assert all(abs(c - 100) <= 2 for c in chunks[-4:]), chunks
+    assert max(chunks) <= 128  # never past twice the last chunk
+    s.observe_step(100, 1, 0.600)  # a slow step (the machine got busy): the next chunk shrinks
+    assert s.sizer is not None and s.sizer.chunk == 25
+    s.finish_requests(["d", "p"], FinishReason.ABORT)
+    assert s.kv.pool.all_free()
+
+
+def test_step_target_is_ignored_without_chunking():
+    s = Scheduler(SchedulerConfig(16, 8, False, step_target_s=0.1), KVCacheManager(64, 4, True))
+    assert s.sizer is None
