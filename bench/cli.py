@@ -34,6 +34,13 @@ def _lengths(text: str) -> tuple[int, int]:
     return int(a), int(b or a)
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=None, help="measure a running server (one policy)")
     p.add_argument(
@@ -55,9 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold-queue", type=int, default=4)
     p.add_argument(
         "--step-target-ms",
-        type=float,
+        type=_positive_float,
         default=None,
-        help="every server's --step-target-ms (chunk sizing next to decodes)",
+        help="--step-target-ms for the servers of chunked policies (chunk sizing next to decodes)",
     )
     p.add_argument("--slo-ttft", type=float, default=None, help="seconds")
     p.add_argument("--slo-itl", type=float, default=None, help="seconds")
@@ -175,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
                             args.step_target_ms)  # fmt: skip
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
     out: dict[str, Any] = {"trace": args.trace, "rate": args.rate, "num_requests": len(reqs),
-                           "deployment": asdict(deployment), "policies": {},
+                           "deployment": None if args.address else asdict(deployment),
+                           "policies": {},
                            "requests": []}  # fmt: skip
     objective: slo.Slo | None = None
     runs: dict[str, list[loadgen.RequestResult]] = {}
@@ -223,7 +231,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _baseline(address: str, reqs, vocab: int, args: Any, objective: slo.Slo) -> dict:
+def _baseline(
+    address: str, reqs: list[trace.TraceRequest], vocab: int, args: Any, objective: slo.Slo | None
+) -> dict:
     """The trace's short requests alone, at their own arrival times, on the deployment now up:
     the ITL they see without the long prompts beside them."""
     short = [r for r in reqs if r.prompt_len < args.long_prompt]

@@ -36,13 +36,13 @@ class Deployment:
     kv_cache_gib: float
     threshold_tokens: int
     threshold_queue: int
-    step_target_ms: float | None = None  # `pdserve serve --step-target-ms`, every policy
+    step_target_ms: float | None = None  # `pdserve serve --step-target-ms`, chunked policies
 
     def args(self, policy: str) -> list[str]:
         """Colocated policies get every worker as a decode worker: the same total resources."""
         name, extra = POLICIES[policy]
         colocated = name == "colocated"
-        if self.step_target_ms is not None:
+        if self.step_target_ms is not None and "--no-chunked-prefill" not in extra:
             extra = [*extra, "--step-target-ms", f"{self.step_target_ms:g}"]
         return [
             "--model", self.model,

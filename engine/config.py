@@ -76,6 +76,11 @@ class CacheConfig:
             )
 
 
+# With a step target, the fewest prefill tokens a step next to decodes takes: every prompt
+# advances, even where the decodes alone take longer than the target.
+MIN_CHUNK = 16
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """One token budget per step, shared by decodes (first) and prefill chunks (after)."""
@@ -84,8 +89,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
     # While requests are decoding, size each step's prefill chunk so that the step takes about
-    # this long (learned from the steps just run; see Scheduler.observe_step): long prompts then
-    # cost the running requests no more than this per token. None: the token budget alone.
+    # this long (learned from the steps just run; see Scheduler.observe_step), down to MIN_CHUNK
+    # tokens: long prompts then stretch the running requests' steps to about this, not to a
+    # whole budget's worth of prefill. Chunked prefill only. None: the token budget alone.
     step_target_s: float | None = None
 
     def __post_init__(self) -> None:

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-from engine.config import SchedulerConfig
+from engine.config import MIN_CHUNK, SchedulerConfig
 from engine.kv_cache_manager import ComputedBlocks, KVCacheManager, cdiv
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.request import FinishReason, Request, RequestStatus
@@ -34,9 +34,6 @@ _FINISH_STATUS = {
     FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
     FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
 }
-
-
-MIN_CHUNK = 16  # the fewest prefill tokens a step with decodes takes: every prompt advances
 
 
 class ChunkSizer:
@@ -59,7 +56,7 @@ class ChunkSizer:
         if decodes == 0 or seconds <= 0 or prefill_tokens < max(1, self.chunk // 2):
             return
         want = prefill_tokens * self.target_s / seconds
-        self.chunk = int(max(MIN_CHUNK, min(self.budget, want, 2 * self.chunk)))
+        self.chunk = round(max(MIN_CHUNK, min(self.budget, want, 2 * self.chunk)))
 
 
 class Scheduler:

@@ -293,6 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and not args.passthrough:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if getattr(args, "step_target_ms", None) is not None and not args.chunked_prefill:
+        parser.error("--step-target-ms sizes prefill chunks: it needs chunked prefill")
     handler: Handler = args.handler
     return handler(args, extra)
 

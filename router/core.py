@@ -175,14 +175,16 @@ class RequestCore:
                 self._log_decision(rid, shape, decision)
                 prefill_on, d = self._place(wid, shape, chosen)
                 placed += [prefill_on, d]
+                if _late(track, shape):  # resumed after missing its TTFT SLO
+                    d.unprotect(wid)
                 stream = self._run(req, wid, chosen, emitted, track)
                 try:
                     async for chunk in stream:
                         if self._first_token_of(wid, track, chunk, prefill_on, d, shape):
                             self.pending -= 1
                             self._trained(rid, first, track)
-                            if (track.ttft_s or 0.0) > shape.slo_ttft_s:
-                                d.unprotect(wid)
+                        if _late(track, shape):
+                            d.unprotect(wid)  # it cannot attain: it guards no one's ITL
                         emitted.extend(chunk.token_ids)
                         d.grow(wid, len(chunk.token_ids))
                         delta = text.feed(chunk.token_ids, chunk.finished)
@@ -370,3 +372,8 @@ async def _close(stream: AsyncIterator[TokenChunk]) -> None:
     aclose = getattr(stream, "aclose", None)
     if aclose is not None:
         await aclose()
+
+
+def _late(track: Tracker, shape: RequestShape) -> bool:
+    """The first token came after the TTFT SLO: the request can no longer attain."""
+    return track.ttft_s is not None and track.ttft_s > shape.slo_ttft_s

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from engine.scheduler import MIN_CHUNK
+from engine.config import MIN_CHUNK
 from engine.serving import WorkerInfo
 from engine.step_stats import StepStat
 
@@ -154,7 +154,9 @@ class StepTimeModel:
         w0, w1, w2, w3 = self.coefficients
         chunk = max(1, self.budget - batch)
         if self.step_target_s is not None and batch:
-            # The worker sizes chunks next to decodes so that a step takes its target.
+            # The worker sizes chunks next to decodes so that a step takes its target. `batch`
+            # here also counts handoffs still waiting for their KV, which the worker does not
+            # count yet: with only those, it takes bigger chunks than predicted (TTFT errs long).
             fixed = w0 + w1 * batch + w3 * context
             per_token = w1 + w2 * pairs / tokens
             fit = (self.step_target_s - fixed) / per_token if per_token > 0 else chunk

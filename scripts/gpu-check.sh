@@ -15,6 +15,10 @@ out=${OUT:-gpu-out}
 mkdir -p "$out"
 t_start=$(date +%s)
 stamp() { echo "== $(( $(date +%s) - t_start )) s: $*" | tee -a "$out/steps.txt"; }
+failed=0
+check() {  # the exit status of a step's first command (before its tee)
+    if [ "$1" != 0 ]; then failed=1; echo "   failed: exit $1" | tee -a "$out/steps.txt"; fi
+}
 
 if [ -n "${GPU_WHEELS:-}" ]; then
     PY=python3
@@ -45,11 +49,13 @@ stamp "pytest -m 'gpu or multigpu'"
 timeout 200 $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" -rs \
     tests/test_gpu.py tests/test_kv_transfer_peers.py tests/test_cluster_gpu.py \
     2>&1 | tee "$out/pytest-gpu.txt"
+check "${PIPESTATUS[0]}"
 
 stamp "engine tests, CUDA as the default device"
 timeout 120 $PY -m pytest -q -p no:cacheprovider --maxfail=5 -rs tests/test_engine_equality.py \
     tests/test_engine_api.py tests/test_sampling.py tests/test_async_engine.py \
     tests/test_kv_handoff.py 2>&1 | tail -40 | tee "$out/pytest-engine-cuda.txt"
+check "${PIPESTATUS[0]}"
 
 model=smollm2-135m
 if [ -n "${GPU_MODEL:-}" ]; then
@@ -68,4 +74,6 @@ stamp "bench-engine on CUDA ($model)"
 timeout 120 $PY -m engine.bench_engine --model "$model" --requests 64 --skip hf_continuous \
     --hf-sequential-requests 8 --json "$out/bench-engine-cuda.json" 2>&1 \
     | tail -12 | tee "$out/bench-engine.txt"
+check "${PIPESTATUS[0]}"
 stamp "done"
+exit "$failed"

@@ -2,8 +2,8 @@
 
 import pytest
 
+from engine.config import MIN_CHUNK
 from engine.sampling_params import SamplingParams
-from engine.scheduler import MIN_CHUNK
 from tests.helpers import assert_pool_free, hf_greedy, make_engine, random_prompts
 
 ARCHS = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"]

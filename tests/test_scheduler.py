@@ -5,7 +5,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ChunkSizer, Scheduler
 
 EOS = 999
 
@@ -212,8 +212,7 @@ def test_step_target_sizes_prefill_chunks_next_to_decodes():
         chunks.append(n)
         s.observe_step(n, 1, 0.050 + 0.001 * n)
     assert chunks[0] == 64  # a small first guess, learned up from there
-    assert all(abs(c - 100) <= 2 for c in chunks[-4:]), chunks
-    assert max(chunks) <= 128  # never past twice the last chunk
+    assert all(abs(c - 100) <= 1 for c in chunks[-4:]), chunks
     s.observe_step(100, 1, 0.600)  # a slow step (the machine got busy): the next chunk shrinks
     assert s.sizer is not None and s.sizer.chunk == 25
     s.finish_requests(["d", "p"], FinishReason.ABORT)
@@ -223,3 +222,18 @@ def test_step_target_sizes_prefill_chunks_next_to_decodes():
 def test_step_target_is_ignored_without_chunking():
     s = Scheduler(SchedulerConfig(16, 8, False, step_target_s=0.1), KVCacheManager(64, 4, True))
     assert s.sizer is None
+
+
+def test_chunk_sizer_grows_at_most_twice_and_learns_only_from_full_chunks():
+    sizer = ChunkSizer(target_s=0.1, budget=512)
+    assert sizer.chunk == 64
+    sizer.observe(64, 1, 0.001)  # a very fast step: would allow 6,400 tokens
+    assert sizer.chunk == 128  # 2x at most
+    sizer.observe(128, 0, 10.0)  # no decodes in that step: says nothing about them
+    sizer.observe(20, 1, 10.0)  # a prompt's short tail: the fixed costs, not a chunk's
+    assert sizer.chunk == 128
+    sizer.observe(128, 1, 1.0)  # a full chunk ten times over the target: shrinks at once
+    assert sizer.chunk == 16  # 12.8 tokens would fit: MIN_CHUNK, so the prompt still advances
+    for _ in range(10):
+        sizer.observe(sizer.chunk, 1, 0.0001)
+    assert sizer.chunk == 512  # never past the token budget
