@@ -50,3 +50,16 @@ def test_empty_prompt_exits_2(capsys):
 @pytest.mark.parametrize("argv", [["generate"], ["generate", "--bogus", "x"], []])
 def test_usage_errors_exit_2(argv):
     assert run(argv) == 2
+
+
+@pytest.mark.parametrize(
+    "argv, field",
+    [
+        (["serve", "--step-target-ms", "100", "--no-chunked-prefill"], "--step-target-ms"),
+        (["serve", "--step-target-ms", "0"], "--step-target-ms"),
+        (["bench", "--step-target-ms", "-5"], "--step-target-ms"),
+    ],
+)
+def test_step_target_errors_name_the_flag(argv, field, capsys):
+    assert run(argv) == 2  # refused before anything starts
+    assert field in capsys.readouterr().err
