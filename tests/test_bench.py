@@ -138,3 +138,21 @@ def test_baseline_is_skipped_when_every_prompt_is_long():
     # No server at this address: a skipped baseline sends nothing.
     base = cli._baseline("127.0.0.1:1", reqs, 100, args, slo.Slo(1.0, 0.1, "itl_p99"))
     assert base["requests"] == 0 and "long-prompt 512" in base["skipped"]
+
+
+def test_sweep_finds_the_highest_rate_that_attains_90_percent(monkeypatch):
+    # A fake server that attains every request up to 0.5 req/s and none above.
+    def fake_run(address, reqs, rate, vocab, args, label, objective=None, seed=None):
+        ttft = 0.1 if rate <= 0.5 else 5.0
+        return [_result(ttft, [0.01] * 4) for _ in reqs], 10.0
+
+    monkeypatch.setattr(cli, "_run", fake_run)
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--rate", "0.4"])
+    reqs = trace.load("mixed", num_requests=5)
+    best, points = cli._sweep("x", reqs, 100, slo.Slo(1.0, 0.1), args, "auto")
+    assert len(points) == 5  # five probes between rate / 4 and rate * 4
+    assert all(lo >= 0.1 - 1e-9 and lo <= 1.6 + 1e-9 for lo, _ in points)
+    assert 0.4 <= best <= 0.5  # the binary search closes in on the edge from below
+    assert all((g > 0) == (r <= 0.5) for r, g in points)  # goodput only where it attains
