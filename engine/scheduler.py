@@ -7,9 +7,9 @@ prefill or decode code path. Within a step:
      stalls them;
   2. running requests still prefilling continue with the budget left, in admission order;
   3. waiting requests (new or preempted) are admitted with what is left, chunked to fit.
-With `step_target_s` set, a step that has decodes in it takes only as many prefill tokens as
-keep it near that time (a ChunkSizer learns how many from the steps just run); a step without
-decodes takes the whole budget, at full prefill efficiency.
+With `step_target_s` set, a step that has decodes in it (or runs while a handoff's KV is on its
+way) takes only as many prefill tokens as keep it near that time (a ChunkSizer learns how many
+from the steps just run); any other step takes the whole budget, at full prefill efficiency.
 When blocks run out, the newest running request is preempted: its blocks are freed and it is
 recomputed later from prompt + outputs (recompute preemption).
 
@@ -145,7 +145,9 @@ class Scheduler:
 
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        if self.sizer is not None and decodes:
+        if self.sizer is not None and (decodes or self.waiting_for_kv):
+            # Handoffs whose KV is on its way count too: one that lands during a whole-budget
+            # prefill step would wait that step out before its second token.
             budget = min(budget, len(decodes) + self.sizer.chunk)
         for req in decodes + prefills:
             if budget == 0:

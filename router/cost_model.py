@@ -154,9 +154,8 @@ class StepTimeModel:
         w0, w1, w2, w3 = self.coefficients
         chunk = max(1, self.budget - batch)
         if self.step_target_s is not None and batch:
-            # The worker sizes chunks next to decodes so that a step takes its target. `batch`
-            # here also counts handoffs still waiting for their KV, which the worker does not
-            # count yet: with only those, it takes bigger chunks than predicted (TTFT errs long).
+            # The worker sizes chunks next to decodes (and handoffs whose KV is on its way, which
+            # `batch` counts too) so that a step takes its target.
             fixed = w0 + w1 * batch + w3 * context
             per_token = w1 + w2 * pairs / tokens
             fit = (self.step_target_s - fixed) / per_token if per_token > 0 else chunk

@@ -1,5 +1,6 @@
 """Scheduler tests driven by fake runner outputs: no model, no tensors."""
 
+from engine import kv_handoff
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
@@ -237,3 +238,15 @@ def test_chunk_sizer_grows_at_most_twice_and_learns_only_from_full_chunks():
     for _ in range(10):
         sizer.observe(sizer.chunk, 1, 0.0001)
     assert sizer.chunk == 512  # never past the token budget
+
+
+def test_step_target_holds_while_a_handoffs_kv_is_on_its_way():
+    kv = KVCacheManager(512, 4, True)
+    s = Scheduler(SchedulerConfig(512, 8, True, step_target_s=0.1), kv)
+    s.add_request(req("p", 900, start=1000))
+    assert step(s).num_batched_tokens == 512  # nothing decoding, nothing expected: all of it
+    assert kv_handoff.reserve(s, req("h", 40)) is not None
+    assert step(s).num_batched_tokens == 64  # a handoff may land any moment: a sized chunk
+    kv_handoff.fail(s, "h")
+    s.finish_requests(["h", "p"], FinishReason.ABORT)
+    assert s.kv.pool.all_free()
