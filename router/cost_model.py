@@ -152,18 +152,25 @@ class StepTimeModel:
         if tokens <= 0:
             return 0.0, self.decode_step_s(batch, context)
         w0, w1, w2, w3 = self.coefficients
+        fixed = w0 + w1 * batch + w3 * context
         chunk = max(1, self.budget - batch)
-        if self.step_target_s is not None and batch:
+        sized = self.step_target_s is not None and batch > 0
+        if sized:
             # The worker sizes chunks next to decodes (and handoffs whose KV is on its way, which
             # `batch` counts too) so that a step takes its target.
-            fixed = w0 + w1 * batch + w3 * context
             per_token = w1 + w2 * pairs / tokens
             fit = (self.step_target_s - fixed) / per_token if per_token > 0 else chunk
             chunk = int(min(chunk, max(MIN_CHUNK, fit)))
         steps = math.ceil(tokens / chunk)
-        total = steps * (w0 + w1 * batch + w3 * context) + w1 * tokens + w2 * pairs
-        per_step = w0 + w1 * (batch + min(chunk, tokens)) + w2 * pairs / steps
-        return total, per_step + w3 * context
+        total = steps * fixed + w1 * tokens + w2 * pairs
+        during = fixed + w1 * min(chunk, tokens) + w2 * pairs / steps
+        if sized:
+            # What the decodes see is the slowest step, at a prompt's end, where a token's
+            # attention costs about twice the average; there the worker shrinks the chunk to hold
+            # the target, down to MIN_CHUNK tokens, past which the target gives way.
+            at_end = fixed + min(MIN_CHUNK, tokens) * (w1 + 2.0 * w2 * pairs / tokens)
+            during = max(during, at_end)
+        return total, during
 
 
 class TransferTimeModel:

@@ -263,3 +263,17 @@ def test_a_step_target_makes_colocated_safe_for_running_requests_at_a_longer_ttf
     # Behind the queued prompts the prefill worker is slower still: auto prefills locally now.
     assert before.chosen.path is RoutePath.DISAGGREGATED
     assert after.chosen.path is RoutePath.COLOCATED
+
+
+def test_a_step_target_the_decodes_alone_nearly_fill_is_not_trusted():
+    # 40 decodes take about 104 ms a step; even the smallest chunk at a 1500-token prompt's end
+    # takes the step past a 120 ms target: the guard sees the step the decodes will get.
+    pl = planner()
+    p = trained("prefill-0", "prefill")
+    d = with_decodes(
+        trained("decode-0", "decode", seed=1, step_target_s=0.12), 40, 1000, itl_slo_s=0.12
+    )
+    decision = pl.decide(shape(1500, seed=5), [p], [d])
+    colo = {b.path: b for b in decision.best}[RoutePath.COLOCATED]
+    assert colo.running_itl_s > 0.13 and colo.pushes_running
+    assert decision.chosen.path is RoutePath.DISAGGREGATED
