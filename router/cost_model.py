@@ -154,12 +154,13 @@ class StepTimeModel:
         w0, w1, w2, w3 = self.coefficients
         fixed = w0 + w1 * batch + w3 * context
         chunk = max(1, self.budget - batch)
-        sized = self.step_target_s is not None and batch > 0
-        if sized:
+        target = self.step_target_s if batch > 0 else None
+        sized = target is not None
+        if target is not None:
             # The worker sizes chunks next to decodes (and handoffs whose KV is on its way, which
             # `batch` counts too) so that a step takes its target.
             per_token = w1 + w2 * pairs / tokens
-            fit = (self.step_target_s - fixed) / per_token if per_token > 0 else chunk
+            fit = (target - fixed) / per_token if per_token > 0 else chunk
             chunk = int(min(chunk, max(MIN_CHUNK, fit)))
         steps = math.ceil(tokens / chunk)
         total = steps * fixed + w1 * tokens + w2 * pairs
