@@ -183,8 +183,8 @@ class RequestCore:
                         if self._first_token_of(wid, track, chunk, prefill_on, d, shape):
                             self.pending -= 1
                             self._trained(rid, first, track)
-                        if _late(track, shape):
-                            d.unprotect(wid)  # it cannot attain: it guards no one's ITL
+                            if _late(track, shape):
+                                d.unprotect(wid)  # it cannot attain: it guards no one's ITL
                         emitted.extend(chunk.token_ids)
                         d.grow(wid, len(chunk.token_ids))
                         delta = text.feed(chunk.token_ids, chunk.finished)
@@ -263,6 +263,8 @@ class RequestCore:
         if chunk.token_ids and prefill_on is d and not d.decoding(wid):
             d.done(wid)  # colocated: prefilled here; decoding from now on
             d.add_decode(wid, shape.prompt_len, shape.slo_itl_s)
+            if _late(track, shape):  # resumed after missing its TTFT SLO
+                d.unprotect(wid)
         was_first = track.first_at is None
         gaps = track.chunk(chunk)
         if chunk.token_ids:

@@ -155,7 +155,6 @@ class StepTimeModel:
         fixed = w0 + w1 * batch + w3 * context
         chunk = max(1, self.budget - batch)
         target = self.step_target_s if batch > 0 else None
-        sized = target is not None
         if target is not None:
             # The worker sizes chunks next to decodes (and handoffs whose KV is on its way, which
             # `batch` counts too) so that a step takes its target.
@@ -165,7 +164,7 @@ class StepTimeModel:
         steps = math.ceil(tokens / chunk)
         total = steps * fixed + w1 * tokens + w2 * pairs
         during = fixed + w1 * min(chunk, tokens) + w2 * pairs / steps
-        if sized:
+        if target is not None:
             # What the decodes see is the slowest step, at a prompt's end, where a token's
             # attention costs about twice the average; there the worker shrinks the chunk to hold
             # the target, down to MIN_CHUNK tokens, past which the target gives way.
