@@ -3,16 +3,16 @@
 Colocated request: `generate` streams tokens; the engine prefills it locally in chunks under the
 same token budget as the running decodes.
 Disaggregated request, in order:
-  1. `reserve`: blocks for the prompt are allocated here first; the answer says how many prompt
-     tokens the prefix cache already holds, so only the blocks after them travel;
-  2. `expect_kv`: the connector starts receiving into those blocks;
-  3. (the prefill worker prefills and streams the KV layer by layer; the router relays its first
+  1. `reserve_kv`: blocks for the prompt are allocated here first and the connector starts
+     receiving into those past the prefix-cache hit (only they travel); the answer (KVTarget)
+     names them for the prefill worker;
+  2. (the prefill worker prefills and streams the KV layer by layer; the router relays its first
      token)
-  4. `finish_handoff`: waits for the receive to end within its deadline; DONE -> the request joins
+  3. `finish_handoff`: waits for the receive to end within its deadline; DONE -> the request joins
      the running batch with its first token; FAILED -> the prompt is recomputed here. Either way
      tokens then stream as for a colocated request.
 The engine runs on its own thread (AsyncEngine); the connector's threads write only into blocks
-reserved for a transfer, which the engine does not read until step 4.
+reserved for a transfer, which the engine does not read until step 3.
 """
 
 from __future__ import annotations
@@ -21,44 +21,59 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from engine.engine_host import EngineHost
-from engine.kv_handoff import KVReservation
+from engine.llm_engine import LLMEngine
 from engine.outputs import TokenLogprobs
-from engine.serving import TokenChunk, WorkerSpec, WorkRequest
 from kv_transfer import TransferRequest, TransferStatus
 from kv_transfer.endpoint import KVEndpoint
+from worker_protocol.host import EngineHost
+from worker_protocol.messages import KVTarget, TokenChunk, WorkerRole, WorkerSpec, WorkRequest
 
 
 class DecodeWorker(KVEndpoint, EngineHost):
-    role = "decode"
+    role = WorkerRole.DECODE
 
-    def __init__(self, worker_id: str, spec: WorkerSpec) -> None:
-        EngineHost.__init__(self, worker_id, spec)
-        self.init_endpoint(self.kv_source(), spec.bind_host, spec.kv_backend)
+    def __init__(self, worker_id: str, spec: WorkerSpec, incarnation: int = 0) -> None:
+        EngineHost.__init__(self, worker_id, spec, incarnation)
+        self.init_endpoint(self.kv_source(), self.kv_host, spec.kv_backend, spec.pair_timeout_s)
 
     async def generate(self, req: WorkRequest) -> AsyncIterator[TokenChunk]:
         """Colocated path: prefill here, then decode; one chunk per step."""
         async for out in self.aeng.generate(req.prompt_token_ids, req.sampling, req.request_id):
             yield TokenChunk.from_output(out, self.worker_id)
 
-    async def reserve(self, req: WorkRequest) -> KVReservation | None:
-        return await self.aeng.call(
-            lambda e: e.reserve_for_kv(list(req.prompt_token_ids), req.sampling, req.request_id)
-        )
+    async def reserve_kv(self, req: WorkRequest, peer_id: str) -> KVTarget | None:
+        """Reserve blocks for `req`'s prompt and start receiving its KV from `peer_id` into those
+        past the prefix-cache hit. None: no free blocks or sequence slot now (nothing reserved).
+        Both happen in one engine call, so an abort (which waits for the engine first) always
+        finds the receive registered."""
+        rid = req.request_id
+        bs = self.engine.config.cache.block_size
 
-    def expect_kv(self, request_id: str, peer_id: str, dst_block_ids: tuple[int, ...]) -> None:
-        self.connector.start_recv(
-            TransferRequest(
-                transfer_id=request_id,
-                peer=peer_id,
-                src_block_ids=dst_block_ids,  # the receiver reads none of these
-                dst_block_ids=dst_block_ids,
-                num_layers=self.layout.num_layers,
-                # Registered before the prefill starts: it covers the prefill's queue and compute.
-                deadline_s=self.spec.prefill_timeout_s + self.spec.kv_transfer_deadline_s,
-            ),
-            self.engine.runner.cache,
-        )
+        def reserve(e: LLMEngine) -> KVTarget | None:
+            res = e.reserve_for_kv(list(req.prompt_token_ids), req.sampling, rid)
+            if res is None:
+                return None
+            skip = res.num_cached_tokens // bs
+            dst = tuple(res.block_ids[skip:])
+            try:
+                self.connector.start_recv(
+                    TransferRequest(
+                        transfer_id=rid,
+                        peer=peer_id,
+                        src_block_ids=dst,  # the receiver reads none of these
+                        dst_block_ids=dst,
+                        num_layers=self.layout.num_layers,
+                        # Registered before the prefill starts: it covers its queue and compute.
+                        deadline_s=self.spec.prefill_timeout_s + self.spec.kv_transfer_deadline_s,
+                    ),
+                    e.runner.cache,
+                )
+            except BaseException:
+                e.abort(rid)  # frees the reservation
+                raise
+            return KVTarget(rid, dst, skip, res.num_cached_tokens)
+
+        return await self.aeng.call(reserve)
 
     async def finish_handoff(
         self,
@@ -102,6 +117,9 @@ class DecodeWorker(KVEndpoint, EngineHost):
 
     async def abort(self, request_id: str) -> None:
         """Abort everywhere here: the receive (before its blocks go), the engine, the stream."""
+        # A reserve_kv sent before this abort may still be queued on the engine thread: let it
+        # run first, so that its receive exists to be ended below.
+        await self.aeng.call(lambda e: None)
         self.connector.abort(request_id)
         self.connector.release(request_id)  # a no-op when no receive was registered
         await self.aeng.abort(request_id)

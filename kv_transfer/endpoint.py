@@ -20,13 +20,17 @@ class KVEndpoint:
     layout: KVLayout
     connector: TorchDistConnector
 
-    def init_endpoint(self, source: KVCacheSource, bind_host: str, backend: str) -> None:
-        """A connector for one engine's KV cache: its layout, device and model identity."""
+    def init_endpoint(
+        self, source: KVCacheSource, bind_host: str, backend: str, connect_timeout_s: float
+    ) -> None:
+        """A connector for one engine's KV cache (its layout, device and model identity),
+        listening on `bind_host`."""
         model_id = model_identity(source.model_name, source.model_config_text)
         self.layout = KVLayout.from_spec(source.spec, model_id)
-        self.connector = TorchDistConnector(
-            self.layout, source.device, TorchDistConfig(bind_host=bind_host, backend=backend)
+        config = TorchDistConfig(
+            bind_host=bind_host, backend=backend, connect_timeout_s=connect_timeout_s
         )
+        self.connector = TorchDistConnector(self.layout, source.device, config)
 
     async def listen(self, peer_id: str) -> PeerAddress:
         return await asyncio.to_thread(self.connector.listen, peer_id)

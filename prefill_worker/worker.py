@@ -21,11 +21,11 @@ import time
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from engine.engine_host import EngineHost
 from engine.outputs import ScheduledRequest, SchedulerOutput
-from engine.serving import PrefillResult, WorkerSpec, WorkRequest
 from kv_transfer import FailureReason, TransferRequest, TransferStatus
 from kv_transfer.endpoint import KVEndpoint
+from worker_protocol.host import EngineHost
+from worker_protocol.messages import PrefillResult, WorkerRole, WorkerSpec, WorkRequest
 
 
 class _SendOutcome(NamedTuple):
@@ -46,13 +46,13 @@ class _PendingSend:
 
 
 class PrefillWorker(KVEndpoint, EngineHost):
-    role = "prefill"
+    role = WorkerRole.PREFILL
 
-    def __init__(self, worker_id: str, spec: WorkerSpec) -> None:
+    def __init__(self, worker_id: str, spec: WorkerSpec, incarnation: int = 0) -> None:
         self._sends: dict[str, _PendingSend] = {}
         self._lock = threading.Lock()
-        EngineHost.__init__(self, worker_id, spec, on_layer=self._on_layer)
-        self.init_endpoint(self.kv_source(), spec.bind_host, spec.kv_backend)
+        EngineHost.__init__(self, worker_id, spec, incarnation, on_layer=self._on_layer)
+        self.init_endpoint(self.kv_source(), self.kv_host, spec.kv_backend, spec.pair_timeout_s)
 
     def _on_layer(self, layer: int, so: SchedulerOutput) -> None:
         """Engine thread, after layer `layer` of a step is in the cache. Never raises: a send

@@ -11,6 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.server import ServeConfig
 
 # Same status argparse uses for a usage error.
 EXIT_USAGE = 2
@@ -124,111 +128,108 @@ def _bench_engine(_args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="start the gRPC server with prefill and decode pools")
-    p.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf")
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers (0: colocated only)")
-    p.add_argument("--decode", type=_positive_int, default=1, help="decode workers")
-    p.add_argument(
-        "--policy",
-        choices=["auto", "colocated", "disaggregated", "threshold"],
-        default="auto",
-        help="how each request's path is chosen (auto: the cost model)",
+    from router import serve_options
+
+    p = sub.add_parser(
+        "serve",
+        help="start the gRPC server with prefill and decode pools",
+        description="Every option is also a key of the --config YAML file; flags override it.",
     )
-    p.add_argument("--threshold-tokens", type=int, default=256, help="threshold policy: T")
-    p.add_argument("--threshold-queue", type=int, default=4, help="threshold policy: Q")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument(
-        "--metrics-port", type=int, default=9400, help="Prometheus /metrics on --host; -1: off"
-    )
-    p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: local)")
-    p.add_argument("--threads", type=_positive_int, default=1, help="torch threads per worker")
-    p.add_argument("--slo-ttft-ms", type=float, default=60000.0, help="default TTFT SLO")
-    p.add_argument("--slo-itl-ms", type=float, default=1000.0, help="default ITL SLO")
-    p.add_argument(
-        "--max-pending",
-        type=_positive_int,
-        default=256,
-        help="requests waiting for a first token before RESOURCE_EXHAUSTED",
-    )
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
-    p.add_argument(
-        "--chunked-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="split long prompts into chunks under the token budget (--no-chunked-prefill: a "
-        "prompt runs whole in one step, the interference baseline)",
-    )
-    p.add_argument(
-        "--step-target-ms",
-        type=_positive_float,
-        default=None,
-        help="while requests decode, size prefill chunks so a step takes about this long "
-        "(chunked prefill only; default: the token budget alone)",
-    )
-    p.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache per worker (CPU)")
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds, on SIGINT/SIGTERM")
+    serve_options.add_flags(p)
     p.set_defaults(handler=_serve, passthrough=False)
 
 
 def _serve(args: argparse.Namespace, _extra: list[str]) -> int:
-    import asyncio
     import logging
+
+    from router import serve_options
+
+    try:
+        values = serve_options.resolve(args)
+    except serve_options.OptionError as exc:
+        return _error(exc)
+    if args.print_config:
+        print(serve_options.to_yaml(values), end="")
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        config = serve_config(values)
+    except ValueError as exc:
+        return _error(exc)
+
+    import asyncio
+
+    from engine.errors import ModelNotFoundError
+    from router.ray_runtime import RayUnavailable
+    from router.server import serve
+
+    try:
+        asyncio.run(serve(config))
+    except (ModelNotFoundError, OSError, RayUnavailable) as exc:
+        return _error(exc)
+    except RuntimeError as exc:  # the pools did not come up (placement, resources)
+        if "did not start" not in str(exc):
+            raise
+        return _error(exc)
+    return 0
+
+
+def serve_config(v: dict) -> ServeConfig:
+    """The server's configuration from the effective options (router/serve_options.py)."""
     from dataclasses import replace
 
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from engine.errors import ModelNotFoundError
     from router.cluster import ClusterConfig
     from router.core_types import RouterConfig
     from router.policy import Policy, PolicyConfig
-    from router.server import ServeConfig, serve
+    from router.server import ServeConfig
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    try:
-        cache = (
-            CacheConfig()
-            if args.kv_cache_gib is None
-            else replace(CacheConfig(), cpu_kv_cache_gib=args.kv_cache_gib)
-        )
-        engine = EngineConfig(
-            cache=cache,
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_chunked_prefill=args.chunked_prefill,
-                step_target_s=None if args.step_target_ms is None else args.step_target_ms / 1000,
+    cache = CacheConfig()
+    if v["kv_cache_gib"] is not None:
+        cache = replace(cache, cpu_kv_cache_gib=v["kv_cache_gib"])
+    step_target = v["step_target_ms"]
+    engine = EngineConfig(
+        cache=cache,
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=v["max_num_batched_tokens"],
+            max_num_seqs=v["max_num_seqs"],
+            enable_chunked_prefill=v["chunked_prefill"],
+            step_target_s=None if step_target is None else step_target / 1000,
+        ),
+    )
+    return ServeConfig(
+        cluster=ClusterConfig(
+            model=v["model"],
+            num_prefill=v["prefill"],
+            num_decode=v["decode"],
+            engine=engine,
+            threads_per_worker=v["threads"],
+            address=v["ray_address"],
+            gpus_per_worker=v["gpus_per_worker"],
+            prefill_resources=v["prefill_resources"],
+            decode_resources=v["decode_resources"],
+            kv_interface=v["kv_interface"],
+            kv_host=v["kv_host"],
+            pair_timeout_s=v["pair_timeout"],
+            replace_dead=v["replace_dead_workers"],
+            drain_timeout_s=v["drain_timeout"],
+        ),
+        router=RouterConfig(
+            policy=PolicyConfig(
+                policy=Policy(v["policy"]),
+                threshold_tokens=v["threshold_tokens"],
+                threshold_queue=v["threshold_queue"],
             ),
-        )
-        config = ServeConfig(
-            cluster=ClusterConfig(
-                model=args.model,
-                num_prefill=args.prefill,
-                num_decode=args.decode,
-                engine=engine,
-                threads_per_worker=args.threads,
-                address=args.ray_address,
-            ),
-            router=RouterConfig(
-                policy=PolicyConfig(
-                    policy=Policy(args.policy),
-                    threshold_tokens=args.threshold_tokens,
-                    threshold_queue=args.threshold_queue,
-                ),
-                slo_ttft_s=args.slo_ttft_ms / 1000,
-                slo_itl_s=args.slo_itl_ms / 1000,
-                max_pending=args.max_pending,
-            ),
-            host=args.host,
-            port=args.port,
-            metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-            drain_timeout_s=args.drain_timeout,
-        )
-    except ValueError as exc:
-        return _error(exc)
-    try:
-        asyncio.run(serve(config))
-    except (ModelNotFoundError, OSError) as exc:
-        return _error(exc)
-    return 0
+            slo_ttft_s=v["slo_ttft_ms"] / 1000,
+            slo_itl_s=v["slo_itl_ms"] / 1000,
+            max_pending=v["max_pending"],
+        ),
+        host=v["host"],
+        port=v["port"],
+        metrics_port=None if v["metrics_port"] < 0 else v["metrics_port"],
+        admin_port=None if v["admin_port"] < 0 else v["admin_port"],
+        drain_timeout_s=v["drain_timeout"],
+    )
 
 
 def _add_complete(sub: argparse._SubParsersAction) -> None:
@@ -243,6 +244,17 @@ def _complete(args: argparse.Namespace, _extra: list[str]) -> int:
     from router import client
 
     return client.run(args)
+
+
+def _add_scale(sub: argparse._SubParsersAction) -> None:
+    from router import admin_client
+
+    p = sub.add_parser("scale", help="resize a running server's pools (its admin port)")
+    admin_client.add_scale_arguments(p)
+    p.set_defaults(handler=lambda a, _e: admin_client.run_scale(a), passthrough=False)
+    p = sub.add_parser("workers", help="list a running server's workers (its admin port)")
+    admin_client.add_workers_arguments(p)
+    p.set_defaults(handler=lambda a, _e: admin_client.run_workers(a), passthrough=False)
 
 
 def _add_status(sub: argparse._SubParsersAction) -> None:
@@ -282,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_serve(sub)
     _add_complete(sub)
+    _add_scale(sub)
     _add_status(sub)
     _add_bench_engine(sub)
     _add_bench(sub)
@@ -293,8 +306,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and not args.passthrough:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if getattr(args, "step_target_ms", None) is not None and not args.chunked_prefill:
-        parser.error("--step-target-ms sizes prefill chunks: it needs chunked prefill")
     handler: Handler = args.handler
     return handler(args, extra)
 

@@ -25,28 +25,28 @@ import statistics
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 from engine.prefix_hash import block_hashes
-from engine.serving import PrefillResult, TokenChunk, WorkerInfo
 from engine.text_stream import TextStream
 from router.convert import ParsedRequest, RoutePath
 from router.core_types import (
     Backend,
     CoreChunk,
     DecisionRecord,
+    FallbackReason,
     NoWorkers,
     Overloaded,
     RouterConfig,
     Summary,
 )
-from router.cost_model import TransferTimeModel, prefill_pairs
+from router.cost_model import HandoffHealth, TransferTimeModel, prefill_pairs
 from router.errors import WorkerLost
 from router.policy import Decision, PathPrediction, Planner, RequestShape
 from router.pool_state import WorkerState
 from router.stats import NullSink, StatsSink, TransferRecord
 from router.tracker import Tracker
+from worker_protocol.messages import PrefillResult, TokenChunk, WorkerInfo, WorkerRole
 
 log = logging.getLogger("pdserve.router")
 MAX_RESUMES = 2  # a request outliving this many dead decode workers fails
@@ -68,12 +68,13 @@ class RequestCore:
         self.states = {i.worker_id: WorkerState(i) for i in infos}
         self.block_size = infos[0].block_size
         self.transfer = TransferTimeModel()
-        self.planner = Planner(config.policy, self.transfer)
+        self.health = HandoffHealth()
+        self.planner = Planner(config.policy, self.transfer, self.health)
         self.records: deque[DecisionRecord] = deque(maxlen=2048)
         self.pending = 0
         self.active = 0
         self._poller: asyncio.Task[None] | None = None
-        self._lost: set[str] = set()  # workers gone from the pools, already reported
+        self._gone: set[tuple[str, int]] = set()  # (worker, incarnation) gone, reported
         self._ids = itertools.count()  # workers see internal ids: clients' ids may collide
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -98,21 +99,43 @@ class RequestCore:
 
     async def refresh(self) -> None:
         loads = await self.backend.load()
+        self._pools()  # books for workers that joined since
         for load in loads:
             state = self.states.get(load.worker_id)
-            if state is not None:
+            if state is not None and state.info.incarnation == load.incarnation:
                 state.absorb(load)
         self.sink.loads(loads)
-        live = {*self.backend.prefill_ids, *self.backend.decode_ids}
-        for w, state in self.states.items():
-            if w not in live and w not in self._lost:
-                self._lost.add(w)
-                self.sink.worker_lost(w, state.info.role)
+        b = self.backend
+        self.sink.workers(
+            {WorkerRole.PREFILL: len(b.prefill_ids), WorkerRole.DECODE: len(b.decode_ids)}
+        )
+        live = {*b.prefill_ids, *b.decode_ids}
+        for w, state in list(self.states.items()):
+            key = (w, state.info.incarnation)
+            if w not in live and key not in self._gone:
+                self._gone.add(key)
+                if b.is_dead(w):
+                    self.sink.worker_lost(w, state.info.role.value)
+                else:  # removed by a resize (or not back yet): its figures go
+                    self.sink.worker_removed(w, state.info.role.value)
 
     # -- one request -------------------------------------------------------------------------
+    def _state(self, worker_id: str) -> WorkerState:
+        """The books of a worker's current incarnation; a new incarnation (a replacement) gets
+        fresh books: its prefix cache and queues start empty."""
+        info = self.backend.worker_info(worker_id)
+        state = self.states.get(worker_id)
+        if state is None or state.info.incarnation != info.incarnation:
+            if state is not None:
+                self.health.forget(worker_id)
+                restarts = info.incarnation - state.info.incarnation
+                self.sink.worker_restarted(worker_id, info.role.value, restarts)
+            state = self.states[worker_id] = WorkerState(info)
+        return state
+
     def _pools(self) -> tuple[list[WorkerState], list[WorkerState]]:
         b = self.backend
-        return [self.states[w] for w in b.prefill_ids], [self.states[w] for w in b.decode_ids]
+        return [self._state(w) for w in b.prefill_ids], [self._state(w) for w in b.decode_ids]
 
     def plan(self, req: ParsedRequest) -> tuple[RequestShape, Decision]:
         shape = RequestShape(
@@ -247,7 +270,7 @@ class RequestCore:
             wid,
             chosen.prefill_worker or None,
             chosen.decode_worker,
-            partial(self._on_prefill, track, wid, chosen),
+            _Handoff(self, track, wid, chosen),
         )
 
     def _first_token_of(
@@ -265,6 +288,8 @@ class RequestCore:
             d.add_decode(wid, shape.prompt_len, shape.slo_itl_s)
             if _late(track, shape):  # resumed after missing its TTFT SLO
                 d.unprotect(wid)
+        elif chunk.token_ids and d.prefilling(wid):
+            d.done(wid)  # a disaggregated request prefilled here after a fallback
         was_first = track.first_at is None
         gaps = track.chunk(chunk)
         if chunk.token_ids:
@@ -292,6 +317,7 @@ class RequestCore:
             decode_worker=chosen.decode_worker,
             ttft_s=track.ttft_s or 0.0,
             decision=first,
+            kv_fallback=track.kv_fallback,
         )
 
     def _log_decision(self, rid: str, shape: RequestShape, decision: Decision) -> None:
@@ -343,7 +369,7 @@ class RequestCore:
         if chosen.path is RoutePath.COLOCATED or track.handed_off:
             self.planner.bias[chosen.path].observe(chosen.raw_ttft_s, ttft)
 
-    def _on_prefill(
+    def _prefilled(
         self, track: Tracker, wid: str, chosen: PathPrediction, result: PrefillResult
     ) -> None:
         track.prefilled(result)
@@ -352,12 +378,35 @@ class RequestCore:
             p.done(wid)  # its prefill is over; the decode worker has the request now
         if result.transfer_ok and result.bytes_sent > 0:
             self.transfer.observe(result.bytes_sent, result.transfer_s)
+        if result.transfer_ok:
+            self.health.observe(chosen.prefill_worker, chosen.decode_worker, ok=True)
         if result.bytes_sent > 0 or not result.transfer_ok:  # a send happened, or failed
             self.sink.transferred(
                 TransferRecord(
                     result.bytes_sent, result.send_s, result.transfer_ok, result.failure_reason
                 )
             )
+
+    def _fell_back(
+        self,
+        track: Tracker,
+        wid: str,
+        chosen: PathPrediction,
+        reason: FallbackReason,
+        wasted_s: float,
+    ) -> None:
+        """The decode worker prefills a disaggregated request itself: its books move there,
+        the pair's health learns the failure, and the fallback is counted."""
+        if track.kv_fallback is None:
+            track.kv_fallback = reason
+        p = self.states.get(chosen.prefill_worker)
+        if p is not None:
+            p.done(wid)
+        d = self.states.get(chosen.decode_worker)
+        if d is not None and not d.prefilling(wid):  # until its first token (_first_token_of)
+            d.add_prefill(wid, track.prompt_tokens, prefill_pairs(track.prompt_tokens, 0))
+        self.health.observe(chosen.prefill_worker, chosen.decode_worker, False, wasted_s)
+        self.sink.fell_back(reason.value)
 
     # -- reading -----------------------------------------------------------------------------
     def prediction_error(self, path: RoutePath | None = None, last: int = 200) -> float | None:
@@ -379,3 +428,21 @@ async def _close(stream: AsyncIterator[TokenChunk]) -> None:
 def _late(track: Tracker, shape: RequestShape) -> bool:
     """The first token came after the TTFT SLO: the request can no longer attain."""
     return track.ttft_s is not None and track.ttft_s > shape.slo_ttft_s
+
+
+class _Handoff:
+    """One placement's HandoffListener: what the pools say about its handoff goes to the core."""
+
+    __slots__ = ("core", "track", "wid", "chosen")
+
+    def __init__(self, core: RequestCore, track: Tracker, wid: str, chosen: PathPrediction):
+        self.core = core
+        self.track = track
+        self.wid = wid
+        self.chosen = chosen
+
+    def prefilled(self, result: PrefillResult) -> None:
+        self.core._prefilled(self.track, self.wid, self.chosen, result)
+
+    def fell_back(self, reason: FallbackReason, detail: str, wasted_s: float) -> None:
+        self.core._fell_back(self.track, self.wid, self.chosen, reason, wasted_s)

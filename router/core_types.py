@@ -3,22 +3,54 @@ and how it refuses work."""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.serving import TokenChunk, WorkerInfo, WorkerLoad
 from router.convert import RoutePath
 from router.policy import Decision, PolicyConfig
+from worker_protocol.messages import PrefillResult, TokenChunk, WorkerInfo, WorkerLoad
+
+
+class FallbackReason(enum.Enum):
+    """Why a disaggregated request's prompt was prefilled on its decode worker after all."""
+
+    PAIRING_FAILED = "pairing_failed"  # the pair could not be made; retried after a backoff
+    PAIR_NOT_READY = "pair_not_ready"  # the pair is being made (a worker just started)
+    NO_RESERVATION = "no_reservation"  # the decode worker had no free blocks or sequence slot
+    TRANSFER_FAILED = "transfer_failed"  # the KV send failed or passed its deadline
+    PREFILL_FAILED = "prefill_failed"  # the prefill worker died, timed out or was stopped
+
+
+class HandoffListener(Protocol):
+    """What the pools tell the core about one disaggregated request's handoff."""
+
+    def prefilled(self, result: PrefillResult) -> None:
+        """The prefill worker answered (with or without a first token and a completed send)."""
+
+    def fell_back(self, reason: FallbackReason, detail: str, wasted_s: float) -> None:
+        """The decode worker prefills the prompt itself; `wasted_s` went before it knew."""
 
 
 class Backend(Protocol):
     """The pools as the core drives them (router.cluster.Cluster, or a fake)."""
 
-    prefill_ids: list[str]  # live workers, updated as they die
-    decode_ids: list[str]
+    @property
+    def prefill_ids(self) -> list[str]:
+        """Prefill workers that take new requests now."""
+
+    @property
+    def decode_ids(self) -> list[str]:
+        """Decode workers that take new requests now."""
+
+    def worker_info(self, worker_id: str) -> WorkerInfo:
+        """What the current incarnation of a worker said about itself."""
+
+    def is_dead(self, worker_id: str) -> bool:
+        """Whether the worker's latest incarnation died (as opposed to being removed)."""
 
     def generate(
         self,
@@ -28,7 +60,7 @@ class Backend(Protocol):
         request_id: str | None,
         prefill_worker: str | None,
         decode_worker: str | None,
-        on_prefill: Any = None,
+        listener: HandoffListener | None = None,
     ) -> AsyncIterator[TokenChunk]: ...
 
     async def load(self) -> list[WorkerLoad]: ...
@@ -71,6 +103,7 @@ class Summary:
     decode_worker: str
     ttft_s: float
     decision: Decision
+    kv_fallback: FallbackReason | None = None  # a disaggregated request prefilled locally
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,14 +29,15 @@ what neither model sees: RPC hops, token delivery, the engine thread's wake-up.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from typing import NamedTuple
 
 import numpy as np
 
 from engine.config import MIN_CHUNK
-from engine.serving import WorkerInfo
 from engine.step_stats import StepStat
+from worker_protocol.messages import WorkerInfo
 
 NUM_FEATURES = 4
 
@@ -240,3 +241,45 @@ class Bias:
         self.n += 1
         # A fixed small step: one outlier (a cold first request) moves it by a tenth only.
         self.offset_s += self.alpha * (err - self.offset_s)
+
+
+class HandoffHealth:
+    """How often each (prefill, decode) pair's handoffs fall back to a local prefill lately, and
+    what a failed one wastes before the decode worker starts on it.
+
+    The failure rate is an average over the pair's recent handoffs (each new one weighs
+    `alpha`) that decays toward 0 with `half_life_s` since the last one: a pair that kept failing
+    is avoided for a while, then tried again (a fallback then costs what it wasted, which for a
+    pair known broken is nothing, plus the local prefill the request gets anyway)."""
+
+    def __init__(self, alpha: float = 0.5, half_life_s: float = 60.0) -> None:
+        self.alpha = alpha
+        self.half_life_s = half_life_s
+        self._rate: dict[tuple[str, str], tuple[float, float]] = {}  # pair -> (rate, at)
+        self._wasted: dict[tuple[str, str], float] = {}
+
+    def observe(
+        self, p: str, d: str, ok: bool, wasted_s: float = 0.0, now: float | None = None
+    ) -> None:
+        now = time.monotonic() if now is None else now
+        rate = self.failure_rate(p, d, now)
+        self._rate[(p, d)] = (rate + self.alpha * ((0.0 if ok else 1.0) - rate), now)
+        if not ok:
+            before = self._wasted.get((p, d), wasted_s)
+            self._wasted[(p, d)] = before + self.alpha * (wasted_s - before)
+
+    def failure_rate(self, p: str, d: str, now: float | None = None) -> float:
+        rate, at = self._rate.get((p, d), (0.0, 0.0))
+        if rate == 0.0:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        return rate * 0.5 ** (max(0.0, now - at) / self.half_life_s)
+
+    def wasted_s(self, p: str, d: str) -> float:
+        return self._wasted.get((p, d), 0.0)
+
+    def forget(self, worker_id: str) -> None:
+        """A worker was replaced: its pairs start afresh."""
+        for key in [k for k in self._rate if worker_id in k]:
+            self._rate.pop(key, None)
+            self._wasted.pop(key, None)

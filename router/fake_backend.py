@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from engine.device_rate import DeviceRate
 from engine.sampling_params import SamplingParams
-from engine.serving import PrefillResult, TokenChunk, WorkerInfo, WorkerLoad
+from router.core_types import HandoffListener
+from worker_protocol.messages import TokenChunk, WorkerInfo, WorkerLoad, WorkerRole
 
 
 def fake_info(
-    worker_id: str, role: str, vocab_size: int = 512, max_model_len: int = 4096
+    worker_id: str, role: WorkerRole, vocab_size: int = 512, max_model_len: int = 4096
 ) -> WorkerInfo:
     return WorkerInfo(
         worker_id=worker_id,
@@ -56,15 +57,19 @@ class FakeBackend:
         self.started: list[str] = []  # request ids, in the order they reached the backend
         self.closed: list[str] = []  # request ids whose stream ended, for any reason
 
+    def worker_info(self, worker_id: str) -> WorkerInfo:
+        role = WorkerRole.DECODE if worker_id in self.decode_ids else WorkerRole.PREFILL
+        return fake_info(worker_id, role, self.vocab_size)
+
+    def is_dead(self, worker_id: str) -> bool:
+        return False
+
     async def infos(self) -> list[WorkerInfo]:
-        ids = [(w, "prefill") for w in self.prefill_ids] + [(w, "decode") for w in self.decode_ids]
-        return [fake_info(w, role, self.vocab_size) for w, role in ids]
+        return [self.worker_info(w) for w in [*self.prefill_ids, *self.decode_ids]]
 
     async def load(self) -> list[WorkerLoad]:
         return [
-            WorkerLoad(
-                w, "decode" if w.startswith("decode") else "prefill", 0, 0, 0, 0.0, 1024, 1024, 0
-            )
+            WorkerLoad(w, self.worker_info(w).role, 0, 0, 0, 0.0, 1024, 1024, 0)
             for w in [*self.prefill_ids, *self.decode_ids]
         ]
 
@@ -76,7 +81,7 @@ class FakeBackend:
         request_id: str | None,
         prefill_worker: str | None,
         decode_worker: str | None,
-        on_prefill: Callable[[PrefillResult], None] | None = None,
+        listener: HandoffListener | None = None,
     ) -> AsyncIterator[TokenChunk]:
         rid = request_id or "fake"
         self.started.append(rid)

@@ -15,9 +15,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from engine.serving import WorkerLoad
 from kv_transfer import FailureReason
+from router.core_types import FallbackReason
 from router.stats import RequestRecord, TransferRecord
+from worker_protocol.messages import WorkerLoad, WorkerRole
 
 # 1 ms .. 120 s: ITLs of a few ms to TTFTs of tens of seconds.
 LATENCY_BUCKETS = (
@@ -165,13 +166,34 @@ class Metrics:
         )
         self.worker_failures = Counter(
             "pdserve_worker_failures",
-            "Workers found dead; they leave their pool.",
+            "Workers found dead; they leave their pool (and are replaced).",
             WORKER,
             registry=r,
         )
-        self.workers = Gauge("pdserve_workers", "Live workers, by role.", ("role",), registry=r)
-        for reason in FailureReason:  # at 0 from the start: the first failure is an increase
+        self.worker_restarts = Counter(
+            "pdserve_worker_restarts",
+            "Dead workers replaced by a new actor that took load, by role.",
+            ("role",),
+            registry=r,
+        )
+        self.live_workers = Gauge(
+            "pdserve_workers", "Workers taking new requests, by role.", ("role",), registry=r
+        )
+        self.fallbacks = Counter(
+            "pdserve_local_prefill_fallbacks",
+            "Disaggregated requests whose prompt was prefilled on their decode worker after "
+            "all, by reason.",
+            ("reason",),
+            registry=r,
+        )
+        # At 0 from the start: the first failure is an increase, and its alert fires.
+        for reason in FailureReason:
             self.transfer_failures.labels(reason.value)
+        for fb in FallbackReason:
+            self.fallbacks.labels(fb.value)
+        for role in WorkerRole:
+            self.worker_restarts.labels(role.value)
+            self.live_workers.labels(role.value)
         self._last: dict[str, WorkerLoad] = {}
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
@@ -242,10 +264,8 @@ class Metrics:
             self.transfer_failures.labels(rec.reason or "error").inc()
 
     def loads(self, loads: Sequence[WorkerLoad]) -> None:
-        roles: dict[str, int] = {"prefill": 0, "decode": 0}
         for ld in loads:
-            w = (ld.worker_id, ld.role)
-            roles[ld.role] = roles.get(ld.role, 0) + 1
+            w = (ld.worker_id, ld.role.value)
             self.running.labels(*w).set(ld.running)
             self.waiting.labels(*w).set(ld.waiting + ld.waiting_for_kv)
             self.kv_usage.labels(*w).set(ld.kv_usage)
@@ -261,13 +281,26 @@ class Metrics:
                 counter.labels(*w).inc(now - before if now >= before else now)
             self.worker_failures.labels(*w)  # exists at 0, so that its first failure is an increase
             self._last[ld.worker_id] = ld
-        for role, n in roles.items():
-            self.workers.labels(role).set(n)
+
+    def workers(self, ready: dict[WorkerRole, int]) -> None:
+        for role, n in ready.items():
+            self.live_workers.labels(role.value).set(n)
 
     def worker_lost(self, worker_id: str, role: str) -> None:
         self.worker_failures.labels(worker_id, role).inc()
+        self.worker_removed(worker_id, role)
+
+    def worker_removed(self, worker_id: str, role: str) -> None:
         for g in (self.running, self.waiting, self.kv_usage, self.queued_tokens):
             try:
                 g.remove(worker_id, role)
             except KeyError:
                 pass
+        self._last.pop(worker_id, None)  # a later incarnation reports totals from 0
+
+    def worker_restarted(self, worker_id: str, role: str, times: int) -> None:
+        if times > 0:
+            self.worker_restarts.labels(role).inc(times)
+
+    def fell_back(self, reason: str) -> None:
+        self._c(self.fallbacks, reason).inc()

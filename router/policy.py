@@ -1,7 +1,10 @@
 """Where a request runs: predictions for every (path, prefill worker, decode worker) and the
 policies that choose among them.
 
-  - auto: the cost model. Candidates that would push a running request's predicted ITL past its
+  - auto: the cost model. Disaggregated candidates whose pair keeps falling back to a local
+    prefill (failure rate over MAX_FAILURE_RATE, router/cost_model.py HandoffHealth) are dropped
+    while any other remains, and every disaggregated prediction carries its pair's failure risk.
+    Candidates that would push a running request's predicted ITL past its
     SLO are dropped while any other remains (if none remains, the one that pushes least wins);
     a request whose first token came after its TTFT SLO cannot attain and guards nothing;
     of the rest, the one with the least predicted SLO violation wins, then the earliest
@@ -19,11 +22,15 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from router.convert import RoutePath
-from router.cost_model import Bias, TransferTimeModel, prefill_pairs
+from router.cost_model import Bias, HandoffHealth, TransferTimeModel, prefill_pairs
 from router.pool_state import WorkerState
+
+# A pair whose recent handoffs fell back more often than this is not chosen while another
+# choice remains.
+MAX_FAILURE_RATE = 0.5
 
 
 class Policy(enum.Enum):
@@ -66,6 +73,19 @@ class PathPrediction:
     transfer_s: float
     uncached_tokens: int
     transfer_bytes: int
+    failure_rate: float = 0.0  # of this pair's recent handoffs (disaggregated)
+
+    @property
+    def failing(self) -> bool:
+        return self.failure_rate > MAX_FAILURE_RATE
+
+    def with_failure_risk(
+        self, rate: float, wasted_s: float, local_ttft_s: float
+    ) -> PathPrediction:
+        """The expected TTFT when a handoff falls back with probability `rate`: the time it
+        wastes, then a prefill on the decode worker (`local_ttft_s`)."""
+        ttft = (1 - rate) * self.ttft_s + rate * (wasted_s + local_ttft_s)
+        return replace(self, ttft_s=ttft, failure_rate=rate)
 
     @property
     def overshoot_s(self) -> float:
@@ -169,8 +189,19 @@ def pick_decode(req: RequestShape, decode: Sequence[WorkerState], margin: float)
     return max(close, key=lambda w: (w.prefix.match(req.hashes), -w.load_score))
 
 
-def pick_prefill(prefill: Sequence[WorkerState]) -> WorkerState:
-    return min(prefill, key=lambda w: w.model.chunked_s(w.queued_tokens, w.queued_pairs, 0, 0)[0])
+def pick_prefill(
+    prefill: Sequence[WorkerState], d: str = "", health: HandoffHealth | None = None
+) -> WorkerState:
+    """The prefill worker with the least predicted queue, among those whose pair with decode
+    worker `d` is not failing (when any is not)."""
+
+    def failing(w: WorkerState) -> bool:
+        return health is not None and health.failure_rate(w.worker_id, d) > MAX_FAILURE_RATE
+
+    return min(
+        prefill,
+        key=lambda w: (failing(w), w.model.chunked_s(w.queued_tokens, w.queued_pairs, 0, 0)[0]),
+    )
 
 
 def _ms(s: float) -> str:
@@ -178,17 +209,31 @@ def _ms(s: float) -> str:
 
 
 class Planner:
-    def __init__(self, config: PolicyConfig, transfer: TransferTimeModel) -> None:
+    def __init__(
+        self,
+        config: PolicyConfig,
+        transfer: TransferTimeModel,
+        health: HandoffHealth | None = None,
+    ) -> None:
         self.config = config
         self.transfer = transfer
+        self.health = health or HandoffHealth()
         self.bias = {RoutePath.COLOCATED: Bias(), RoutePath.DISAGGREGATED: Bias()}
 
     def candidates(
         self, req: RequestShape, prefill: Sequence[WorkerState], decode: Sequence[WorkerState]
     ) -> list[PathPrediction]:
         out = [predict_colocated(req, d, self.bias[RoutePath.COLOCATED].offset_s) for d in decode]
+        local = {c.decode_worker: c.ttft_s for c in out}
         b = self.bias[RoutePath.DISAGGREGATED].offset_s
-        out += [predict_disaggregated(req, p, d, self.transfer, b) for p in prefill for d in decode]
+        for p in prefill:
+            for d in decode:
+                c = predict_disaggregated(req, p, d, self.transfer, b)
+                rate = self.health.failure_rate(p.worker_id, d.worker_id)
+                if rate > 0:
+                    wasted = self.health.wasted_s(p.worker_id, d.worker_id)
+                    c = c.with_failure_risk(rate, wasted, local[d.worker_id])
+                out.append(c)
         return out
 
     def decide(
@@ -238,7 +283,9 @@ class Planner:
                 "disaggregated asked, but no prefill worker is up",
                 "no_prefill_workers",
             )
-        p = pick_prefill(prefill).worker_id if path is RoutePath.DISAGGREGATED else ""
+        p = ""
+        if path is RoutePath.DISAGGREGATED:
+            p = pick_prefill(prefill, d, self.health).worker_id
         chosen = self._find(cands, path, p, d)
         label = "requested by the client" if why == "override" else f"--policy {path.name.lower()}"
         return Decision(chosen, best, f"{path.name.lower()}: {label}", why)
@@ -246,16 +293,23 @@ class Planner:
     def _auto(
         self, req: RequestShape, cands: list[PathPrediction], best: tuple[PathPrediction, ...]
     ) -> Decision:
-        safe = [c for c in cands if not c.pushes_running]
+        usable = [c for c in cands if not c.failing] or cands
+        safe = [c for c in usable if not c.pushes_running]
         if safe:
             chosen = min(safe, key=lambda c: c.rank(req))
         else:  # every choice pushes: the one that pushes least
-            chosen = min(cands, key=lambda c: (c.overshoot_s, *c.rank(req)))
+            chosen = min(usable, key=lambda c: (c.overshoot_s, *c.rank(req)))
         others = [c for c in best if c.path is not chosen.path]
         parts = [f"{chosen.path.name.lower()}: predicted TTFT {_ms(chosen.ttft_s)}"]
         code = "cost_ttft"
         for o in others:
-            if o.pushes_running and safe:
+            if o.failing and len(usable) < len(cands):
+                parts.append(
+                    f"{o.path.name.lower()} handoffs {o.prefill_worker}->{o.decode_worker} keep "
+                    f"falling back (failure rate {o.failure_rate:.2f})"
+                )
+                code = "handoff_failing"
+            elif o.pushes_running and safe:
                 parts.append(
                     f"{o.path.name.lower()} would raise {o.decode_worker}'s ITL to "
                     f"{_ms(o.running_itl_s)}, past its SLO {_ms(o.running_itl_slo_s)}"
@@ -286,7 +340,7 @@ class Planner:
         uncached = req.prompt_len - d.cached_tokens(req.hashes, req.prompt_len)
         t, q = self.config.threshold_tokens, self.config.threshold_queue
         if prefill:
-            p = pick_prefill(prefill)
+            p = pick_prefill(prefill, d.worker_id, self.health)
             if uncached > t and p.queued_prefills < q:
                 chosen = self._find(cands, RoutePath.DISAGGREGATED, p.worker_id, d.worker_id)
                 why = f"disaggregated: {uncached} uncached tokens > {t}, prefill queue < {q}"

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.prefix_hash import max_cacheable_tokens
-from engine.serving import WorkerInfo, WorkerLoad
 from router.cost_model import StepTimeModel
+from worker_protocol.messages import WorkerInfo, WorkerLoad
 
 
 class PrefixIndex:
@@ -78,6 +78,9 @@ class WorkerState:
         d = self._decodes.get(rid)
         if d is not None:
             d.itl_slo_s = float("inf")
+
+    def prefilling(self, rid: str) -> bool:
+        return rid in self._prefills
 
     def decoding(self, rid: str) -> bool:
         return rid in self._decodes

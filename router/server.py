@@ -1,10 +1,11 @@
 """`pdserve serve`: the pools, the request core and the gRPC server, started and stopped in order.
 
-Start: Ray (local on 127.0.0.1 unless an address is given) and the worker actors, the
-tokenizer, the metrics endpoint, the core (with its load poller), then the gRPC server on
-host:port with health SERVING. Stop (SIGINT/SIGTERM, or `stop()`): health NOT_SERVING, no new
-RPCs, in-flight requests drained for up to `drain_timeout_s` (then cancelled, which aborts them
-on the workers), the poller, the actors, the metrics endpoint.
+Start: Ray (router/ray_runtime.py) and the worker actors, the tokenizer, the metrics endpoint,
+the core (with its load poller), then the gRPC server on host:port with health SERVING, and
+the admin service (Scale, ListWorkers) on host:admin_port. Stop (SIGINT/SIGTERM, or `stop()`):
+health NOT_SERVING, the admin service, no new RPCs, in-flight requests drained for up to
+`drain_timeout_s` (then cancelled, which aborts them on the workers), the poller, the actors,
+the metrics endpoint.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from engine.loader import load_tokenizer
-from router.cluster import Cluster, ClusterConfig, init_ray
+from router.admin import add_admin
+from router.cluster import Cluster, ClusterConfig
 from router.convert import ModelLimits
 from router.core import RequestCore
 from router.core_types import Backend, RouterConfig
 from router.metrics import Metrics
+from router.ray_runtime import init_ray
 from router.servicer import SERVICE, GenerationServicer, add_services
 
 log = logging.getLogger("pdserve.server")
@@ -37,7 +40,8 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0: any free port (see Server.port)
     metrics_port: int | None = 9400  # Prometheus /metrics on `host`; 0: any free port; None: off
-    drain_timeout_s: float = 30.0
+    admin_port: int | None = 50052  # pdserve.v1.Admin on `host`; 0: any free port; None: off
+    drain_timeout_s: float = 30.0  # in-flight requests on SIGINT/SIGTERM
 
 
 class Server:
@@ -52,7 +56,9 @@ class Server:
         self.cluster: Cluster | None = None
         self.core: RequestCore | None = None
         self.grpc: grpc.aio.Server | None = None
+        self.admin: grpc.aio.Server | None = None
         self.port = 0
+        self.admin_port = 0
         self.metrics: Metrics | None = None
         self.metrics_port = 0
         self._health: Any = None
@@ -92,6 +98,14 @@ class Server:
         if self.port == 0:
             raise OSError(f"could not listen on {c.host}:{c.port}")
         await self.grpc.start()
+        if c.admin_port is not None:
+            self.admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            add_admin(self.admin, self.cluster)
+            self.admin_port = self.admin.add_insecure_port(f"{c.host}:{c.admin_port}")
+            if self.admin_port == 0:
+                raise OSError(f"could not listen on {c.host}:{c.admin_port} (--admin-port)")
+            await self.admin.start()
+            log.info("admin service (operators only) on %s:%d", c.host, self.admin_port)
         self._watch = asyncio.ensure_future(self._watch_health(backend))
         log.info(
             "pdserve listening on %s:%d (%d prefill, %d decode workers, policy %s)",
@@ -130,6 +144,9 @@ class Server:
         if self._health is not None:
             for name in ("", SERVICE):
                 await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.admin is not None:
+            await self.admin.stop(1.0)
+            self.admin = None
         if self.grpc is not None:
             await self.grpc.stop(self.config.drain_timeout_s)
             self.grpc = None

@@ -101,6 +101,7 @@ def _final(s: Summary) -> pb.FinalInfo:
             for p in s.decision.best
         ],
         decision_reason=s.decision.reason,
+        kv_fallback=s.kv_fallback.value if s.kv_fallback is not None else "",
     )
     if isinstance(s.stop_reason, str):
         info.stop_string = s.stop_reason

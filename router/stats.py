@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.serving import WorkerLoad
+from worker_protocol.messages import WorkerLoad, WorkerRole
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +59,14 @@ class StatsSink(Protocol):
 
     def worker_lost(self, worker_id: str, role: str) -> None: ...
 
+    def worker_removed(self, worker_id: str, role: str) -> None: ...
+
+    def worker_restarted(self, worker_id: str, role: str, times: int) -> None: ...
+
+    def workers(self, ready: dict[WorkerRole, int]) -> None: ...
+
+    def fell_back(self, reason: str) -> None: ...
+
 
 class NullSink:
     """Records nothing (the core without metrics, e.g. in unit tests)."""
@@ -87,4 +95,16 @@ class NullSink:
         pass
 
     def worker_lost(self, worker_id: str, role: str) -> None:
+        pass
+
+    def worker_removed(self, worker_id: str, role: str) -> None:
+        pass
+
+    def worker_restarted(self, worker_id: str, role: str, times: int) -> None:
+        pass
+
+    def workers(self, ready: dict[WorkerRole, int]) -> None:
+        pass
+
+    def fell_back(self, reason: str) -> None:
         pass

@@ -6,8 +6,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.serving import PrefillResult, TokenChunk
+from router.core_types import FallbackReason
 from router.stats import RequestRecord
+from worker_protocol.messages import PrefillResult, TokenChunk
 
 
 @dataclass(slots=True)
@@ -27,6 +28,7 @@ class Tracker:
     finish_reason: str = "abort"  # until a chunk says otherwise: the client left, or a failure
     resumed: int = 0
     handed_off: bool = False  # the prefill worker's KV reached the decode worker
+    kv_fallback: FallbackReason | None = None  # why the decode worker prefilled it after all
 
     def prefilled(self, result: PrefillResult) -> None:
         """The prefill worker's own figures (disaggregated path), for the first prefill only

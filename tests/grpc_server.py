@@ -8,7 +8,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from router.cluster import init_ray
+from router.ray_runtime import init_ray
 from router.server import ServeConfig, Server
 
 T = TypeVar("T")

@@ -1,12 +1,17 @@
 """Both request paths through Ray actors on 127.0.0.1 (2 prefill x 2 decode, tiny model)."""
 
 import asyncio
+import os
+import signal
+import time
 
 import pytest
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
 from router.cluster import Cluster, ClusterConfig
+from router.core_types import FallbackReason
+from worker_protocol.messages import WorkerRole
 from tests.helpers import hf_greedy, loaded, random_prompts
 
 MAX_NEW = 10
@@ -94,7 +99,7 @@ def test_all_four_pairings_concurrently(cluster):
     before = received(cluster)
     got = gather(jobs)
     after = received(cluster)
-    assert cluster.fallbacks == []
+    assert not cluster.fallbacks
     for p, g in zip(prompts, got):
         assert g == hf_greedy("tiny-llama", p, MAX_NEW)
     # Each decode worker received the KV of its 4 requests, none failed (no silent recompute).
@@ -144,23 +149,42 @@ def test_prefix_cached_on_decode_worker_is_not_sent_again(cluster):
 
 
 @pytest.mark.timeout(120)
-def test_dead_prefill_worker_falls_back_to_local_prefill():
-    import ray
-
+def test_a_prefill_worker_killed_by_pid_is_replaced_and_the_replacement_takes_requests():
     engine = EngineConfig(
         cache=CacheConfig(block_size=BLOCK, num_blocks=128),
         scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8),
     )
     c = Cluster(ClusterConfig(model="tiny-llama", engine=engine, kv_transfer_deadline_s=5))
     try:
-        prompts = random_prompts([19, 40], seed=55)
+        prompts = random_prompts([19, 40, 27], seed=55)
         (first,) = gather([run_one(c, prompts[0], "disaggregated", "before-kill")])
         assert first == hf_greedy("tiny-llama", prompts[0], MAX_NEW)
-        ray.kill(c.prefill["prefill-0"])
-        # The pair is already made: the request reaches the dead actor, and decode-0 recomputes.
+        old = c.worker_info("prefill-0")
+        assert old.incarnation == 0 and old.pid > 0
+        os.kill(old.pid, signal.SIGKILL)
+        # The request reaches the dead actor: decode-0 recomputes it, and the death is noticed.
         (second,) = gather([run_one(c, prompts[1], "disaggregated", "after-kill")], timeout=60)
         assert second == hf_greedy("tiny-llama", prompts[1], MAX_NEW)
-        assert c.dead == ["prefill-0"] and c.prefill_ids == []
+        assert c.dead == ["prefill-0"]
+        assert [(rid, why) for rid, why, _ in c.fallbacks] == [
+            ("after-kill", FallbackReason.PREFILL_FAILED)
+        ]
+        # A new actor under the same id: up, paired with decode-0 and warm before it takes load.
+        deadline = time.monotonic() + 60
+        while c.prefill_ids != ["prefill-0"]:
+            assert time.monotonic() < deadline, "prefill-0 was not replaced within 60 s"
+            time.sleep(0.1)
+        new = c.worker_info("prefill-0")
+        assert new.incarnation == 1 and new.pid != old.pid
+        assert c.pools.pairs.connected("prefill-0", "decode-0")
+        assert c.pools.restarts[WorkerRole.PREFILL] == 1
+        before = received(c)
+        (third,) = gather([run_one(c, prompts[2], "disaggregated", "after-replace")])
+        assert third == hf_greedy("tiny-llama", prompts[2], MAX_NEW)
+        after = received(c)
+        assert after["decode-0"][1] - before["decode-0"][1] == 1  # its KV came from the new one
+        sent = asyncio.run(c.kv_stats())["prefill-0"]
+        assert sent.bytes_sent > 0 and sent.ok == 1 and len(c.fallbacks) == 1
         assert_pools_full(c)
     finally:
         c.shutdown()

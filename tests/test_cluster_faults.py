@@ -9,9 +9,10 @@ import ray
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
-from engine.serving import WorkRequest
 from router.cluster import Cluster, ClusterConfig
+from router.core_types import FallbackReason
 from tests.helpers import random_prompts
+from worker_protocol.messages import WorkRequest
 
 BLOCK = 4
 
@@ -23,23 +24,23 @@ def make_cluster():
     )
     return Cluster(
         ClusterConfig(
-            model="tiny-llama", engine=engine, kv_transfer_deadline_s=5, prefill_timeout_s=5
+            model="tiny-llama",
+            engine=engine,
+            kv_transfer_deadline_s=5,
+            prefill_timeout_s=5,
+            replace_dead=False,  # these tests watch the survivor, not a replacement
         )
     )
 
 
 def reserve(c, rid, prompt):
-    """Steps 1-2 of the disaggregated path, done by hand so the test picks when to kill."""
+    """Step 1 of the disaggregated path, done by hand so the test picks when to kill."""
     req = WorkRequest(rid, tuple(prompt), SamplingParams(max_tokens=4, temperature=0.0))
-    d, p = c.decode["decode-0"], c.prefill["prefill-0"]
-
-    async def main():
-        await c._ensure_pair("prefill-0", "decode-0")
-        res = await d.reserve.remote(req)
-        await d.expect_kv.remote(rid, "prefill-0", tuple(res.block_ids))
-        return res
-
-    return req, d, p, asyncio.run(main())
+    d, p = c.actor("decode-0"), c.actor("prefill-0")
+    assert c.pools.pairs.connected("prefill-0", "decode-0")  # paired before taking load
+    target = ray.get(d.reserve_kv.remote(req, "prefill-0"))
+    assert target.skip_blocks == 0
+    return req, d, p, target
 
 
 def wait_full(actor, timeout=15.0):
@@ -60,7 +61,7 @@ def test_decode_worker_killed_before_the_send_frees_prefill_blocks():
         req, d, p, res = reserve(c, "kill-d", random_prompts([40], seed=71)[0])
         ray.kill(d)
         t0 = time.monotonic()
-        result = ray.get(p.prefill.remote(req, "decode-0", tuple(res.block_ids), 0), timeout=30)
+        result = ray.get(p.prefill.remote(req, "decode-0", res.dst_block_ids, 0), timeout=30)
         assert not result.transfer_ok and result.error
         assert time.monotonic() - t0 < 5 + 5  # within the transfer deadline (plus slack)
         wait_full(p)
@@ -108,15 +109,22 @@ def test_broken_pair_is_made_again():
                 t async for ch in c.generate(prompt, sp, "disaggregated", rid) for t in ch.token_ids
             ]
 
-        asyncio.run(run(prompts[0], "first"))  # pairs prefill-0 with decode-0
-        ray.get(c.decode["decode-0"].disconnect.remote("prefill-0"))  # the pair breaks, one end
-        asyncio.run(run(prompts[1], "broken"))  # its transfer fails: recomputed, pair dropped
-        assert [rid for rid, _ in c.fallbacks] == ["broken"]
-        assert ("prefill-0", "decode-0") not in c._paired
-        asyncio.run(run(prompts[2], "again"))  # paired afresh: the KV travels again
-        assert [rid for rid, _ in c.fallbacks] == ["broken"]
-        assert ray.get(c.decode["decode-0"].kv_stats.remote()).ok == 2
-        wait_full(c.decode["decode-0"])
-        wait_full(c.prefill["prefill-0"])
+        d, p = c.actor("decode-0"), c.actor("prefill-0")
+        asyncio.run(run(prompts[0], "first"))  # over the pair made at start
+        ray.get(d.disconnect.remote("prefill-0"))  # the pair breaks, one end
+        asyncio.run(run(prompts[1], "broken"))  # its transfer fails: recomputed, pair lost
+        assert [(rid, why) for rid, why, _ in c.fallbacks] == [
+            ("broken", FallbackReason.TRANSFER_FAILED)
+        ]
+        # Made again in the background, within the pairing timeout (bounded wait).
+        deadline = time.monotonic() + 15
+        while not c.pools.pairs.connected("prefill-0", "decode-0"):
+            assert time.monotonic() < deadline, c.pools.pairs.why_not("prefill-0", "decode-0")
+            time.sleep(0.05)
+        asyncio.run(run(prompts[2], "again"))  # the KV travels again
+        assert [rid for rid, _, _ in c.fallbacks] == ["broken"]
+        assert ray.get(d.kv_stats.remote()).ok == 2
+        wait_full(d)
+        wait_full(p)
     finally:
         c.shutdown()

@@ -41,7 +41,7 @@ def test_both_paths_on_one_gpu_match_transformers():
         got = asyncio.run(main())
         want = [hf_greedy("tiny-llama", p, 10) for p in prompts] * 2
         assert got == want
-        assert c.fallbacks == []
+        assert not c.fallbacks
         for load in asyncio.run(c.load()):
             assert load.num_free_blocks == load.num_blocks and load.open_transfers == 0
     finally:

@@ -71,12 +71,12 @@ def test_a_dead_decode_worker_s_request_resumes_on_another_token_for_token(srv, 
             if killed is None and len(got) >= 5:
                 killed = holder(srv, rid)
                 assert killed is not None
-                ray.kill(cluster.decode[killed], no_restart=True)
+                ray.kill(cluster.actor(killed), no_restart=True)
             if msg.HasField("final"):
                 final = msg.final
     assert got == want
     assert final is not None and final.usage.completion_tokens == MAX_NEW
-    assert killed in cluster.dead and killed not in cluster.decode_ids
+    assert killed in cluster.dead
     assert final.decode_worker != killed  # the survivor finished it
     # The survivor's pool is full again; the router's books are empty.
     deadline = time.monotonic() + 5

@@ -1,19 +1,27 @@
-"""Messages between the router and the worker pools (plain frozen data, safe to pickle)."""
+"""The contract between the router and the worker pools: what a worker is built from (WorkerSpec),
+what it says about itself (WorkerInfo, WorkerLoad), and the messages of one request (WorkRequest,
+KVTarget, PrefillResult, TokenChunk). Plain frozen data, safe to pickle. Both worker packages and
+the router import this module; the engine does not: it knows nothing of pools, roles or transfer.
+"""
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
 
 from engine.config import EngineConfig
 from engine.device_rate import DeviceRate
-from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.step_stats import StepStat
+
+
+class WorkerRole(str, enum.Enum):
+    """What a worker does. A str, so that it reads as its value in labels and logs."""
+
+    PREFILL = "prefill"  # computes a prompt's KV and streams it to a decode worker
+    DECODE = "decode"  # receives KV (or prefills locally) and decodes
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +34,12 @@ class WorkerSpec:
     # How long a disaggregated request may wait for its prefill (queue + compute) on the
     # prefill worker; the decode side's receive waits this long plus the transfer deadline.
     prefill_timeout_s: float = 600.0
-    bind_host: str = "127.0.0.1"
+    # Where the worker's KV rendezvous and lanes listen (worker_protocol/address.py): by default
+    # the address Ray knows the worker's node by; `kv_interface` names a network interface
+    # instead (as NCCL_SOCKET_IFNAME does), `kv_host` an address.
+    kv_interface: str | None = None
+    kv_host: str | None = None
+    pair_timeout_s: float = 10.0  # one pairing attempt with a peer
     # KV transfer backend: "auto" (nccl for CUDA caches, gloo for CPU ones) or "gloo"/"nccl".
     # Two workers on one GPU need "gloo": NCCL refuses two ranks on one device.
     kv_backend: str = "auto"
@@ -38,7 +51,7 @@ class WorkerInfo:
     KV bytes per token), the engine's limits, and the device's measured rates."""
 
     worker_id: str
-    role: str
+    role: WorkerRole
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -54,38 +67,11 @@ class WorkerInfo:
     vocab_size: int
     rate: DeviceRate
     step_target_s: float | None = None  # SchedulerConfig.step_target_s where chunking is on
-
-
-def worker_info(engine: LLMEngine, worker_id: str, role: str, rate: DeviceRate) -> WorkerInfo:
-    model: Any = engine.loaded.hf_model
-    cfg = model.config
-    spec = engine.runner.spec
-    embed = model.get_input_embeddings().weight
-    params = sum(p.numel() for p in model.parameters())
-    # The output head may share the embedding table; only its matmul counts as compute.
-    num_params = params - embed.numel()
-    if model.get_output_embeddings() is not None and model.config.tie_word_embeddings:
-        num_params += embed.numel()
-    elem = torch.empty((), dtype=spec.dtype).element_size()
-    return WorkerInfo(
-        worker_id=worker_id,
-        role=role,
-        num_layers=spec.num_layers,
-        num_heads=int(cfg.num_attention_heads),
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        num_params=num_params,
-        weight_bytes=params * elem,
-        kv_bytes_per_token=2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * elem,
-        block_size=spec.block_size,
-        num_blocks=engine.runner.num_blocks,
-        max_num_batched_tokens=engine.config.scheduler.max_num_batched_tokens,
-        max_num_seqs=engine.config.scheduler.max_num_seqs,
-        max_model_len=engine.max_model_len,
-        vocab_size=engine.vocab_size,
-        rate=rate,
-        step_target_s=engine.scheduler.sizer.target_s if engine.scheduler.sizer else None,
-    )
+    incarnation: int = 0  # 0 for the first actor under this id, +1 for each replacement
+    node_ip: str = ""  # the address Ray knows the worker's node by
+    kv_host: str = ""  # where its KV rendezvous and lanes listen
+    actor_id: str = ""  # the Ray actor serving under this id now
+    pid: int = 0  # its process id on its node
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +79,18 @@ class WorkRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class KVTarget:
+    """Blocks reserved on a decode worker for a disaggregated prompt, already expecting the KV.
+    The first `skip_blocks` blocks of the prompt are in the decode worker's prefix cache: only
+    the blocks after them travel, into `dst_block_ids`."""
+
+    request_id: str
+    dst_block_ids: tuple[int, ...]
+    skip_blocks: int
+    num_cached_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +150,7 @@ class PrefillResult:
 @dataclass(frozen=True, slots=True)
 class WorkerLoad:
     worker_id: str
-    role: str  # "prefill" | "decode"
+    role: WorkerRole
     running: int
     waiting: int
     waiting_for_kv: int
@@ -166,31 +164,4 @@ class WorkerLoad:
     preemptions: int = 0  # since the worker started
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_hits: int = 0  # of those, found cached
-
-
-def engine_load(engine: LLMEngine, worker_id: str, role: str) -> WorkerLoad:
-    """A worker's load figures, read on the engine thread."""
-    sched = engine.scheduler
-    queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
-    queued += sum(
-        r.num_tokens - r.num_computed_tokens - 1
-        for r in sched.running
-        if r.num_tokens - r.num_computed_tokens > 1
-    )
-    pool = engine.kv.pool
-    return WorkerLoad(
-        worker_id=worker_id,
-        role=role,
-        running=len(sched.running),
-        waiting=len(sched.waiting),
-        waiting_for_kv=len(sched.waiting_for_kv),
-        kv_usage=pool.usage,
-        num_free_blocks=pool.num_free_blocks,
-        num_blocks=pool.num_blocks,
-        queued_prefill_tokens=queued,
-        held=len(sched.held),
-        steps=engine.step_stats.drain(),
-        preemptions=sched.num_preemptions,
-        prefix_queries=pool.stats.queries,
-        prefix_hits=pool.stats.hits,
-    )
+    incarnation: int = 0  # of the worker that reported it (see WorkerInfo)

@@ -1,0 +1,89 @@
+"""The operator's front door: pdserve.v1.Admin (Scale, ListWorkers) over grpc.aio, on its own port
+(`pdserve serve --admin-port`, bound on the router's host). It drives the pools directly; the
+request core sees the new membership at its next decision.
+
+Scale answers INVALID_ARGUMENT naming the field for a size out of range, FAILED_PRECONDITION while
+the pools are fixed (a server without Ray pools), UNAVAILABLE when new workers did not start.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from pdserve_proto import admin_pb2 as pb
+from pdserve_proto import admin_pb2_grpc as pb_grpc
+from router.cluster import Cluster
+from router.workers import WorkerHandle
+from worker_protocol.messages import WorkerRole
+
+SERVICE = "pdserve.v1.Admin"
+log = logging.getLogger("pdserve.admin")
+
+
+def _worker(h: WorkerHandle) -> pb.Worker:
+    info = h.info
+    return pb.Worker(
+        worker_id=h.worker_id,
+        role=h.role.value,
+        status=h.status.value,
+        incarnation=h.incarnation,
+        node_ip=info.node_ip if info else "",
+        kv_host=info.kv_host if info else "",
+        pid=info.pid if info else 0,
+        active_requests=h.active,
+        error=h.error,
+    )
+
+
+class AdminServicer(pb_grpc.AdminServicer):
+    def __init__(self, cluster: Cluster | None) -> None:
+        self.cluster = cluster
+
+    def _workers(self) -> list[pb.Worker]:
+        if self.cluster is None:
+            return []
+        handles = sorted(
+            self.cluster.pools.workers.values(), key=lambda h: (h.role.value, h.worker_id)
+        )
+        return [_worker(h) for h in handles]
+
+    async def ListWorkers(  # noqa: N802 (the RPC's name)
+        self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListWorkersResponse:
+        restarts = self.cluster.pools.restarts if self.cluster is not None else {}
+        return pb.ListWorkersResponse(
+            workers=self._workers(),
+            prefill_restarts=restarts.get(WorkerRole.PREFILL, 0),
+            decode_restarts=restarts.get(WorkerRole.DECODE, 0),
+        )
+
+    async def Scale(  # noqa: N802
+        self, request: pb.ScaleRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ScaleResponse:
+        if self.cluster is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "this server's pools cannot be resized"
+            )
+        assert self.cluster is not None
+        prefill = request.prefill if request.HasField("prefill") else None
+        decode = request.decode if request.HasField("decode") else None
+        drain = request.drain_timeout_s if request.HasField("drain_timeout_s") else None
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        if prefill is not None and prefill < 0:
+            await context.abort(bad, f"prefill: must be >= 0, got {prefill}")
+        if decode is not None and decode < 1:
+            await context.abort(bad, f"decode: must be >= 1, got {decode}")
+        if drain is not None and not drain >= 0:
+            await context.abort(bad, f"drain_timeout_s: must be >= 0, got {drain}")
+        log.info("scale: prefill %s, decode %s (drain %s s)", prefill, decode, drain)
+        try:
+            await self.cluster.scale(prefill, decode, drain)
+        except RuntimeError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return pb.ScaleResponse(workers=self._workers())
+
+
+def add_admin(server: grpc.aio.Server, cluster: Cluster | None) -> None:
+    pb_grpc.add_AdminServicer_to_server(AdminServicer(cluster), server)

@@ -1,0 +1,96 @@
+"""`pdserve scale` and `pdserve workers`: the operator's side of pdserve.v1.Admin.
+
+    pdserve scale --address 127.0.0.1:50052 --prefill 2 --decode 2   # resize, wait, list
+    pdserve workers --address 127.0.0.1:50052                         # list
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+DEFAULT_ADDRESS = "127.0.0.1:50052"
+
+
+def add_scale_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=DEFAULT_ADDRESS, help="the server's admin host:port")
+    p.add_argument("--prefill", type=int, default=None, help="prefill workers wanted (>= 0)")
+    p.add_argument("--decode", type=int, default=None, help="decode workers wanted (>= 1)")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=None,
+        help="seconds a removed worker may finish its own requests (default: the server's)",
+    )
+    p.add_argument("--timeout", type=float, default=900.0, help="deadline in seconds")
+
+
+def add_workers_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=DEFAULT_ADDRESS, help="the server's admin host:port")
+    p.add_argument("--timeout", type=float, default=10.0, help="deadline in seconds")
+
+
+def _table(workers: Any) -> str:
+    rows = [("worker", "role", "status", "inc", "node", "kv host", "pid", "active")]
+    rows += [
+        (w.worker_id, w.role, w.status, str(w.incarnation), w.node_ip, w.kv_host, str(w.pid),
+         str(w.active_requests))
+        for w in workers
+    ]  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(n) for c, n in zip(r, widths)).rstrip() for r in rows]
+    lines += [f"  {w.worker_id}: {w.error}" for w in workers if w.error]
+    return "\n".join(lines)
+
+
+def _call(args: argparse.Namespace, method: str, request: Any) -> Any:
+    import grpc
+
+    from pdserve_proto import admin_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        stub = pb_grpc.AdminStub(channel)
+        return getattr(stub, method)(request, timeout=args.timeout)
+
+
+def _failed(exc: Any, address: str) -> int:
+    print(f"error: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    return 1
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    import grpc
+
+    from pdserve_proto import admin_pb2 as pb
+
+    if args.prefill is None and args.decode is None:
+        print("error: give --prefill, --decode or both", file=sys.stderr)
+        return 2
+    req = pb.ScaleRequest()
+    if args.prefill is not None:
+        req.prefill = args.prefill
+    if args.decode is not None:
+        req.decode = args.decode
+    if args.drain_timeout is not None:
+        req.drain_timeout_s = args.drain_timeout
+    try:
+        res = _call(args, "Scale", req)
+    except grpc.RpcError as exc:
+        return _failed(exc, args.address)
+    print(_table(res.workers))
+    return 0
+
+
+def run_workers(args: argparse.Namespace) -> int:
+    import grpc
+
+    from pdserve_proto import admin_pb2 as pb
+
+    try:
+        res = _call(args, "ListWorkers", pb.ListWorkersRequest())
+    except grpc.RpcError as exc:
+        return _failed(exc, args.address)
+    print(_table(res.workers))
+    print(f"restarts: prefill {res.prefill_restarts}, decode {res.decode_restarts}")
+    return 0

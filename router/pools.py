@@ -1,0 +1,314 @@
+"""The prefill and decode pools: their worker actors over time (router/workers.py for the
+states), the KV pairs between them (router/pairing.py), and every change of membership.
+
+  start     every worker's actor is created (placed by its pool's Placement), its engine comes
+            up, the pairs between the pools are made, each worker runs a warm-up request, and
+            then all take load;
+  death     a worker whose actor is found dead (a request or a load poll gets Ray's actor
+            error) leaves its pool at once; a new incarnation under the same id is started,
+            paired and warmed, and takes load once ready; restarts back off when they fail;
+  resize    `scale(prefill, decode)` adds workers (they take load once paired and warm) and
+            drains the ones it removes: they take no new request, finish their own until the
+            drain deadline, and are then stopped (what still runs on a removed decode worker
+            resumes elsewhere, through the request core; a removed prefill worker's handoffs
+            are prefilled on their decode workers).
+Everything that changes membership runs on one supervisor loop (its own thread), so it
+outlives the request or the caller that set it off; readers on other threads see whole lists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from decode_worker.worker import DecodeWorker
+from prefill_worker.worker import PrefillWorker
+from router.pairing import PairBook
+from router.workers import LoopThread, Placement, WorkerHandle, WorkerStatus, spread_node
+from worker_protocol.messages import WorkerInfo, WorkerRole, WorkerSpec
+
+log = logging.getLogger("pdserve.pools")
+ACTOR_CLASSES: dict[WorkerRole, type] = {
+    WorkerRole.PREFILL: PrefillWorker,
+    WorkerRole.DECODE: DecodeWorker,
+}
+OTHER = {WorkerRole.PREFILL: WorkerRole.DECODE, WorkerRole.DECODE: WorkerRole.PREFILL}
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    spec: WorkerSpec
+    placement: dict[WorkerRole, Placement] = field(default_factory=dict)
+    start_timeout_s: float = 300.0  # an actor placed, its engine up and warm
+    control_timeout_s: float = 30.0  # a control call to a worker
+    pair_timeout_s: float = 10.0  # one pairing attempt
+    replace_dead: bool = True
+    restart_backoff_s: float = 2.0  # after a replacement that failed to start; doubles to 60 s
+    drain_timeout_s: float = 30.0  # a removed worker's own requests, before it is stopped
+
+
+class Pools:
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        self.ops = LoopThread()
+        self.pairs = PairBook(self._connect, timeout_s=config.pair_timeout_s)
+        self.workers: dict[str, WorkerHandle] = {}  # the current incarnation of each id
+        self.ids: dict[WorkerRole, list[str]] = {r: [] for r in WorkerRole}  # READY, by role
+        self.dead: list[str] = []  # ids of workers found dead, in the order found
+        self.restarts: dict[WorkerRole, int] = {r: 0 for r in WorkerRole}
+        self._next = {r: itertools.count() for r in WorkerRole}
+        self._resize = asyncio.Lock()
+        self._closing = False
+        self._maintainer = self.ops.submit(self._maintain())
+
+    # -- reading -------------------------------------------------------------------------------
+    def ready(self, role: WorkerRole) -> list[WorkerHandle]:
+        return [self.workers[w] for w in self.ids[role]]
+
+    def live(self) -> list[WorkerHandle]:
+        """Workers whose engine is up and not stopped: READY and DRAINING."""
+        ok = (WorkerStatus.READY, WorkerStatus.DRAINING)
+        return [h for h in self.workers.values() if h.status in ok]
+
+    def _refresh_ids(self) -> None:
+        for role in WorkerRole:  # a new list each time: readers on other threads see whole ones
+            self.ids[role] = sorted(
+                (w for w, h in self.workers.items() if h.role is role and h.ready), key=_order
+            )
+
+    # -- start ---------------------------------------------------------------------------------
+    def start(self, num_prefill: int, num_decode: int) -> None:
+        """Bring up the pools (blocking); raises RuntimeError when they don't come up in time."""
+        self.ops.call(self._grow(num_prefill, num_decode), self.config.start_timeout_s + 30)
+
+    async def _grow(self, num_prefill: int, num_decode: int) -> list[WorkerHandle]:
+        """Add workers and bring them up together; all or nothing."""
+        new = [self._spawn(WorkerRole.PREFILL, self._new_id(WorkerRole.PREFILL))
+               for _ in range(num_prefill)]  # fmt: skip
+        new += [self._spawn(WorkerRole.DECODE, self._new_id(WorkerRole.DECODE))
+                for _ in range(num_decode)]  # fmt: skip
+        ok = await asyncio.gather(*(self._engine_up(h) for h in new))
+        if not all(ok):
+            for h in new:
+                self._stop_actor(h, WorkerStatus.STOPPED)
+            failed = [f"{h.worker_id}: {h.error}" for h, up in zip(new, ok) if not up]
+            raise RuntimeError("workers did not start: " + "; ".join(failed))
+        await asyncio.gather(*(self._pair_up(h) for h in new))
+        await asyncio.gather(*(self._warm(h) for h in new))
+        for h in new:
+            h.status = WorkerStatus.READY
+        self._refresh_ids()
+        return new
+
+    def _new_id(self, role: WorkerRole) -> str:
+        while True:
+            wid = f"{role.value}-{next(self._next[role])}"
+            if wid not in self.workers:
+                return wid
+
+    def _spawn(self, role: WorkerRole, worker_id: str, incarnation: int = 0) -> WorkerHandle:
+        placement = self.config.placement.get(role, Placement())
+        node = spread_node(placement, ray.nodes(), list(self.workers.values()))
+        cls: Any = ray.remote(ACTOR_CLASSES[role])
+        actor = cls.options(**placement.actor_options(node)).remote(
+            worker_id, self.config.spec, incarnation
+        )
+        handle = WorkerHandle(worker_id, role, actor, incarnation, node)
+        self.workers[worker_id] = handle
+        return handle
+
+    async def _engine_up(self, h: WorkerHandle) -> bool:
+        """Wait (bounded) for the actor's engine; keep what it says about itself."""
+        try:
+            h.info = await asyncio.wait_for(h.actor.ready.remote(), self.config.start_timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            placement = self.config.placement.get(h.role, Placement())
+            h.error = (
+                f"not up within {self.config.start_timeout_s:.0f} s; each {h.role.value} worker "
+                f"asks Ray for {placement.describe()}: check that the cluster has them "
+                f"(`ray status`)"
+            )
+        except Exception as exc:
+            h.error = f"{type(exc).__name__}: {exc}"
+        log.warning("worker %s (incarnation %d) did not start: %s", h.worker_id, h.incarnation,
+                    h.error)  # fmt: skip
+        return False
+
+    async def _pair_up(self, h: WorkerHandle) -> None:
+        """Pair a new worker with every peer of the other pool whose engine is up."""
+        peers = [
+            p for p in self.workers.values()
+            if p.role is OTHER[h.role] and p.info is not None
+            and p.status in (WorkerStatus.STARTING, WorkerStatus.READY)
+        ]  # fmt: skip
+        pairs = [(h.worker_id, p.worker_id) if h.role is WorkerRole.PREFILL
+                 else (p.worker_id, h.worker_id) for p in peers]  # fmt: skip
+        await asyncio.gather(*(self.pairs.pair(p, d) for p, d in pairs))
+
+    async def _warm(self, h: WorkerHandle) -> None:
+        try:
+            await asyncio.wait_for(h.actor.warmup.remote(), self.config.start_timeout_s)
+        except Exception as exc:  # it still serves; its first request pays for the warm-up
+            log.warning("warm-up of %s failed: %s: %s", h.worker_id, type(exc).__name__, exc)
+
+    async def _connect(self, p: str, d: str) -> None:
+        """Make the pair (p, d): both ends first drop what is left of an earlier one (an attempt
+        that timed out may have finished late), then the decode side listens and both connect."""
+        ph, dh = self.workers[p], self.workers[d]
+        await asyncio.gather(ph.actor.disconnect.remote(d), dh.actor.disconnect.remote(p))
+        address = await dh.actor.listen.remote(p)
+        await asyncio.gather(
+            dh.actor.connect.remote(p, address, True), ph.actor.connect.remote(d, address, False)
+        )
+
+    # -- death ---------------------------------------------------------------------------------
+    def note_failure(self, h: WorkerHandle, exc: BaseException) -> bool:
+        """True when `exc` says that `h`'s actor died (now or before); it then leaves its pool and
+        a replacement starts (unless it was being removed). Any thread."""
+        if not isinstance(exc, ray.exceptions.RayActorError) or isinstance(
+            exc, ray.exceptions.ActorUnavailableError  # transient: it may answer again
+        ):
+            return False
+        if not h.is_actor(getattr(exc, "actor_id", None)):
+            return False  # another actor died under this call
+        if h.status in (WorkerStatus.DEAD, WorkerStatus.STOPPED):
+            return True
+        draining = h.status is WorkerStatus.DRAINING
+        h.status = WorkerStatus.STOPPED if draining else WorkerStatus.DEAD
+        h.error = f"{type(exc).__name__}"
+        self._refresh_ids()
+        if not draining:
+            self.dead.append(h.worker_id)
+            log.warning("worker %s died and left its pool", h.worker_id)
+            if self.config.replace_dead and not self._closing:
+                self.ops.submit(self._replace(h))
+        return True
+
+    async def _replace(self, dead: WorkerHandle) -> None:
+        """Start new incarnations under `dead`'s id until one is up (backing off between
+        attempts), unless the id is replaced or removed by someone else meanwhile."""
+        self.pairs.forget(dead.worker_id)
+        backoff = self.config.restart_backoff_s
+        while not self._closing and self.workers.get(dead.worker_id) is dead:
+            h = self._spawn(dead.role, dead.worker_id, dead.incarnation + 1)
+            if await self._engine_up(h):
+                await self._pair_up(h)
+                await self._warm(h)
+                if self.workers.get(h.worker_id) is h and h.status is WorkerStatus.STARTING:
+                    h.status = WorkerStatus.READY
+                    self.restarts[h.role] += 1
+                    self._refresh_ids()
+                    log.info("worker %s replaced (incarnation %d) and ready", h.worker_id,
+                             h.incarnation)  # fmt: skip
+                return
+            self._stop_actor(h, WorkerStatus.DEAD)  # stays the current one: tried again
+            dead = h
+            await asyncio.sleep(backoff)
+            backoff = min(60.0, backoff * 2)
+
+    # -- resize --------------------------------------------------------------------------------
+    async def scale(
+        self, num_prefill: int | None, num_decode: int | None, drain_timeout_s: float | None
+    ) -> None:
+        """Grow or shrink each pool to the number given (None: as it is). One resize at a time."""
+        if num_decode is not None and num_decode < 1:
+            raise ValueError("decode: need at least 1 decode worker")
+        if num_prefill is not None and num_prefill < 0:
+            raise ValueError("prefill: must be >= 0")
+        async with self._resize:
+            want = {WorkerRole.PREFILL: num_prefill, WorkerRole.DECODE: num_decode}
+            add = {r: max(0, n - len(self._members(r))) for r, n in want.items() if n is not None}
+            if any(add.values()):
+                await self._grow(add.get(WorkerRole.PREFILL, 0), add.get(WorkerRole.DECODE, 0))
+            victims: list[WorkerHandle] = []
+            for role, n in want.items():
+                members = self._members(role)
+                if n is not None and len(members) > n:
+                    # The least busy first; among equals the newest.
+                    members.sort(key=lambda h: (h.active, -_order(h.worker_id)))
+                    victims += members[: len(members) - n]
+            for h in victims:
+                h.status = WorkerStatus.DRAINING
+            self._refresh_ids()
+            timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+            await asyncio.gather(*(self._drain(h, timeout) for h in victims))
+
+    def _members(self, role: WorkerRole) -> list[WorkerHandle]:
+        """Workers that count towards a pool's size: all but the draining and stopped ones."""
+        gone = (WorkerStatus.DRAINING, WorkerStatus.STOPPED)
+        return [h for h in self.workers.values() if h.role is role and h.status not in gone]
+
+    async def _drain(self, h: WorkerHandle, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while h.active > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if h.active:
+            log.warning("%s: %d requests still running after the %.0f s drain; they resume "
+                        "elsewhere", h.worker_id, h.active, timeout_s)  # fmt: skip
+        else:
+            log.info("%s drained", h.worker_id)
+        await self._retire(h, graceful=not h.active)
+
+    async def _retire(self, h: WorkerHandle, graceful: bool) -> None:
+        """Stop a removed worker and take its pairs down on the peers."""
+        if graceful:
+            try:
+                await asyncio.wait_for(h.actor.shutdown.remote(), self.config.control_timeout_s)
+            except Exception:
+                pass  # killed below either way
+        self._stop_actor(h, WorkerStatus.STOPPED)
+        self.pairs.forget(h.worker_id)
+        if self.workers.get(h.worker_id) is h:
+            del self.workers[h.worker_id]
+        peers = [p for p in self.live() if p.role is OTHER[h.role]]
+        await asyncio.gather(
+            *(p.actor.disconnect.remote(h.worker_id) for p in peers), return_exceptions=True
+        )
+
+    def _stop_actor(self, h: WorkerHandle, status: WorkerStatus) -> None:
+        h.status = status
+        try:
+            ray.kill(h.actor, no_restart=True)
+        except Exception:
+            pass  # already gone
+        self._refresh_ids()
+
+    # -- upkeep --------------------------------------------------------------------------------
+    async def _maintain(self) -> None:
+        """Keep every pair of READY workers made or scheduled, and retry broken ones when due."""
+        while not self._closing:
+            await asyncio.sleep(0.5)
+            for p in self.ids[WorkerRole.PREFILL]:
+                for d in self.ids[WorkerRole.DECODE]:
+                    if self.pairs.state(p, d) is None:
+                        asyncio.ensure_future(self.pairs.pair(p, d))
+            self.pairs.retry_due()
+
+    def infos(self) -> list[WorkerInfo]:
+        return [h.info for h in self.live() if h.info is not None]
+
+    def shutdown(self) -> None:
+        self._closing = True
+        handles = list(self.workers.values())
+        for h in handles:
+            if h.info is not None and h.status in (WorkerStatus.READY, WorkerStatus.DRAINING):
+                try:
+                    ray.get(h.actor.shutdown.remote(), timeout=10)
+                except Exception:
+                    pass  # already gone: killing it below is all that is left
+            self._stop_actor(h, WorkerStatus.STOPPED)
+        self.ops.stop()
+
+
+def _order(worker_id: str) -> int:
+    """The number in a worker id ("decode-3" -> 3), for a stable order."""
+    tail = worker_id.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+

@@ -1,0 +1,266 @@
+"""Every option of `pdserve serve`, defined once: each is a command-line flag and a key of the
+YAML file `--config FILE` reads. A key is the flag's name without its dashes, with `_` for `-`
+(`--prefill-resources` is `prefill_resources`; `prefill-resources` is accepted too).
+
+Precedence: the defaults below, then the file, then the flags given on the command line. A value
+is checked the same way wherever it comes from; a bad one stops the server before it starts,
+naming the field (`config FILE: decode: must be an integer >= 1, got 0`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+Parse = Callable[[Any], Any]
+
+
+class OptionError(ValueError):
+    """A bad option value or config file; the message names the field."""
+
+
+# -- value checks: each takes a YAML value or a command-line string ------------------------------
+def integer(low: int, high: int | None = None) -> Parse:
+    def parse(v: Any) -> int:
+        what = f"an integer >= {low}" + (f" and <= {high}" if high is not None else "")
+        if isinstance(v, bool) or not isinstance(v, (int, str)):
+            raise ValueError(f"must be {what}, got {v!r}")
+        try:
+            n = int(v)
+        except ValueError:
+            raise ValueError(f"must be {what}, got {v!r}") from None
+        if n < low or (high is not None and n > high):
+            raise ValueError(f"must be {what}, got {n}")
+        return n
+
+    return parse
+
+
+def number(low: float, strict: bool = False) -> Parse:
+    """A finite number >= low (> low when `strict`)."""
+
+    def parse(v: Any) -> float:
+        what = f"a number {'>' if strict else '>='} {low:g}"
+        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+            raise ValueError(f"must be {what}, got {v!r}")
+        try:
+            x = float(v)
+        except ValueError:
+            raise ValueError(f"must be {what}, got {v!r}") from None
+        if not math.isfinite(x) or x < low or (strict and x == low):
+            raise ValueError(f"must be {what}, got {v!r}")
+        return x
+
+    return parse
+
+
+def optional(parse: Parse) -> Parse:
+    """`parse`, or None for a null in the file (or the word `none` on the command line)."""
+
+    def wrapped(v: Any) -> Any:
+        if v is None or (isinstance(v, str) and v.lower() in ("none", "null", "")):
+            return None
+        return parse(v)
+
+    return wrapped
+
+
+def text(v: Any) -> str:
+    if not isinstance(v, str) or not v:
+        raise ValueError(f"must be a non-empty string, got {v!r}")
+    return v
+
+
+def choice(*allowed: str) -> Parse:
+    def parse(v: Any) -> str:
+        if v not in allowed:
+            raise ValueError(f"must be one of {', '.join(allowed)}, got {v!r}")
+        return str(v)
+
+    return parse
+
+
+def flag(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"must be true or false, got {v!r}")
+    return v
+
+
+def resources(v: Any) -> dict[str, float]:
+    """Ray resources: a mapping (or its JSON text) of names to positive amounts."""
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"must be a JSON object such as '{{\"prefill_node\": 1}}': {exc}"
+            ) from None
+    if not isinstance(v, dict):
+        raise ValueError(f"must map resource names to amounts, got {v!r}")
+    out: dict[str, float] = {}
+    for k, amount in v.items():
+        if not isinstance(k, str) or not k:
+            raise ValueError(f"resource names must be non-empty strings, got {k!r}")
+        if k in ("CPU", "GPU", "memory"):
+            raise ValueError(f"{k!r} is set by other options (--threads, --gpus-per-worker)")
+        try:
+            out[k] = number(0.0, strict=True)(amount)
+        except ValueError as exc:
+            raise ValueError(f"{k}: {exc}") from None
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    name: str  # the config key; the flag is --name-with-dashes
+    parse: Parse
+    default: Any
+    help: str
+    boolean: bool = False  # a --name / --no-name flag pair
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+PORT = integer(0, 65535)
+OFF_OR_PORT = integer(-1, 65535)
+POLICIES = ("auto", "colocated", "disaggregated", "threshold")
+
+OPTIONS: tuple[Option, ...] = (
+    # model and pools
+    Option("model", text, "smollm2-135m", "built-in name, HF folder or .gguf"),
+    Option("prefill", integer(0), 1, "prefill workers (0: colocated only)"),
+    Option("decode", integer(1), 1, "decode workers"),
+    Option("threads", integer(1), 1, "torch threads per worker"),
+    Option("kv_cache_gib", optional(number(0, strict=True)), None, "KV cache per worker (CPU)"),
+    # placement on a Ray cluster
+    Option("ray_address", optional(text), None,
+           "HOST:PORT joins that Ray cluster, auto the one this machine is part of, local "
+           "starts a private one (default: RAY_ADDRESS, else a runtime already running here, "
+           "else local)"),
+    Option("prefill_resources", resources, {},
+           "Ray resources each prefill worker asks for, as JSON, e.g. '{\"prefill_node\": 1}'"),
+    Option("decode_resources", resources, {}, "Ray resources each decode worker asks for"),
+    Option("gpus_per_worker", optional(number(0)), None,
+           "GPUs per worker (default: 1 where CUDA is present, else 0; fractions share one)"),
+    Option("kv_interface", optional(text), None,
+           "network interface the KV transfer listens on (default: the address Ray knows the "
+           "worker's node by)"),
+    Option("kv_host", optional(text), None, "address the KV transfer listens on (overrides "
+           "--kv-interface; the same for every worker: for one-node setups)"),
+    Option("pair_timeout", number(0, strict=True), 10.0,
+           "seconds one pairing of a prefill and a decode worker may take"),
+    Option("replace_dead_workers", flag, True,
+           "start a new worker in place of one found dead", boolean=True),
+    # scheduler budgets
+    Option("max_num_batched_tokens", integer(1), 512, "tokens per engine step"),
+    Option("max_num_seqs", integer(1), 64, "requests in one worker's running batch"),
+    Option("chunked_prefill", flag, True,
+           "split long prompts into chunks under the token budget (--no-chunked-prefill: a "
+           "prompt runs whole in one step, the interference baseline)", boolean=True),
+    Option("step_target_ms", optional(number(0, strict=True)), None,
+           "while requests decode, size prefill chunks so a step takes about this long "
+           "(chunked prefill only; default: the token budget alone)"),
+    # policy and SLOs
+    Option("policy", choice(*POLICIES), "auto",
+           "how each request's path is chosen (auto: the cost model)"),
+    Option("threshold_tokens", integer(0), 256, "threshold policy: T"),
+    Option("threshold_queue", integer(0), 4, "threshold policy: Q"),
+    Option("slo_ttft_ms", number(0, strict=True), 60000.0, "default TTFT SLO"),
+    Option("slo_itl_ms", number(0, strict=True), 1000.0, "default ITL SLO"),
+    Option("max_pending", integer(1), 256,
+           "requests waiting for a first token before RESOURCE_EXHAUSTED"),
+    # addresses and ports
+    Option("host", text, "127.0.0.1", "address the gRPC, admin and metrics ports bind"),
+    Option("port", PORT, 50051, "gRPC port (pdserve.v1.Generation)"),
+    Option("metrics_port", OFF_OR_PORT, 9400, "Prometheus /metrics on --host; -1: off"),
+    Option("admin_port", OFF_OR_PORT, 50052,
+           "pdserve.v1.Admin (scale, list workers) on --host, for operators only; -1: off"),
+    Option("drain_timeout", number(0), 30.0,
+           "seconds in-flight requests get on SIGINT/SIGTERM, and a removed worker on a resize"),
+)  # fmt: skip
+BY_NAME = {o.name: o for o in OPTIONS}
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    """Every option as a flag. Defaults are left out (SUPPRESS), so that only the flags given
+    appear in the namespace and can override the file."""
+    p.add_argument("--config", type=Path, default=None, help="YAML file of these options")
+    p.add_argument(
+        "--print-config", action="store_true", help="print the effective options as YAML and exit"
+    )
+    for o in OPTIONS:
+        default = o.default if o.default not in (None, {}) else None
+        note = f" (default: {json.dumps(default)})" if default is not None else ""
+        if o.boolean:
+            p.add_argument(
+                o.flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                help=o.help + note,
+            )  # fmt: skip
+        else:
+            p.add_argument(
+                o.flag, type=_flag_type(o), default=argparse.SUPPRESS, help=o.help + note
+            )
+
+
+def _flag_type(o: Option) -> Callable[[str], Any]:
+    def convert(s: str) -> Any:
+        try:
+            return o.parse(s)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = o.name  # argparse names the type in some errors
+    return convert
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    """The options a YAML file sets, checked; raises OptionError naming the field."""
+    where = f"config {path}"
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise OptionError(f"{where}: cannot be read: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise OptionError(f"{where}: not valid YAML: {exc}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise OptionError(f"{where}: must be a mapping of option names to values")
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        option = BY_NAME.get(name)
+        if option is None:
+            near = difflib.get_close_matches(name, BY_NAME, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise OptionError(f"{where}: unknown field {key!r}{hint}")
+        try:
+            out[name] = option.parse(value)
+        except ValueError as exc:
+            raise OptionError(f"{where}: {name}: {exc}") from None
+    return out
+
+
+def resolve(args: argparse.Namespace) -> dict[str, Any]:
+    """Defaults, then the file, then the flags given: every option's effective value."""
+    values = {o.name: o.default for o in OPTIONS}
+    if args.config is not None:
+        values.update(read_file(args.config))
+    values.update({o.name: getattr(args, o.name) for o in OPTIONS if hasattr(args, o.name)})
+    if values["step_target_ms"] is not None and not values["chunked_prefill"]:
+        raise OptionError("step_target_ms: sizes prefill chunks, so it needs chunked_prefill")
+    return values
+
+
+def to_yaml(values: dict[str, Any]) -> str:
+    return yaml.safe_dump({o.name: values[o.name] for o in OPTIONS}, sort_keys=False)

@@ -1,0 +1,147 @@
+"""The router's handles on its worker actors, how the actors are placed on Ray nodes, and the
+supervisor loop that starts, replaces and stops them.
+
+A worker id ("prefill-0", "decode-1") names a place in a pool; the actor behind it may change.
+Each actor under an id is one incarnation (0 for the first, +1 for each replacement):
+
+  STARTING -> READY -> DRAINING -> STOPPED     (removed by a resize)
+                 \\-> DEAD                      (found dead; a new incarnation is STARTING)
+
+Only READY workers take new requests. A STARTING worker becomes READY once its engine is up,
+its KV pairs with the other pool's READY workers are made, and it has run a warm-up request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import threading
+import time
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from ray.actor import ActorHandle
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from worker_protocol.messages import WorkerInfo, WorkerRole
+
+T = TypeVar("T")
+
+
+class WorkerStatus(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    DEAD = "dead"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """What each worker of one pool asks Ray for."""
+
+    gpus: float = 0.0  # GPUs per worker; fractions share a device
+    resources: tuple[tuple[str, float], ...] = ()  # custom resources, e.g. (("prefill_node", 1),)
+
+    def actor_options(self, node_id: str | None = None) -> dict[str, Any]:
+        """Ray options for one worker; `node_id` is where it should go if it fits there (a
+        soft preference: Ray places it elsewhere when that node is full)."""
+        # CPU workers take no Ray CPU slot: each sets its own torch thread count instead, and a
+        # slot per actor would starve later tasks on a small machine.
+        opts: dict[str, Any] = {"num_cpus": 0, "num_gpus": self.gpus, "max_concurrency": 1000}
+        if self.resources:
+            opts["resources"] = dict(self.resources)
+        if node_id is not None:
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=True)
+        return opts
+
+    def fits(self, node: dict[str, Any]) -> bool:
+        """Whether a node (an entry of `ray.nodes()`) has what one worker asks for at all."""
+        have = node.get("Resources", {})
+        if not node.get("Alive", False) or have.get("GPU", 0.0) < self.gpus:
+            return False
+        return all(have.get(k, 0.0) >= v for k, v in self.resources)
+
+    def describe(self) -> str:
+        parts = [f"{self.gpus:g} GPU"] + [f"{v:g} {k}" for k, v in self.resources]
+        return ", ".join(parts)
+
+
+@dataclass(slots=True, eq=False)
+class WorkerHandle:
+    """One incarnation of a worker: its actor, what it said about itself once ready, and the
+    requests the cluster has running on it."""
+
+    worker_id: str
+    role: WorkerRole
+    actor: ActorHandle
+    incarnation: int
+    node_id: str | None = None  # the Ray node it was sent to (None: where Ray chose)
+    status: WorkerStatus = WorkerStatus.STARTING
+    info: WorkerInfo | None = None  # once its engine is up
+    active: int = 0  # requests using it now (as prefill or decode worker)
+    started_at: float = field(default_factory=time.monotonic)
+    error: str = ""  # why it died or could not start
+
+    @property
+    def ready(self) -> bool:
+        return self.status is WorkerStatus.READY
+
+    def is_actor(self, actor_id: str | None) -> bool:
+        """Whether a Ray error naming `actor_id` is about this incarnation (None: unknown)."""
+        if actor_id is None or self.info is None or not self.info.actor_id:
+            return True
+        return actor_id == self.info.actor_id
+
+
+class LoopThread:
+    """An event loop on a daemon thread: the supervisor loop. Work that outlives the request that
+    set it off (pairing, replacing a dead worker, draining) runs here, whichever loop asked."""
+
+    def __init__(self, name: str = "pdserve-supervisor") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await `coro` on the supervisor loop from any other loop."""
+        if asyncio.get_running_loop() is self.loop:
+            return await coro
+        return await asyncio.wrap_future(self.submit(coro))
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        """Run `coro` on the supervisor loop from a thread with no loop of its own."""
+        return self.submit(coro).result(timeout)
+
+    def stop(self) -> None:
+        def cancel_all() -> None:
+            for task in asyncio.all_tasks(self.loop):
+                task.cancel()
+            self.loop.call_soon(self.loop.stop)
+
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(cancel_all)
+            self._thread.join(10)
+
+
+def spread_node(
+    placement: Placement, nodes: list[dict[str, Any]], handles: list[WorkerHandle]
+) -> str | None:
+    """The node a new worker should go to so that the pools spread over the nodes: among the
+    nodes that fit it, the one holding the fewest workers (any role), then the fewest of its
+    own pool's. Ray's SPREAD strategy does not spread actors that ask for no CPU or GPU, and
+    placing by hand also lets the count include workers still starting."""
+    fitting = [n["NodeID"] for n in nodes if placement.fits(n)]
+    if not fitting:
+        return None  # Ray will say why it cannot place it
+    live = [h for h in handles if h.status not in (WorkerStatus.DEAD, WorkerStatus.STOPPED)]
+
+    def load(node_id: str) -> tuple[int, str]:
+        return sum(h.node_id == node_id for h in live), node_id
+
+    return min(fitting, key=load)

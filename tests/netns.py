@@ -1,0 +1,143 @@
+"""Two Ray nodes on distinct addresses on one Linux machine: two network namespaces joined by a
+veth pair (10.77.0.1 and 10.77.0.2), a Ray head in the first and a second node in the second,
+each with a custom resource naming it ("node_a", "node_b"). Nothing leaves the two namespaces.
+
+A socket bound to 127.0.0.1 on one node cannot be reached from the other here, as on a real
+cluster; a cluster on one address would hide it. Needs root and iproute2; `available()` says
+why not where they are missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+HEAD_IP, NODE_IP = "10.77.0.1", "10.77.0.2"
+RAY_PORT = 6379
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def available() -> str | None:
+    """None when two namespaces can be made here, else why not."""
+    if sys.platform != "linux":
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "iproute2's `ip` is not installed"
+    name = f"pdchk{os.getpid() % 100000}"
+    probe = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"cannot create a network namespace: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return None
+
+
+def child_env() -> dict[str, str]:
+    """The environment for processes in the namespaces: Ray must use the namespace's own
+    address, so the test session's loopback-only settings are dropped."""
+    env = dict(os.environ)
+    for k in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS", "RAY_TMPDIR"):
+        env.pop(k, None)
+    env["RAY_AUTH_MODE"] = "disabled"
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+class TwoNodes:
+    def __init__(self) -> None:
+        tag = os.getpid() % 100000
+        self.ns = (f"pdA{tag}", f"pdB{tag}")
+        self._veth = (f"pdva{tag}", f"pdvb{tag}")
+        self._tmp = Path(tempfile.mkdtemp(prefix="pdn"))
+        self.head_address = f"{HEAD_IP}:{RAY_PORT}"
+
+    # -- setup and teardown ----------------------------------------------------------------------
+    def __enter__(self) -> TwoNodes:
+        try:
+            self._link()
+            ray = str(Path(sys.executable).parent / "ray")
+            common = ["--num-cpus", "2", "--disable-usage-stats"]
+            self.run(0, [ray, "start", "--head", "--node-ip-address", HEAD_IP, "--port",
+                         str(RAY_PORT), "--resources", '{"node_a": 8}',
+                         "--include-dashboard=false", *common],
+                     env={"RAY_TMPDIR": str(self._tmp / "a")}, timeout=120)  # fmt: skip
+            self.run(1, [ray, "start", "--address", self.head_address, "--node-ip-address",
+                         NODE_IP, "--resources", '{"node_b": 8}', *common],
+                     env={"RAY_TMPDIR": str(self._tmp / "b")}, timeout=120)  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _link(self) -> None:
+        a, b = self.ns
+        va, vb = self._veth
+        for cmd in (
+            ["ip", "netns", "add", a],
+            ["ip", "netns", "add", b],
+            ["ip", "link", "add", va, "type", "veth", "peer", "name", vb],
+            ["ip", "link", "set", va, "netns", a],
+            ["ip", "link", "set", vb, "netns", b],
+            ["ip", "-n", a, "addr", "add", f"{HEAD_IP}/24", "dev", va],
+            ["ip", "-n", b, "addr", "add", f"{NODE_IP}/24", "dev", vb],
+            ["ip", "-n", a, "link", "set", "lo", "up"],
+            ["ip", "-n", b, "link", "set", "lo", "up"],
+            ["ip", "-n", a, "link", "set", va, "up"],
+            ["ip", "-n", b, "link", "set", vb, "up"],
+        ):
+            subprocess.run(cmd, check=True, capture_output=True, timeout=30)
+
+    def close(self) -> None:
+        """Kill every process in the two namespaces (Ray's daemons included; `ray stop` would
+        also stop the test session's own Ray), then remove them."""
+        for ns in self.ns:
+            for _ in range(3):
+                pids = self.pids(ns)
+                if not pids:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                time.sleep(0.5)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    @staticmethod
+    def pids(ns: str) -> list[int]:
+        out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
+
+    # -- running things in a namespace -----------------------------------------------------------
+    def command(self, node: int, argv: Sequence[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.ns[node], *argv]
+
+    def run(
+        self, node: int, argv: Sequence[str], env: dict[str, str] | None = None, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        out = subprocess.run(
+            self.command(node, argv), env={**child_env(), **(env or {})}, capture_output=True,
+            text=True, timeout=timeout,
+        )  # fmt: skip
+        if out.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed ({out.returncode}): {out.stderr[-2000:]}")
+        return out
+
+    def start(self, node: int, argv: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
+        with open(log, "wb") as f:
+            return subprocess.Popen(
+                self.command(node, argv), env=child_env(), stdout=f, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip

@@ -1,0 +1,137 @@
+"""pdserve on two Ray nodes with distinct addresses (tests/netns.py): the prefill pool on one node,
+the decode pool on the other, as a user deploys it, with `pdserve serve --ray-address HEAD:6379`.
+
+  - the KV of disaggregated requests crosses the nodes: bytes counted, nothing falls back, the
+    first token comes within seconds, and greedy output equals transformers';
+  - with the KV transfer told to listen on each node's loopback (the mistake a cluster makes when
+    every worker binds 127.0.0.1), the pair cannot connect: that costs one bounded wait at the
+    start, and every request then prefills on its decode worker at once, counted in
+    pdserve_local_prefill_fallbacks_total and said in FinalInfo.kv_fallback;
+  - without placement flags the workers spread over both nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import netns
+from tests.helpers import hf_greedy, random_prompts
+
+why_not = netns.available()
+pytestmark = pytest.mark.skipif(why_not is not None, reason=f"two-node test: {why_not}")
+
+MODEL = "tiny-llama"
+MAX_NEW = 8
+PAIR_TIMEOUT_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    with netns.TwoNodes() as n:
+        yield n
+
+
+def serve_and_probe(nodes, tmp_path: Path, flags: list[str], prompts: list[list[int]]) -> dict:
+    """Start `pdserve serve` on the head node's namespace with `flags`, run the probe there,
+    stop the server (SIGINT), and return what the probe saw plus the server's log."""
+    serve = [
+        sys.executable, "-m", "router.cli", "serve", "--model", MODEL,
+        "--ray-address", nodes.head_address, "--host", netns.HEAD_IP,
+        "--kv-cache-gib", "0.05", "--pair-timeout", str(PAIR_TIMEOUT_S), *flags,
+    ]  # fmt: skip
+    log = tmp_path / "serve.log"
+    server = nodes.start(0, serve, log)
+    try:
+        probe = nodes.run(
+            0,
+            [sys.executable, str(netns.ROOT / "tests" / "two_node_probe.py"), "--host",
+             netns.HEAD_IP, "--prompts", json.dumps(prompts), "--max-tokens", str(MAX_NEW)],
+            timeout=300,
+        )  # fmt: skip
+        seen = json.loads(probe.stdout)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        raise AssertionError(f"{exc}\n--- server log ---\n{log.read_text()[-4000:]}") from None
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(10)
+    seen["log"] = log.read_text()
+    return seen
+
+
+def by_role(seen: dict) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {"prefill": [], "decode": []}
+    for w in seen["workers"]:
+        out[w["role"]].append(w)
+    return out
+
+
+@pytest.mark.timeout(420)
+def test_kv_crosses_nodes_with_prefill_on_one_and_decode_on_the_other(nodes, tmp_path):
+    prompts = random_prompts([21, 40, 13, 33, 57], seed=91)
+    seen = serve_and_probe(
+        nodes,
+        tmp_path,
+        ["--prefill", "1", "--decode", "1", "--prefill-resources", '{"node_a": 1}',
+         "--decode-resources", '{"node_b": 1}'],
+        prompts,
+    )  # fmt: skip
+    workers = by_role(seen)
+    # Placed where the flags say, each listening on its own node's address.
+    assert [w["node_ip"] for w in workers["prefill"]] == [netns.HEAD_IP], seen["workers"]
+    assert [w["node_ip"] for w in workers["decode"]] == [netns.NODE_IP], seen["workers"]
+    assert all(w["kv_host"] == w["node_ip"] for w in seen["workers"])
+    m = seen["metrics"]
+    for prompt, r in zip(prompts, seen["results"]):
+        assert r["tokens"] == hf_greedy(MODEL, prompt, MAX_NEW)
+        assert r["path"] == "PATH_DISAGGREGATED" and r["kv_fallback"] == ""
+        assert r["prefill_worker"] == "prefill-0" and r["decode_worker"] == "decode-0"
+        assert r["ttft_ms"] < 5000, r  # no pairing timeout on the way
+    assert m["pdserve_kv_transfers_total"] == len(prompts)
+    assert m["pdserve_kv_transfer_bytes_total"] > 0
+    fallbacks = {k: v for k, v in m.items() if k.startswith("pdserve_local_prefill_fallbacks")}
+    assert fallbacks and not any(fallbacks.values()), fallbacks
+    assert not any(v for k, v in m.items() if k.startswith("pdserve_kv_transfer_failures_total"))
+
+
+@pytest.mark.timeout(420)
+def test_a_pair_that_cannot_connect_costs_one_bounded_wait_and_every_fallback_shows(
+    nodes, tmp_path
+):
+    prompts = random_prompts([25, 18, 30, 22], seed=92)
+    seen = serve_and_probe(
+        nodes,
+        tmp_path,
+        ["--prefill", "1", "--decode", "1", "--prefill-resources", '{"node_a": 1}',
+         "--decode-resources", '{"node_b": 1}', "--kv-interface", "lo"],
+        prompts,
+    )  # fmt: skip
+    assert all(w["kv_host"] == "127.0.0.1" for w in seen["workers"]), seen["workers"]
+    for prompt, r in zip(prompts, seen["results"]):
+        assert r["tokens"] == hf_greedy(MODEL, prompt, MAX_NEW)
+        assert r["path"] == "PATH_DISAGGREGATED" and r["kv_fallback"] == "pairing_failed", r
+        # The pairing timed out once, at the start; no request waits it out again.
+        assert r["wall_s"] < PAIR_TIMEOUT_S, r
+    m = seen["metrics"]
+    assert m["pdserve_local_prefill_fallbacks_total{reason=pairing_failed}"] == len(prompts)
+    assert m["pdserve_kv_transfers_total"] == 0
+    assert seen["log"].count("pairing prefill-0 -> decode-0 failed") == 1, seen["log"][-3000:]
+
+
+@pytest.mark.timeout(420)
+def test_without_placement_flags_workers_spread_over_the_nodes(nodes, tmp_path):
+    prompts = random_prompts([17, 29], seed=93)
+    seen = serve_and_probe(nodes, tmp_path, ["--prefill", "0", "--decode", "2"], prompts)
+    ips = sorted(w["node_ip"] for w in seen["workers"])
+    assert ips == [netns.HEAD_IP, netns.NODE_IP], seen["workers"]
+    for prompt, r in zip(prompts, seen["results"]):
+        assert r["tokens"] == hf_greedy(MODEL, prompt, MAX_NEW)

@@ -1,0 +1,169 @@
+"""EngineHost: what every pool worker is around its engine, whatever its role.
+
+It builds the process's one engine (with its torch thread count) and the engine thread that
+drives it, works out where its KV transfer listens (address.py), answers readiness and load
+questions, warms up, and stops. The transfer side of a worker comes from kv_transfer's
+KVEndpoint; a worker class combines the two.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from engine.async_engine import AsyncEngine, LayerHook
+from engine.device_rate import DeviceRate, measure_device
+from engine.kv_cache import KVCacheSource
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from worker_protocol.address import kv_bind_host, node_ip
+from worker_protocol.messages import WorkerInfo, WorkerLoad, WorkerRole, WorkerSpec
+
+WARMUP_PROMPT_TOKENS = 8
+
+
+class EngineHost:
+    role: WorkerRole
+
+    def __init__(
+        self,
+        worker_id: str,
+        spec: WorkerSpec,
+        incarnation: int = 0,
+        on_layer: LayerHook | None = None,
+    ) -> None:
+        torch.set_num_threads(spec.num_threads)
+        self.worker_id = worker_id
+        self.spec = spec
+        self.node_ip = node_ip()
+        self.kv_host = kv_bind_host(self.node_ip, spec.kv_interface, spec.kv_host)
+        self.engine = LLMEngine(spec.engine)
+        self.aeng = AsyncEngine(self.engine, on_layer=on_layer)
+        rate = measure_device(self.engine.runner.device, self.engine.runner.dtype)
+        self._info = worker_info(
+            self.engine,
+            worker_id,
+            self.role,
+            rate,
+            incarnation=incarnation,
+            node_ip=self.node_ip,
+            kv_host=self.kv_host,
+            actor_id=_actor_id(),
+            pid=os.getpid(),
+        )
+
+    def kv_source(self) -> KVCacheSource:
+        loaded, runner = self.engine.loaded, self.engine.runner
+        return KVCacheSource(
+            runner.spec, runner.device, loaded.name, loaded.hf_model.config.to_json_string()
+        )
+
+    def ready(self) -> WorkerInfo:
+        return self._info
+
+    def info(self) -> WorkerInfo:
+        return self._info
+
+    async def warmup(self) -> int:
+        """Run one short greedy request through the engine, so that the first request routed
+        here does not pay for first-call allocations; its blocks are freed when it ends.
+        Returns the tokens it produced."""
+        vocab = self.engine.vocab_size
+        prompt = [(7 * i + 1) % vocab for i in range(WARMUP_PROMPT_TOKENS)]
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        n = 0
+        async for out in self.aeng.generate(prompt, params, f"warmup-{self.worker_id}"):
+            n += len(out.new_token_ids)
+        return n
+
+    def open_transfers(self) -> int:
+        """KV transfers still tracked for this worker; a transfer side overrides it."""
+        return 0
+
+    async def load(self) -> WorkerLoad:
+        load = await self.aeng.call(lambda e: engine_load(e, self.worker_id, self.role))
+        return replace(
+            load, open_transfers=self.open_transfers(), incarnation=self._info.incarnation
+        )
+
+    def shutdown(self) -> None:
+        self.aeng.shutdown()
+
+
+def _actor_id() -> str:
+    """The Ray actor id of this process's actor ("" outside an actor)."""
+    import ray
+
+    if not ray.is_initialized():
+        return ""
+    return ray.get_runtime_context().get_actor_id() or ""
+
+
+def worker_info(
+    engine: LLMEngine, worker_id: str, role: WorkerRole, rate: DeviceRate, **identity: Any
+) -> WorkerInfo:
+    """What the router needs to know of a worker; `identity` fills WorkerInfo's identity fields
+    (incarnation, node_ip, kv_host, actor_id, pid)."""
+    model: Any = engine.loaded.hf_model
+    cfg = model.config
+    spec = engine.runner.spec
+    embed = model.get_input_embeddings().weight
+    params = sum(p.numel() for p in model.parameters())
+    # The output head may share the embedding table; only its matmul counts as compute.
+    num_params = params - embed.numel()
+    if model.get_output_embeddings() is not None and model.config.tie_word_embeddings:
+        num_params += embed.numel()
+    elem = torch.empty((), dtype=spec.dtype).element_size()
+    return WorkerInfo(
+        worker_id=worker_id,
+        role=role,
+        num_layers=spec.num_layers,
+        num_heads=int(cfg.num_attention_heads),
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        num_params=num_params,
+        weight_bytes=params * elem,
+        kv_bytes_per_token=2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * elem,
+        block_size=spec.block_size,
+        num_blocks=engine.runner.num_blocks,
+        max_num_batched_tokens=engine.config.scheduler.max_num_batched_tokens,
+        max_num_seqs=engine.config.scheduler.max_num_seqs,
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.vocab_size,
+        rate=rate,
+        step_target_s=engine.scheduler.sizer.target_s if engine.scheduler.sizer else None,
+        **identity,
+    )
+
+
+
+
+def engine_load(engine: LLMEngine, worker_id: str, role: WorkerRole) -> WorkerLoad:
+    """A worker's load figures, read on the engine thread."""
+    sched = engine.scheduler
+    queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+    queued += sum(
+        r.num_tokens - r.num_computed_tokens - 1
+        for r in sched.running
+        if r.num_tokens - r.num_computed_tokens > 1
+    )
+    pool = engine.kv.pool
+    return WorkerLoad(
+        worker_id=worker_id,
+        role=role,
+        running=len(sched.running),
+        waiting=len(sched.waiting),
+        waiting_for_kv=len(sched.waiting_for_kv),
+        kv_usage=pool.usage,
+        num_free_blocks=pool.num_free_blocks,
+        num_blocks=pool.num_blocks,
+        queued_prefill_tokens=queued,
+        held=len(sched.held),
+        steps=engine.step_stats.drain(),
+        preemptions=sched.num_preemptions,
+        prefix_queries=pool.stats.queries,
+        prefix_hits=pool.stats.hits,
+    )
