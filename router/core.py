@@ -73,6 +73,7 @@ class RequestCore:
         self.records: deque[DecisionRecord] = deque(maxlen=2048)
         self.pending = 0
         self.active = 0
+        self.resumed = 0  # times a request moved to another decode worker
         self._poller: asyncio.Task[None] | None = None
         self._gone: set[tuple[str, int]] = set()  # (worker, incarnation) gone, reported
         self._ids = itertools.count()  # workers see internal ids: clients' ids may collide
@@ -226,6 +227,7 @@ class RequestCore:
                         raise
                     log.warning("request %s: %s; resuming after %d tokens", rid, lost, len(emitted))
                     track.resumed += 1
+                    self.resumed += 1
                     prefill_on.finish(wid)
                     d.finish(wid)
                     ids = req.prompt_token_ids + tuple(emitted)

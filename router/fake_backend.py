@@ -2,7 +2,8 @@
 overhead benchmark) and for testing the request core without workers.
 
 Each request yields `max_tokens` tokens (token id i % vocab) in chunks of `chunk_tokens`, after
-an optional `gate` (an asyncio.Event) is set; it reports the same load every time.
+an optional `gate` (an asyncio.Event) is set; it reports the same load every time. With
+`fallback`, every disaggregated request's handoff falls back for that reason.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from engine.device_rate import DeviceRate
 from engine.sampling_params import SamplingParams
-from router.core_types import HandoffListener
+from router.core_types import FallbackReason, HandoffListener
 from worker_protocol.messages import TokenChunk, WorkerInfo, WorkerLoad, WorkerRole
 
 
@@ -48,12 +49,14 @@ class FakeBackend:
         vocab_size: int = 512,
         chunk_tokens: int = 1,
         gate: asyncio.Event | None = None,
+        fallback: FallbackReason | None = None,
     ) -> None:
         self.prefill_ids = [f"prefill-{i}" for i in range(num_prefill)]
         self.decode_ids = [f"decode-{i}" for i in range(num_decode)]
         self.vocab_size = vocab_size
         self.chunk_tokens = chunk_tokens
         self.gate = gate
+        self.fallback = fallback
         self.started: list[str] = []  # request ids, in the order they reached the backend
         self.closed: list[str] = []  # request ids whose stream ended, for any reason
 
@@ -88,6 +91,8 @@ class FakeBackend:
         try:
             if self.gate is not None:
                 await self.gate.wait()
+            if path == "disaggregated" and self.fallback is not None and listener is not None:
+                listener.fell_back(self.fallback, "fake", 0.0)
             n = params.max_tokens
             for start in range(0, n, self.chunk_tokens):
                 end = min(n, start + self.chunk_tokens)

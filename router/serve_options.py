@@ -258,7 +258,9 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         values.update(read_file(args.config))
     values.update({o.name: getattr(args, o.name) for o in OPTIONS if hasattr(args, o.name)})
     if values["step_target_ms"] is not None and not values["chunked_prefill"]:
-        raise OptionError("step_target_ms: sizes prefill chunks, so it needs chunked_prefill")
+        raise OptionError(
+            "step_target_ms (--step-target-ms): sizes prefill chunks, so it needs chunked_prefill"
+        )
     return values
 
 

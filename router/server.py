@@ -40,7 +40,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0: any free port (see Server.port)
     metrics_port: int | None = 9400  # Prometheus /metrics on `host`; 0: any free port; None: off
-    admin_port: int | None = 50052  # pdserve.v1.Admin on `host`; 0: any free port; None: off
+    admin_port: int | None = None  # pdserve.v1.Admin on `host`; 0: any free port; None: off
     drain_timeout_s: float = 30.0  # in-flight requests on SIGINT/SIGTERM
 
 

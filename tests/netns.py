@@ -141,3 +141,64 @@ class TwoNodes:
                 self.command(node, argv), env=child_env(), stdout=f, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
+
+
+class LoneNode:
+    """One network namespace with only its loopback, and a Ray head started in it by `ray start`
+    (on 127.0.0.1 there), as a user leaves one running on a machine. Its address is recorded
+    under `ray_tmpdir`, where `ray start` writes it for later `ray.init()` calls to find."""
+
+    def __init__(self) -> None:
+        self.ns = f"pdC{os.getpid() % 100000}"
+        self.ray_tmpdir = Path(tempfile.mkdtemp(prefix="pdn"))
+
+    def __enter__(self) -> LoneNode:
+        try:
+            subprocess.run(["ip", "netns", "add", self.ns], check=True, capture_output=True)
+            subprocess.run(
+                ["ip", "-n", self.ns, "link", "set", "lo", "up"], check=True, capture_output=True
+            )
+            ray = str(Path(sys.executable).parent / "ray")
+            self.run([ray, "start", "--head", "--port", str(RAY_PORT), "--num-cpus", "2",
+                      "--include-dashboard=false", "--disable-usage-stats"], timeout=120)  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def env(self) -> dict[str, str]:
+        return {
+            **child_env(),
+            "RAY_TMPDIR": str(self.ray_tmpdir),
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        }
+
+    def run(self, argv: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["ip", "netns", "exec", self.ns, *argv], env=self.env(), capture_output=True,
+            text=True, timeout=timeout,
+        )  # fmt: skip
+
+    def start(self, argv: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
+        with open(log, "wb") as f:
+            return subprocess.Popen(
+                ["ip", "netns", "exec", self.ns, *argv], env=self.env(), stdout=f,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+
+    def close(self) -> None:
+        for _ in range(3):
+            pids = TwoNodes.pids(self.ns)
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.5)
+        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True, timeout=30)
+        shutil.rmtree(self.ray_tmpdir, ignore_errors=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -277,3 +278,40 @@ def test_a_step_target_the_decodes_alone_nearly_fill_is_not_trusted():
     colo = {b.path: b for b in decision.best}[RoutePath.COLOCATED]
     assert colo.running_itl_s > 0.13 and colo.pushes_running
     assert decision.chosen.path is RoutePath.DISAGGREGATED
+
+
+def test_auto_stops_choosing_a_pair_whose_handoffs_keep_failing_and_tries_it_again_later():
+    p, d = trained("prefill-0", "prefill", seed=3), trained("decode-0", "decode", seed=4)
+    with_decodes(d, 8, 512, 1.0)
+    pl = planner()
+    req = shape(2000, max_tokens=64)
+    assert pl.decide(req, [p], [d]).chosen.path is RoutePath.DISAGGREGATED
+    for _ in range(2):  # two handoffs fell back, each after wasting 3 s
+        pl.health.observe("prefill-0", "decode-0", ok=False, wasted_s=3.0)
+    decision = pl.decide(req, [p], [d])
+    assert decision.chosen.path is RoutePath.COLOCATED
+    assert decision.reason_code == "handoff_failing" and "keep falling back" in decision.reason
+    dis = next(b for b in decision.best if b.path is RoutePath.DISAGGREGATED)
+    assert dis.failure_rate == pytest.approx(0.75, abs=0.01)
+    # Its expected TTFT counts the waste and the local prefill that follows a fallback.
+    assert dis.ttft_s > dis.raw_ttft_s + 0.75 * 3.0
+    # Two half-lives later the failures have faded: auto tries the pair again.
+    pl.health = type(pl.health)(half_life_s=60.0)
+    past = time.monotonic() - 120.0
+    for _ in range(2):
+        pl.health.observe("prefill-0", "decode-0", ok=False, wasted_s=3.0, now=past)
+    assert pl.health.failure_rate("prefill-0", "decode-0") < 0.2
+    assert pl.decide(req, [p], [d]).chosen.path is RoutePath.DISAGGREGATED
+
+
+def test_a_failing_pair_is_passed_over_for_a_healthy_one():
+    p0, p1 = trained("prefill-0", "prefill", seed=5), trained("prefill-1", "prefill", seed=6)
+    d = with_decodes(trained("decode-0", "decode", seed=7), 8, 512, 1.0)
+    pl = planner()
+    req = shape(2000, max_tokens=64)
+    for _ in range(3):
+        pl.health.observe("prefill-0", "decode-0", ok=False)
+    for policy in (Policy.AUTO, Policy.DISAGGREGATED, Policy.THRESHOLD):
+        pl.config = PolicyConfig(policy=policy, threshold_tokens=100)
+        chosen = pl.decide(req, [p0, p1], [d]).chosen
+        assert (chosen.path, chosen.prefill_worker) == (RoutePath.DISAGGREGATED, "prefill-1")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -138,3 +139,30 @@ def test_a_request_past_its_ttft_slo_no_longer_guards_the_itl_of_its_worker():
         assert d.batch == 0
 
     run(main())
+
+
+def test_a_fallback_is_counted_by_reason_and_said_in_the_summary():
+    from router.core_types import FallbackReason
+    from router.metrics import Metrics
+
+    async def main():
+        backend = FakeBackend(fallback=FallbackReason.PAIRING_FAILED)
+        metrics = Metrics()
+        core = RequestCore(backend, await backend.infos(), RouterConfig(), TOKENIZER, metrics)
+        await core.refresh()
+        dis = replace(request("dis"), path=RoutePath.DISAGGREGATED)
+        colo = replace(request("colo"), path=RoutePath.COLOCATED)
+        (last_dis, last_colo) = [(await consume(core, r))[-1].final for r in (dis, colo)]
+        return metrics, core, last_dis, last_colo
+
+    metrics, core, dis, colo = run(main())
+    assert dis.path is RoutePath.DISAGGREGATED  # the path chosen stays what it was
+    assert dis.kv_fallback is FallbackReason.PAIRING_FAILED
+    assert colo.kv_fallback is None
+    sample = metrics.registry.get_sample_value
+    assert sample("pdserve_local_prefill_fallbacks_total", {"reason": "pairing_failed"}) == 1
+    for other in FallbackReason:  # the others exist at 0, so their first one is an increase
+        if other is not FallbackReason.PAIRING_FAILED:
+            assert sample("pdserve_local_prefill_fallbacks_total", {"reason": other.value}) == 0
+    # The pair's failure is learned: auto stops choosing it while it keeps failing.
+    assert core.health.failure_rate("prefill-0", "decode-0") == pytest.approx(0.5, abs=0.01)

@@ -1,0 +1,129 @@
+"""`pdserve serve --config FILE`: every option from a YAML file, flags over the file, and a bad
+file refused before anything starts, naming the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from router import serve_options
+from router.cli import main, serve_config
+from router.workers import Placement
+from worker_protocol.messages import WorkerRole
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "pdserve.yaml"
+    path.write_text(text)
+    return path
+
+
+def effective(tmp_path, text: str, *flags: str, capsys) -> dict:
+    path = write(tmp_path, text)
+    assert main(["serve", "--config", str(path), *flags, "--print-config"]) == 0
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+def test_the_file_sets_options_and_flags_override_it(tmp_path, capsys):
+    got = effective(
+        tmp_path,
+        "model: tiny-llama\nprefill: 2\ndecode: 3\nprefill-resources: {prefill_node: 1}\n"
+        "decode_resources: '{\"decode_node\": 2}'\npolicy: threshold\nport: 6000\n"
+        "chunked_prefill: false\n",
+        "--decode", "4", "--port", "6001",
+        capsys=capsys,
+    )  # fmt: skip
+    assert got["model"] == "tiny-llama" and got["prefill"] == 2
+    assert got["decode"] == 4 and got["port"] == 6001  # the flags win
+    assert got["prefill_resources"] == {"prefill_node": 1.0}
+    assert got["decode_resources"] == {"decode_node": 2.0}
+    assert got["policy"] == "threshold" and got["chunked_prefill"] is False
+    assert got["metrics_port"] == 9400  # not in the file, not a flag: the default
+    # Every option is printed, so the output is itself a complete config file.
+    assert set(got) == set(serve_options.BY_NAME)
+    again = effective(tmp_path, yaml.safe_dump(got), capsys=capsys)
+    assert again == got
+
+
+def test_the_effective_options_reach_the_server_config(tmp_path):
+    path = write(
+        tmp_path,
+        "prefill: 0\ndecode: 2\ngpus_per_worker: 0.5\nprefill_resources: {a: 1}\n"
+        "kv_interface: eth1\nslo_itl_ms: 150\nmax_num_seqs: 8\nadmin_port: -1\n"
+        "replace_dead_workers: false\nstep_target_ms: 120\n",
+    )
+    args = _parse(["serve", "--config", str(path), "--threads", "2"])
+    config = serve_config(serve_options.resolve(args))
+    c = config.cluster
+    assert (c.num_prefill, c.num_decode, c.threads_per_worker) == (0, 2, 2)
+    assert c.kv_interface == "eth1" and c.replace_dead is False
+    placement = c.pool_config().placement
+    assert placement[WorkerRole.PREFILL] == Placement(0.5, (("a", 1.0),))
+    assert placement[WorkerRole.DECODE] == Placement(0.5, ())
+    assert c.engine.scheduler.max_num_seqs == 8
+    assert c.engine.scheduler.step_target_s == pytest.approx(0.12)
+    assert config.router.slo_itl_s == pytest.approx(0.15)
+    assert config.admin_port is None
+
+
+def _parse(argv):
+    from router.cli import build_parser
+
+    return build_parser().parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        ("decode: 0\n", "decode: must be an integer >= 1"),
+        ("decod: 2\n", "unknown field 'decod' (did you mean 'decode'?)"),
+        ("prefill: two\n", "prefill: must be an integer >= 0"),
+        ("policy: fastest\n", "policy: must be one of auto"),
+        ("port: 70000\n", "port: must be an integer >= 0 and <= 65535"),
+        ("prefill_resources: {node: -1}\n", "prefill_resources: node: must be a number > 0"),
+        ("decode_resources: {GPU: 1}\n", "decode_resources: 'GPU' is set by other options"),
+        ("slo_ttft_ms: .nan\n", "slo_ttft_ms: must be a number > 0"),
+        ("chunked_prefill: maybe\n", "chunked_prefill: must be true or false"),
+        ("- decode\n", "must be a mapping of option names to values"),
+        ("model: [1\n", "not valid YAML"),
+        ("step_target_ms: 100\nchunked_prefill: false\n", "step_target_ms"),
+    ],
+)
+def test_a_bad_file_is_refused_at_start_naming_the_field(tmp_path, capsys, text, field):
+    path = write(tmp_path, text)
+    assert main(["serve", "--config", str(path)]) == 2  # before Ray or a model is touched
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: config {path}: ") or "step_target_ms" in err, err
+    assert field in err, err
+
+
+def test_a_missing_file_is_named(tmp_path, capsys):
+    missing = tmp_path / "nope.yaml"
+    assert main(["serve", "--config", str(missing)]) == 2
+    assert f"config {missing}: cannot be read" in capsys.readouterr().err
+
+
+def test_a_bad_flag_names_the_flag(capsys):
+    assert main_exit(["serve", "--prefill-resources", '{"a": "x"}']) == 2
+    assert "--prefill-resources: a: must be a number > 0" in capsys.readouterr().err
+
+
+def main_exit(argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse's own usage errors
+        return int(exc.code or 0)
+
+
+@pytest.mark.timeout(60)
+def test_print_config_as_a_user_runs_it(tmp_path):
+    path = write(tmp_path, "decode: 2\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", "serve", "--config", str(path), "--print-config"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout)["decode"] == 2
