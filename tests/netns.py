@@ -159,8 +159,9 @@ class LoneNode:
                 ["ip", "-n", self.ns, "link", "set", "lo", "up"], check=True, capture_output=True
             )
             ray = str(Path(sys.executable).parent / "ray")
-            self.run([ray, "start", "--head", "--port", str(RAY_PORT), "--num-cpus", "2",
-                      "--include-dashboard=false", "--disable-usage-stats"], timeout=120)  # fmt: skip
+            argv = [ray, "start", "--head", "--port", str(RAY_PORT), "--num-cpus", "2",
+                    "--include-dashboard=false", "--disable-usage-stats"]  # fmt: skip
+            self.run(argv, timeout=120)
         except BaseException:
             self.close()
             raise

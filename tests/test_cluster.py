@@ -11,8 +11,8 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
 from router.cluster import Cluster, ClusterConfig
 from router.core_types import FallbackReason
-from worker_protocol.messages import WorkerRole
 from tests.helpers import hf_greedy, loaded, random_prompts
+from worker_protocol.messages import WorkerRole
 
 MAX_NEW = 10
 BLOCK = 4

@@ -82,7 +82,8 @@ def main() -> int:
     wait_ready(address, args.wait)
     ready_s = time.monotonic() - t0
     with grpc.insecure_channel(f"{args.host}:{args.admin_port}") as ch:
-        listed = admin_pb2_grpc.AdminStub(ch).ListWorkers(admin_pb2.ListWorkersRequest(), timeout=10)
+        stub = admin_pb2_grpc.AdminStub(ch)
+        listed = stub.ListWorkers(admin_pb2.ListWorkersRequest(), timeout=10)
     workers = [
         {"id": w.worker_id, "role": w.role, "status": w.status, "node_ip": w.node_ip,
          "kv_host": w.kv_host}
