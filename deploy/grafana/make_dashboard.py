@@ -97,6 +97,17 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         ],
     ),
     (
+        "Disaggregated requests prefilled on their decode worker (fallbacks)",
+        "reqps",
+        [
+            q(
+                "{{reason}}",
+                "sum by (reason) (rate(pdserve_local_prefill_fallbacks_total"
+                "[$__rate_interval]))",
+            )
+        ],
+    ),
+    (
         "KV cache usage per worker",
         "percentunit",
         [q("{{worker}}", "max by (worker) (pdserve_worker_kv_cache_usage_ratio)")],
@@ -138,10 +149,14 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         "Workers",
         "short",
         [
-            q("live {{role}}", "sum by (role) (pdserve_workers)"),
+            q("taking requests {{role}}", "sum by (role) (pdserve_workers)"),
             q(
                 "failures {{worker}}",
                 "sum by (worker) (increase(pdserve_worker_failures_total[$__range]))",
+            ),
+            q(
+                "restarts {{role}}",
+                "sum by (role) (increase(pdserve_worker_restarts_total[$__range]))",
             ),
         ],
     ),

@@ -1,0 +1,185 @@
+"""deploy/: the manifests parse and agree with the code (the resources the placement options name
+are the ones the node groups carry; the flags and config keys they use are accepted), and every
+command deploy/README.md shows exists and accepts the flags shown."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from router import serve_options
+from router.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+
+
+def load(rel: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((DEPLOY / rel).read_text()) if d is not None]
+
+
+def serve_line(text: str) -> list[str]:
+    """The `pdserve serve ...` command inside a shell line, as argv after `pdserve`."""
+    m = re.search(r"pdserve (serve[^&>;\n]*)", text)
+    assert m, text
+    return shlex.split(m.group(1))
+
+
+def effective(argv: list[str], config_text: str | None = None, tmp: Path | None = None) -> dict:
+    """The options `pdserve <argv>` would serve with; a config path is read from `config_text`
+    (the file as the manifest ships it) when given."""
+    args = build_parser().parse_args(argv)
+    if config_text is not None:
+        assert tmp is not None
+        path = tmp / "config.yaml"
+        path.write_text(config_text)
+        args.config = path
+    return serve_options.resolve(args)
+
+
+def test_every_yaml_file_parses():
+    files = sorted(DEPLOY.rglob("*.yaml")) + sorted(DEPLOY.rglob("*.yml"))
+    assert len(files) >= 6
+    for f in files:
+        assert list(yaml.safe_load_all(f.read_text())), f
+
+
+def test_the_example_config_is_accepted_whole():
+    values = serve_options.read_file(DEPLOY / "config.example.yaml")
+    assert values["prefill_resources"] == {"pdserve_prefill": 1.0}
+    assert values["decode_resources"] == {"pdserve_decode": 1.0}
+    assert values["ray_address"] == "auto"
+
+
+def test_ray_up_groups_carry_the_resources_the_config_names(tmp_path):
+    (cluster,) = load("ray/cluster.yaml")
+    config = serve_options.read_file(DEPLOY / "config.example.yaml")
+    types = cluster["available_node_types"]
+    assert set(types) == {"head", "prefill_gpu", "decode_gpu"}
+    assert cluster["head_node_type"] == "head"
+    assert set(config["prefill_resources"]) <= set(types["prefill_gpu"]["resources"])
+    assert set(config["decode_resources"]) <= set(types["decode_gpu"]["resources"])
+    assert not types["head"]["resources"]  # no worker lands on the router's node
+    for remote, local in cluster["file_mounts"].items():
+        assert (ROOT / local).exists(), (remote, local)
+    # The head starts the router with the mounted config: the command parses, the file too.
+    (cmd,) = [c for c in cluster["head_start_ray_commands"] if "pdserve serve" in c]
+    mounted = (ROOT / cluster["file_mounts"]["~/pdserve.yaml"]).read_text()
+    values = effective(serve_line(cmd), mounted, tmp_path)
+    assert values["ray_address"] == "auto"
+
+
+def kuberay_groups() -> dict[str, dict]:
+    (rc,) = load("kuberay/raycluster.yaml")
+    assert (rc["apiVersion"], rc["kind"]) == ("ray.io/v1", "RayCluster")
+    return {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]} | {
+        "head": rc["spec"]["headGroupSpec"]
+    }
+
+
+def router_objects() -> dict[str, dict]:
+    return {d["kind"]: d for d in load("kuberay/router.yaml")}
+
+
+def test_kuberay_groups_carry_the_resources_and_gpus_the_router_config_names(tmp_path):
+    groups = kuberay_groups()
+    assert set(groups) == {"head", "prefill-gpu", "decode-gpu"}
+    config_text = router_objects()["ConfigMap"]["data"]["config.yaml"]
+    config = effective(["serve"], config_text, tmp_path)
+    for group, key in (("prefill-gpu", "prefill_resources"), ("decode-gpu", "decode_resources")):
+        g = groups[group]
+        params = g["rayStartParams"]
+        # KubeRay passes the value to `ray start --resources` as written: a quoted JSON object.
+        declared = json.loads(json.loads(params["resources"]))
+        assert set(config[key]) <= set(declared), (group, declared)
+        assert all(declared[k] >= v for k, v in config[key].items())
+        (container,) = g["template"]["spec"]["containers"]
+        gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+        assert gpus == int(params["num-gpus"]) >= config["gpus_per_worker"] == 1
+    assert groups["head"]["rayStartParams"]["num-cpus"] == "0"
+
+
+def test_the_router_manifest_runs_a_command_the_cli_accepts_and_exposes_its_ports(tmp_path):
+    objs = router_objects()
+    spec = objs["Deployment"]["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    script = " ".join(container["args"])
+    values = effective(serve_line(script), objs["ConfigMap"]["data"]["config.yaml"], tmp_path)
+    assert values["ray_address"] == "auto" and values["host"] == "0.0.0.0"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {
+        "grpc": values["port"], "metrics": values["metrics_port"], "admin": values["admin_port"]
+    }  # fmt: skip
+    # The Service exposes gRPC and metrics, never the admin port.
+    service = objs["Service"]
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == {"grpc", "metrics"}
+    labels = objs["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert container["readinessProbe"]["grpc"]["port"] == values["port"]
+    # It joins the RayCluster through the head Service KubeRay makes for `pdserve`.
+    assert "ray start --address=pdserve-head-svc:6379" in script
+    mount = container["volumeMounts"][0]["mountPath"]
+    assert f"--config {mount}/config.yaml" in script
+    (monitor,) = load("kuberay/podmonitor.yaml")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+
+
+def readme_commands() -> list[str]:
+    text = (DEPLOY / "README.md").read_text()
+    lines: list[str] = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():
+            line = line.split(" # ")[0].strip()
+            if line and not line.startswith("#"):
+                lines.append(line)
+    return lines
+
+
+_HELP: dict[str, str] = {}
+
+
+def ray_help(sub: str) -> str:
+    if sub not in _HELP:
+        ray = str(Path(sys.executable).parent / "ray")
+        out = subprocess.run([ray, sub, "--help"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, f"`ray {sub}` does not exist: {out.stderr}"
+        _HELP[sub] = out.stdout
+    return _HELP[sub]
+
+
+@pytest.mark.timeout(120)
+def test_every_command_in_the_deploy_readme_exists_and_accepts_its_flags():
+    commands = readme_commands()
+    tools = {c.split()[0] for c in commands}
+    assert tools == {"pdserve", "ray", "kubectl", "docker", "promtool"}, tools
+    for line in commands:
+        argv = shlex.split(line)
+        tool, rest = argv[0], argv[1:]
+        if tool == "pdserve":
+            try:
+                args = build_parser().parse_args(rest)
+            except SystemExit as exc:
+                raise AssertionError(f"pdserve refuses: {line}") from exc
+            if rest[0] == "serve":  # its config file exists and is accepted
+                if args.config is not None:
+                    args.config = ROOT / args.config
+                serve_options.resolve(args)
+        elif tool == "ray":
+            help_text = ray_help(rest[0])
+            for flag in (a.split("=")[0] for a in rest if a.startswith("--")):
+                assert flag in help_text, f"ray {rest[0]} has no {flag}"
+            files = [a for a in rest[1:] if a.endswith(".yaml")]
+            assert all((ROOT / f).exists() for f in files), line
+        else:  # kubectl, docker, promtool: the files they are given exist
+            files = [a for a in rest if a.endswith((".yaml", ".yml")) or "Dockerfile" in a]
+            assert files or tool == "kubectl", line
+            assert all((ROOT / f).exists() for f in files), line
+
