@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import TokenLogprobs
@@ -98,8 +99,12 @@ class DecodeWorker(KVEndpoint, EngineHost):
                     return
             else:
                 await self.aeng.call(lambda e: e.kv_failed(request_id))
+            recomputed = first_token is not None and not ok  # the KV was sent, never landed
             async for out in self.aeng.stream(request_id, q):
-                yield TokenChunk.from_output(out, self.worker_id)
+                chunk = TokenChunk.from_output(out, self.worker_id)
+                if recomputed:
+                    chunk, recomputed = replace(chunk, kv_recomputed=True), False
+                yield chunk
         finally:
             self.aeng.close_stream(request_id)
 

@@ -20,7 +20,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -28,6 +28,7 @@ import ray
 import torch
 
 from engine.config import EngineConfig
+from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from kv_transfer import TransferStats
 from router.core_types import FallbackReason, HandoffListener
@@ -145,15 +146,15 @@ class Cluster:
     def dead(self) -> list[str]:
         return self.pools.dead
 
+    @property
+    def restarts(self) -> dict[WorkerRole, int]:
+        return self.pools.restarts
+
     def worker_info(self, worker_id: str) -> WorkerInfo:
         info = self.pools.workers[worker_id].info
         if info is None:
             raise KeyError(f"{worker_id} is not up")
         return info
-
-    def is_dead(self, worker_id: str) -> bool:
-        h = self.pools.workers.get(worker_id)
-        return h is not None and h.status is WorkerStatus.DEAD
 
     def actor(self, worker_id: str) -> Any:
         """The Ray actor behind a worker id now."""
@@ -161,6 +162,15 @@ class Cluster:
 
     def _pick(self, ids: Sequence[str]) -> str:
         return ids[next(self._rr) % len(ids)]
+
+    def _prefill_handle(self, worker_id: str | None) -> WorkerHandle | None:
+        """The prefill worker to use, or None when it (or, unnamed, every one) is gone."""
+        if worker_id is None:
+            return self.pools.workers[self._pick(self.prefill_ids)] if self.prefill_ids else None
+        h = self.pools.workers.get(worker_id)
+        if h is None or h.status in (WorkerStatus.DEAD, WorkerStatus.STOPPED):
+            return None
+        return h
 
     def _handle(self, worker_id: str) -> WorkerHandle:
         h = self.pools.workers.get(worker_id)
@@ -188,10 +198,15 @@ class Cluster:
         req = WorkRequest(rid, tuple(int(t) for t in prompt_token_ids), params)
         d = self._handle(decode_worker or self._pick(self.decode_ids))
         p: WorkerHandle | None = None
-        if path == "disaggregated" and self.prefill_ids:
-            p = self._handle(prefill_worker or self._pick(self.prefill_ids))
+        if path == "disaggregated":
+            p = self._prefill_handle(prefill_worker)
+        if p is not None:
             stream = self._disaggregated(req, p, d, listener or _NullListener())
         else:
+            if path == "disaggregated":  # its prefill worker left the pool on the way here
+                why = f"{prefill_worker or 'no prefill worker'} is not in the pool"
+                self._fallback(req, FallbackReason.NO_PREFILL_WORKER, why, 0.0,
+                               listener or _NullListener())  # fmt: skip
             stream = self._stream(d.actor.generate, req)
         finished = False
         d.active += 1
@@ -228,74 +243,102 @@ class Cluster:
         self, req: WorkRequest, p: WorkerHandle, d: WorkerHandle, listener: HandoffListener
     ) -> AsyncIterator[TokenChunk]:
         t0 = time.monotonic()
+        fell: list[FallbackReason] = []
 
         def fallback(reason: FallbackReason, detail: str) -> None:
+            fell.append(reason)
             self._fallback(req, reason, detail, time.monotonic() - t0, listener)
 
-        pair = self.pools.pairs.state(p.worker_id, d.worker_id)
-        if not self.pools.pairs.connected(p.worker_id, d.worker_id):
-            failed = pair is not None and pair.failures > 0
-            reason = FallbackReason.PAIRING_FAILED if failed else FallbackReason.PAIR_NOT_READY
-            fallback(reason, self.pools.pairs.why_not(p.worker_id, d.worker_id))
-            async for chunk in self._stream(d.actor.generate, req):
-                yield chunk
-            return
-        target: KVTarget | None = await asyncio.wait_for(
-            d.actor.reserve_kv.remote(req, p.worker_id), self.config.control_timeout_s
-        )
-        if target is None:  # D is full right now: it queues the request and prefills it itself
-            fallback(FallbackReason.NO_RESERVATION, f"{d.worker_id} had no free blocks or slot")
-            async for chunk in self._stream(d.actor.generate, req):
-                yield chunk
-            return
-        first: int | None = None
-        first_lp = None
-        p.active += 1
+        p.active += 1  # from here on a drain of P waits for this request
         try:
-            limit = self.config.prefill_timeout_s + self.config.kv_transfer_deadline_s
+            handed = await self._handoff(req, p, d, fallback, listener)
+        finally:
+            p.active -= 1
+        if handed is None:  # nothing reserved on D: it prefills the prompt as a new request
+            stream = self._stream(d.actor.generate, req)
+        else:  # D joins it with P's first token, or recomputes it in the blocks it reserved
+            stream = self._stream(d.actor.finish_handoff, req.request_id, *handed)
+        async for chunk in stream:
+            if chunk.kv_recomputed and not fell:  # P's send ended well, D's receive did not
+                fallback(FallbackReason.TRANSFER_FAILED, f"the KV never reached {d.worker_id}")
+            yield chunk
+
+    async def _handoff(
+        self,
+        req: WorkRequest,
+        p: WorkerHandle,
+        d: WorkerHandle,
+        fallback: Callable[[FallbackReason, str], None],
+        listener: HandoffListener,
+    ) -> tuple[int | None, TokenLogprobs | None] | None:
+        """Steps 1-2: reserve on D, prefill on P. Returns P's first token and its logprobs
+        (None: D recomputes in its reserved blocks), or None when nothing was reserved on D."""
+        pairs, rid = self.pools.pairs, req.request_id
+        if not pairs.connected(p.worker_id, d.worker_id):
+            st = pairs.state(p.worker_id, d.worker_id)
+            failed = st is not None and st.failures > 0
+            reason = FallbackReason.PAIRING_FAILED if failed else FallbackReason.PAIR_NOT_READY
+            fallback(reason, pairs.why_not(p.worker_id, d.worker_id))
+            return None
+        timeout = self.config.control_timeout_s
+        try:
+            target: KVTarget | None = await asyncio.wait_for(
+                d.actor.reserve_kv.remote(req, p.worker_id), timeout
+            )
+        except ray.exceptions.RayActorError:
+            raise  # D died: the request resumes on another decode worker
+        except Exception as exc:  # D did not answer in time: what it may have reserved goes
+            await self._abort_on(d, rid)
+            fallback(FallbackReason.NO_RESERVATION, f"{d.worker_id}: {type(exc).__name__}: {exc}")
+            return None
+        if target is None:
+            fallback(FallbackReason.NO_RESERVATION, f"{d.worker_id} had no free blocks or slot")
+            return None
+        limit = self.config.prefill_timeout_s + self.config.kv_transfer_deadline_s
+        try:
             result: PrefillResult = await asyncio.wait_for(
                 p.actor.prefill.remote(req, d.worker_id, target.dst_block_ids, target.skip_blocks),
                 limit,
             )
-            listener.prefilled(result)
-            first = result.first_token
-            first_lp = result.first_logprobs
-            if first is None:
-                fallback(FallbackReason.PREFILL_FAILED, f"{p.worker_id}: {result.error}")
-            elif not result.transfer_ok:
-                fallback(
-                    FallbackReason.TRANSFER_FAILED,
-                    f"KV transfer {p.worker_id} -> {d.worker_id} failed: {result.error}",
-                )
-                await self._check_pair(p, d)
-        except Exception as exc:  # D recomputes the prompt in the blocks it reserved
-            self.pools.note_failure(p, exc)
-            fallback(
-                FallbackReason.PREFILL_FAILED,
-                f"handoff {p.worker_id} -> {d.worker_id} failed: {type(exc).__name__}: {exc}",
-            )
-        finally:
-            p.active -= 1
-        async for chunk in self._stream(
-            d.actor.finish_handoff, req.request_id, first, first_lp
-        ):
-            yield chunk
+        except Exception as exc:  # P died, timed out or failed
+            if not self.pools.note_failure(p, exc):
+                await self._abort_on(p, rid)  # it may still be prefilling: stop it
+            why = f"{p.worker_id} -> {d.worker_id}: {type(exc).__name__}: {exc}"
+            fallback(FallbackReason.PREFILL_FAILED, why)
+            return None, None
+        listener.prefilled(result)
+        if result.first_token is None:
+            fallback(FallbackReason.PREFILL_FAILED, f"{p.worker_id}: {result.error}")
+        elif not result.transfer_ok:
+            why = f"{p.worker_id} -> {d.worker_id}: {result.error}"
+            fallback(FallbackReason.TRANSFER_FAILED, why)
+            self.pools.ops.submit(self._check_pair(p, d))
+        return result.first_token, result.first_logprobs
+
+    async def _abort_on(self, h: WorkerHandle, rid: str) -> None:
+        try:
+            await asyncio.wait_for(h.actor.abort.remote(rid), self.config.control_timeout_s)
+        except Exception as exc:
+            log.warning("abort of %s on %s failed: %s: %s", rid, h.worker_id,
+                        type(exc).__name__, exc)  # fmt: skip
 
     async def _check_pair(self, p: WorkerHandle, d: WorkerHandle) -> None:
-        """After a failed transfer: if either side lost the pair, it is made again in the
-        background; requests between the two prefill locally meanwhile."""
+        """(Supervisor loop.) After a failed transfer: if either side lost the pair, it is made
+        again in the background; requests between the two prefill locally meanwhile."""
         try:
             ok = all(
-                await asyncio.gather(
-                    p.actor.connected.remote(d.worker_id), d.actor.connected.remote(p.worker_id)
+                await asyncio.wait_for(
+                    asyncio.gather(
+                        p.actor.connected.remote(d.worker_id),
+                        d.actor.connected.remote(p.worker_id),
+                    ),
+                    self.config.control_timeout_s,
                 )
             )
-        except ray.exceptions.RayActorError:
+        except Exception:
             ok = False
-        if not ok:  # pair states change on the supervisor loop only
-            self.pools.ops.loop.call_soon_threadsafe(
-                self.pools.pairs.lost, p.worker_id, d.worker_id, "a transfer failed"
-            )
+        if not ok:
+            self.pools.pairs.lost(p.worker_id, d.worker_id, "a transfer failed")
 
     def _fallback(
         self,
@@ -318,8 +361,9 @@ class Cluster:
     async def kv_stats(self) -> dict[str, TransferStats]:
         """Each live worker's KV transfer totals, by worker id."""
         items = self.pools.live()
-        stats: list[TransferStats] = await asyncio.gather(
-            *(h.actor.kv_stats.remote() for h in items)
+        stats: list[TransferStats] = await asyncio.wait_for(
+            asyncio.gather(*(h.actor.kv_stats.remote() for h in items)),
+            self.config.control_timeout_s,
         )
         return {h.worker_id: s for h, s in zip(items, stats)}
 

@@ -34,7 +34,6 @@ from router.core_types import (
     Backend,
     CoreChunk,
     DecisionRecord,
-    FallbackReason,
     NoWorkers,
     Overloaded,
     RouterConfig,
@@ -42,11 +41,12 @@ from router.core_types import (
 )
 from router.cost_model import HandoffHealth, TransferTimeModel, prefill_pairs
 from router.errors import WorkerLost
+from router.handoff import Handoff
 from router.policy import Decision, PathPrediction, Planner, RequestShape
 from router.pool_state import WorkerState
-from router.stats import NullSink, StatsSink, TransferRecord
+from router.stats import NullSink, StatsSink
 from router.tracker import Tracker
-from worker_protocol.messages import PrefillResult, TokenChunk, WorkerInfo, WorkerRole
+from worker_protocol.messages import TokenChunk, WorkerInfo, WorkerRole
 
 log = logging.getLogger("pdserve.router")
 MAX_RESUMES = 2  # a request outliving this many dead decode workers fails
@@ -75,7 +75,9 @@ class RequestCore:
         self.active = 0
         self.resumed = 0  # times a request moved to another decode worker
         self._poller: asyncio.Task[None] | None = None
-        self._gone: set[tuple[str, int]] = set()  # (worker, incarnation) gone, reported
+        self._gone: set[tuple[str, int]] = set()  # (worker, incarnation) out of the pools
+        self._deaths_seen = 0  # of backend.dead, already reported
+        self._restarts_seen: dict[WorkerRole, int] = {}  # backend.restarts, already reported
         self._ids = itertools.count()  # workers see internal ids: clients' ids may collide
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -110,15 +112,21 @@ class RequestCore:
         self.sink.workers(
             {WorkerRole.PREFILL: len(b.prefill_ids), WorkerRole.DECODE: len(b.decode_ids)}
         )
+        for role, n in b.restarts.items():
+            if n > self._restarts_seen.get(role, 0):
+                self.sink.worker_restarted(role.value, n - self._restarts_seen.get(role, 0))
+                self._restarts_seen[role] = n
+        deaths = b.dead[self._deaths_seen :]
+        self._deaths_seen += len(deaths)
+        for w in deaths:
+            state = self.states.get(w)
+            self.sink.worker_lost(w, state.info.role.value if state else "unknown")
         live = {*b.prefill_ids, *b.decode_ids}
         for w, state in list(self.states.items()):
             key = (w, state.info.incarnation)
             if w not in live and key not in self._gone:
-                self._gone.add(key)
-                if b.is_dead(w):
-                    self.sink.worker_lost(w, state.info.role.value)
-                else:  # removed by a resize (or not back yet): its figures go
-                    self.sink.worker_removed(w, state.info.role.value)
+                self._gone.add(key)  # dead, removed by a resize, or a replacement not up yet
+                self.sink.worker_removed(w, state.info.role.value)
 
     # -- one request -------------------------------------------------------------------------
     def _state(self, worker_id: str) -> WorkerState:
@@ -129,8 +137,6 @@ class RequestCore:
         if state is None or state.info.incarnation != info.incarnation:
             if state is not None:
                 self.health.forget(worker_id)
-                restarts = info.incarnation - state.info.incarnation
-                self.sink.worker_restarted(worker_id, info.role.value, restarts)
             state = self.states[worker_id] = WorkerState(info)
         return state
 
@@ -201,7 +207,10 @@ class RequestCore:
                 placed += [prefill_on, d]
                 if _late(track, shape):  # resumed after missing its TTFT SLO
                     d.unprotect(wid)
-                stream = self._run(req, wid, chosen, emitted, track)
+                handoff = Handoff(
+                    track, wid, chosen, prefill_on, d, self.transfer, self.health, self.sink
+                )
+                stream = self._run(req, wid, chosen, emitted, handoff)
                 try:
                     async for chunk in stream:
                         if self._first_token_of(wid, track, chunk, prefill_on, d, shape):
@@ -259,7 +268,7 @@ class RequestCore:
         wid: str,
         chosen: PathPrediction,
         emitted: list[int],
-        track: Tracker,
+        handoff: Handoff,
     ) -> AsyncIterator[TokenChunk]:
         """The backend stream for one placement; after a resume, prompt + tokens so far."""
         params = req.sampling
@@ -272,7 +281,7 @@ class RequestCore:
             wid,
             chosen.prefill_worker or None,
             chosen.decode_worker,
-            _Handoff(self, track, wid, chosen),
+            handoff,
         )
 
     def _first_token_of(
@@ -371,45 +380,6 @@ class RequestCore:
         if chosen.path is RoutePath.COLOCATED or track.handed_off:
             self.planner.bias[chosen.path].observe(chosen.raw_ttft_s, ttft)
 
-    def _prefilled(
-        self, track: Tracker, wid: str, chosen: PathPrediction, result: PrefillResult
-    ) -> None:
-        track.prefilled(result)
-        p = self.states.get(chosen.prefill_worker)
-        if p is not None:
-            p.done(wid)  # its prefill is over; the decode worker has the request now
-        if result.transfer_ok and result.bytes_sent > 0:
-            self.transfer.observe(result.bytes_sent, result.transfer_s)
-        if result.transfer_ok:
-            self.health.observe(chosen.prefill_worker, chosen.decode_worker, ok=True)
-        if result.bytes_sent > 0 or not result.transfer_ok:  # a send happened, or failed
-            self.sink.transferred(
-                TransferRecord(
-                    result.bytes_sent, result.send_s, result.transfer_ok, result.failure_reason
-                )
-            )
-
-    def _fell_back(
-        self,
-        track: Tracker,
-        wid: str,
-        chosen: PathPrediction,
-        reason: FallbackReason,
-        wasted_s: float,
-    ) -> None:
-        """The decode worker prefills a disaggregated request itself: its books move there,
-        the pair's health learns the failure, and the fallback is counted."""
-        if track.kv_fallback is None:
-            track.kv_fallback = reason
-        p = self.states.get(chosen.prefill_worker)
-        if p is not None:
-            p.done(wid)
-        d = self.states.get(chosen.decode_worker)
-        if d is not None and not d.prefilling(wid):  # until its first token (_first_token_of)
-            d.add_prefill(wid, track.prompt_tokens, prefill_pairs(track.prompt_tokens, 0))
-        self.health.observe(chosen.prefill_worker, chosen.decode_worker, False, wasted_s)
-        self.sink.fell_back(reason.value)
-
     # -- reading -----------------------------------------------------------------------------
     def prediction_error(self, path: RoutePath | None = None, last: int = 200) -> float | None:
         """Median |predicted - measured| / measured TTFT over the latest requests (of `path`)."""
@@ -431,20 +401,3 @@ def _late(track: Tracker, shape: RequestShape) -> bool:
     """The first token came after the TTFT SLO: the request can no longer attain."""
     return track.ttft_s is not None and track.ttft_s > shape.slo_ttft_s
 
-
-class _Handoff:
-    """One placement's HandoffListener: what the pools say about its handoff goes to the core."""
-
-    __slots__ = ("core", "track", "wid", "chosen")
-
-    def __init__(self, core: RequestCore, track: Tracker, wid: str, chosen: PathPrediction):
-        self.core = core
-        self.track = track
-        self.wid = wid
-        self.chosen = chosen
-
-    def prefilled(self, result: PrefillResult) -> None:
-        self.core._prefilled(self.track, self.wid, self.chosen, result)
-
-    def fell_back(self, reason: FallbackReason, detail: str, wasted_s: float) -> None:
-        self.core._fell_back(self.track, self.wid, self.chosen, reason, wasted_s)

@@ -12,7 +12,13 @@ from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from router.convert import RoutePath
 from router.policy import Decision, PolicyConfig
-from worker_protocol.messages import PrefillResult, TokenChunk, WorkerInfo, WorkerLoad
+from worker_protocol.messages import (
+    PrefillResult,
+    TokenChunk,
+    WorkerInfo,
+    WorkerLoad,
+    WorkerRole,
+)
 
 
 class FallbackReason(enum.Enum):
@@ -23,6 +29,7 @@ class FallbackReason(enum.Enum):
     NO_RESERVATION = "no_reservation"  # the decode worker had no free blocks or sequence slot
     TRANSFER_FAILED = "transfer_failed"  # the KV send failed or passed its deadline
     PREFILL_FAILED = "prefill_failed"  # the prefill worker died, timed out or was stopped
+    NO_PREFILL_WORKER = "no_prefill_worker"  # none was up when the request reached the pools
 
 
 class HandoffListener(Protocol):
@@ -49,8 +56,13 @@ class Backend(Protocol):
     def worker_info(self, worker_id: str) -> WorkerInfo:
         """What the current incarnation of a worker said about itself."""
 
-    def is_dead(self, worker_id: str) -> bool:
-        """Whether the worker's latest incarnation died (as opposed to being removed)."""
+    @property
+    def dead(self) -> list[str]:
+        """Ids of the workers found dead, in the order found (an id once per death)."""
+
+    @property
+    def restarts(self) -> dict[WorkerRole, int]:
+        """Dead workers replaced by a new one that took load, by role, since the start."""
 
     def generate(
         self,

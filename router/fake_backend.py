@@ -53,6 +53,8 @@ class FakeBackend:
     ) -> None:
         self.prefill_ids = [f"prefill-{i}" for i in range(num_prefill)]
         self.decode_ids = [f"decode-{i}" for i in range(num_decode)]
+        self.dead: list[str] = []
+        self.restarts: dict[WorkerRole, int] = {}
         self.vocab_size = vocab_size
         self.chunk_tokens = chunk_tokens
         self.gate = gate
@@ -63,9 +65,6 @@ class FakeBackend:
     def worker_info(self, worker_id: str) -> WorkerInfo:
         role = WorkerRole.DECODE if worker_id in self.decode_ids else WorkerRole.PREFILL
         return fake_info(worker_id, role, self.vocab_size)
-
-    def is_dead(self, worker_id: str) -> bool:
-        return False
 
     async def infos(self) -> list[WorkerInfo]:
         return [self.worker_info(w) for w in [*self.prefill_ids, *self.decode_ids]]

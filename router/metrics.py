@@ -298,7 +298,7 @@ class Metrics:
                 pass
         self._last.pop(worker_id, None)  # a later incarnation reports totals from 0
 
-    def worker_restarted(self, worker_id: str, role: str, times: int) -> None:
+    def worker_restarted(self, role: str, times: int) -> None:
         if times > 0:
             self.worker_restarts.labels(role).inc(times)
 

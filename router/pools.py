@@ -13,14 +13,18 @@ states), the KV pairs between them (router/pairing.py), and every change of memb
             resumes elsewhere, through the request core; a removed prefill worker's handoffs
             are prefilled on their decode workers).
 Everything that changes membership runs on one supervisor loop (its own thread), so it
-outlives the request or the caller that set it off; readers on other threads see whole lists.
+outlives the request or the caller that set it off, except noting a death, which the thread that
+saw it does. `_lock` guards the handles' statuses, `workers` and `ids` for both; readers on other
+threads take snapshots under it (`ids` lists are replaced whole, never changed in place).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +57,10 @@ class PoolConfig:
     drain_timeout_s: float = 30.0  # a removed worker's own requests, before it is stopped
 
 
+class PoolsUnavailable(RuntimeError):
+    """Workers did not come up (placement, resources, a failing engine); the message says why."""
+
+
 class Pools:
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
@@ -63,47 +71,61 @@ class Pools:
         self.dead: list[str] = []  # ids of workers found dead, in the order found
         self.restarts: dict[WorkerRole, int] = {r: 0 for r in WorkerRole}
         self._next = {r: itertools.count() for r in WorkerRole}
+        self._lock = threading.RLock()
         self._resize = asyncio.Lock()
         self._closing = False
         self._maintainer = self.ops.submit(self._maintain())
 
     # -- reading -------------------------------------------------------------------------------
-    def ready(self, role: WorkerRole) -> list[WorkerHandle]:
-        return [self.workers[w] for w in self.ids[role]]
+    def handles(self) -> list[WorkerHandle]:
+        """Every current handle, whatever its status (a snapshot)."""
+        with self._lock:
+            return list(self.workers.values())
 
     def live(self) -> list[WorkerHandle]:
         """Workers whose engine is up and not stopped: READY and DRAINING."""
         ok = (WorkerStatus.READY, WorkerStatus.DRAINING)
-        return [h for h in self.workers.values() if h.status in ok]
+        return [h for h in self.handles() if h.status in ok]
 
     def _refresh_ids(self) -> None:
-        for role in WorkerRole:  # a new list each time: readers on other threads see whole ones
-            self.ids[role] = sorted(
-                (w for w, h in self.workers.items() if h.role is role and h.ready), key=_order
-            )
+        with self._lock:
+            for role in WorkerRole:  # a new list each time: readers elsewhere see whole ones
+                self.ids[role] = sorted(
+                    (w for w, h in self.workers.items() if h.role is role and h.ready), key=_order
+                )
 
     # -- start ---------------------------------------------------------------------------------
     def start(self, num_prefill: int, num_decode: int) -> None:
-        """Bring up the pools (blocking); raises RuntimeError when they don't come up in time."""
-        self.ops.call(self._grow(num_prefill, num_decode), self.config.start_timeout_s + 30)
+        """Bring up the pools (blocking); raises PoolsUnavailable when they don't come up."""
+        limit = self.config.start_timeout_s + 3 * self.config.pair_timeout_s + 30
+        try:
+            self.ops.call(self._grow(num_prefill, num_decode), limit)
+        except concurrent.futures.TimeoutError:
+            raise PoolsUnavailable(f"the workers did not come up within {limit:.0f} s") from None
 
     async def _grow(self, num_prefill: int, num_decode: int) -> list[WorkerHandle]:
-        """Add workers and bring them up together; all or nothing."""
+        """Add workers and bring them up together; all or nothing (PoolsUnavailable)."""
         new = [self._spawn(WorkerRole.PREFILL, self._new_id(WorkerRole.PREFILL))
                for _ in range(num_prefill)]  # fmt: skip
         new += [self._spawn(WorkerRole.DECODE, self._new_id(WorkerRole.DECODE))
                 for _ in range(num_decode)]  # fmt: skip
-        ok = await asyncio.gather(*(self._engine_up(h) for h in new))
-        if not all(ok):
+        try:
+            ok = await asyncio.gather(*(self._engine_up(h) for h in new))
+            if not all(ok):
+                failed = [f"{h.worker_id}: {h.error}" for h, up in zip(new, ok) if not up]
+                raise PoolsUnavailable("workers did not start: " + "; ".join(failed))
+            await asyncio.gather(*(self._pair_up(h) for h in new))
+            await asyncio.gather(*(self._warm(h) for h in new))
+        except BaseException:
             for h in new:
                 self._stop_actor(h, WorkerStatus.STOPPED)
-            failed = [f"{h.worker_id}: {h.error}" for h, up in zip(new, ok) if not up]
-            raise RuntimeError("workers did not start: " + "; ".join(failed))
-        await asyncio.gather(*(self._pair_up(h) for h in new))
-        await asyncio.gather(*(self._warm(h) for h in new))
-        for h in new:
-            h.status = WorkerStatus.READY
-        self._refresh_ids()
+                self._drop(h)
+            raise
+        with self._lock:
+            for h in new:
+                if h.status is WorkerStatus.STARTING:  # (one may have died meanwhile)
+                    h.status = WorkerStatus.READY
+            self._refresh_ids()
         return new
 
     def _new_id(self, role: WorkerRole) -> str:
@@ -114,14 +136,21 @@ class Pools:
 
     def _spawn(self, role: WorkerRole, worker_id: str, incarnation: int = 0) -> WorkerHandle:
         placement = self.config.placement.get(role, Placement())
-        node = spread_node(placement, ray.nodes(), list(self.workers.values()))
+        node = spread_node(placement, ray.nodes(), self.handles())
         cls: Any = ray.remote(ACTOR_CLASSES[role])
         actor = cls.options(**placement.actor_options(node)).remote(
             worker_id, self.config.spec, incarnation
         )
         handle = WorkerHandle(worker_id, role, actor, incarnation, node)
-        self.workers[worker_id] = handle
+        with self._lock:
+            self.workers[worker_id] = handle
         return handle
+
+    def _drop(self, h: WorkerHandle) -> None:
+        with self._lock:
+            if self.workers.get(h.worker_id) is h:
+                del self.workers[h.worker_id]
+            self._refresh_ids()
 
     async def _engine_up(self, h: WorkerHandle) -> bool:
         """Wait (bounded) for the actor's engine; keep what it says about itself."""
@@ -144,7 +173,7 @@ class Pools:
     async def _pair_up(self, h: WorkerHandle) -> None:
         """Pair a new worker with every peer of the other pool whose engine is up."""
         peers = [
-            p for p in self.workers.values()
+            p for p in self.handles()
             if p.role is OTHER[h.role] and p.info is not None
             and p.status in (WorkerStatus.STARTING, WorkerStatus.READY)
         ]  # fmt: skip
@@ -176,16 +205,18 @@ class Pools:
             exc, ray.exceptions.ActorUnavailableError  # transient: it may answer again
         ):
             return False
-        if not h.is_actor(getattr(exc, "actor_id", None)):
+        if not h.is_actor(exc.actor_id):
             return False  # another actor died under this call
-        if h.status in (WorkerStatus.DEAD, WorkerStatus.STOPPED):
-            return True
-        draining = h.status is WorkerStatus.DRAINING
-        h.status = WorkerStatus.STOPPED if draining else WorkerStatus.DEAD
-        h.error = f"{type(exc).__name__}"
-        self._refresh_ids()
+        with self._lock:
+            if h.status in (WorkerStatus.DEAD, WorkerStatus.STOPPED):
+                return True
+            draining = h.status is WorkerStatus.DRAINING
+            h.status = WorkerStatus.STOPPED if draining else WorkerStatus.DEAD
+            h.error = f"{type(exc).__name__}"
+            self._refresh_ids()
+            if not draining:
+                self.dead.append(h.worker_id)
         if not draining:
-            self.dead.append(h.worker_id)
             log.warning("worker %s died and left its pool", h.worker_id)
             if self.config.replace_dead and not self._closing:
                 self.ops.submit(self._replace(h))
@@ -196,22 +227,29 @@ class Pools:
         attempts), unless the id is replaced or removed by someone else meanwhile."""
         self.pairs.forget(dead.worker_id)
         backoff = self.config.restart_backoff_s
-        while not self._closing and self.workers.get(dead.worker_id) is dead:
+        while not self._closing and self._current(dead, WorkerStatus.DEAD):
             h = self._spawn(dead.role, dead.worker_id, dead.incarnation + 1)
             if await self._engine_up(h):
                 await self._pair_up(h)
                 await self._warm(h)
-                if self.workers.get(h.worker_id) is h and h.status is WorkerStatus.STARTING:
+                with self._lock:
+                    if not self._current(h, WorkerStatus.STARTING):
+                        return  # it died meanwhile (another replacement runs) or was removed
                     h.status = WorkerStatus.READY
                     self.restarts[h.role] += 1
                     self._refresh_ids()
-                    log.info("worker %s replaced (incarnation %d) and ready", h.worker_id,
-                             h.incarnation)  # fmt: skip
+                log.info("worker %s replaced (incarnation %d) and ready", h.worker_id,
+                         h.incarnation)  # fmt: skip
                 return
             self._stop_actor(h, WorkerStatus.DEAD)  # stays the current one: tried again
             dead = h
             await asyncio.sleep(backoff)
             backoff = min(60.0, backoff * 2)
+
+    def _current(self, h: WorkerHandle, status: WorkerStatus) -> bool:
+        """Whether `h` is still its id's current incarnation, in `status`."""
+        with self._lock:
+            return self.workers.get(h.worker_id) is h and h.status is status
 
     # -- resize --------------------------------------------------------------------------------
     async def scale(
@@ -228,22 +266,28 @@ class Pools:
             if any(add.values()):
                 await self._grow(add.get(WorkerRole.PREFILL, 0), add.get(WorkerRole.DECODE, 0))
             victims: list[WorkerHandle] = []
-            for role, n in want.items():
-                members = self._members(role)
-                if n is not None and len(members) > n:
-                    # The least busy first; among equals the newest.
-                    members.sort(key=lambda h: (h.active, -_order(h.worker_id)))
-                    victims += members[: len(members) - n]
-            for h in victims:
-                h.status = WorkerStatus.DRAINING
-            self._refresh_ids()
+            with self._lock:
+                for role, n in want.items():
+                    members = self._members(role)
+                    if n is not None and len(members) > n:
+                        # Dead ones (a replacement pending) first, then the least busy, then
+                        # the newest.
+                        members.sort(
+                            key=lambda h: (
+                                h.status is not WorkerStatus.DEAD, h.active, -_order(h.worker_id)
+                            )
+                        )
+                        victims += members[: len(members) - n]
+                for h in victims:
+                    h.status = WorkerStatus.DRAINING  # a pending replacement stops on seeing it
+                self._refresh_ids()
             timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
             await asyncio.gather(*(self._drain(h, timeout) for h in victims))
 
     def _members(self, role: WorkerRole) -> list[WorkerHandle]:
         """Workers that count towards a pool's size: all but the draining and stopped ones."""
         gone = (WorkerStatus.DRAINING, WorkerStatus.STOPPED)
-        return [h for h in self.workers.values() if h.role is role and h.status not in gone]
+        return [h for h in self.handles() if h.role is role and h.status not in gone]
 
     async def _drain(self, h: WorkerHandle, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -265,20 +309,22 @@ class Pools:
                 pass  # killed below either way
         self._stop_actor(h, WorkerStatus.STOPPED)
         self.pairs.forget(h.worker_id)
-        if self.workers.get(h.worker_id) is h:
-            del self.workers[h.worker_id]
+        self._drop(h)
         peers = [p for p in self.live() if p.role is OTHER[h.role]]
+        timeout = self.config.control_timeout_s
         await asyncio.gather(
-            *(p.actor.disconnect.remote(h.worker_id) for p in peers), return_exceptions=True
+            *(asyncio.wait_for(p.actor.disconnect.remote(h.worker_id), timeout) for p in peers),
+            return_exceptions=True,
         )
 
     def _stop_actor(self, h: WorkerHandle, status: WorkerStatus) -> None:
-        h.status = status
+        with self._lock:
+            h.status = status
+            self._refresh_ids()
         try:
             ray.kill(h.actor, no_restart=True)
         except Exception:
             pass  # already gone
-        self._refresh_ids()
 
     # -- upkeep --------------------------------------------------------------------------------
     async def _maintain(self) -> None:
@@ -296,7 +342,7 @@ class Pools:
 
     def shutdown(self) -> None:
         self._closing = True
-        handles = list(self.workers.values())
+        handles = self.handles()
         for h in handles:
             if h.info is not None and h.status in (WorkerStatus.READY, WorkerStatus.DRAINING):
                 try:

@@ -61,7 +61,7 @@ class StatsSink(Protocol):
 
     def worker_removed(self, worker_id: str, role: str) -> None: ...
 
-    def worker_restarted(self, worker_id: str, role: str, times: int) -> None: ...
+    def worker_restarted(self, role: str, times: int) -> None: ...
 
     def workers(self, ready: dict[WorkerRole, int]) -> None: ...
 
@@ -100,7 +100,7 @@ class NullSink:
     def worker_removed(self, worker_id: str, role: str) -> None:
         pass
 
-    def worker_restarted(self, worker_id: str, role: str, times: int) -> None:
+    def worker_restarted(self, role: str, times: int) -> None:
         pass
 
     def workers(self, ready: dict[WorkerRole, int]) -> None:

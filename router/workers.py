@@ -109,10 +109,11 @@ class LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     async def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Await `coro` on the supervisor loop from any other loop."""
+        """Await `coro` on the supervisor loop from any other loop. A caller that stops waiting
+        (a client's deadline) does not stop `coro`: membership changes run to the end."""
         if asyncio.get_running_loop() is self.loop:
             return await coro
-        return await asyncio.wrap_future(self.submit(coro))
+        return await asyncio.shield(asyncio.wrap_future(self.submit(coro)))
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         """Run `coro` on the supervisor loop from a thread with no loop of its own."""

@@ -51,7 +51,9 @@ def holder(srv, rid: str) -> str | None:
 @pytest.mark.parametrize("path", [pb.PATH_COLOCATED, pb.PATH_DISAGGREGATED])
 def test_a_dead_decode_worker_s_request_resumes_on_another_token_for_token(srv, path):
     cluster = srv.server.cluster
-    assert len(cluster.decode_ids) >= 2
+    assert len(cluster.decode_ids) == 3
+    metric = srv.server.metrics.registry.get_sample_value
+    restarts = metric("pdserve_worker_restarts_total", {"role": "decode"})
     prompt = random_prompts([21], seed={1: 11, 2: 18}[path])[0]
     want = hf_greedy(MODEL, prompt, MAX_NEW)
     assert len(want) == MAX_NEW  # no EOS: the stream is long enough to kill mid-way
@@ -87,3 +89,13 @@ def test_a_dead_decode_worker_s_request_resumes_on_another_token_for_token(srv, 
         assert time.monotonic() < deadline, loads
         time.sleep(0.05)
     assert srv.server.core.pending == srv.server.core.active == 0
+    # A new actor under the dead worker's id takes load again, and the metrics say so.
+    deadline = time.monotonic() + 60
+    while killed not in cluster.decode_ids:
+        assert time.monotonic() < deadline, f"{killed} was not replaced within 60 s"
+        time.sleep(0.1)
+    assert cluster.worker_info(killed).incarnation >= 1
+    srv.run(srv.server.core.refresh())
+    assert metric("pdserve_worker_restarts_total", {"role": "decode"}) == restarts + 1
+    assert metric("pdserve_workers", {"role": "decode"}) == 3
+    assert metric("pdserve_worker_failures_total", {"worker": killed, "role": "decode"}) >= 1

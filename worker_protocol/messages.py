@@ -112,6 +112,9 @@ class TokenChunk:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     queue_s: float = 0.0  # arrival to first scheduled on the worker that streams it
     prefill_s: float = 0.0  # first scheduled to first token there (0 for a handed-off prompt)
+    # On the first chunk of a handoff whose KV never arrived although the prefill worker sent
+    # it: the decode worker recomputed the prompt.
+    kv_recomputed: bool = False
 
     @classmethod
     def from_output(cls, out: RequestOutput, worker_id: str) -> TokenChunk:

@@ -1,0 +1,67 @@
+"""What the request core learns from one disaggregated placement's handoff (a HandoffListener):
+the prefill worker's measured times and transfer, or a fallback to a local prefill. It keeps the
+books of the very workers the request was placed on (a replacement under the same id has books of
+its own), trains the transfer model and the pair's health, and reports to the stats sink."""
+
+from __future__ import annotations
+
+from router.core_types import FallbackReason
+from router.cost_model import HandoffHealth, TransferTimeModel, prefill_pairs
+from router.policy import PathPrediction
+from router.pool_state import WorkerState
+from router.stats import StatsSink, TransferRecord
+from router.tracker import Tracker
+from worker_protocol.messages import PrefillResult
+
+
+class Handoff:
+    __slots__ = ("track", "wid", "chosen", "p", "d", "transfer", "health", "sink")
+
+    def __init__(
+        self,
+        track: Tracker,
+        wid: str,
+        chosen: PathPrediction,
+        p: WorkerState,
+        d: WorkerState,
+        transfer: TransferTimeModel,
+        health: HandoffHealth,
+        sink: StatsSink,
+    ) -> None:
+        self.track = track
+        self.wid = wid
+        self.chosen = chosen
+        self.p = p  # the prefill worker's books (the decode worker's on the colocated path)
+        self.d = d
+        self.transfer = transfer
+        self.health = health
+        self.sink = sink
+
+    def prefilled(self, result: PrefillResult) -> None:
+        self.track.prefilled(result)
+        if self.p is not self.d:
+            self.p.done(self.wid)  # its prefill is over; the decode worker has the request now
+        if result.transfer_ok and result.bytes_sent > 0:
+            self.transfer.observe(result.bytes_sent, result.transfer_s)
+        if result.transfer_ok:
+            self.health.observe(self.chosen.prefill_worker, self.chosen.decode_worker, ok=True)
+        if result.bytes_sent > 0 or not result.transfer_ok:  # a send happened, or failed
+            self.sink.transferred(
+                TransferRecord(
+                    result.bytes_sent, result.send_s, result.transfer_ok, result.failure_reason
+                )
+            )
+
+    def fell_back(self, reason: FallbackReason, detail: str, wasted_s: float) -> None:
+        """The decode worker prefills the request itself: its prefill moves to the decode
+        worker's books (until its first token), the pair's health learns the failure, and the
+        fallback is counted."""
+        if self.track.kv_fallback is None:
+            self.track.kv_fallback = reason
+        if self.p is not self.d:
+            self.p.done(self.wid)
+        n = self.track.prompt_tokens
+        if not self.d.prefilling(self.wid):
+            self.d.add_prefill(self.wid, n, prefill_pairs(n, 0))
+        self.health.observe(self.chosen.prefill_worker, self.chosen.decode_worker, False, wasted_s)
+        self.sink.fell_back(reason.value)
