@@ -11,10 +11,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from router.server import ServeConfig
 
 # Same status argparse uses for a usage error.
 EXIT_USAGE = 2
@@ -145,91 +141,30 @@ def _serve(args: argparse.Namespace, _extra: list[str]) -> int:
     from router import serve_options
 
     try:
-        values = serve_options.resolve(args)
+        options = serve_options.resolve(args)
     except serve_options.OptionError as exc:
         return _error(exc)
     if args.print_config:
-        print(serve_options.to_yaml(values), end="")
+        print(options.to_yaml(), end="")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        config = serve_config(values)
+        config = options.serve_config()
     except ValueError as exc:
         return _error(exc)
 
     import asyncio
 
     from engine.errors import ModelNotFoundError
+    from router.pools import PoolsUnavailable
     from router.ray_runtime import RayUnavailable
     from router.server import serve
 
     try:
         asyncio.run(serve(config))
-    except (ModelNotFoundError, OSError, RayUnavailable) as exc:
-        return _error(exc)
-    except RuntimeError as exc:  # the pools did not come up (placement, resources)
-        if "did not start" not in str(exc):
-            raise
+    except (ModelNotFoundError, OSError, RayUnavailable, PoolsUnavailable) as exc:
         return _error(exc)
     return 0
-
-
-def serve_config(v: dict) -> ServeConfig:
-    """The server's configuration from the effective options (router/serve_options.py)."""
-    from dataclasses import replace
-
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from router.cluster import ClusterConfig
-    from router.core_types import RouterConfig
-    from router.policy import Policy, PolicyConfig
-    from router.server import ServeConfig
-
-    cache = CacheConfig()
-    if v["kv_cache_gib"] is not None:
-        cache = replace(cache, cpu_kv_cache_gib=v["kv_cache_gib"])
-    step_target = v["step_target_ms"]
-    engine = EngineConfig(
-        cache=cache,
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=v["max_num_batched_tokens"],
-            max_num_seqs=v["max_num_seqs"],
-            enable_chunked_prefill=v["chunked_prefill"],
-            step_target_s=None if step_target is None else step_target / 1000,
-        ),
-    )
-    return ServeConfig(
-        cluster=ClusterConfig(
-            model=v["model"],
-            num_prefill=v["prefill"],
-            num_decode=v["decode"],
-            engine=engine,
-            threads_per_worker=v["threads"],
-            address=v["ray_address"],
-            gpus_per_worker=v["gpus_per_worker"],
-            prefill_resources=v["prefill_resources"],
-            decode_resources=v["decode_resources"],
-            kv_interface=v["kv_interface"],
-            kv_host=v["kv_host"],
-            pair_timeout_s=v["pair_timeout"],
-            replace_dead=v["replace_dead_workers"],
-            drain_timeout_s=v["drain_timeout"],
-        ),
-        router=RouterConfig(
-            policy=PolicyConfig(
-                policy=Policy(v["policy"]),
-                threshold_tokens=v["threshold_tokens"],
-                threshold_queue=v["threshold_queue"],
-            ),
-            slo_ttft_s=v["slo_ttft_ms"] / 1000,
-            slo_itl_s=v["slo_itl_ms"] / 1000,
-            max_pending=v["max_pending"],
-        ),
-        host=v["host"],
-        port=v["port"],
-        metrics_port=None if v["metrics_port"] < 0 else v["metrics_port"],
-        admin_port=None if v["admin_port"] < 0 else v["admin_port"],
-        drain_timeout_s=v["drain_timeout"],
-    )
 
 
 def _add_complete(sub: argparse._SubParsersAction) -> None:

@@ -21,21 +21,19 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
-import torch
 
-from engine.config import EngineConfig
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from kv_transfer import TransferStats
+from router.cluster_config import ClusterConfig
 from router.core_types import FallbackReason, HandoffListener
 from router.errors import WorkerLost
-from router.pools import PoolConfig, Pools
+from router.pools import Pools
 from router.ray_runtime import init_ray
-from router.workers import Placement, WorkerHandle, WorkerStatus
+from router.workers import WorkerHandle, WorkerStatus
 from worker_protocol.messages import (
     KVTarget,
     PrefillResult,
@@ -43,69 +41,11 @@ from worker_protocol.messages import (
     WorkerInfo,
     WorkerLoad,
     WorkerRole,
-    WorkerSpec,
     WorkRequest,
 )
 
 PATHS = ("colocated", "disaggregated")
 log = logging.getLogger("pdserve.cluster")
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterConfig:
-    model: str = "smollm2-135m"
-    num_prefill: int = 1
-    num_decode: int = 1
-    engine: EngineConfig = field(default_factory=EngineConfig)  # its model name is replaced
-    threads_per_worker: int = 1
-    kv_transfer_deadline_s: float = 30.0
-    prefill_timeout_s: float = 600.0  # a prefill's queue wait and compute on its worker
-    address: str | None = None  # see router/ray_runtime.py
-    # GPUs per worker actor; None: 1 where CUDA is present, else 0. Fractions share a device.
-    gpus_per_worker: float | None = None
-    # Ray resources each worker of a pool asks for, e.g. {"prefill_node": 1}.
-    prefill_resources: dict[str, float] = field(default_factory=dict)
-    decode_resources: dict[str, float] = field(default_factory=dict)
-    kv_backend: str = "auto"  # see WorkerSpec.kv_backend
-    kv_interface: str | None = None  # see WorkerSpec.kv_interface
-    kv_host: str | None = None  # see WorkerSpec.kv_host
-    start_timeout_s: float = 300.0
-    control_timeout_s: float = 30.0  # a control call to a worker (reserve, abort, load)
-    pair_timeout_s: float = 10.0  # one attempt to pair a prefill and a decode worker
-    replace_dead: bool = True  # start a new worker in place of one found dead
-    drain_timeout_s: float = 30.0  # a removed worker's own requests, before it is stopped
-
-    def __post_init__(self) -> None:
-        if self.num_prefill < 0 or self.num_decode < 1:
-            raise ValueError("need num_prefill >= 0 and num_decode >= 1")
-
-    def pool_config(self) -> PoolConfig:
-        gpus = self.gpus_per_worker
-        if gpus is None:
-            gpus = 1 if torch.cuda.is_available() else 0
-        engine = replace(self.engine, model=replace(self.engine.model, model=self.model))
-        spec = WorkerSpec(
-            engine=engine,
-            num_threads=self.threads_per_worker,
-            kv_transfer_deadline_s=self.kv_transfer_deadline_s,
-            prefill_timeout_s=self.prefill_timeout_s,
-            kv_backend=self.kv_backend,
-            kv_interface=self.kv_interface,
-            kv_host=self.kv_host,
-            pair_timeout_s=self.pair_timeout_s,
-        )
-        return PoolConfig(
-            spec=spec,
-            placement={
-                WorkerRole.PREFILL: Placement(gpus, tuple(sorted(self.prefill_resources.items()))),
-                WorkerRole.DECODE: Placement(gpus, tuple(sorted(self.decode_resources.items()))),
-            },
-            start_timeout_s=self.start_timeout_s,
-            control_timeout_s=self.control_timeout_s,
-            pair_timeout_s=self.pair_timeout_s,
-            replace_dead=self.replace_dead,
-            drain_timeout_s=self.drain_timeout_s,
-        )
 
 
 class _NullListener:
@@ -120,7 +60,7 @@ class Cluster:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         init_ray(config.address)
-        self.pools = Pools(config.pool_config())
+        self.pools = Pools(config.pool_config(ray.cluster_resources().get("GPU", 0.0)))
         try:
             self.pools.start(config.num_prefill, config.num_decode)
         except BaseException:

@@ -42,11 +42,12 @@ from router.core_types import (
 from router.cost_model import HandoffHealth, TransferTimeModel, prefill_pairs
 from router.errors import WorkerLost
 from router.handoff import Handoff
+from router.membership import Membership
 from router.policy import Decision, PathPrediction, Planner, RequestShape
 from router.pool_state import WorkerState
 from router.stats import NullSink, StatsSink
 from router.tracker import Tracker
-from worker_protocol.messages import TokenChunk, WorkerInfo, WorkerRole
+from worker_protocol.messages import TokenChunk, WorkerInfo
 
 log = logging.getLogger("pdserve.router")
 MAX_RESUMES = 2  # a request outliving this many dead decode workers fails
@@ -65,19 +66,17 @@ class RequestCore:
         self.tokenizer = tokenizer
         self.sink: StatsSink = sink or NullSink()
         self.config = config
-        self.states = {i.worker_id: WorkerState(i) for i in infos}
         self.block_size = infos[0].block_size
         self.transfer = TransferTimeModel()
         self.health = HandoffHealth()
+        self.members = Membership(backend, infos, self.health, self.sink)
+        self.states = self.members.states  # the books, by worker id (current incarnations)
         self.planner = Planner(config.policy, self.transfer, self.health)
         self.records: deque[DecisionRecord] = deque(maxlen=2048)
         self.pending = 0
         self.active = 0
         self.resumed = 0  # times a request moved to another decode worker
         self._poller: asyncio.Task[None] | None = None
-        self._gone: set[tuple[str, int]] = set()  # (worker, incarnation) out of the pools
-        self._deaths_seen = 0  # of backend.dead, already reported
-        self._restarts_seen: dict[WorkerRole, int] = {}  # backend.restarts, already reported
         self._ids = itertools.count()  # workers see internal ids: clients' ids may collide
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -101,49 +100,9 @@ class RequestCore:
             await asyncio.sleep(self.config.poll_interval_s)
 
     async def refresh(self) -> None:
-        loads = await self.backend.load()
-        self._pools()  # books for workers that joined since
-        for load in loads:
-            state = self.states.get(load.worker_id)
-            if state is not None and state.info.incarnation == load.incarnation:
-                state.absorb(load)
-        self.sink.loads(loads)
-        b = self.backend
-        self.sink.workers(
-            {WorkerRole.PREFILL: len(b.prefill_ids), WorkerRole.DECODE: len(b.decode_ids)}
-        )
-        for role, n in b.restarts.items():
-            if n > self._restarts_seen.get(role, 0):
-                self.sink.worker_restarted(role.value, n - self._restarts_seen.get(role, 0))
-                self._restarts_seen[role] = n
-        deaths = b.dead[self._deaths_seen :]
-        self._deaths_seen += len(deaths)
-        for w in deaths:
-            state = self.states.get(w)
-            self.sink.worker_lost(w, state.info.role.value if state else "unknown")
-        live = {*b.prefill_ids, *b.decode_ids}
-        for w, state in list(self.states.items()):
-            key = (w, state.info.incarnation)
-            if w not in live and key not in self._gone:
-                self._gone.add(key)  # dead, removed by a resize, or a replacement not up yet
-                self.sink.worker_removed(w, state.info.role.value)
+        self.members.absorb(await self.backend.load())
 
     # -- one request -------------------------------------------------------------------------
-    def _state(self, worker_id: str) -> WorkerState:
-        """The books of a worker's current incarnation; a new incarnation (a replacement) gets
-        fresh books: its prefix cache and queues start empty."""
-        info = self.backend.worker_info(worker_id)
-        state = self.states.get(worker_id)
-        if state is None or state.info.incarnation != info.incarnation:
-            if state is not None:
-                self.health.forget(worker_id)
-            state = self.states[worker_id] = WorkerState(info)
-        return state
-
-    def _pools(self) -> tuple[list[WorkerState], list[WorkerState]]:
-        b = self.backend
-        return [self._state(w) for w in b.prefill_ids], [self._state(w) for w in b.decode_ids]
-
     def plan(self, req: ParsedRequest) -> tuple[RequestShape, Decision]:
         shape = RequestShape(
             prompt_len=len(req.prompt_token_ids),
@@ -152,7 +111,7 @@ class RequestCore:
             slo_ttft_s=(req.slo_ttft_ms / 1000) if req.slo_ttft_ms else self.config.slo_ttft_s,
             slo_itl_s=(req.slo_itl_ms / 1000) if req.slo_itl_ms else self.config.slo_itl_s,
         )
-        prefill, decode = self._pools()
+        prefill, decode = self.members.pools()
         if not decode:
             self.sink.rejected("no_workers")
             raise NoWorkers("no decode worker is up; the server cannot take requests now")
@@ -246,7 +205,7 @@ class RequestCore:
                         hashes=tuple(block_hashes(ids, self.block_size)),
                         max_tokens=req.sampling.max_tokens - len(emitted),
                     )
-                    prefill, decode = self._pools()
+                    prefill, decode = self.members.pools()
                     decision = self.planner.decide(shape, prefill, decode, req.path)
                 finally:
                     await _close(stream)

@@ -13,12 +13,16 @@ import argparse
 import difflib
 import json
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
 import yaml
+
+if TYPE_CHECKING:
+    from router.server import ServeConfig
 
 Parse = Callable[[Any], Any]
 
@@ -159,6 +163,8 @@ OPTIONS: tuple[Option, ...] = (
            "--kv-interface; the same for every worker: for one-node setups)"),
     Option("pair_timeout", number(0, strict=True), 10.0,
            "seconds one pairing of a prefill and a decode worker may take"),
+    Option("start_timeout", number(0, strict=True), 300.0,
+           "seconds a worker may take to be placed, load its model and warm up"),
     Option("replace_dead_workers", flag, True,
            "start a new worker in place of one found dead", boolean=True),
     # scheduler budgets
@@ -251,7 +257,78 @@ def read_file(path: Path) -> dict[str, Any]:
     return out
 
 
-def resolve(args: argparse.Namespace) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """Every option's effective value (defaults, then the file, then the flags)."""
+
+    values: Mapping[str, Any]
+
+    def to_yaml(self) -> str:
+        """A complete config file: every option, in the order of OPTIONS."""
+        return yaml.safe_dump({o.name: self.values[o.name] for o in OPTIONS}, sort_keys=False)
+
+    def serve_config(self) -> ServeConfig:
+        """The server's configuration."""
+        # Imported here: building the parser (every `pdserve` command) must not load Ray.
+        from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+        from router.cluster_config import ClusterConfig
+        from router.core_types import RouterConfig
+        from router.policy import Policy, PolicyConfig
+        from router.server import ServeConfig
+
+        v = self.values
+        cache = CacheConfig()
+        if v["kv_cache_gib"] is not None:
+            cache = replace(cache, cpu_kv_cache_gib=v["kv_cache_gib"])
+        step_target = v["step_target_ms"]
+        engine = EngineConfig(
+            cache=cache,
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=v["max_num_batched_tokens"],
+                max_num_seqs=v["max_num_seqs"],
+                enable_chunked_prefill=v["chunked_prefill"],
+                step_target_s=None if step_target is None else step_target / 1000,
+            ),
+        )
+        cluster = ClusterConfig(
+            model=v["model"],
+            num_prefill=v["prefill"],
+            num_decode=v["decode"],
+            engine=engine,
+            threads_per_worker=v["threads"],
+            address=v["ray_address"],
+            gpus_per_worker=v["gpus_per_worker"],
+            prefill_resources=v["prefill_resources"],
+            decode_resources=v["decode_resources"],
+            kv_interface=v["kv_interface"],
+            kv_host=v["kv_host"],
+            pair_timeout_s=v["pair_timeout"],
+            start_timeout_s=v["start_timeout"],
+            replace_dead=v["replace_dead_workers"],
+            drain_timeout_s=v["drain_timeout"],
+        )
+        policy = PolicyConfig(
+            policy=Policy(v["policy"]),
+            threshold_tokens=v["threshold_tokens"],
+            threshold_queue=v["threshold_queue"],
+        )
+        return ServeConfig(
+            cluster=cluster,
+            router=RouterConfig(
+                policy=policy,
+                slo_ttft_s=v["slo_ttft_ms"] / 1000,
+                slo_itl_s=v["slo_itl_ms"] / 1000,
+                max_pending=v["max_pending"],
+            ),
+            host=v["host"],
+            port=v["port"],
+            metrics_port=None if v["metrics_port"] < 0 else v["metrics_port"],
+            admin_port=None if v["admin_port"] < 0 else v["admin_port"],
+            drain_timeout_s=v["drain_timeout"],
+        )
+
+
+def resolve(args: argparse.Namespace) -> ServeOptions:
     """Defaults, then the file, then the flags given: every option's effective value."""
     values = {o.name: o.default for o in OPTIONS}
     if args.config is not None:
@@ -261,8 +338,4 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         raise OptionError(
             "step_target_ms (--step-target-ms): sizes prefill chunks, so it needs chunked_prefill"
         )
-    return values
-
-
-def to_yaml(values: dict[str, Any]) -> str:
-    return yaml.safe_dump({o.name: values[o.name] for o in OPTIONS}, sort_keys=False)
+    return ServeOptions(MappingProxyType(values))

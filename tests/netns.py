@@ -58,6 +58,9 @@ class TwoNodes:
         self._veth = (f"pdva{tag}", f"pdvb{tag}")
         self._tmp = Path(tempfile.mkdtemp(prefix="pdn"))
         self.head_address = f"{HEAD_IP}:{RAY_PORT}"
+        # A process in the head's namespace with this environment finds the head's runtime the
+        # way one on a head node does (`--ray-address auto`).
+        self.head_env = {"RAY_TMPDIR": str(self._tmp / "a")}
 
     # -- setup and teardown ----------------------------------------------------------------------
     def __enter__(self) -> TwoNodes:
@@ -135,11 +138,13 @@ class TwoNodes:
             raise RuntimeError(f"{' '.join(argv)} failed ({out.returncode}): {out.stderr[-2000:]}")
         return out
 
-    def start(self, node: int, argv: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
+    def start(
+        self, node: int, argv: Sequence[str], log: Path, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         with open(log, "wb") as f:
             return subprocess.Popen(
-                self.command(node, argv), env=child_env(), stdout=f, stderr=subprocess.STDOUT,
-                start_new_session=True,
+                self.command(node, argv), env={**child_env(), **(env or {})}, stdout=f,
+                stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
 
 

@@ -41,7 +41,7 @@ def effective(argv: list[str], config_text: str | None = None, tmp: Path | None 
         path = tmp / "config.yaml"
         path.write_text(config_text)
         args.config = path
-    return serve_options.resolve(args)
+    return dict(serve_options.resolve(args).values)
 
 
 def test_every_yaml_file_parses():

@@ -144,6 +144,8 @@ def test_scale_up_and_down_under_load_fails_no_request(srv):
     assert not load.failed, load.failed
     for k, toks, final in load.done:
         assert toks == want[k], (k, final)
+        # Added workers took load only once paired: no handoff fell back, before or after.
+        assert final.kv_fallback == "", final
     survivors = {*cluster.prefill_ids, *cluster.decode_ids}
     assert {f.decode_worker for _, _, f in load.done[mark:]} <= survivors
     # Nothing left behind on the survivors; the router's books are empty.
@@ -208,3 +210,50 @@ def test_requests_left_on_a_removed_worker_after_its_drain_resume_elsewhere(srv)
     (survivor,) = cluster.decode_ids
     assert all(f is not None and f.decode_worker == survivor for f in finals), finals
     assert srv.server.core.resumed == resumed_before + 1  # the one on the removed worker
+
+
+@pytest.mark.timeout(300)
+def test_a_scale_whose_caller_gives_up_still_completes(srv):
+    cluster = srv.server.cluster
+    admin = f"127.0.0.1:{srv.server.admin_port}"
+    before = len(cluster.prefill_ids)
+    with grpc.insecure_channel(admin) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            admin_pb2_grpc.AdminStub(ch).Scale(
+                admin_pb2.ScaleRequest(prefill=before + 1), timeout=0.3
+            )
+    assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 120
+    while len(cluster.prefill_ids) != before + 1:  # the new worker comes up anyway
+        assert time.monotonic() < deadline, listed(srv)
+        time.sleep(0.1)
+    assert all(w.status == "ready" for w in listed(srv))
+    # And a resize after it sees the pools as they are: back to the size before.
+    with grpc.insecure_channel(admin) as ch:
+        admin_pb2_grpc.AdminStub(ch).Scale(admin_pb2.ScaleRequest(prefill=before), timeout=200)
+    assert len(cluster.prefill_ids) == before
+    assert sorted(w.role for w in listed(srv)).count("prefill") == before
+
+
+@pytest.mark.timeout(60)
+def test_bad_sizes_are_refused_naming_the_field(srv):
+    admin = f"127.0.0.1:{srv.server.admin_port}"
+    with grpc.insecure_channel(admin) as ch:
+        stub = admin_pb2_grpc.AdminStub(ch)
+        for req, field in (
+            (admin_pb2.ScaleRequest(decode=0), "decode"),
+            (admin_pb2.ScaleRequest(prefill=-1), "prefill"),
+            (admin_pb2.ScaleRequest(decode=1, drain_timeout_s=-1), "drain_timeout_s"),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Scale(req, timeout=10)
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details().startswith(f"{field}: ")
+    # The server still serves.
+    with grpc.insecure_channel(srv.address) as ch:
+        res = pb_grpc.GenerationStub(ch).Complete(
+            pb.GenerateRequest(prompt_token_ids=PROMPTS[0],
+                               sampling=pb.SamplingParams(max_tokens=3, temperature=0.0)),
+            timeout=60,
+        )  # fmt: skip
+    assert len(res.token_ids) == 3

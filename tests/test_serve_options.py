@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from router import serve_options
-from router.cli import main, serve_config
+from router.cli import main
 from router.workers import Placement
 from worker_protocol.messages import WorkerRole
 
@@ -56,7 +56,7 @@ def test_the_effective_options_reach_the_server_config(tmp_path):
         "replace_dead_workers: false\nstep_target_ms: 120\n",
     )
     args = _parse(["serve", "--config", str(path), "--threads", "2"])
-    config = serve_config(serve_options.resolve(args))
+    config = serve_options.resolve(args).serve_config()
     c = config.cluster
     assert (c.num_prefill, c.num_decode, c.threads_per_worker) == (0, 2, 2)
     assert c.kv_interface == "eth1" and c.replace_dead is False

@@ -7,7 +7,8 @@ the decode pool on the other, as a user deploys it, with `pdserve serve --ray-ad
     every worker binds 127.0.0.1), the pair cannot connect: that costs one bounded wait at the
     start, and every request then prefills on its decode worker at once, counted in
     pdserve_local_prefill_fallbacks_total and said in FinalInfo.kv_fallback;
-  - without placement flags the workers spread over both nodes.
+  - without placement flags the workers spread over both nodes (and `--ray-address auto` on the
+    head node finds its cluster).
 """
 
 from __future__ import annotations
@@ -37,21 +38,30 @@ def nodes():
         yield n
 
 
-def serve_and_probe(nodes, tmp_path: Path, flags: list[str], prompts: list[list[int]]) -> dict:
-    """Start `pdserve serve` on the head node's namespace with `flags`, run the probe there,
-    stop the server (SIGINT), and return what the probe saw plus the server's log."""
+def serve_and_probe(
+    nodes,
+    tmp_path: Path,
+    flags: list[str],
+    prompts: list[list[int]],
+    address: str | None = None,
+    probe_flags: tuple[str, ...] = (),
+) -> dict:
+    """Start `pdserve serve` on the head node's namespace with `flags` (joining the cluster at
+    `address`, by default the head's HOST:PORT), run the probe there, stop the server (SIGINT),
+    and return what the probe saw plus the server's log."""
     serve = [
         sys.executable, "-m", "router.cli", "serve", "--model", MODEL,
-        "--ray-address", nodes.head_address, "--host", netns.HEAD_IP,
+        "--ray-address", address or nodes.head_address, "--host", netns.HEAD_IP,
         "--kv-cache-gib", "0.05", "--pair-timeout", str(PAIR_TIMEOUT_S), *flags,
     ]  # fmt: skip
     log = tmp_path / "serve.log"
-    server = nodes.start(0, serve, log)
+    server = nodes.start(0, serve, log, env=nodes.head_env)
     try:
         probe = nodes.run(
             0,
             [sys.executable, str(netns.ROOT / "tests" / "two_node_probe.py"), "--host",
-             netns.HEAD_IP, "--prompts", json.dumps(prompts), "--max-tokens", str(MAX_NEW)],
+             netns.HEAD_IP, "--prompts", json.dumps(prompts), "--max-tokens", str(MAX_NEW),
+             *probe_flags],
             timeout=300,
         )  # fmt: skip
         seen = json.loads(probe.stdout)
@@ -108,29 +118,37 @@ def test_a_pair_that_cannot_connect_costs_one_bounded_wait_and_every_fallback_sh
     nodes, tmp_path
 ):
     prompts = random_prompts([25, 18, 30, 22], seed=92)
+    # The prompts go twice: at once, and again 6 s later, while the pair's first background
+    # attempt (after a 5 s backoff) is itself waiting out its timeout.
     seen = serve_and_probe(
         nodes,
         tmp_path,
         ["--prefill", "1", "--decode", "1", "--prefill-resources", '{"node_a": 1}',
          "--decode-resources", '{"node_b": 1}', "--kv-interface", "lo"],
         prompts,
+        probe_flags=("--again-after", "6"),
     )  # fmt: skip
     assert all(w["kv_host"] == "127.0.0.1" for w in seen["workers"]), seen["workers"]
-    for prompt, r in zip(prompts, seen["results"]):
+    assert len(seen["again"]) == len(prompts)
+    for prompt, r in zip(prompts * 2, seen["results"] + seen["again"]):
         assert r["tokens"] == hf_greedy(MODEL, prompt, MAX_NEW)
         assert r["path"] == "PATH_DISAGGREGATED" and r["kv_fallback"] == "pairing_failed", r
-        # The pairing timed out once, at the start; no request waits it out again.
+        # The pairing timed out at the start, before the server took requests; no request
+        # waits it out again, during a retry neither.
         assert r["wall_s"] < PAIR_TIMEOUT_S, r
     m = seen["metrics"]
-    assert m["pdserve_local_prefill_fallbacks_total{reason=pairing_failed}"] == len(prompts)
+    assert m["pdserve_local_prefill_fallbacks_total{reason=pairing_failed}"] == 2 * len(prompts)
     assert m["pdserve_kv_transfers_total"] == 0
-    assert seen["log"].count("pairing prefill-0 -> decode-0 failed") == 1, seen["log"][-3000:]
+    assert "pairing prefill-0 -> decode-0 failed" in seen["log"], seen["log"][-3000:]
 
 
 @pytest.mark.timeout(420)
 def test_without_placement_flags_workers_spread_over_the_nodes(nodes, tmp_path):
     prompts = random_prompts([17, 29], seed=93)
-    seen = serve_and_probe(nodes, tmp_path, ["--prefill", "0", "--decode", "2"], prompts)
+    # As on a head node: `--ray-address auto` finds the runtime `ray start` runs there.
+    seen = serve_and_probe(
+        nodes, tmp_path, ["--prefill", "0", "--decode", "2"], prompts, address="auto"
+    )
     ips = sorted(w["node_ip"] for w in seen["workers"])
     assert ips == [netns.HEAD_IP, netns.NODE_IP], seen["workers"]
     for prompt, r in zip(prompts, seen["results"]):

@@ -76,6 +76,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--path", default="PATH_DISAGGREGATED")
     ap.add_argument("--wait", type=float, default=240.0)
+    ap.add_argument(
+        "--again-after", type=float, default=None, help="send the prompts again after S seconds"
+    )
     args = ap.parse_args()
     address = f"{args.host}:{args.port}"
     t0 = time.monotonic()
@@ -95,7 +98,13 @@ def main() -> int:
     results = [one(address, prompts[0], args.max_tokens, path)]
     with ThreadPoolExecutor(len(prompts)) as pool:
         results += list(pool.map(lambda p: one(address, p, args.max_tokens, path), prompts[1:]))
+    again = []
+    if args.again_after is not None:
+        time.sleep(args.again_after)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            again = list(pool.map(lambda p: one(address, p, args.max_tokens, path), prompts))
     out = {
+        "again": again,
         "ready_s": ready_s,
         "workers": workers,
         "results": results,

@@ -1,0 +1,75 @@
+"""The request core's view of who is in the pools: one set of books (router/pool_state.py) per
+worker incarnation, kept in step with the backend, and the membership changes reported to the
+stats sink (deaths, replacements, removals, how many take requests)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from router.core_types import Backend
+from router.cost_model import HandoffHealth
+from router.pool_state import WorkerState
+from router.stats import StatsSink
+from worker_protocol.messages import WorkerInfo, WorkerLoad, WorkerRole
+
+
+class Membership:
+    def __init__(
+        self,
+        backend: Backend,
+        infos: Sequence[WorkerInfo],
+        health: HandoffHealth,
+        sink: StatsSink,
+    ) -> None:
+        self.backend = backend
+        self.health = health
+        self.sink = sink
+        self.states = {i.worker_id: WorkerState(i) for i in infos}
+        self._gone: set[tuple[str, int]] = set()  # (worker, incarnation) out of the pools
+        self._deaths_seen = 0  # of backend.dead, already reported
+        self._restarts_seen: dict[WorkerRole, int] = {}  # backend.restarts, already reported
+
+    def state(self, worker_id: str) -> WorkerState:
+        """The books of a worker's current incarnation; a new incarnation (a replacement) gets
+        fresh books: its prefix cache and queues start empty, its pairs' health too."""
+        info = self.backend.worker_info(worker_id)
+        state = self.states.get(worker_id)
+        if state is None or state.info.incarnation != info.incarnation:
+            if state is not None:
+                self.health.forget(worker_id)
+            state = self.states[worker_id] = WorkerState(info)
+        return state
+
+    def pools(self) -> tuple[list[WorkerState], list[WorkerState]]:
+        """The books of the workers that take requests now: (prefill, decode)."""
+        b = self.backend
+        return [self.state(w) for w in b.prefill_ids], [self.state(w) for w in b.decode_ids]
+
+    def absorb(self, loads: Sequence[WorkerLoad]) -> None:
+        """The workers' polled load, into the books of the incarnation that reported it; then
+        what changed in the pools since the last call, to the sink."""
+        self.pools()  # books for workers that joined since
+        for load in loads:
+            state = self.states.get(load.worker_id)
+            if state is not None and state.info.incarnation == load.incarnation:
+                state.absorb(load)
+        self.sink.loads(loads)
+        b = self.backend
+        self.sink.workers(
+            {WorkerRole.PREFILL: len(b.prefill_ids), WorkerRole.DECODE: len(b.decode_ids)}
+        )
+        for role, n in b.restarts.items():
+            if n > self._restarts_seen.get(role, 0):
+                self.sink.worker_restarted(role.value, n - self._restarts_seen.get(role, 0))
+                self._restarts_seen[role] = n
+        deaths = b.dead[self._deaths_seen :]
+        self._deaths_seen += len(deaths)
+        for w in deaths:
+            state = self.states.get(w)
+            self.sink.worker_lost(w, state.info.role.value if state else "unknown")
+        live = {*b.prefill_ids, *b.decode_ids}
+        for w, state in list(self.states.items()):
+            key = (w, state.info.incarnation)
+            if w not in live and key not in self._gone:
+                self._gone.add(key)  # dead, removed by a resize, or a replacement not up yet
+                self.sink.worker_removed(w, state.info.role.value)
