@@ -136,7 +136,10 @@ class Pools:
 
     def _spawn(self, role: WorkerRole, worker_id: str, incarnation: int = 0) -> WorkerHandle:
         placement = self.config.placement.get(role, Placement())
-        node = spread_node(placement, ray.nodes(), self.handles())
+        nodes = ray.nodes()
+        node = spread_node(placement, nodes, self.handles())
+        where = next((n["NodeManagerAddress"] for n in nodes if n["NodeID"] == node), "any node")
+        log.info("starting %s (incarnation %d) on %s", worker_id, incarnation, where)
         cls: Any = ray.remote(ACTOR_CLASSES[role])
         actor = cls.options(**placement.actor_options(node)).remote(
             worker_id, self.config.spec, incarnation

@@ -46,15 +46,16 @@ class Placement:
     resources: tuple[tuple[str, float], ...] = ()  # custom resources, e.g. (("prefill_node", 1),)
 
     def actor_options(self, node_id: str | None = None) -> dict[str, Any]:
-        """Ray options for one worker; `node_id` is where it should go if it fits there (a
-        soft preference: Ray places it elsewhere when that node is full)."""
+        """Ray options for one worker; `node_id` is the node it must go to (spread_node chose
+        it among those whose resources fit). A hard affinity: Ray's soft one moves zero-CPU
+        actors to another node even when the chosen one is idle."""
         # CPU workers take no Ray CPU slot: each sets its own torch thread count instead, and a
         # slot per actor would starve later tasks on a small machine.
         opts: dict[str, Any] = {"num_cpus": 0, "num_gpus": self.gpus, "max_concurrency": 1000}
         if self.resources:
             opts["resources"] = dict(self.resources)
         if node_id is not None:
-            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=True)
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
         return opts
 
     def fits(self, node: dict[str, Any]) -> bool:
