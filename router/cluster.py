@@ -108,13 +108,15 @@ class Cluster:
         if worker_id is None:
             return self.pools.workers[self._pick(self.prefill_ids)] if self.prefill_ids else None
         h = self.pools.workers.get(worker_id)
-        if h is None or h.status in (WorkerStatus.DEAD, WorkerStatus.STOPPED):
+        if h is None or h.status not in (WorkerStatus.READY, WorkerStatus.DRAINING):
             return None
         return h
 
     def _handle(self, worker_id: str) -> WorkerHandle:
         h = self.pools.workers.get(worker_id)
-        if h is None or h.status in (WorkerStatus.DEAD, WorkerStatus.STOPPED):
+        if h is None or h.status not in (WorkerStatus.READY, WorkerStatus.DRAINING):
+            # Died (or was removed) since the request was placed; a replacement under the same
+            # id may be starting, but takes no request before it is ready.
             raise WorkerLost(worker_id, "not in its pool")
         return h
 
