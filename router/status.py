@@ -139,6 +139,16 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
         f"KV transfers: {ok:.0f} done, {nbytes / 1e6:.1f} MB, "
         f"{sum(fails.values()):.0f} failed, latest {bw / 1e9:.2f} GB/s"
     )
+    falls = _by(after, "pdserve_local_prefill_fallbacks_total", "reason")
+    lines.append(
+        "prefilled on the decode worker after all: "
+        + (", ".join(f"{k[0]} {v:.0f}" for k, v in sorted(falls.items()) if v) or "none")
+    )
+    restarts = _by(after, "pdserve_worker_restarts_total", "role")
+    lines.append(
+        "dead workers replaced: "
+        + (", ".join(f"{k[0]} {v:.0f}" for k, v in sorted(restarts.items()) if v) or "none")
+    )
     err = _quantiles(after, "pdserve_ttft_prediction_error_ratio")
     lines.append(
         "TTFT prediction error, median: "
