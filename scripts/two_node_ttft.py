@@ -9,7 +9,6 @@ together), and the KV bytes that crossed. Prints one line per path.
 from __future__ import annotations
 
 import json
-import signal
 import sys
 from pathlib import Path
 
@@ -49,8 +48,7 @@ def main() -> int:
                 )  # fmt: skip
                 seen[path] = json.loads(out.stdout)
             finally:
-                server.send_signal(signal.SIGINT)
-                server.wait(60)
+                netns.stop(server)
     for path, s in seen.items():
         m = s["metrics"]
         ttft = [round(r["ttft_ms"]) for r in s["results"]]

@@ -51,6 +51,38 @@ def child_env() -> dict[str, str]:
     return env
 
 
+def pids(ns: str) -> list[int]:
+    """The processes running in network namespace `ns`."""
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def remove(ns: str) -> None:
+    """Kill every process in namespace `ns` (Ray's daemons included: `ray stop` would also stop
+    the test session's own Ray), then remove it."""
+    for _ in range(3):
+        alive = pids(ns)
+        if not alive:
+            break
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def stop(server: subprocess.Popen[bytes]) -> None:
+    """Stop a `pdserve serve` as Ctrl-C does (it drains, then exits); kill it if it hangs."""
+    server.send_signal(signal.SIGINT)
+    try:
+        server.wait(60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait(10)
+
+
 class TwoNodes:
     def __init__(self) -> None:
         tag = os.getpid() % 100000
@@ -102,26 +134,9 @@ class TwoNodes:
             subprocess.run(cmd, check=True, capture_output=True, timeout=30)
 
     def close(self) -> None:
-        """Kill every process in the two namespaces (Ray's daemons included; `ray stop` would
-        also stop the test session's own Ray), then remove them."""
         for ns in self.ns:
-            for _ in range(3):
-                pids = self.pids(ns)
-                if not pids:
-                    break
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                time.sleep(0.5)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+            remove(ns)
         shutil.rmtree(self._tmp, ignore_errors=True)
-
-    @staticmethod
-    def pids(ns: str) -> list[int]:
-        out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
-        return [int(p) for p in out.stdout.split()]
 
     # -- running things in a namespace -----------------------------------------------------------
     def command(self, node: int, argv: Sequence[str]) -> list[str]:
@@ -196,15 +211,5 @@ class LoneNode:
             )  # fmt: skip
 
     def close(self) -> None:
-        for _ in range(3):
-            pids = TwoNodes.pids(self.ns)
-            if not pids:
-                break
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.5)
-        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True, timeout=30)
+        remove(self.ns)
         shutil.rmtree(self.ray_tmpdir, ignore_errors=True)

@@ -5,8 +5,6 @@ runtime sees the other or the test session's Ray."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +19,7 @@ pytestmark = pytest.mark.skipif(why_not is not None, reason=f"existing-runtime t
 def gcs_servers(node: netns.LoneNode) -> int:
     """Ray runtimes running in the namespace (one GCS server each)."""
     n = 0
-    for pid in netns.TwoNodes.pids(node.ns):
+    for pid in netns.pids(node.ns):
         try:
             n += "gcs_server" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
@@ -51,11 +49,7 @@ def test_serve_uses_a_runtime_already_running_and_says_so(tmp_path):
             # The workers run in the runtime `ray start` left: no second Ray was started.
             assert gcs_servers(node) == 1
         finally:
-            server.send_signal(signal.SIGINT)
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            netns.stop(server)
         text = log.read_text()
         assert text.count("a Ray runtime is already running on this machine") == 1, text
         assert "Traceback" not in text, text

@@ -4,8 +4,9 @@ is named by pyproject.toml's package list, so an installed pdserve imports all o
 from __future__ import annotations
 
 import fnmatch
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,7 +14,6 @@ the decode pool on the other, as a user deploys it, with `pdserve serve --ray-ad
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -68,12 +67,7 @@ def serve_and_probe(
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         raise AssertionError(f"{exc}\n--- server log ---\n{log.read_text()[-4000:]}") from None
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(10)
+        netns.stop(server)
     seen["log"] = log.read_text()
     return seen
 
