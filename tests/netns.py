@@ -32,12 +32,20 @@ def available() -> str | None:
         return "network namespaces need root"
     if shutil.which("ip") is None:
         return "iproute2's `ip` is not installed"
-    name = f"pdchk{os.getpid() % 100000}"
-    probe = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"cannot create a network namespace: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return None
+    name, veth = f"pdchk{os.getpid() % 100000}", f"pdck{os.getpid() % 100000}"
+    try:
+        for what, cmd in (
+            ("a network namespace", ["ip", "netns", "add", name]),
+            ("a veth pair", ["ip", "link", "add", veth, "type", "veth", "peer", veth + "b"]),
+            ("a veth end in a namespace", ["ip", "link", "set", veth, "netns", name]),
+        ):
+            probe = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+            if probe.returncode != 0:
+                return f"cannot create {what}: {probe.stderr.strip()}"
+        return None
+    finally:
+        subprocess.run(["ip", "link", "del", veth + "b"], capture_output=True, timeout=30)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
 
 
 def child_env() -> dict[str, str]:
