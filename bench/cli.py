@@ -25,6 +25,8 @@ from tqdm import tqdm
 
 from bench import loadgen, slo, trace
 from bench.server import POLICIES, Deployment, ServerProcess
+from pdserve_client import ClientAuth
+from pdserve_client import add_arguments as add_auth_arguments
 
 FIXED = ("colocated-nochunk", "colocated", "disaggregated", "threshold")
 
@@ -43,6 +45,7 @@ def _positive_float(text: str) -> float:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=None, help="measure a running server (one policy)")
+    add_auth_arguments(p)  # for a running server that asks for TLS or a token
     p.add_argument(
         "--trace", default="mixed", help=f"{trace.BUILTIN}, a .jsonl/.json file, or synthetic"
     )
@@ -119,6 +122,7 @@ def _run(
             args.timeout,
             lambda _r: bar.update(),
             hint,
+            ClientAuth.from_args(args),
         )
     )
     bar.close()
@@ -192,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         server = None if args.address else ServerProcess(deployment, policy, logs / f"{policy}.log")
         try:
             address = args.address or server.address  # type: ignore[union-attr]
-            info = server.wait_ready() if server else _info(address)
+            info = server.wait_ready() if server else _info(address, ClientAuth.from_args(args))
             vocab = info.vocab_size
             if objective is None:
                 objective = _objective(args, address, reqs, vocab, out)
@@ -256,15 +260,13 @@ def _baseline(
             "requests": len(short)}  # fmt: skip
 
 
-def _info(address: str):
-    import grpc
-
+def _info(address: str, auth: ClientAuth):
     from pdserve_proto import generation_pb2 as pb
     from pdserve_proto import generation_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with auth.channel(address) as channel:
         return pb_grpc.GenerationStub(channel).Info(
-            pb.InfoRequest(), timeout=30, wait_for_ready=True
+            pb.InfoRequest(), timeout=30, wait_for_ready=True, metadata=auth.metadata
         )
 
 

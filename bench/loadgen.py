@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from bench.trace import TraceRequest, prompt_ids
+from pdserve_client import ClientAuth
 from pdserve_proto import generation_pb2 as pb
 from pdserve_proto import generation_pb2_grpc as pb_grpc
 
@@ -62,10 +63,11 @@ async def _one(
     res: RequestResult,
     t0: float,
     timeout: float,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> None:
     sent = time.monotonic()
     try:
-        async for msg in stub.Generate(req, timeout=timeout):
+        async for msg in stub.Generate(req, timeout=timeout, metadata=metadata):
             now = time.monotonic()
             if msg.token_ids:
                 if res.ttft_s is None:
@@ -90,10 +92,13 @@ async def run(
     timeout: float = 600.0,
     on_done: Callable[[RequestResult], None] | None = None,
     slo_hint: tuple[float, float] | None = None,
+    auth: ClientAuth | None = None,
 ) -> list[RequestResult]:
     """Send `trace` at `rate` requests/s (arrival_s / rate); results in trace order.
-    `slo_hint` (TTFT s, ITL s) goes with every request, for the router's admission and policy."""
-    async with grpc.aio.insecure_channel(
+    `slo_hint` (TTFT s, ITL s) goes with every request, for the router's admission and policy.
+    `auth`: TLS and the bearer token, for a server that asks for them."""
+    auth = auth or ClientAuth()
+    async with auth.aio_channel(
         address, options=[("grpc.max_receive_message_length", 64 << 20)]
     ) as channel:
         stub = pb_grpc.GenerationStub(channel)
@@ -112,7 +117,9 @@ async def run(
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(
-                asyncio.ensure_future(_done(_one(stub, req, res, t0, timeout), res, on_done))
+                asyncio.ensure_future(
+                    _done(_one(stub, req, res, t0, timeout, auth.metadata), res, on_done)
+                )
             )
         await asyncio.gather(*tasks)
     return results

@@ -10,6 +10,9 @@ import argparse
 import sys
 from typing import Any
 
+from pdserve_client import ClientAuth
+from pdserve_client import add_arguments as add_auth_arguments
+
 DEFAULT_ADDRESS = "127.0.0.1:50052"
 
 
@@ -24,11 +27,13 @@ def add_scale_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds a removed worker may finish its own requests (default: the server's)",
     )
     p.add_argument("--timeout", type=float, default=900.0, help="deadline in seconds")
+    add_auth_arguments(p)
 
 
 def add_workers_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=DEFAULT_ADDRESS, help="the server's admin host:port")
     p.add_argument("--timeout", type=float, default=10.0, help="deadline in seconds")
+    add_auth_arguments(p)
 
 
 def _table(workers: Any) -> str:
@@ -45,13 +50,13 @@ def _table(workers: Any) -> str:
 
 
 def _call(args: argparse.Namespace, method: str, request: Any) -> Any:
-    import grpc
 
     from pdserve_proto import admin_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    auth = ClientAuth.from_args(args)
+    with auth.channel(args.address) as channel:
         stub = pb_grpc.AdminStub(channel)
-        return getattr(stub, method)(request, timeout=args.timeout)
+        return getattr(stub, method)(request, timeout=args.timeout, metadata=auth.metadata)
 
 
 def _failed(exc: Any, address: str) -> int:

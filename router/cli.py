@@ -150,7 +150,8 @@ def _serve(args: argparse.Namespace, _extra: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         config = options.serve_config()
-    except ValueError as exc:
+        config.security.check()
+    except ValueError as exc:  # SecurityError included
         return _error(exc)
 
     import asyncio

@@ -8,6 +8,8 @@ import json
 import sys
 from typing import Any
 
+from pdserve_client import add_arguments as add_auth_arguments
+
 PATHS = ("auto", "colocated", "disaggregated")
 
 
@@ -26,6 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="wait (within --timeout) for the server to come up instead of failing at once",
     )
+    add_auth_arguments(p)
     p.add_argument("prompt")
 
 
@@ -49,18 +52,28 @@ def run(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf import json_format
 
+    from pdserve_client import ClientAuth
+    from pdserve_client.connect import ClientAuthError
     from pdserve_proto import generation_pb2 as pb
     from pdserve_proto import generation_pb2_grpc as pb_grpc
 
+    try:
+        auth = ClientAuth.from_args(args)
+    except ClientAuthError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     req = build_request(args)
     text: list[str] = []
     ids: list[int] = []
     final = None
     request_id = ""
     try:
-        with grpc.insecure_channel(args.address) as channel:
+        with auth.channel(args.address) as channel:
             stub = pb_grpc.GenerationStub(channel)
-            for msg in stub.Generate(req, timeout=args.timeout, wait_for_ready=args.wait):
+            calls = stub.Generate(
+                req, timeout=args.timeout, wait_for_ready=args.wait, metadata=auth.metadata
+            )
+            for msg in calls:
                 request_id = msg.request_id
                 ids.extend(msg.token_ids)
                 text.append(msg.text)

@@ -30,6 +30,7 @@ class ModelLimits:
     vocab_size: int
     max_model_len: int
     max_prompt_bytes: int = 1 << 20  # text (or chat) prompts larger than this are refused
+    max_tokens: int | None = None  # the server's cap on one request's max_tokens (None: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,12 +135,15 @@ def _check_size(field: str, nbytes: int, limits: ModelLimits) -> None:
 
 def _sampling(sp: pb.SamplingParams, prompt_len: int, limits: ModelLimits) -> SamplingParams:
     room = limits.max_model_len - prompt_len
-    max_tokens = sp.max_tokens if sp.HasField("max_tokens") else min(DEFAULT_MAX_TOKENS, room)
-    if sp.HasField("max_tokens") and not 1 <= max_tokens <= room:
+    cap = room if limits.max_tokens is None else min(room, limits.max_tokens)
+    max_tokens = sp.max_tokens if sp.HasField("max_tokens") else min(DEFAULT_MAX_TOKENS, cap)
+    if sp.HasField("max_tokens") and not 1 <= max_tokens <= cap:
+        why = f"(context {limits.max_model_len})"
+        if cap < room:
+            why = f"(the server's --max-tokens-limit {limits.max_tokens})"
         raise InvalidRequestError(
             "max_tokens",
-            f"must be in [1, {room}] for a {prompt_len}-token prompt "
-            f"(context {limits.max_model_len}), got {max_tokens}",
+            f"must be in [1, {cap}] for a {prompt_len}-token prompt {why}, got {max_tokens}",
         )
     bad_stop = next((t for t in sp.stop_token_ids if not 0 <= t < limits.vocab_size), None)
     if bad_stop is not None:

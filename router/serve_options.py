@@ -83,6 +83,12 @@ def text(v: Any) -> str:
     return v
 
 
+def path(v: Any) -> Path:
+    if not isinstance(v, str) or not v:
+        raise ValueError(f"must be a file path, got {v!r}")
+    return Path(v)
+
+
 def choice(*allowed: str) -> Parse:
     def parse(v: Any) -> str:
         if v not in allowed:
@@ -191,6 +197,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("metrics_port", OFF_OR_PORT, 9400, "Prometheus /metrics on --host; -1: off"),
     Option("admin_port", OFF_OR_PORT, 50052,
            "pdserve.v1.Admin (scale, list workers) on --host, for operators only; -1: off"),
+    # security
+    Option("tls_cert", optional(path), None, "server certificate chain (PEM): serve over TLS"),
+    Option("tls_key", optional(path), None, "the server certificate's private key (PEM)"),
+    Option("tls_client_ca", optional(path), None,
+           "CA certificate (PEM): clients must present a certificate it signed (mutual TLS)"),
+    Option("auth_token_file", optional(path), None,
+           "file holding the bearer token every RPC but the health check must carry"),
+    Option("max_streams_per_client", optional(integer(1)), None,
+           "concurrent requests one client address may have (default: no limit)"),
+    Option("max_tokens_limit", optional(integer(1)), None,
+           "the largest max_tokens a request may ask for (default: the model's context)"),
     Option("drain_timeout", number(0), 30.0,
            "seconds in-flight requests get on SIGINT/SIGTERM, and a removed worker on a resize"),
 )  # fmt: skip
@@ -265,7 +282,9 @@ class ServeOptions:
 
     def to_yaml(self) -> str:
         """A complete config file: every option, in the order of OPTIONS."""
-        return yaml.safe_dump({o.name: self.values[o.name] for o in OPTIONS}, sort_keys=False)
+        plain = {o.name: self.values[o.name] for o in OPTIONS}
+        plain = {k: str(v) if isinstance(v, Path) else v for k, v in plain.items()}
+        return yaml.safe_dump(plain, sort_keys=False)
 
     def serve_config(self) -> ServeConfig:
         """The server's configuration."""
@@ -274,6 +293,7 @@ class ServeOptions:
         from router.cluster_config import ClusterConfig
         from router.core_types import RouterConfig
         from router.policy import Policy, PolicyConfig
+        from router.security import SecurityConfig
         from router.server import ServeConfig
 
         v = self.values
@@ -325,6 +345,14 @@ class ServeOptions:
             metrics_port=None if v["metrics_port"] < 0 else v["metrics_port"],
             admin_port=None if v["admin_port"] < 0 else v["admin_port"],
             drain_timeout_s=v["drain_timeout"],
+            security=SecurityConfig(
+                tls_cert=v["tls_cert"],
+                tls_key=v["tls_key"],
+                tls_client_ca=v["tls_client_ca"],
+                auth_token_file=v["auth_token_file"],
+            ),
+            max_streams_per_client=v["max_streams_per_client"],
+            max_tokens_limit=v["max_tokens_limit"],
         )
 
 

@@ -28,6 +28,7 @@ from router.core import RequestCore
 from router.core_types import Backend, RouterConfig
 from router.metrics import Metrics
 from router.ray_runtime import init_ray
+from router.security import SecurityConfig
 from router.servicer import SERVICE, GenerationServicer, add_services
 
 log = logging.getLogger("pdserve.server")
@@ -42,6 +43,9 @@ class ServeConfig:
     metrics_port: int | None = 9400  # Prometheus /metrics on `host`; 0: any free port; None: off
     admin_port: int | None = None  # pdserve.v1.Admin on `host`; 0: any free port; None: off
     drain_timeout_s: float = 30.0  # in-flight requests on SIGINT/SIGTERM
+    security: SecurityConfig = field(default_factory=SecurityConfig)  # both gRPC ports
+    max_streams_per_client: int | None = None  # concurrent requests per client address
+    max_tokens_limit: int | None = None  # the largest max_tokens a request may ask for
 
 
 class Server:
@@ -66,6 +70,9 @@ class Server:
 
     async def start(self) -> None:
         c = self.config
+        # TLS and token files are read first: a bad one stops the start before any worker.
+        creds = c.security.server_credentials()
+        interceptors = c.security.interceptors()
         backend = self._backend
         if backend is None:
             init_ray(c.cluster.address)  # on this thread: Ray sets its signal handlers here
@@ -77,7 +84,12 @@ class Server:
             model = replace(c.cluster.engine.model, model=c.cluster.model)
             tokenizer = await asyncio.to_thread(load_tokenizer, model)
         infos = await backend.infos()
-        limits = ModelLimits(vocab_size=infos[0].vocab_size, max_model_len=infos[0].max_model_len)
+        limits = ModelLimits(
+            vocab_size=infos[0].vocab_size,
+            max_model_len=infos[0].max_model_len,
+            max_tokens=c.max_tokens_limit,
+        )
+
         if c.metrics_port is not None:
             self.metrics = Metrics()
             self.metrics_port = self.metrics.serve(c.host, c.metrics_port)
@@ -86,31 +98,33 @@ class Server:
         await self.core.refresh()
         self.core.start()
         self.grpc = grpc.aio.server(
+            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
-        self._health = await add_services(
-            self.grpc, GenerationServicer(self.core, tokenizer, limits, c.cluster.model)
+        servicer = GenerationServicer(
+            self.core, tokenizer, limits, c.cluster.model, c.max_streams_per_client
         )
-        self.port = self.grpc.add_insecure_port(f"{c.host}:{c.port}")
-        if self.port == 0:
-            raise OSError(f"could not listen on {c.host}:{c.port}")
+        self._health = await add_services(self.grpc, servicer)
+        self.port = _listen(self.grpc, c.host, c.port, creds, "--port")
         await self.grpc.start()
         if c.admin_port is not None:
-            self.admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            self.admin = grpc.aio.server(
+                interceptors=interceptors, options=[("grpc.so_reuseport", 0)]
+            )
             add_admin(self.admin, self.cluster)
-            self.admin_port = self.admin.add_insecure_port(f"{c.host}:{c.admin_port}")
-            if self.admin_port == 0:
-                raise OSError(f"could not listen on {c.host}:{c.admin_port} (--admin-port)")
+            self.admin_port = _listen(self.admin, c.host, c.admin_port, creds, "--admin-port")
             await self.admin.start()
             log.info("admin service (operators only) on %s:%d", c.host, self.admin_port)
         self._watch = asyncio.ensure_future(self._watch_health(backend))
         log.info(
-            "pdserve listening on %s:%d (%d prefill, %d decode workers, policy %s)",
+            "pdserve listening on %s:%d (%s%s; %d prefill, %d decode workers, policy %s)",
             c.host,
             self.port,
+            _transport(c.security),
+            ", bearer token" if interceptors else "",
             len(backend.prefill_ids),
             len(backend.decode_ids),
             c.router.policy.policy.value,
@@ -157,6 +171,30 @@ class Server:
             self.cluster = None
         if self.metrics is not None:
             self.metrics.close()
+
+
+def _transport(sec: SecurityConfig) -> str:
+    if sec.tls_cert is None:
+        return "plaintext"
+    return "TLS" if sec.tls_client_ca is None else "mutual TLS"
+
+
+def _listen(
+    server: grpc.aio.Server,
+    host: str,
+    port: int,
+    creds: grpc.ServerCredentials | None,
+    option: str,
+) -> int:
+    address = f"{host}:{port}"
+    bound = (
+        server.add_insecure_port(address)
+        if creds is None
+        else server.add_secure_port(address, creds)
+    )
+    if bound == 0:
+        raise OSError(f"could not listen on {address} ({option})")
+    return bound
 
 
 async def serve(config: ServeConfig) -> None:

@@ -110,12 +110,27 @@ def _final(s: Summary) -> pb.FinalInfo:
     return info
 
 
+def _client(context: grpc.aio.ServicerContext) -> str:
+    """Who is calling, for per-client limits: the peer's address without its port."""
+    peer = context.peer() or ""
+    return peer.rsplit(":", 1)[0] if peer.startswith(("ipv4:", "ipv6:")) else peer
+
+
 class GenerationServicer:
-    def __init__(self, core: RequestCore, tokenizer: Any, limits: ModelLimits, model: str) -> None:
+    def __init__(
+        self,
+        core: RequestCore,
+        tokenizer: Any,
+        limits: ModelLimits,
+        model: str,
+        max_streams_per_client: int | None = None,
+    ) -> None:
         self.core = core
         self.tokenizer = tokenizer
         self.limits = limits
         self.model = model
+        self.max_streams_per_client = max_streams_per_client
+        self._streams: dict[str, int] = {}  # RPCs running per client, while a limit is set
 
     async def Info(  # noqa: N802
         self, request: pb.InfoRequest, context: grpc.aio.ServicerContext
@@ -144,7 +159,42 @@ class GenerationServicer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # abort raises; this line is never reached
 
+    @contextlib.asynccontextmanager
+    async def _slot(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """One of the calling client's concurrent requests, while a per-client limit is set;
+        RESOURCE_EXHAUSTED (reason client_limit) past it."""
+        limit = self.max_streams_per_client
+        if limit is None:
+            yield
+            return
+        client = _client(context)
+        if self._streams.get(client, 0) >= limit:
+            self.core.sink.rejected("client_limit")
+            context.set_trailing_metadata(
+                (("retry-after-ms", "1000"), ("pdserve-reject-reason", "client_limit"))
+            )
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this client already has {limit} requests running (--max-streams-per-client)",
+            )
+        self._streams[client] = self._streams.get(client, 0) + 1
+        try:
+            yield
+        finally:
+            self._streams[client] -= 1
+            if not self._streams[client]:
+                del self._streams[client]
+
     async def _chunks(
+        self, req: ParsedRequest, arrived: float, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[CoreChunk, None]:
+        async with self._slot(context):
+            # Closed here, not left to the garbage collector: closing aborts the request.
+            async with contextlib.aclosing(self._core_chunks(req, arrived, context)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+
+    async def _core_chunks(
         self, req: ParsedRequest, arrived: float, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[CoreChunk, None]:
         stream = self.core.generate(req, arrived)

@@ -1,0 +1,90 @@
+"""ClientAuth: the TLS and token options of a client, turned into a gRPC channel and call metadata.
+
+auth = ClientAuth.from_args(args)        # --tls-ca, --tls-cert, --tls-key, --token-file
+with auth.channel("host:50051") as ch:
+    stub.Complete(req, metadata=auth.metadata, timeout=60)
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+
+class ClientAuthError(ValueError):
+    """A TLS or token file that cannot be used; the message names the option."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tls-ca", type=Path, default=None, help="CA certificate (PEM): connect over TLS"
+    )
+    p.add_argument(
+        "--tls-cert", type=Path, default=None, help="client certificate (PEM), for mutual TLS"
+    )
+    p.add_argument("--tls-key", type=Path, default=None, help="client private key (PEM)")
+    p.add_argument(
+        "--token-file", type=Path, default=None, help="file holding the server's bearer token"
+    )
+
+
+def _read(path: Path, option: str) -> bytes:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ClientAuthError(f"{option}: cannot read {path}: {exc.strerror or exc}") from None
+    if not data.strip():
+        raise ClientAuthError(f"{option}: {path} is empty")
+    return data
+
+
+@dataclass(frozen=True, slots=True)
+class ClientAuth:
+    ca: bytes | None = None  # root certificates: TLS when set
+    cert: bytes | None = None  # client certificate chain, for mutual TLS
+    key: bytes | None = None
+    token: str | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ClientAuth:
+        """From the options add_arguments defines; raises ClientAuthError naming the option."""
+        if (args.tls_cert is None) != (args.tls_key is None):
+            raise ClientAuthError("--tls-cert and --tls-key: give both or neither")
+        if args.tls_cert is not None and args.tls_ca is None:
+            raise ClientAuthError("--tls-cert: mutual TLS needs --tls-ca too")
+        token = None
+        if args.token_file is not None:
+            token = _read(args.token_file, "--token-file").decode().strip()
+        return cls(
+            ca=_read(args.tls_ca, "--tls-ca") if args.tls_ca else None,
+            cert=_read(args.tls_cert, "--tls-cert") if args.tls_cert else None,
+            key=_read(args.tls_key, "--tls-key") if args.tls_key else None,
+            token=token,
+        )
+
+    def _credentials(self) -> grpc.ChannelCredentials | None:
+        if self.ca is None:
+            return None
+        return grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
+
+    def channel(self, address: str) -> grpc.Channel:
+        creds = self._credentials()
+        if creds is None:
+            return grpc.insecure_channel(address)
+        return grpc.secure_channel(address, creds)
+
+    def aio_channel(
+        self, address: str, options: list[tuple[str, int]] | None = None
+    ) -> grpc.aio.Channel:
+        creds = self._credentials()
+        if creds is None:
+            return grpc.aio.insecure_channel(address, options=options)
+        return grpc.aio.secure_channel(address, creds, options=options)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """What every call carries: the bearer token, when there is one."""
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()

@@ -1,0 +1,126 @@
+"""The server's defenses on a network: TLS (mutual TLS with a client CA), a bearer token checked on
+every RPC but the health check, and the refusal a request without the right token gets.
+
+A client sends the token in the `authorization` metadata as `Bearer <token>`; it is compared in
+constant time with what the token file holds. A missing or wrong one gets UNAUTHENTICATED, and the
+RPC's own handler never runs. The health service stays open, so that load balancers and
+Kubernetes probes need no secret; the metrics port is plain HTTP without authentication (keep it
+inside the cluster's network, deploy/README.md).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+OPEN_METHODS = ("/grpc.health.v1.Health/",)  # prefixes of methods that need no token
+
+
+class SecurityError(ValueError):
+    """A TLS or token file that cannot be used; the message names the option."""
+
+
+def _read(path: Path, option: str) -> bytes:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise SecurityError(f"{option}: cannot read {path}: {exc.strerror or exc}") from None
+    if not data.strip():
+        raise SecurityError(f"{option}: {path} is empty")
+    return data
+
+
+@dataclass(frozen=True, slots=True)
+class SecurityConfig:
+    tls_cert: Path | None = None  # the server's certificate chain (PEM)
+    tls_key: Path | None = None  # its private key (PEM)
+    tls_client_ca: Path | None = None  # clients must present a certificate this CA signed
+    auth_token_file: Path | None = None  # the bearer token every RPC but health must carry
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise SecurityError("tls_cert and tls_key: give both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise SecurityError("tls_client_ca: mutual TLS needs tls_cert and tls_key")
+
+    def check(self) -> None:
+        """Read every file now (SecurityError naming the option): before anything starts."""
+        self.server_credentials()
+        self.interceptors()
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        """TLS credentials for the gRPC ports; None for plaintext."""
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        cert = _read(self.tls_cert, "tls_cert")
+        key = _read(self.tls_key, "tls_key")
+        ca = _read(self.tls_client_ca, "tls_client_ca") if self.tls_client_ca else None
+        return grpc.ssl_server_credentials(
+            [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+        )
+
+    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        if self.auth_token_file is None:
+            return []
+        token = _read(self.auth_token_file, "auth_token_file").strip()
+        return [TokenAuth(token)]
+
+
+Behavior = Callable[..., Any]
+
+
+class TokenAuth(grpc.aio.ServerInterceptor):
+    """Refuses, with UNAUTHENTICATED, every RPC but the open ones whose `authorization` metadata
+    is not `Bearer <token>`."""
+
+    def __init__(self, token: bytes) -> None:
+        self._expected = b"Bearer " + token
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        method = details.method  # type: ignore[attr-defined]
+        if handler is None or method.startswith(OPEN_METHODS):
+            return handler
+        got = ""
+        for key, value in details.invocation_metadata or ():  # type: ignore[attr-defined]
+            if key == "authorization":
+                got = value if isinstance(value, str) else ""
+        if hmac.compare_digest(got.encode(), self._expected):
+            return handler
+        return _refusal(handler)
+
+
+_WHY = "authorization: a valid `Bearer <token>` is required"
+
+
+async def _refuse_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _WHY)
+
+
+async def _refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _WHY)
+    yield  # never reached: makes this an async generator, as a streaming handler must be
+
+
+def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that refuses at once."""
+    kw = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(_refuse_stream, **kw)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(_refuse_unary, **kw)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(_refuse_stream, **kw)
+    return grpc.unary_unary_rpc_method_handler(_refuse_unary, **kw)

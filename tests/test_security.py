@@ -1,0 +1,196 @@
+"""A server on a network: TLS and mutual TLS, a bearer token on every RPC but health, per-client
+stream limits and a max_tokens cap, through `pdserve complete` as a user runs it and through the
+gRPC client. The pools are the fake backend: what is tested is the transport and the door."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+import trustme
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.config import ModelConfig
+from engine.loader import load_tokenizer
+from pdserve_proto import admin_pb2, admin_pb2_grpc
+from pdserve_proto import generation_pb2 as pb
+from pdserve_proto import generation_pb2_grpc as pb_grpc
+from router.fake_backend import FakeBackend
+from router.security import SecurityConfig
+from router.server import ServeConfig
+from tests.grpc_server import ServerThread
+
+TOKENIZER = load_tokenizer(ModelConfig(model="tiny-llama"))
+REQ = pb.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=pb.SamplingParams(max_tokens=4))
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, as PEM files."""
+    d = tmp_path_factory.mktemp("pki")
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    client = ca.issue_cert("pdserve-client@example.com")
+    paths = {}
+    for name, blob in (
+        ("ca.pem", ca.cert_pem),
+        ("server.pem", server.cert_chain_pems[0]),
+        ("server.key", server.private_key_pem),
+        ("client.pem", client.cert_chain_pems[0]),
+        ("client.key", client.private_key_pem),
+    ):
+        blob.write_to_path(str(d / name))
+        paths[name] = d / name
+    (d / "token").write_text("s3cret-token\n")
+    (d / "wrong").write_text("not-the-token\n")
+    paths["token"], paths["wrong"] = d / "token", d / "wrong"
+    return paths
+
+
+def server(security: SecurityConfig, backend: FakeBackend | None = None, **kw) -> ServerThread:
+    config = ServeConfig(port=0, metrics_port=None, admin_port=0, security=security, **kw)
+    return ServerThread(config, backend=backend or FakeBackend(), tokenizer=TOKENIZER)
+
+
+def complete(address: str, *flags: str) -> subprocess.CompletedProcess[str]:
+    """`pdserve complete` as a user types it."""
+    return subprocess.run(
+        [sys.executable, "-m", "router.cli", "complete", "--address", address, "--timeout", "30",
+         "--max-tokens", "4", *flags, "hello"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_tls_end_to_end_and_a_plaintext_client_fails_cleanly(pki):
+    s = server(SecurityConfig(tls_cert=pki["server.pem"], tls_key=pki["server.key"]))
+    try:
+        ok = complete(s.address, "--tls-ca", str(pki["ca.pem"]), "--json")
+        assert ok.returncode == 0, ok.stderr
+        assert '"completion_tokens": 4' in ok.stdout
+        plain = complete(s.address)
+        assert plain.returncode == 1 and plain.stderr.startswith("error: ")
+        assert "Traceback" not in plain.stderr
+        # A plaintext gRPC client gets UNAVAILABLE (no handshake), and the server keeps serving.
+        with grpc.insecure_channel(s.address) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                pb_grpc.GenerationStub(ch).Complete(REQ, timeout=5)
+        assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert complete(s.address, "--tls-ca", str(pki["ca.pem"])).returncode == 0
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(120)
+def test_mutual_tls_needs_a_client_certificate(pki):
+    s = server(
+        SecurityConfig(
+            tls_cert=pki["server.pem"], tls_key=pki["server.key"], tls_client_ca=pki["ca.pem"]
+        )
+    )
+    try:
+        mtls = ("--tls-ca", str(pki["ca.pem"]), "--tls-cert", str(pki["client.pem"]),
+                "--tls-key", str(pki["client.key"]))  # fmt: skip
+        assert complete(s.address, *mtls).returncode == 0
+        without = complete(s.address, "--tls-ca", str(pki["ca.pem"]))
+        assert without.returncode == 1 and "Traceback" not in without.stderr
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_bearer_token_is_checked_on_every_rpc_but_health(pki):
+    s = server(SecurityConfig(auth_token_file=pki["token"]))
+    try:
+        assert complete(s.address, "--token-file", str(pki["token"])).returncode == 0
+        for flags in ((), ("--token-file", str(pki["wrong"]))):
+            refused = complete(s.address, *flags)
+            assert refused.returncode == 1
+            assert "UNAUTHENTICATED" in refused.stderr and "Traceback" not in refused.stderr
+        with grpc.insecure_channel(s.address) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            for metadata in ((), (("authorization", "Bearer nope"),),
+                             (("authorization", "s3cret-token"),)):  # fmt: skip
+                for call in (stub.Complete, stub.Info):
+                    with pytest.raises(grpc.RpcError) as err:
+                        req = REQ if call is stub.Complete else pb.InfoRequest()
+                        call(req, timeout=5, metadata=metadata)
+                    assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(grpc.RpcError) as err:
+                    list(stub.Generate(REQ, timeout=5, metadata=metadata))
+                assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+            good = (("authorization", "Bearer s3cret-token"),)
+            assert len(stub.Complete(REQ, timeout=5, metadata=good).token_ids) == 4
+            health = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING  # no token needed
+        # The admin port asks for the same token.
+        admin = f"127.0.0.1:{s.server.admin_port}"
+        with grpc.insecure_channel(admin) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                admin_pb2_grpc.AdminStub(ch).ListWorkers(admin_pb2.ListWorkersRequest(), timeout=5)
+            assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        listed = subprocess.run(
+            [sys.executable, "-m", "router.cli", "workers", "--address", admin, "--token-file",
+             str(pki["token"])],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert listed.returncode == 0, listed.stderr
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(120)
+def test_per_client_stream_limit_and_max_tokens_cap():
+    gate = asyncio.Event()
+    backend = FakeBackend(gate=gate)
+    s = server(SecurityConfig(), backend=backend, max_streams_per_client=2, max_tokens_limit=8)
+    try:
+        with grpc.insecure_channel(s.address) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            held = [stub.Generate(REQ, timeout=30) for _ in range(2)]
+            deadline = time.monotonic() + 10
+            while len(backend.started) < 2:  # both are running (waiting at the gate)
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Complete(REQ, timeout=5)
+            assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert dict(err.value.trailing_metadata())["pdserve-reject-reason"] == "client_limit"
+            s.loop.call_soon_threadsafe(gate.set)
+            for call in held:
+                assert sum(len(m.token_ids) for m in call) == 4
+            # Slots free again once they ended.
+            assert len(stub.Complete(REQ, timeout=5).token_ids) == 4
+            # The cap: above it refused naming the field; unset, the default is the cap.
+            big = pb.GenerateRequest(prompt_token_ids=[1], sampling=pb.SamplingParams(max_tokens=9))
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Complete(big, timeout=5)
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details().startswith("max_tokens: must be in [1, 8]")
+            assert "--max-tokens-limit" in err.value.details()
+            unset = pb.GenerateRequest(prompt_token_ids=[1])
+            assert len(stub.Complete(unset, timeout=5).token_ids) == 8
+    finally:
+        s.close()
+
+
+def test_bad_security_options_stop_the_server_before_it_starts(pki, tmp_path, capsys):
+    from router.cli import main
+
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    for argv, field in (
+        (["--tls-cert", str(pki["server.pem"])], "tls_cert and tls_key"),
+        (["--tls-client-ca", str(pki["ca.pem"])], "tls_client_ca"),
+        (["--tls-cert", str(tmp_path / "nope"), "--tls-key", str(pki["server.key"])], "tls_cert"),
+        (["--auth-token-file", str(empty)], "auth_token_file"),
+    ):
+        assert main(["serve", "--metrics-port", "-1", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and field in err, err
