@@ -8,7 +8,8 @@ returns its result to the caller's event loop. Lifecycle of the thread, in order
      otherwise sleep until a command arrives;
   3. on `shutdown`, abort what is left and end every open stream.
 If a step raises, every open stream ends with that error (and the requests are aborted): a broken
-step never leaves a caller waiting.
+step never leaves a caller waiting. An `on_dead` hook hears of it first (a pool worker ends its
+process there, so that its requests resume on another worker).
 """
 
 from __future__ import annotations
@@ -34,9 +35,15 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_layer: LayerHook | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_layer: LayerHook | None = None,
+        on_dead: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.on_layer = on_layer
+        self.on_dead = on_dead  # called on the engine thread when a step raised
         self._commands: deque[tuple[Callable[[LLMEngine], Any], Future[Any]]] = deque()
         self._wake = threading.Event()
         # Guards "stopped?" + enqueue against "stop" + drain, so no command is ever stranded.
@@ -132,6 +139,8 @@ class AsyncEngine:
                     self._wake.clear()
         except BaseException as exc:  # a broken step ends every stream with its error
             self._error = exc
+            if self.on_dead is not None:
+                self.on_dead(exc)
         finally:
             with self._lock:
                 self._stopped = True

@@ -58,6 +58,9 @@ class Handoff:
         fallback is counted."""
         if self.track.kv_fallback is None:
             self.track.kv_fallback = reason
+        # Its first token comes from the decode worker's own prefill: that is the TTFT's story
+        # (and no handoff to train the disaggregated path's bias on).
+        self.track.handed_off = False
         if self.p is not self.d:
             self.p.done(self.wid)
         n = self.track.prompt_tokens

@@ -105,11 +105,10 @@ class Pools:
 
     async def _grow(self, num_prefill: int, num_decode: int) -> list[WorkerHandle]:
         """Add workers and bring them up together; all or nothing (PoolsUnavailable)."""
-        new = [self._spawn(WorkerRole.PREFILL, self._new_id(WorkerRole.PREFILL))
-               for _ in range(num_prefill)]  # fmt: skip
-        new += [self._spawn(WorkerRole.DECODE, self._new_id(WorkerRole.DECODE))
-                for _ in range(num_decode)]  # fmt: skip
+        new: list[WorkerHandle] = []
         try:
+            for role, n in ((WorkerRole.PREFILL, num_prefill), (WorkerRole.DECODE, num_decode)):
+                new += [self._spawn(role, self._new_id(role)) for _ in range(n)]
             ok = await asyncio.gather(*(self._engine_up(h) for h in new))
             if not all(ok):
                 failed = [f"{h.worker_id}: {h.error}" for h, up in zip(new, ok) if not up]
@@ -120,6 +119,7 @@ class Pools:
             for h in new:
                 self._stop_actor(h, WorkerStatus.STOPPED)
                 self._drop(h)
+                self.pairs.forget(h.worker_id)
             raise
         with self._lock:
             for h in new:
@@ -219,11 +219,16 @@ class Pools:
             self._refresh_ids()
             if not draining:
                 self.dead.append(h.worker_id)
-        if not draining:
+        if not draining and not self._closing:
             log.warning("worker %s died and left its pool", h.worker_id)
-            if self.config.replace_dead and not self._closing:
-                self.ops.submit(self._replace(h))
+            follow_up = self._replace if self.config.replace_dead else self._forget_dead
+            self.ops.submit(follow_up(h))
         return True
+
+    async def _forget_dead(self, dead: WorkerHandle) -> None:
+        """No replacement (--no-replace-dead-workers): the dead worker leaves for good, with its
+        pairs, here and on its peers."""
+        await self._retire(dead, graceful=False)
 
     async def _replace(self, dead: WorkerHandle) -> None:
         """Start new incarnations under `dead`'s id until one is up (backing off between
@@ -231,7 +236,13 @@ class Pools:
         self.pairs.forget(dead.worker_id)
         backoff = self.config.restart_backoff_s
         while not self._closing and self._current(dead, WorkerStatus.DEAD):
-            h = self._spawn(dead.role, dead.worker_id, dead.incarnation + 1)
+            try:
+                h = self._spawn(dead.role, dead.worker_id, dead.incarnation + 1)
+            except Exception as exc:  # Ray refused the actor: try again after the backoff
+                log.warning("replacing %s failed: %s: %s", dead.worker_id, type(exc).__name__, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(60.0, backoff * 2)
+                continue
             if await self._engine_up(h):
                 await self._pair_up(h)
                 await self._warm(h)

@@ -121,13 +121,21 @@ class LoopThread:
         return self.submit(coro).result(timeout)
 
     def stop(self) -> None:
-        def cancel_all() -> None:
-            for task in asyncio.all_tasks(self.loop):
+        """Cancel what still runs here, let it unwind (bounded), then end the thread."""
+
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
                 task.cancel()
-            self.loop.call_soon(self.loop.stop)
+            if tasks:
+                await asyncio.wait(tasks, timeout=5)
 
         if self.loop.is_running():
-            self.loop.call_soon_threadsafe(cancel_all)
+            try:
+                self.submit(cancel_all()).result(10)
+            except Exception:
+                pass  # stopping regardless
+            self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
 
 

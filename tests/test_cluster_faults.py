@@ -66,6 +66,14 @@ def test_decode_worker_killed_before_the_send_frees_prefill_blocks():
         assert time.monotonic() - t0 < 5 + 5  # within the transfer deadline (plus slack)
         wait_full(p)
         assert ray.get(p.kv_stats.remote()).failed == 1
+        # Not replaced (replace_dead=False): once noticed, it leaves the pools with its pair.
+        asyncio.run(c.load())
+        deadline = time.monotonic() + 10
+        while "decode-0" in c.pools.workers:
+            assert time.monotonic() < deadline, c.pools.workers
+            time.sleep(0.05)
+        assert c.dead == ["decode-0"] and c.decode_ids == []
+        assert c.pools.pairs.state("prefill-0", "decode-0") is None
     finally:
         c.shutdown()
 

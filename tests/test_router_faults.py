@@ -99,3 +99,43 @@ def test_a_dead_decode_worker_s_request_resumes_on_another_token_for_token(srv, 
     assert metric("pdserve_worker_restarts_total", {"role": "decode"}) == restarts + 1
     assert metric("pdserve_workers", {"role": "decode"}) == 3
     assert metric("pdserve_worker_failures_total", {"worker": killed, "role": "decode"}) >= 1
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_whose_engine_step_fails_is_replaced_and_its_request_resumes(srv):
+    def break_engine_step(worker) -> None:
+        """(Runs inside the worker's actor; defined here so that it travels by value.)"""
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("injected step failure")
+
+        worker.engine.step = boom
+
+    cluster = srv.server.cluster
+    prompt = random_prompts([21], seed=11)[0]
+    want = hf_greedy(MODEL, prompt, MAX_NEW)
+    req = pb.GenerateRequest(
+        request_id="broken-engine",
+        prompt_token_ids=prompt,
+        sampling=pb.SamplingParams(max_tokens=MAX_NEW, temperature=0.0),
+        path=pb.PATH_COLOCATED,
+    )
+    got: list[int] = []
+    broken = None
+    with grpc.insecure_channel(srv.address) as channel:
+        for msg in pb_grpc.GenerationStub(channel).Generate(req, timeout=90):
+            got.extend(msg.token_ids)
+            if broken is None and len(got) >= 5:
+                broken = holder(srv, "broken-engine")
+                assert broken is not None
+                old = cluster.worker_info(broken)
+                ray.get(cluster.actor(broken).__ray_call__.remote(break_engine_step))
+            if msg.HasField("final"):
+                assert msg.final.decode_worker != broken  # finished elsewhere
+    assert got == want  # resumed token for token, not failed
+    # The worker ended its process; a new one under the same id takes load again.
+    deadline = time.monotonic() + 60
+    while broken not in cluster.decode_ids or cluster.worker_info(broken).pid == old.pid:
+        assert time.monotonic() < deadline, f"{broken} was not replaced within 60 s"
+        time.sleep(0.1)
+    assert cluster.worker_info(broken).incarnation > old.incarnation

@@ -9,6 +9,8 @@ KVEndpoint; a worker class combines the two.
 from __future__ import annotations
 
 import os
+import sys
+import traceback
 from dataclasses import replace
 from typing import Any
 
@@ -41,7 +43,7 @@ class EngineHost:
         self.node_ip = node_ip()
         self.kv_host = kv_bind_host(self.node_ip, spec.kv_interface, spec.kv_host)
         self.engine = LLMEngine(spec.engine)
-        self.aeng = AsyncEngine(self.engine, on_layer=on_layer)
+        self.aeng = AsyncEngine(self.engine, on_layer=on_layer, on_dead=self._engine_died)
         rate = measure_device(self.engine.runner.device, self.engine.runner.dtype)
         self._info = worker_info(
             self.engine,
@@ -54,6 +56,14 @@ class EngineHost:
             actor_id=_actor_id(),
             pid=os.getpid(),
         )
+
+    def _engine_died(self, exc: BaseException) -> None:
+        """A step raised: this worker can serve nothing more. Ending the process makes Ray
+        report the actor dead, so the router resumes its requests elsewhere and replaces it
+        (a live actor with a dead engine would fail every request sent to it)."""
+        traceback.print_exception(exc, file=sys.stderr)
+        print(f"worker {self.worker_id}: engine step failed; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
 
     def kv_source(self) -> KVCacheSource:
         loaded, runner = self.engine.loaded, self.engine.runner
