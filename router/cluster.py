@@ -30,7 +30,7 @@ from engine.sampling_params import SamplingParams
 from kv_transfer import TransferStats
 from router.cluster_config import ClusterConfig
 from router.core_types import FallbackReason, HandoffListener
-from router.errors import WorkerLost
+from router.errors import HandoffFailed, WorkerLost
 from router.pools import Pools
 from router.ray_runtime import init_ray
 from router.workers import WorkerHandle, WorkerStatus
@@ -185,10 +185,10 @@ class Cluster:
         self, req: WorkRequest, p: WorkerHandle, d: WorkerHandle, listener: HandoffListener
     ) -> AsyncIterator[TokenChunk]:
         t0 = time.monotonic()
-        fell: list[FallbackReason] = []
+        fell: list[tuple[FallbackReason, str]] = []
 
         def fallback(reason: FallbackReason, detail: str) -> None:
-            fell.append(reason)
+            fell.append((reason, detail))
             self._fallback(req, reason, detail, time.monotonic() - t0, listener)
 
         p.active += 1  # from here on a drain of P waits for this request
@@ -196,6 +196,7 @@ class Cluster:
             handed = await self._handoff(req, p, d, fallback, listener)
         finally:
             p.active -= 1
+        self._check_policy(fell)
         if handed is None:  # nothing reserved on D: it prefills the prompt as a new request
             stream = self._stream(d.actor.generate, req)
         else:  # D joins it with P's first token, or recomputes it in the blocks it reserved
@@ -203,7 +204,15 @@ class Cluster:
         async for chunk in stream:
             if chunk.kv_recomputed and not fell:  # P's send ended well, D's receive did not
                 fallback(FallbackReason.TRANSFER_FAILED, f"the KV never reached {d.worker_id}")
+                self._check_policy(fell)
             yield chunk
+
+    def _check_policy(self, fell: list[tuple[FallbackReason, str]]) -> None:
+        """Under --kv-failure-policy fail, a fallback ends the request (generate's cleanup then
+        aborts it on both workers, which frees its blocks there)."""
+        if fell and self.config.kv_failure_policy == "fail":
+            reason, detail = fell[0]
+            raise HandoffFailed(reason.value, detail)
 
     async def _handoff(
         self,

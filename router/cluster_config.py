@@ -10,6 +10,8 @@ from router.pools import PoolConfig
 from router.workers import Placement
 from worker_protocol.messages import WorkerRole, WorkerSpec
 
+KV_FAILURE_POLICIES = ("recompute", "fail")
+
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
@@ -34,10 +36,18 @@ class ClusterConfig:
     pair_timeout_s: float = 10.0  # one attempt to pair a prefill and a decode worker
     replace_dead: bool = True  # start a new worker in place of one found dead
     drain_timeout_s: float = 30.0  # a removed worker's own requests, before it is stopped
+    # What a disaggregated request whose KV does not come gets: "recompute" (its decode worker
+    # prefills it) or "fail" (UNAVAILABLE with the reason). Counted as a fallback either way.
+    kv_failure_policy: str = "recompute"
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ValueError("need num_prefill >= 0 and num_decode >= 1")
+        if self.kv_failure_policy not in KV_FAILURE_POLICIES:
+            raise ValueError(
+                f"kv_failure_policy: must be one of {', '.join(KV_FAILURE_POLICIES)}, "
+                f"got {self.kv_failure_policy!r}"
+            )
 
     def pool_config(self, cluster_gpus: float = 0.0) -> PoolConfig:
         """The pools' configuration on a Ray cluster with `cluster_gpus` GPUs in all."""

@@ -10,3 +10,13 @@ class WorkerLost(RuntimeError):
     def __init__(self, worker_id: str, cause: str) -> None:
         super().__init__(f"worker {worker_id} died: {cause}")
         self.worker_id = worker_id
+
+
+class HandoffFailed(RuntimeError):
+    """A disaggregated request's KV did not come from its prefill worker, and the server was told
+    to fail such requests (`--kv-failure-policy fail`) rather than prefill them on the decode
+    worker. Its blocks have been freed on both workers."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"KV handoff failed ({reason}): {detail}")
+        self.reason = reason

@@ -3,7 +3,8 @@ overhead benchmark) and for testing the request core without workers.
 
 Each request yields `max_tokens` tokens (token id i % vocab) in chunks of `chunk_tokens`, after
 an optional `gate` (an asyncio.Event) is set; it reports the same load every time. With
-`fallback`, every disaggregated request's handoff falls back for that reason.
+`fallback`, every disaggregated request's handoff falls back for that reason (and with
+`fail_handoffs` then ends, as under --kv-failure-policy fail).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from engine.device_rate import DeviceRate
 from engine.sampling_params import SamplingParams
 from router.core_types import FallbackReason, HandoffListener
+from router.errors import HandoffFailed
 from worker_protocol.messages import TokenChunk, WorkerInfo, WorkerLoad, WorkerRole
 
 
@@ -50,6 +52,7 @@ class FakeBackend:
         chunk_tokens: int = 1,
         gate: asyncio.Event | None = None,
         fallback: FallbackReason | None = None,
+        fail_handoffs: bool = False,
     ) -> None:
         self.prefill_ids = [f"prefill-{i}" for i in range(num_prefill)]
         self.decode_ids = [f"decode-{i}" for i in range(num_decode)]
@@ -59,6 +62,7 @@ class FakeBackend:
         self.chunk_tokens = chunk_tokens
         self.gate = gate
         self.fallback = fallback
+        self.fail_handoffs = fail_handoffs  # a fallback then ends the request (policy "fail")
         self.started: list[str] = []  # request ids, in the order they reached the backend
         self.closed: list[str] = []  # request ids whose stream ended, for any reason
 
@@ -92,6 +96,8 @@ class FakeBackend:
                 await self.gate.wait()
             if path == "disaggregated" and self.fallback is not None and listener is not None:
                 listener.fell_back(self.fallback, "fake", 0.0)
+                if self.fail_handoffs:
+                    raise HandoffFailed(self.fallback.value, "fake")
             n = params.max_tokens
             for start in range(0, n, self.chunk_tokens):
                 end = min(n, start + self.chunk_tokens)

@@ -171,6 +171,9 @@ OPTIONS: tuple[Option, ...] = (
            "seconds one pairing of a prefill and a decode worker may take"),
     Option("start_timeout", number(0, strict=True), 300.0,
            "seconds a worker may take to be placed, load its model and warm up"),
+    Option("kv_failure_policy", choice("recompute", "fail"), "recompute",
+           "a disaggregated request whose KV does not come: its decode worker prefills it "
+           "(recompute), or it ends with UNAVAILABLE and the reason (fail)"),
     Option("replace_dead_workers", flag, True,
            "start a new worker in place of one found dead", boolean=True),
     # scheduler budgets
@@ -325,6 +328,7 @@ class ServeOptions:
             pair_timeout_s=v["pair_timeout"],
             start_timeout_s=v["start_timeout"],
             replace_dead=v["replace_dead_workers"],
+            kv_failure_policy=v["kv_failure_policy"],
             drain_timeout_s=v["drain_timeout"],
         )
         policy = PolicyConfig(

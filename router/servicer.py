@@ -29,7 +29,7 @@ from pdserve_proto import generation_pb2 as pb
 from router.convert import ModelLimits, ParsedRequest, invalid_utf8_field, parse_request
 from router.core import RequestCore
 from router.core_types import CoreChunk, NoWorkers, Overloaded, Summary
-from router.errors import WorkerLost
+from router.errors import HandoffFailed, WorkerLost
 
 SERVICE = "pdserve.v1.Generation"
 FINISH = {
@@ -213,7 +213,7 @@ class GenerationServicer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
-        except (NoWorkers, WorkerLost) as exc:
+        except (NoWorkers, WorkerLost, HandoffFailed) as exc:
             log.warning("request %s: %s", req.request_id, exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except Exception as exc:
