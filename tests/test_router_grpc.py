@@ -78,6 +78,23 @@ def assert_pools_full(srv, within_s: float = 0.0) -> None:
         time.sleep(0.02)
 
 
+def received(srv) -> tuple[int, int]:
+    """KV bytes received and transfers completed, over every decode worker so far."""
+    stats = srv.run(srv.server.cluster.kv_stats())
+    decode = [s for w, s in stats.items() if w.startswith("decode")]
+    return sum(s.bytes_received for s in decode), sum(s.ok for s in decode)
+
+
+def assert_handed_off(srv, before: tuple[int, int], finals) -> None:
+    """Every disaggregated request among `finals` got its KV from the prefill worker: each one
+    completed a transfer, bytes moved, and none fell back to a local prefill."""
+    dis = [f for f in finals if f.path == pb.PATH_DISAGGREGATED]
+    assert all(f.kv_fallback == "" for f in dis), [f.kv_fallback for f in dis]
+    nbytes, ok = received(srv)
+    assert ok - before[1] == len(dis)
+    assert (nbytes > before[0]) == bool(dis)
+
+
 def greedy(ids, **kw) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         prompt_token_ids=ids, sampling=pb.SamplingParams(max_tokens=MAX_NEW, temperature=0.0, **kw)
@@ -102,6 +119,7 @@ def test_every_policy_matches_transformers_streaming_and_unary(srv, stub, policy
     # Fresh prompts per policy: an earlier policy's prompts sit in the prefix caches.
     prompts = random_prompts([3, 9, 16, 17, 25, 33, 48, 61], seed=71 + list(Policy).index(policy))
     calls = [stream_tokens if i % 2 == 0 else unary_tokens for i in range(len(prompts))]
+    before = received(srv)
     with ThreadPoolExecutor(len(prompts)) as pool:
         futs = [pool.submit(call, stub, greedy(p)) for call, p in zip(calls, prompts)]
         results = [f.result(timeout=120) for f in futs]
@@ -121,6 +139,7 @@ def test_every_policy_matches_transformers_streaming_and_unary(srv, stub, policy
             assert final.path == expected, (len(p), final.decision_reason)
         if final.path == pb.PATH_DISAGGREGATED:
             assert final.prefill_worker == "prefill-0"
+    assert_handed_off(srv, before, [final for _, final in results])
     assert_pools_full(srv, within_s=2)
 
 
@@ -131,9 +150,11 @@ def test_text_prompt_streams_text_and_the_client_override_wins(srv, stub):
         sampling=pb.SamplingParams(max_tokens=6, temperature=0.0),
         path=pb.PATH_DISAGGREGATED,
     )
+    before = received(srv)
     msgs = list(stub.Generate(req, timeout=60))
     final = msgs[-1].final
     assert final.path == pb.PATH_DISAGGREGATED
+    assert_handed_off(srv, before, [final])
     assert final.decision_reason == "disaggregated: requested by the client"
     assert final.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP)
     assert all(m.request_id == msgs[0].request_id for m in msgs) and msgs[0].request_id
@@ -275,7 +296,9 @@ def test_router_text_and_stop_strings_match_the_engine(srv, stub):
             sampling=pb.SamplingParams(max_tokens=24, temperature=0.0, stop=[stop]),
             path=path,
         )
+        before = received(srv)
         msgs = list(stub.Generate(req, timeout=60))
+        assert_handed_off(srv, before, [msgs[-1].final])
         assert "".join(m.text for m in msgs) == want.text
         assert [t for m in msgs for t in m.token_ids] == list(want.token_ids)
         final = msgs[-1].final
