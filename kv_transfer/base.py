@@ -55,6 +55,7 @@ class FailureReason(enum.Enum):
     PEER_ABORTED = "peer_aborted"  # the other side aborted, timed out, or refused the transfer
     PEER_DEAD = "peer_dead"  # the pair's connection broke or was never made
     MISMATCH = "mismatch"  # the two sides disagree on the transfer's shape
+    CORRUPT = "corrupt"  # a layer's bytes arrived other than sent (its checksum differs)
     ERROR = "error"  # anything else (message says what)
 
 

@@ -11,6 +11,7 @@ import asyncio
 
 from engine.kv_cache import KVCacheSource
 from kv_transfer.base import TransferStats
+from kv_transfer.faults import FaultPlan
 from kv_transfer.layout import KVLayout, model_identity
 from kv_transfer.rendezvous import PeerAddress
 from kv_transfer.torch_dist import TorchDistConfig, TorchDistConnector
@@ -21,14 +22,22 @@ class KVEndpoint:
     connector: TorchDistConnector
 
     def init_endpoint(
-        self, source: KVCacheSource, bind_host: str, backend: str, connect_timeout_s: float
+        self,
+        source: KVCacheSource,
+        bind_host: str,
+        backend: str,
+        connect_timeout_s: float,
+        faults: FaultPlan | None = None,
     ) -> None:
         """A connector for one engine's KV cache (its layout, device and model identity),
-        listening on `bind_host`."""
+        listening on `bind_host`; `faults` only in tests and benches."""
         model_id = model_identity(source.model_name, source.model_config_text)
         self.layout = KVLayout.from_spec(source.spec, model_id)
         config = TorchDistConfig(
-            bind_host=bind_host, backend=backend, connect_timeout_s=connect_timeout_s
+            bind_host=bind_host,
+            backend=backend,
+            connect_timeout_s=connect_timeout_s,
+            faults=faults,
         )
         self.connector = TorchDistConnector(self.layout, source.device, config)
 

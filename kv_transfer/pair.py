@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from kv_transfer.base import FailureReason
+from kv_transfer.faults import FaultInjector
 from kv_transfer.layout import KVLayout
 from kv_transfer.rendezvous import Lanes
 from kv_transfer.staging import Staging
@@ -38,6 +39,7 @@ class PairConfig:
     heartbeat_s: float  # idle interval between heartbeats and deadline sweeps
     register_wait_s: float  # how long a START may wait for the matching start_recv
     max_message_bytes: int  # cap on one data message when queued layers are grouped
+    checksum: bool = False  # the sender checksums each LAYER message (the receiver checks it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +68,10 @@ class Pair:
         layout: KVLayout,
         device: torch.device,
         config: PairConfig,
+        faults: FaultInjector | None = None,
     ) -> None:
         self.peer_id = peer_id
+        self.faults = faults  # tests and benches only (faults.py)
         self.peer_rank = 1 - rank
         self.lanes = lanes
         self.table = table

@@ -42,7 +42,15 @@ from kv_transfer.base import FailureReason
 from kv_transfer.pair import Event, LaneError, Pair
 from kv_transfer.staging import SLOTS
 from kv_transfer.table import Transfer
-from kv_transfer.wire import HEADER_TAG, Header, Kind, data_tag, tid_hash
+from kv_transfer.wire import (
+    HEADER_TAG,
+    NO_CHECKSUM,
+    Header,
+    Kind,
+    checksum,
+    data_tag,
+    tid_hash,
+)
 
 
 @dataclass(slots=True)
@@ -171,7 +179,23 @@ class LaneReceiver:
         if rec is None:
             self._free.put(slot)  # dropped: see _match
             return
+        if not self._intact(h, landed):
+            self._free.put(slot)
+            self._corrupt(rec, h)
+            return
         self._copies.put(_Copy(slot, landed, rec, h.layer, h.num_layers, h.nbytes))
+
+    def _intact(self, h: Header, data: torch.Tensor) -> bool:
+        """Whether a message's bytes are what the sender checksummed (True when it did not)."""
+        if h.checksum == NO_CHECKSUM:
+            return True
+        with self._staging.on_stream():
+            return checksum(data) == h.checksum
+
+    def _corrupt(self, rec: Transfer, h: Header) -> None:
+        msg = f"layers {h.layer}..{h.layer + h.num_layers - 1} arrived corrupted (checksum)"
+        # Not waiting: the copier may hold the receive's io_lock (it ends it as it lets go).
+        self._pair.table.fail(rec, FailureReason.CORRUPT, msg, blocking=False)
 
     def _match(self, h: Header) -> Transfer | None:
         """The receive a LAYER header's data belongs to; None when it is to be dropped (never
@@ -198,8 +222,13 @@ class LaneReceiver:
             # Holding io_lock until the data is in, so the receive cannot end (abort, deadline,
             # a broken pair) while the wire may still write these blocks. The sender posted this
             # data with its header, so the wait is the data's wire time (at most io_timeout_s).
-            self._pair.recv(self._staging, rec.cache.layers[h.layer][rec.run], data_tag(h.seq))
+            blocks = rec.cache.layers[h.layer][rec.run]
+            self._pair.recv(self._staging, blocks, data_tag(h.seq))
             self._staging.sync()
+            intact = self._intact(h, blocks)
+        if not intact:  # the blocks hold bad bytes: the receive ends, their owner recomputes
+            self._corrupt(rec, h)
+            return True
         self._landed(rec, h.nbytes, 1)
         return True
 

@@ -26,11 +26,20 @@ import queue
 import time
 from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 
 from kv_transfer.pair import Event, LaneError, Pair
 from kv_transfer.table import Transfer
-from kv_transfer.wire import HEADER_TAG, Header, Kind, data_tag, tid_hash
+from kv_transfer.wire import (
+    HEADER_TAG,
+    NO_CHECKSUM,
+    Header,
+    Kind,
+    checksum,
+    data_tag,
+    tid_hash,
+)
 
 
 class _InFlight(NamedTuple):
@@ -144,7 +153,11 @@ class LaneSender:
         group = self._layer_group(first)
         rec = first.rec
         assert rec is not None
-        if len(group) == 1 and rec.run is not None and self._staging.direct:
+        faults = self._pair.faults
+        if faults is not None and not faults.before_layers(rec):
+            return  # dropped by fault injection: the send ends at its deadline
+        direct = faults is None or not faults.needs_copy(rec)
+        if len(group) == 1 and rec.run is not None and self._staging.direct and direct:
             self._send_direct(first, rec)
             return
         with self._pair.table.io(rec) as running:
@@ -158,6 +171,9 @@ class LaneSender:
             )
         self._slot ^= 1
         nbytes = data.numel() * data.element_size()
+        csum = self._checksum(data)
+        if faults is not None:
+            faults.corrupt(rec, data)
         header = Header(
             Kind.LAYER,
             rec.seq,
@@ -165,6 +181,7 @@ class LaneSender:
             num_layers=len(group),
             layer=first.layer,
             nbytes=nbytes,
+            checksum=csum,
         )
         self._flush()  # the previous message completes before this one is posted
         with self._staging.on_stream():
@@ -177,30 +194,42 @@ class LaneSender:
         assert rec.run is not None
         data = rec.cache.layers[ev.layer][rec.run]
         nbytes = data.numel() * data.element_size()
-        header = Header(
-            Kind.LAYER,
-            rec.seq,
-            num_blocks=rec.req.num_blocks,
-            num_layers=1,
-            layer=ev.layer,
-            nbytes=nbytes,
-        )
         self._flush()
         with self._pair.table.io(rec) as running:
             if not running:
                 return
             with self._staging.on_stream():
                 self._staging.wait_ready([ev.ready] if ev.ready is not None else [])
+            header = Header(
+                Kind.LAYER,
+                rec.seq,
+                num_blocks=rec.req.num_blocks,
+                num_layers=1,
+                layer=ev.layer,
+                nbytes=nbytes,
+                checksum=self._checksum(data),
+            )
+            with self._staging.on_stream():
                 buf = header.encode(self._staging.header)
             # io_lock is held until the wire is done with the cache (at most io_timeout_s).
             # Posting the next layer before this one completes measured slower on gloo.
             self._pair.send(self._staging, [(buf, HEADER_TAG), (data, data_tag(rec.seq))])
         self._counted(rec, nbytes, 1)
 
+    def _checksum(self, data: torch.Tensor) -> int:
+        """The message's checksum, taken on the staging stream (after its gather or its
+        producer's write), or NO_CHECKSUM when this side does not checksum."""
+        if not self._pair.config.checksum:
+            return NO_CHECKSUM
+        with self._staging.on_stream():
+            return checksum(data)
+
     def _counted(self, rec: Transfer, nbytes: int, layers: int) -> None:
         """A message has left: count it; it may be the last the receiver's ACK waited for."""
         self._pair.table.progress(rec, nbytes, layers)
         self._pair.table.complete_send(rec)
+        if self._pair.faults is not None:
+            self._pair.faults.sent(rec, layers, self._pair.break_)
 
     def _goodbye(self) -> None:
         """Tell the peer this lane is closing, so its receiver stops at once. Best effort."""

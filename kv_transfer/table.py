@@ -67,6 +67,9 @@ class Transfer:
     seq: int = -1  # the wire sequence number, where a connector uses one
     deferred: tuple[FailureReason, str] | None = None  # a failure left for the io_lock holder
     acked: bool = False  # SEND: the receiver has acknowledged every layer
+    # SEND, under fault injection (faults.py) only: struck, and its layers sent since.
+    fault: bool = False
+    fault_layers: int = 0
 
     @property
     def running(self) -> bool:

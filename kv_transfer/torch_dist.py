@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from engine.kv_cache import KVCache
 from kv_transfer.base import FailureReason, TransferRequest
+from kv_transfer.faults import FaultInjector, FaultPlan
 from kv_transfer.layout import KVLayout
 from kv_transfer.pair import Pair, PairConfig
 from kv_transfer.receiver import LaneReceiver
@@ -85,6 +86,10 @@ class TorchDistConfig:
     # Layers already queued for one transfer travel as one message up to this size. Small enough
     # that a complete KV of a few MiB still splits into messages whose copies overlap the wire.
     max_message_bytes: int = 4 << 20
+    # A checksum per LAYER message, checked by the receiver (a mismatch ends the transfer
+    # CORRUPT). None: on for CPU caches, where it costs a pass over memory; off for CUDA ones.
+    checksum: bool | None = None
+    faults: FaultPlan | None = None  # tests and benches only: see faults.py
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_s < self.io_timeout_s:
@@ -108,6 +113,9 @@ class TorchDistConnector(TrackedConnector):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.config = config or TorchDistConfig()
         self.backend = choose_backend(self.config.backend, self.device)
+        checksum = self.config.checksum
+        self.checksum = self.device.type == "cpu" if checksum is None else checksum
+        self.faults = FaultInjector(self.config.faults) if self.config.faults else None
         self._lock = threading.Lock()  # guards the fields below; never held across a wait
         self._pairs: dict[str, Pair] = {}
         self._listening: dict[str, dist.TCPStore] = {}
@@ -153,8 +161,13 @@ class TorchDistConnector(TrackedConnector):
             self.layout,
             self.device,
             PairConfig(
-                cfg.io_timeout_s, cfg.heartbeat_s, cfg.register_wait_s, cfg.max_message_bytes
+                cfg.io_timeout_s,
+                cfg.heartbeat_s,
+                cfg.register_wait_s,
+                cfg.max_message_bytes,
+                self.checksum,
             ),
+            self.faults,
         )
         pair.start({"send": LaneSender(pair).run, "recv": LaneReceiver(pair).run})
         with self._lock:
@@ -186,6 +199,8 @@ class TorchDistConnector(TrackedConnector):
     def start_send(self, req: TransferRequest, cache: KVCache) -> None:
         self._check_device(cache)
         rec = self._table.add(req, Role.SEND, cache)
+        if self.faults is not None:
+            self.faults.started(rec)
         pair = self._pair(req.peer)
         if pair is None or not pair.start_send(rec):
             self._table.fail(rec, FailureReason.PEER_DEAD, f"not connected to {req.peer!r}")

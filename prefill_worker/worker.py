@@ -52,7 +52,9 @@ class PrefillWorker(KVEndpoint, EngineHost):
         self._sends: dict[str, _PendingSend] = {}
         self._lock = threading.Lock()
         EngineHost.__init__(self, worker_id, spec, incarnation, on_layer=self._on_layer)
-        self.init_endpoint(self.kv_source(), self.kv_host, spec.kv_backend, spec.pair_timeout_s)
+        self.init_endpoint(
+            self.kv_source(), self.kv_host, spec.kv_backend, spec.pair_timeout_s, spec.kv_faults
+        )
 
     def _on_layer(self, layer: int, so: SchedulerOutput) -> None:
         """Engine thread, after layer `layer` of a step is in the cache. Never raises: a send

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
+from kv_transfer.faults import FaultPlan
 from router.pools import PoolConfig
 from router.workers import Placement
 from worker_protocol.messages import WorkerRole, WorkerSpec
@@ -39,6 +40,7 @@ class ClusterConfig:
     # What a disaggregated request whose KV does not come gets: "recompute" (its decode worker
     # prefills it) or "fail" (UNAVAILABLE with the reason). Counted as a fallback either way.
     kv_failure_policy: str = "recompute"
+    kv_faults: FaultPlan | None = None  # faults the prefill workers' sends suffer: tests only
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -64,6 +66,7 @@ class ClusterConfig:
             kv_interface=self.kv_interface,
             kv_host=self.kv_host,
             pair_timeout_s=self.pair_timeout_s,
+            kv_faults=self.kv_faults,
         )
         return PoolConfig(
             spec=spec,

@@ -15,6 +15,7 @@ from engine.device_rate import DeviceRate
 from engine.outputs import RequestOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.step_stats import StepStat
+from kv_transfer.faults import FaultPlan
 
 
 class WorkerRole(str, enum.Enum):
@@ -40,6 +41,7 @@ class WorkerSpec:
     kv_interface: str | None = None
     kv_host: str | None = None
     pair_timeout_s: float = 10.0  # one pairing attempt with a peer
+    kv_faults: FaultPlan | None = None  # faults its KV sends suffer: tests and benches only
     # KV transfer backend: "auto" (nccl for CUDA caches, gloo for CPU ones) or "gloo"/"nccl".
     # Two workers on one GPU need "gloo": NCCL refuses two ranks on one device.
     kv_backend: str = "auto"

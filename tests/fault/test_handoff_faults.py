@@ -1,0 +1,131 @@
+"""Faults in the KV handoff between Ray workers (kv_transfer/faults.py, on the prefill workers'
+sends): every request still completes with transformers' greedy output under `recompute`, or gets
+UNAVAILABLE under `fail`; each fallback is counted with its reason; no wait outlives its
+deadline; every pool is full at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import ray
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.sampling_params import SamplingParams
+from kv_transfer.faults import FaultKind, FaultPlan
+from router.cluster import Cluster, ClusterConfig
+from router.core_types import FallbackReason
+from router.errors import HandoffFailed
+from tests.helpers import hf_greedy, random_prompts
+
+MODEL = "tiny-llama"
+MAX_NEW = 6
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+
+
+def cluster(plan: FaultPlan, **kw) -> Cluster:
+    engine = EngineConfig(
+        cache=CacheConfig(block_size=4, num_blocks=256),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8),
+    )
+    return Cluster(
+        ClusterConfig(model=MODEL, engine=engine, kv_transfer_deadline_s=3, kv_faults=plan, **kw)
+    )
+
+
+async def run(c: Cluster, prompt: list[int], rid: str) -> list[int]:
+    stream = c.generate(prompt, GREEDY, "disaggregated", rid)
+    return [t async for chunk in stream for t in chunk.token_ids]
+
+
+def pools_full(c: Cluster, timeout_s: float = 15.0) -> None:
+    end = time.monotonic() + timeout_s
+    while True:
+        loads = asyncio.run(c.load())
+        busy = [
+            ld for ld in loads
+            if ld.num_free_blocks != ld.num_blocks or ld.running or ld.waiting
+            or ld.waiting_for_kv or ld.held or ld.open_transfers
+        ]  # fmt: skip
+        if not busy:
+            return
+        assert time.monotonic() < end, busy
+        time.sleep(0.1)
+
+
+def received(c: Cluster, worker: str = "decode-0") -> tuple[int, int]:
+    s = asyncio.run(c.kv_stats())[worker]
+    return s.ok, s.failed
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "plan, reason",
+    [
+        (FaultPlan(FaultKind.CORRUPT), "corrupt"),
+        (FaultPlan(FaultKind.DROP), "timeout"),
+        (FaultPlan(FaultKind.DELAY, delay_s=4.0), "timeout"),
+        (FaultPlan(FaultKind.BREAK, after_layers=1), "peer_dead"),
+    ],
+    ids=["corrupt", "drop", "delay", "break"],
+)
+def test_every_request_completes_through_a_failed_transfer(plan, reason):
+    c = cluster(plan)
+    try:
+        prompts = random_prompts([23, 37, 14], seed=151)
+        for i, prompt in enumerate(prompts):
+            if plan.kind is FaultKind.BREAK:  # the pair comes back in the background
+                deadline = time.monotonic() + 30
+                while not c.pools.pairs.connected("prefill-0", "decode-0"):
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+            t0 = time.monotonic()
+            got = asyncio.run(asyncio.wait_for(run(c, prompt, f"r{i}"), 60))
+            assert got == hf_greedy(MODEL, prompt, MAX_NEW)
+            # A failed handoff waits at most its transfer deadline (3 s) before recomputing.
+            assert time.monotonic() - t0 < 3 + 4.0 + 3
+        ok, failed = received(c)
+        assert ok == 0 and failed == len(prompts)  # every receive failed: the fault struck
+        stats = asyncio.run(c.kv_stats())["decode-0"]
+        assert {r.value for r in stats.failures} <= {reason, "peer_aborted"}, stats.failures
+        whys = [why for _, why, _ in c.fallbacks]
+        assert len(whys) == len(prompts)
+        assert set(whys) <= {FallbackReason.TRANSFER_FAILED, FallbackReason.PAIR_NOT_READY}
+        pools_full(c)
+    finally:
+        c.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_a_prefill_worker_killed_mid_transfer_is_replaced_and_the_request_completes():
+    c = cluster(FaultPlan(FaultKind.KILL, after_layers=1))
+    try:
+        prompt = random_prompts([61], seed=152)[0]
+        old = c.worker_info("prefill-0")
+        got = asyncio.run(asyncio.wait_for(run(c, prompt, "killed"), 60))
+        assert got == hf_greedy(MODEL, prompt, MAX_NEW)
+        assert [why for _, why, _ in c.fallbacks] == [FallbackReason.PREFILL_FAILED]
+        ok, failed = received(c)
+        assert (ok, failed) == (0, 1)  # killed while its KV was in flight
+        deadline = time.monotonic() + 60
+        while c.prefill_ids != ["prefill-0"] or c.worker_info("prefill-0").pid == old.pid:
+            assert time.monotonic() < deadline, "prefill-0 was not replaced"
+            time.sleep(0.1)
+        assert c.dead == ["prefill-0"]
+        pools_full(c)
+    finally:
+        c.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_under_the_fail_policy_a_failed_transfer_ends_the_request_and_frees_both_pools():
+    c = cluster(FaultPlan(FaultKind.CORRUPT), kv_failure_policy="fail")
+    try:
+        with pytest.raises(HandoffFailed) as err:
+            asyncio.run(asyncio.wait_for(run(c, random_prompts([29], seed=153)[0], "x"), 60))
+        assert err.value.reason == "transfer_failed"
+        pools_full(c)
+        assert ray.get(c.actor("decode-0").kv_stats.remote()).failed == 1
+    finally:
+        c.shutdown()
