@@ -1,6 +1,6 @@
 """KV transfer bandwidth: the connector against raw send/recv between the same two processes.
 
-    python -m kv_transfer.bench [--json FILE] [--backend gloo|nccl]
+    python -m kv_transfer.bench [--json FILE] [--backend gloo|nccl] [--checksum on|off|both]
 
 Two processes on 127.0.0.1 hold caches of the default model's layout (SmolLM2-135M: 30 layers,
 3 KV heads, head_dim 64, block 16, float32; no weights are loaded). For 1, 16 and 256 blocks it
@@ -12,6 +12,8 @@ into the cache itself) and with scattered ids (a random permutation; gathered an
 through staging). Then the layer-wise overlap, for both kinds of ids: a producer that "computes"
 each layer in t ms (a sleep, as a GPU would leave the CPU free), with t set so compute and
 transfer take about as long, sends after all layers (serial) or after each (overlapped).
+`--checksum both` runs everything twice, without and with the per-message checksum, and prints
+what it costs (on/off) side by side.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -231,11 +233,23 @@ def main(argv: list[str] | None = None) -> None:
         default=TorchDistConfig().max_message_bytes / 2**20,
         help="the connector's cap on one message when it groups queued layers",
     )
+    ap.add_argument(
+        "--checksum",
+        choices=("on", "off", "both"),
+        default="on",
+        help="per-message checksums (on: the default for CPU caches); both: compare",
+    )
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     config = TorchDistConfig(
-        bind_host=HOST, backend=args.backend, max_message_bytes=int(args.max_message_mib * 2**20)
+        bind_host=HOST,
+        backend=args.backend,
+        max_message_bytes=int(args.max_message_mib * 2**20),
+        checksum=args.checksum != "off",
     )
+    off: list[BenchRow] = []
+    if args.checksum == "both":
+        off, _ = run(replace(config, checksum=False))
     rows, figs = run(config)
     print(f"backend {args.backend}, layout {LAYOUT}")
     print(f"{'ids':>10} {'blocks':>7} {'MB':>9} {'GB/s':>8} {'raw GB/s':>9} {'ratio':>6}")
@@ -250,13 +264,23 @@ def main(argv: list[str] | None = None) -> None:
             f" per layer: serial {fig.serial_s * 1000:.1f} ms, overlapped"
             f" {fig.overlapped_s * 1000:.1f} ms, ratio {fig.ratio:.2f} (target <= 0.6)"
         )
+    if off:
+        print("checksum cost: GB/s with checksums / without, same sizes, same run")
+        print(f"{'ids':>10} {'blocks':>7} {'off GB/s':>9} {'on GB/s':>8} {'on/off':>7}")
+        for a, b in zip(off, rows):
+            print(
+                f"{b.ids:>10} {b.blocks:>7} {a.gb_s:>9.3f} {b.gb_s:>8.3f} {b.gb_s / a.gb_s:>7.2f}"
+            )
     print(f"bench took {time.perf_counter() - t0:.1f} s")
     if args.json:
         out = {
             "backend": args.backend,
+            "checksum": args.checksum != "off",
             "rows": [asdict(r) for r in rows],
             "overlap": [asdict(f) for f in figs],
         }
+        if off:
+            out["rows_without_checksum"] = [asdict(r) for r in off]
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
             f.write("\n")
