@@ -91,6 +91,11 @@ class FaultInjector:
             data.reshape(-1).view(torch.uint8)[0] ^= 1
             log.warning("fault injection: corrupted a layer message")
 
+    def one_layer_per_message(self, rec: Transfer) -> bool:
+        """A send struck to BREAK or KILL after some layers goes out a layer at a time, so that
+        the fault lands between layers (grouped, a whole KV may leave in one message)."""
+        return rec.fault and self.plan.kind in (FaultKind.BREAK, FaultKind.KILL)
+
     def sent(self, rec: Transfer, layers: int, break_pair: Callable[[str], None]) -> None:
         """`layers` more layers of `rec` went out: BREAK or KILL once there are enough."""
         kind = self.plan.kind

@@ -137,6 +137,9 @@ class LaneSender:
         assert rec is not None
         per_layer = rec.req.num_blocks * self._pair.layout.bytes_per_block_layer
         group = [first]
+        faults = self._pair.faults
+        if faults is not None and faults.one_layer_per_message(rec):
+            return group
         while (len(group) + 1) * per_layer <= self._pair.config.max_message_bytes:
             try:
                 ev = self._pair.outbox.get_nowait()

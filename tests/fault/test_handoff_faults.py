@@ -70,7 +70,7 @@ def received(c: Cluster, worker: str = "decode-0") -> tuple[int, int]:
     ],
     ids=["corrupt", "drop", "delay", "break"],
 )
-def test_every_request_completes_through_a_failed_transfer(plan, reason):
+def test_every_request_completes_through_a_failed_transfer(plan, reason, ledger):
     c = cluster(plan)
     try:
         prompts = random_prompts([23, 37, 14], seed=151)
@@ -81,12 +81,15 @@ def test_every_request_completes_through_a_failed_transfer(plan, reason):
                     assert time.monotonic() < deadline
                     time.sleep(0.05)
             t0 = time.monotonic()
+            ledger.add(sent=1)
             got = asyncio.run(asyncio.wait_for(run(c, prompt, f"r{i}"), 60))
             assert got == hf_greedy(MODEL, prompt, MAX_NEW)
+            ledger.add(completed=1)
             # A failed handoff waits at most its transfer deadline (3 s) before recomputing.
             assert time.monotonic() - t0 < 3 + 4.0 + 3
         ok, failed = received(c)
         assert ok == 0 and failed == len(prompts)  # every receive failed: the fault struck
+        ledger.add(injected=failed)
         stats = asyncio.run(c.kv_stats())["decode-0"]
         assert {r.value for r in stats.failures} <= {reason, "peer_aborted"}, stats.failures
         whys = [why for _, why, _ in c.fallbacks]
@@ -98,13 +101,15 @@ def test_every_request_completes_through_a_failed_transfer(plan, reason):
 
 
 @pytest.mark.timeout(180)
-def test_a_prefill_worker_killed_mid_transfer_is_replaced_and_the_request_completes():
+def test_a_prefill_worker_killed_mid_transfer_is_replaced_and_the_request_completes(ledger):
     c = cluster(FaultPlan(FaultKind.KILL, after_layers=1))
     try:
         prompt = random_prompts([61], seed=152)[0]
         old = c.worker_info("prefill-0")
+        ledger.add(sent=1)
         got = asyncio.run(asyncio.wait_for(run(c, prompt, "killed"), 60))
         assert got == hf_greedy(MODEL, prompt, MAX_NEW)
+        ledger.add(completed=1, injected=1)
         assert [why for _, why, _ in c.fallbacks] == [FallbackReason.PREFILL_FAILED]
         ok, failed = received(c)
         assert (ok, failed) == (0, 1)  # killed while its KV was in flight
@@ -119,12 +124,14 @@ def test_a_prefill_worker_killed_mid_transfer_is_replaced_and_the_request_comple
 
 
 @pytest.mark.timeout(180)
-def test_under_the_fail_policy_a_failed_transfer_ends_the_request_and_frees_both_pools():
+def test_under_the_fail_policy_a_failed_transfer_ends_the_request_and_frees_both_pools(ledger):
     c = cluster(FaultPlan(FaultKind.CORRUPT), kv_failure_policy="fail")
     try:
+        ledger.add(sent=1)
         with pytest.raises(HandoffFailed) as err:
             asyncio.run(asyncio.wait_for(run(c, random_prompts([29], seed=153)[0], "x"), 60))
         assert err.value.reason == "transfer_failed"
+        ledger.add(failed=1, injected=1)
         pools_full(c)
         assert ray.get(c.actor("decode-0").kv_stats.remote()).failed == 1
     finally:

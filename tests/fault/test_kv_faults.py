@@ -48,13 +48,14 @@ def ended(conn, tid, timeout_s=20.0):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("ids", [SCATTERED, RUNS], ids=["staged", "in-place"])
-def test_a_corrupted_layer_is_caught_by_its_checksum(ids):
+def test_a_corrupted_layer_is_caught_by_its_checksum(ids, ledger):
     p, d = pair(FaultPlan(FaultKind.CORRUPT))
     try:
         src, dst = transfer(p, d, "bad", ids)
         assert ended(d, "bad") == (TransferStatus.FAILED, FailureReason.CORRUPT)
         assert ended(p, "bad") == (TransferStatus.FAILED, FailureReason.PEER_ABORTED)
         assert p.faults is not None and p.faults.injected == 1
+        ledger.add(injected=1)
         # The sender's cache is intact: the fault hit the message, not the blocks.
         again = kp.cache(p.layout, 16, seed=3)
         assert all(torch.equal(a, b) for a, b in zip(src.layers, again.layers))
@@ -91,7 +92,7 @@ def test_without_checksums_a_corrupted_layer_lands_unnoticed():
     [FaultPlan(FaultKind.DROP), FaultPlan(FaultKind.DELAY, delay_s=2.5)],
     ids=["drop", "delay"],
 )
-def test_a_dropped_or_late_transfer_ends_at_its_deadline_on_both_sides(plan):
+def test_a_dropped_or_late_transfer_ends_at_its_deadline_on_both_sides(plan, ledger):
     p, d = pair(plan)
     try:
         t0 = time.monotonic()
@@ -101,6 +102,7 @@ def test_a_dropped_or_late_transfer_ends_at_its_deadline_on_both_sides(plan):
         assert got == (TransferStatus.FAILED, FailureReason.TIMEOUT)
         assert ended(p, "late")[0] is TransferStatus.FAILED
         assert 1.4 <= took < 1.5 + 2.0  # its deadline, not the io timeout
+        ledger.add(injected=1)
         # A transfer that timed out leaves the pair itself up.
         assert p.connected("D") and d.connected("P")
     finally:
@@ -109,11 +111,18 @@ def test_a_dropped_or_late_transfer_ends_at_its_deadline_on_both_sides(plan):
 
 
 @pytest.mark.timeout(60)
-def test_a_pair_broken_mid_stream_fails_both_ends_and_says_so():
-    p, d = pair(FaultPlan(FaultKind.BREAK, after_layers=2))
+def test_a_pair_broken_mid_stream_fails_both_ends_and_says_so(ledger):
+    p, d = pair(FaultPlan(FaultKind.BREAK, after_layers=1))
     try:
-        transfer(p, d, "cut", SCATTERED)
+        src, dst = kp.cache(p.layout, 16, seed=3), kp.cache(d.layout, 16, seed=None)
+        d.start_recv(req("cut", "P", SCATTERED), dst)
+        p.start_send(req("cut", "D", SCATTERED), src)
+        p.send_layer("cut", 0)  # alone on the wire: the pair breaks after it
+        time.sleep(0.3)
+        for layer in (1, 2, 3):
+            p.send_layer("cut", layer)
         assert ended(d, "cut") == (TransferStatus.FAILED, FailureReason.PEER_DEAD)
+        ledger.add(injected=1)
         assert ended(p, "cut") == (TransferStatus.FAILED, FailureReason.PEER_DEAD)
         deadline = time.monotonic() + 10
         while d.connected("P"):
