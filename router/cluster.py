@@ -55,6 +55,9 @@ class _NullListener:
     def fell_back(self, reason: FallbackReason, detail: str, wasted_s: float) -> None:
         pass
 
+    def replanned(self, dead: str, to: str, detail: str, wasted_s: float) -> None:
+        pass
+
 
 class Cluster:
     def __init__(self, config: ClusterConfig) -> None:
@@ -70,6 +73,7 @@ class Cluster:
         # decode worker, and how many there were by reason.
         self.fallbacks: deque[tuple[str, FallbackReason, str]] = deque(maxlen=256)
         self.fallback_counts = {r: 0 for r in FallbackReason}
+        self.replans = 0  # requests prefilled again on another prefill worker after one died
         self._rr = itertools.count()
         self._ids = itertools.count()
 
@@ -221,10 +225,13 @@ class Cluster:
         d: WorkerHandle,
         fallback: Callable[[FallbackReason, str], None],
         listener: HandoffListener,
+        replan: bool = True,
     ) -> tuple[int | None, TokenLogprobs | None] | None:
         """Steps 1-2: reserve on D, prefill on P. Returns P's first token and its logprobs
-        (None: D recomputes in its reserved blocks), or None when nothing was reserved on D."""
-        pairs, rid = self.pools.pairs, req.request_id
+        (None: D recomputes in its reserved blocks), or None when nothing was reserved on D.
+        When P dies (mid-prefill or mid-transfer), the request is re-planned once onto another
+        prefill worker paired with D, else D prefills it."""
+        pairs, rid, t0 = self.pools.pairs, req.request_id, time.monotonic()
         if not pairs.connected(p.worker_id, d.worker_id):
             st = pairs.state(p.worker_id, d.worker_id)
             failed = st is not None and st.failures > 0
@@ -252,11 +259,24 @@ class Cluster:
                 limit,
             )
         except Exception as exc:  # P died, timed out or failed
-            if not self.pools.note_failure(p, exc):
+            died = self.pools.note_failure(p, exc)
+            if not died:
                 await self._abort_on(p, rid)  # it may still be prefilling: stop it
             why = f"{p.worker_id} -> {d.worker_id}: {type(exc).__name__}: {exc}"
-            fallback(FallbackReason.PREFILL_FAILED, why)
-            return None, None
+            other = self._replan_onto(p, d) if died and replan else None
+            if other is None:
+                fallback(FallbackReason.PREFILL_FAILED, why)
+                return None, None
+            # Re-planned: D's reservation was for P's KV; it is made again for the other's.
+            await self._abort_on(d, rid)
+            log.warning("request %s: %s; prefilling again on %s", rid, why, other.worker_id)
+            self.replans += 1
+            listener.replanned(p.worker_id, other.worker_id, why, time.monotonic() - t0)
+            other.active += 1
+            try:
+                return await self._handoff(req, other, d, fallback, listener, replan=False)
+            finally:
+                other.active -= 1
         listener.prefilled(result)
         if result.first_token is None:
             fallback(FallbackReason.PREFILL_FAILED, f"{p.worker_id}: {result.error}")
@@ -265,6 +285,15 @@ class Cluster:
             fallback(FallbackReason.TRANSFER_FAILED, why)
             self.pools.ops.submit(self._check_pair(p, d))
         return result.first_token, result.first_logprobs
+
+    def _replan_onto(self, dead: WorkerHandle, d: WorkerHandle) -> WorkerHandle | None:
+        """The least busy other prefill worker taking load and paired with D, if any."""
+        ready = [
+            h for w in self.prefill_ids
+            if w != dead.worker_id and (h := self.pools.workers[w]).status is WorkerStatus.READY
+            and self.pools.pairs.connected(w, d.worker_id)
+        ]  # fmt: skip
+        return min(ready, key=lambda h: h.active, default=None)
 
     async def _abort_on(self, h: WorkerHandle, rid: str) -> None:
         try:

@@ -41,6 +41,10 @@ class HandoffListener(Protocol):
     def fell_back(self, reason: FallbackReason, detail: str, wasted_s: float) -> None:
         """The decode worker prefills the prompt itself; `wasted_s` went before it knew."""
 
+    def replanned(self, dead: str, to: str, detail: str, wasted_s: float) -> None:
+        """Prefill worker `dead` died with the prompt; it is prefilled again on `to`, for the
+        same decode worker; `wasted_s` went before it knew."""
+
 
 class Backend(Protocol):
     """The pools as the core drives them (router.cluster.Cluster, or a fake)."""

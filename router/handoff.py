@@ -15,7 +15,7 @@ from worker_protocol.messages import PrefillResult
 
 
 class Handoff:
-    __slots__ = ("track", "wid", "chosen", "p", "d", "transfer", "health", "sink")
+    __slots__ = ("track", "wid", "chosen", "p", "d", "transfer", "health", "sink", "prefill_worker")
 
     def __init__(
         self,
@@ -36,6 +36,7 @@ class Handoff:
         self.transfer = transfer
         self.health = health
         self.sink = sink
+        self.prefill_worker = chosen.prefill_worker  # another one after a re-plan
 
     def prefilled(self, result: PrefillResult) -> None:
         self.track.prefilled(result)
@@ -44,7 +45,7 @@ class Handoff:
         if result.transfer_ok and result.bytes_sent > 0:
             self.transfer.observe(result.bytes_sent, result.transfer_s)
         if result.transfer_ok:
-            self.health.observe(self.chosen.prefill_worker, self.chosen.decode_worker, ok=True)
+            self.health.observe(self.prefill_worker, self.chosen.decode_worker, ok=True)
         if result.bytes_sent > 0 or not result.transfer_ok:  # a send happened, or failed
             self.sink.transferred(
                 TransferRecord(
@@ -66,5 +67,14 @@ class Handoff:
         n = self.track.prompt_tokens
         if not self.d.prefilling(self.wid):
             self.d.add_prefill(self.wid, n, prefill_pairs(n, 0))
-        self.health.observe(self.chosen.prefill_worker, self.chosen.decode_worker, False, wasted_s)
+        self.health.observe(self.prefill_worker, self.chosen.decode_worker, False, wasted_s)
         self.sink.fell_back(reason.value)
+
+    def replanned(self, dead: str, to: str, detail: str, wasted_s: float) -> None:
+        """Its prefill worker died: the pair's health learns the failure and the prefill leaves
+        the dead worker's books (the new one's do not count it: a rare, short stay)."""
+        if self.p is not self.d:
+            self.p.done(self.wid)
+        self.health.observe(dead, self.chosen.decode_worker, False, wasted_s)
+        self.prefill_worker = to
+        self.sink.replanned()

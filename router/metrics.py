@@ -186,6 +186,11 @@ class Metrics:
             ("reason",),
             registry=r,
         )
+        self.replans = Counter(
+            "pdserve_prefill_replans",
+            "Disaggregated requests prefilled again on another prefill worker after theirs died.",
+            registry=r,
+        )
         # At 0 from the start: the first failure is an increase, and its alert fires.
         for reason in FailureReason:
             self.transfer_failures.labels(reason.value)
@@ -304,3 +309,6 @@ class Metrics:
 
     def fell_back(self, reason: str) -> None:
         self._c(self.fallbacks, reason).inc()
+
+    def replanned(self) -> None:
+        self.replans.inc()

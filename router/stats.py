@@ -67,6 +67,8 @@ class StatsSink(Protocol):
 
     def fell_back(self, reason: str) -> None: ...
 
+    def replanned(self) -> None: ...
+
 
 class NullSink:
     """Records nothing (the core without metrics, e.g. in unit tests)."""
@@ -107,4 +109,7 @@ class NullSink:
         pass
 
     def fell_back(self, reason: str) -> None:
+        pass
+
+    def replanned(self) -> None:
         pass
