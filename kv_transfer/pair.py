@@ -144,7 +144,7 @@ class Pair:
                     del self._refused[next(iter(self._refused))]
             if not self._alive:
                 return
-        if rec.reason in (FailureReason.PEER_ABORTED, FailureReason.PEER_DEAD):
+        if rec.peer_ended or rec.reason in (FailureReason.PEER_ABORTED, FailureReason.PEER_DEAD):
             return
         kind = Kind.ABORT if rec.role is Role.SEND else Kind.PEER_FAIL
         self.outbox.put(Event(kind, rec, tid_hash=h, reason=rec.reason))

@@ -52,6 +52,9 @@ from kv_transfer.wire import (
     tid_hash,
 )
 
+# Failures a receiver finds in the bytes it got: the sender's send failed for the same reason.
+_DATA_FAULTS = (FailureReason.CORRUPT, FailureReason.MISMATCH)
+
 
 @dataclass(slots=True)
 class _Incoming:
@@ -124,13 +127,12 @@ class LaneReceiver:
             rec = self._pair.running_send(h.tid_hash)
             if rec is not None:
                 why = h.reason.value if h.reason else "unknown"
+                # What the receiver found wrong with the bytes is this send's failure too (the
+                # senders' counters then say corrupt, not only that the peer ended it).
+                reason = h.reason if h.reason in _DATA_FAULTS else FailureReason.PEER_ABORTED
+                rec.peer_ended = True
                 # Not waiting: the sender thread may hold the send's io_lock across a message.
-                self._pair.table.fail(
-                    rec,
-                    FailureReason.PEER_ABORTED,
-                    f"the receiver ended it ({why})",
-                    blocking=False,
-                )
+                self._pair.table.fail(rec, reason, f"the receiver ended it ({why})", blocking=False)
         elif h.kind is Kind.ACK:
             rec = self._pair.running_send(h.tid_hash)
             self._pair.forget_send(h.tid_hash)

@@ -67,6 +67,7 @@ class Transfer:
     seq: int = -1  # the wire sequence number, where a connector uses one
     deferred: tuple[FailureReason, str] | None = None  # a failure left for the io_lock holder
     acked: bool = False  # SEND: the receiver has acknowledged every layer
+    peer_ended: bool = False  # the peer ended it (nothing to tell the peer back)
     # SEND, under fault injection (faults.py) only: struck, and its layers sent since.
     fault: bool = False
     fault_layers: int = 0

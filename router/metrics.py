@@ -20,6 +20,7 @@ from router.core_types import FallbackReason
 from router.stats import RequestRecord, TransferRecord
 from worker_protocol.messages import WorkerLoad, WorkerRole
 
+REJECT_REASONS = ("queue_full", "slo", "client_limit", "no_workers")  # admission's refusals
 # 1 ms .. 120 s: ITLs of a few ms to TTFTs of tens of seconds.
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
@@ -196,6 +197,8 @@ class Metrics:
             self.transfer_failures.labels(reason.value)
         for fb in FallbackReason:
             self.fallbacks.labels(fb.value)
+        for why in REJECT_REASONS:
+            self.rejections.labels(why)
         for role in WorkerRole:
             self.worker_restarts.labels(role.value)
             self.live_workers.labels(role.value)

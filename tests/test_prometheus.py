@@ -6,18 +6,13 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import socket
 import statistics
 import subprocess
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
-import yaml
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve_proto import generation_pb2 as pb
@@ -27,28 +22,11 @@ from router.cluster import ClusterConfig
 from router.server import ServeConfig
 from tests.grpc_server import ServerThread
 from tests.helpers import random_prompts
+from tests.prometheus_server import DEPLOY, api, rules, tool
+from tests.prometheus_server import prometheus as run_prometheus
 
 ROOT = Path(__file__).resolve().parents[1]
-DEPLOY = ROOT / "deploy"
 BLOCK = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tool(name: str) -> str:
-    path = shutil.which(name)
-    assert path, f"{name} not found: install Debian's prometheus package (.ci/run does)"
-    return path
-
-
-def api(port: int, query: str) -> dict:
-    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": query})
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return json.load(resp)
 
 
 def dashboard_exprs() -> list[str]:
@@ -58,8 +36,7 @@ def dashboard_exprs() -> list[str]:
 
 
 def alert_exprs() -> list[str]:
-    doc = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
-    return [r["expr"] for g in doc["groups"] for r in g["rules"]]
+    return [r["expr"] for r in rules()]
 
 
 @pytest.fixture(scope="module")
@@ -82,46 +59,8 @@ def srv():
 @pytest.fixture(scope="module")
 def prometheus(srv, tmp_path_factory):
     d = tmp_path_factory.mktemp("prometheus")
-    cfg = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
-    cfg["global"]["scrape_interval"] = "1s"
-    cfg["global"]["evaluation_interval"] = "1s"
-    for job in cfg["scrape_configs"]:
-        if job["job_name"] == "pdserve":
-            job["static_configs"] = [{"targets": [f"127.0.0.1:{srv.server.metrics_port}"]}]
-        else:  # Ray's service discovery: this test's own (empty) file
-            (d / "ray_sd.json").write_text("[]")
-            job["file_sd_configs"] = [{"files": [str(d / "ray_sd.json")]}]
-    (d / "prometheus.yml").write_text(yaml.safe_dump(cfg))
-    shutil.copy(DEPLOY / "prometheus" / "alerts.yml", d / "alerts.yml")
-    port = free_port()
-    log = (d / "prometheus.log").open("w")
-    proc = subprocess.Popen(
-        [
-            tool("prometheus"),
-            f"--config.file={d / 'prometheus.yml'}",
-            f"--storage.tsdb.path={d / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=log,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None, (d / "prometheus.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "prometheus did not become ready"
-            time.sleep(0.2)
+    with run_prometheus(srv.server.metrics_port, d) as port:
         yield port, d
-    finally:
-        proc.terminate()
-        proc.wait(20)
-        log.close()
 
 
 def test_promtool_accepts_the_config_and_the_rules():
@@ -209,6 +148,9 @@ def test_metrics_through_a_real_prometheus(srv, prometheus):
     for expr in dashboard_exprs() + alert_exprs():
         res = api(port, expr)
         assert res["status"] == "success", (expr, res)
+    # Every panel draws something after this load (a misspelt label selects nothing).
+    empty = [e for e in dashboard_exprs() if not api(port, e)["data"]["result"]]
+    assert not empty, empty
     for series in (
         "pdserve_time_to_first_token_seconds_count",
         "pdserve_inter_token_latency_seconds_count",

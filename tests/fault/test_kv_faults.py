@@ -53,7 +53,7 @@ def test_a_corrupted_layer_is_caught_by_its_checksum(ids, ledger):
     try:
         src, dst = transfer(p, d, "bad", ids)
         assert ended(d, "bad") == (TransferStatus.FAILED, FailureReason.CORRUPT)
-        assert ended(p, "bad") == (TransferStatus.FAILED, FailureReason.PEER_ABORTED)
+        assert ended(p, "bad") == (TransferStatus.FAILED, FailureReason.CORRUPT)  # told by D
         assert p.faults is not None and p.faults.injected == 1
         ledger.add(injected=1)
         # The sender's cache is intact: the fault hit the message, not the blocks.
