@@ -171,6 +171,9 @@ OPTIONS: tuple[Option, ...] = (
            "seconds one pairing of a prefill and a decode worker may take"),
     Option("start_timeout", number(0, strict=True), 300.0,
            "seconds a worker may take to be placed, load its model and warm up"),
+    Option("kv_transfer_deadline", number(0, strict=True), 30.0,
+           "seconds a KV send may take from its first layer before the decode worker "
+           "gives up on it (and recomputes, or fails it under --kv-failure-policy fail)"),
     Option("kv_failure_policy", choice("recompute", "fail"), "recompute",
            "a disaggregated request whose KV does not come: its decode worker prefills it "
            "(recompute), or it ends with UNAVAILABLE and the reason (fail)"),
@@ -329,6 +332,7 @@ class ServeOptions:
             start_timeout_s=v["start_timeout"],
             replace_dead=v["replace_dead_workers"],
             kv_failure_policy=v["kv_failure_policy"],
+            kv_transfer_deadline_s=v["kv_transfer_deadline"],
             drain_timeout_s=v["drain_timeout"],
         )
         policy = PolicyConfig(
