@@ -25,6 +25,9 @@ def _filter(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
         probs = sorted_logits.softmax(-1)
         # Drop a token when the mass before it already reaches top_p (the first always stays).
         drop = (probs.cumsum(-1) - probs) >= sp.top_p
+        # The first stays explicitly too: where the CPU flushes denormals (as it does after a
+        # model forward here), a denormal top_p reads as 0 and would drop every token (NaN row).
+        drop[0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(0, idx, sorted_logits)
     if sp.min_p > 0.0:
