@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
@@ -49,8 +50,10 @@ class SamplingParams:
             raise InvalidRequestError(
                 "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}"
             )
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not 0.0 <= self.temperature < math.inf:  # also rejects NaN
+            raise InvalidRequestError(
+                "temperature", f"must be finite and >= 0, got {self.temperature!r}"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:

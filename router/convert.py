@@ -6,6 +6,7 @@ servicer turns into INVALID_ARGUMENT; nothing is clamped.
 from __future__ import annotations
 
 import enum
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -52,8 +53,10 @@ def parse_request(req: pb.GenerateRequest, tokenizer: Any, limits: ModelLimits) 
         )
     for name in ("ttft_ms", "itl_ms"):
         value = getattr(req.slo, name)
-        if not value >= 0:
-            raise InvalidRequestError(f"slo.{name}", f"must be >= 0 (0: default), got {value}")
+        if not 0 <= value < math.inf:
+            raise InvalidRequestError(
+                f"slo.{name}", f"must be finite and >= 0 (0: default), got {value}"
+            )
     return ParsedRequest(
         request_id=req.request_id or f"req-{uuid.uuid4().hex[:16]}",
         prompt_token_ids=tuple(ids),

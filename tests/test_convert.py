@@ -69,6 +69,9 @@ def test_bad_requests_name_their_field():
     assert "bytes" in refused("prompt", prompt="x" * (10 << 20))  # a 10 MB prompt
     refused("prompt_token_ids", prompt_token_ids=[1] * 1024)  # the whole context
     refused("slo.ttft_ms", prompt="a", slo=pb.SloHint(ttft_ms=-1))
+    for bad in (float("inf"), float("nan")):  # non-finite floats are refused, never clamped
+        refused("temperature", prompt="a", sampling=pb.SamplingParams(temperature=bad))
+        refused("slo.itl_ms", prompt="a", slo=pb.SloHint(itl_ms=bad))
     refused("path", prompt="a", path=7)
 
 
