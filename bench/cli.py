@@ -8,22 +8,21 @@ come from --slo-ttft / --slo-itl, or else from single requests measured alone on
 server (TTFT of the trace's 99th-percentile prompt x --slo-ttft-scale, ITL x --slo-itl-scale),
 the same for every policy. With the disaggregated policy in the list, the trace's short
 requests also run alone on its server: the decode-only baseline for ITL.
+
+With --overload F, one policy instead gets open-loop load at F times what its server sustains,
+and the run books how every request ended, its memory and its queues (bench/overload.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import statistics
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
-from bench import loadgen, slo, trace
+from bench import loadgen, overload, session, slo, trace
 from bench.server import POLICIES, Deployment, ServerProcess
 from pdserve_client import ClientAuth
 from pdserve_client import add_arguments as add_auth_arguments
@@ -55,7 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burstiness", type=float, default=1.0, help="synthetic: gamma shape")
     p.add_argument("--prompt-len", type=_lengths, default=(32, 512), help="synthetic: A:B")
     p.add_argument("--output-len", type=_lengths, default=(16, 128), help="synthetic: A:B")
-    p.add_argument("--policy", default=",".join(POLICIES), help="comma-separated")
+    p.add_argument(
+        "--policy",
+        default=None,
+        help=f"comma-separated (default: {','.join(POLICIES)}; with --overload one, default auto)",
+    )
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
@@ -89,6 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=900.0, help="per request, seconds")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="folder for PNGs")
+    overload.add_arguments(p)
 
 
 def _trace(args: argparse.Namespace) -> list[trace.TraceRequest]:
@@ -96,60 +100,6 @@ def _trace(args: argparse.Namespace) -> list[trace.TraceRequest]:
         n = args.num_requests or 100
         return trace.synthetic(n, args.prompt_len, args.output_len, args.burstiness, args.seed)
     return trace.load(args.trace, args.num_requests, args.scale)
-
-
-def _run(
-    address: str,
-    reqs: list[trace.TraceRequest],
-    rate: float,
-    vocab: int,
-    args: Any,
-    desc: str,
-    objective: slo.Slo | None = None,
-    seed: int | None = None,
-):
-    bar = tqdm(total=len(reqs), desc=desc, unit="req", leave=False)
-    hint = None
-    if objective is not None and not args.no_slo_hint:
-        hint = (objective.ttft_s, objective.itl_s)
-    results = asyncio.run(
-        loadgen.run(
-            address,
-            reqs,
-            rate,
-            vocab,
-            args.seed if seed is None else seed,
-            args.timeout,
-            lambda _r: bar.update(),
-            hint,
-            ClientAuth.from_args(args),
-        )
-    )
-    bar.close()
-    # From the first send to the last answer: the wait before the trace's first arrival is not
-    # part of the run.
-    start = min((r.sent_s for r in results), default=0.0)
-    end = max((r.sent_s + (r.e2e_s or 0.0) for r in results), default=0.0)
-    return results, max(end - start, 1e-9)
-
-
-def _calibrate(address: str, reqs: list[trace.TraceRequest], vocab: int, args: Any) -> dict:
-    """Single requests alone: TTFT at the trace's 99th-percentile prompt (one TTFT SLO for the
-    whole trace, so it must be one its long prompts can meet), and ITL."""
-    lens = sorted(r.prompt_len for r in reqs)
-    p99 = lens[int(0.99 * (len(lens) - 1))]
-    probe = [trace.TraceRequest(0.0, p99, 32)]
-    ttfts, itls = [], []
-    for i in range(3):
-        # A fresh prompt each time (its own seed): a repeat would hit the prefix cache.
-        seed = 1_000_000 + args.seed * 10 + i
-        res, _ = _run(address, probe, 1.0, vocab, args, f"calibrate {i + 1}/3", seed=seed)
-        if res[0].ok:
-            ttfts.append(res[0].ttft_s)
-            itls.append(statistics.median(res[0].itl_s))
-    if not ttfts:
-        raise RuntimeError("calibration requests failed; see the server log")
-    return {"prompt_len": p99, "ttft_s": statistics.median(ttfts), "itl_s": statistics.median(itls)}
 
 
 def _sweep(address: str, reqs, vocab: int, objective: slo.Slo, args: Any, policy: str):
@@ -160,7 +110,7 @@ def _sweep(address: str, reqs, vocab: int, objective: slo.Slo, args: Any, policy
         mid = (lo * hi) ** 0.5
         # Fresh prompts for every probe: the main run's would hit the prefix cache.
         seed = 3_000_000 + args.seed * 100 + len(points)
-        res, wall = _run(
+        res, wall = session.run_trace(
             address, reqs, mid, vocab, args, f"{policy} sweep {mid:.2f}/s", objective, seed
         )
         fig = slo.figures(res, objective, wall)
@@ -173,8 +123,10 @@ def _sweep(address: str, reqs, vocab: int, objective: slo.Slo, args: Any, policy
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.overload is not None:
+        return overload.run(args)
     reqs = _trace(args)
-    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    policies = [p.strip() for p in (args.policy or ",".join(POLICIES)).split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         print(f"error: --policy: unknown {unknown}; choose from {list(POLICIES)}")
@@ -196,13 +148,21 @@ def run(args: argparse.Namespace) -> int:
         server = None if args.address else ServerProcess(deployment, policy, logs / f"{policy}.log")
         try:
             address = args.address or server.address  # type: ignore[union-attr]
-            info = server.wait_ready() if server else _info(address, ClientAuth.from_args(args))
+            info = (
+                server.wait_ready()
+                if server
+                else session.server_info(address, ClientAuth.from_args(args))
+            )
             vocab = info.vocab_size
             if objective is None:
-                objective = _objective(args, address, reqs, vocab, out)
+                objective = session.objective(args, address, reqs, vocab, out)
             warm = [trace.TraceRequest(0.0, 16, 4)]
-            _run(address, warm, 1.0, vocab, args, "warm-up", seed=2_000_000 + args.seed)
-            results, wall = _run(address, reqs, args.rate, vocab, args, policy, objective)
+            session.run_trace(
+                address, warm, 1.0, vocab, args, "warm-up", seed=2_000_000 + args.seed
+            )
+            results, wall = session.run_trace(
+                address, reqs, args.rate, vocab, args, policy, objective
+            )
             runs[policy] = results
             fig = slo.figures(results, objective, wall)
             if args.sweep_rate:
@@ -245,7 +205,7 @@ def _baseline(
         print(f"decode-only baseline skipped: no prompt shorter than {args.long_prompt} tokens")
         return {"policy": "disaggregated, short requests alone", "requests": 0,
                 "skipped": f"no prompt shorter than --long-prompt {args.long_prompt}"}  # fmt: skip
-    base, _ = _run(
+    base, _ = session.run_trace(
         address,
         short,
         args.rate,
@@ -258,39 +218,6 @@ def _baseline(
     return {"policy": "disaggregated, short requests alone",
             "itl_s": slo.summary([g for r in base if r.ok for g in r.itl_s]),
             "requests": len(short)}  # fmt: skip
-
-
-def _info(address: str, auth: ClientAuth):
-    from pdserve_proto import generation_pb2 as pb
-    from pdserve_proto import generation_pb2_grpc as pb_grpc
-
-    with auth.channel(address) as channel:
-        return pb_grpc.GenerationStub(channel).Info(
-            pb.InfoRequest(), timeout=30, wait_for_ready=True, metadata=auth.metadata
-        )
-
-
-def _objective(args: Any, address: str, reqs, vocab: int, out: dict) -> slo.Slo:
-    cal: dict = {}
-    if args.slo_ttft is None or args.slo_itl is None:
-        cal = _calibrate(address, reqs, vocab, args)
-        out["calibration"] = cal
-    ttft = args.slo_ttft if args.slo_ttft is not None else args.slo_ttft_scale * cal["ttft_s"]
-    itl = args.slo_itl if args.slo_itl is not None else args.slo_itl_scale * cal["itl_s"]
-    out["slo"] = {"ttft_s": ttft, "itl_s": itl, "itl_metric": args.slo_itl_metric}
-    parts = []
-    if args.slo_ttft is None:
-        parts.append(
-            f"TTFT: {args.slo_ttft_scale:g} x {cal['ttft_s']:.3f} s of a lone "
-            f"{cal['prompt_len']}-token prompt"
-        )
-    if args.slo_itl is None:
-        parts.append(
-            f"ITL: {args.slo_itl_scale:g} x {cal['itl_s'] * 1000:.1f} ms of a lone request"
-        )
-    how = "; ".join(parts) or "both given"
-    print(f"SLO: TTFT <= {ttft:.3f} s, {args.slo_itl_metric} <= {itl * 1000:.1f} ms ({how})")
-    return slo.Slo(ttft, itl, args.slo_itl_metric)
 
 
 def _ms(v: float | None) -> str:

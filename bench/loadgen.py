@@ -1,9 +1,11 @@
-"""Open-loop load over gRPC: each request is sent at its arrival time whether or not earlier ones
-have finished, and timed at the client (first token, every later token, the end)."""
+"""Load over gRPC, timed at the client (first token, every later token, the end). Open loop
+(`run`): each request is sent at its arrival time whether or not earlier ones have finished.
+Closed loop (`closed_loop`): a fixed number of clients, each waiting for its last answer."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +33,8 @@ class RequestResult:
     status: str = "OK"  # a gRPC status code name
     path: str = ""
     router_ttft_s: float | None = None
+    retry_after_ms: int | None = None  # RESOURCE_EXHAUSTED: the server's hint, when it gave one
+    reject_reason: str = ""  # RESOURCE_EXHAUSTED: pdserve-reject-reason
 
     @property
     def ok(self) -> bool:
@@ -53,6 +57,8 @@ class RequestResult:
             "status": self.status,
             "path": self.path,
             "router_ttft_s": self.router_ttft_s,
+            "retry_after_ms": self.retry_after_ms,
+            "reject_reason": self.reject_reason,
             "itl_s": self.itl_s,
         }
 
@@ -81,6 +87,11 @@ async def _one(
         res.e2e_s = time.monotonic() - sent
     except grpc.aio.AioRpcError as exc:
         res.status = exc.code().name
+        if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            meta = {k: v for k, v in exc.trailing_metadata() or ()}
+            hint = meta.get("retry-after-ms")
+            res.retry_after_ms = int(hint) if isinstance(hint, str) and hint.isdigit() else None
+            res.reject_reason = str(meta.get("pdserve-reject-reason", ""))
 
 
 async def run(
@@ -93,10 +104,12 @@ async def run(
     on_done: Callable[[RequestResult], None] | None = None,
     slo_hint: tuple[float, float] | None = None,
     auth: ClientAuth | None = None,
+    on_sent: Callable[[RequestResult], None] | None = None,
 ) -> list[RequestResult]:
     """Send `trace` at `rate` requests/s (arrival_s / rate); results in trace order.
     `slo_hint` (TTFT s, ITL s) goes with every request, for the router's admission and policy.
-    `auth`: TLS and the bearer token, for a server that asks for them."""
+    `auth`: TLS and the bearer token, for a server that asks for them. `on_sent` sees each
+    result as its request leaves (it fills in as the answer comes)."""
     auth = auth or ClientAuth()
     async with auth.aio_channel(
         address, options=[("grpc.max_receive_message_length", 64 << 20)]
@@ -116,6 +129,8 @@ async def run(
             delay = t0 + res.sent_s - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
+            if on_sent is not None:
+                on_sent(res)
             tasks.append(
                 asyncio.ensure_future(
                     _done(_one(stub, req, res, t0, timeout, auth.metadata), res, on_done)
@@ -140,3 +155,39 @@ def _request(r: TraceRequest, index: int, vocab: int, seed: int) -> pb.GenerateR
     if r.prompt_text is not None:
         return pb.GenerateRequest(prompt=r.prompt_text, sampling=sampling)
     return pb.GenerateRequest(prompt_token_ids=prompt_ids(r, index, vocab, seed), sampling=sampling)
+
+
+async def closed_loop(
+    address: str,
+    shapes: Sequence[TraceRequest],
+    concurrency: int,
+    duration_s: float,
+    vocab: int,
+    seed: int,
+    timeout: float = 600.0,
+    auth: ClientAuth | None = None,
+) -> list[RequestResult]:
+    """`concurrency` clients, each sending its next request as soon as its last one has ended,
+    for `duration_s` (shapes taken in order, cycled; each prompt its own tokens). A refused
+    request waits its retry-after hint before the next. Every result, in sending order."""
+    auth = auth or ClientAuth()
+    results: list[RequestResult] = []
+    async with auth.aio_channel(
+        address, options=[("grpc.max_receive_message_length", 64 << 20)]
+    ) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        t0 = time.monotonic()
+        numbers = itertools.count()
+
+        async def client() -> None:
+            while time.monotonic() - t0 < duration_s:
+                i = next(numbers)
+                r = shapes[i % len(shapes)]
+                res = RequestResult(i, r.prompt_len, r.output_len, time.monotonic() - t0)
+                results.append(res)
+                await _one(stub, _request(r, i, vocab, seed), res, t0, timeout, auth.metadata)
+                if res.status == "RESOURCE_EXHAUSTED":
+                    await asyncio.sleep((res.retry_after_ms or 100) / 1000)
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    return results

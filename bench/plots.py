@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib
@@ -11,6 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.loadgen import RequestResult  # noqa: E402
+from bench.overload import Sample  # noqa: E402
 
 
 def itl_over_time(runs: dict[str, list[RequestResult]], long_from: int, out: Path) -> Path:
@@ -62,6 +64,28 @@ def goodput_vs_rate(sweeps: dict[str, list[tuple[float, float]]], out: Path) -> 
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, out / "goodput_vs_rate.png")
+
+
+def rss_over_time(samples: Sequence[Sample], out: Path) -> Path:
+    """The overload run: each process's RSS, and the requests waiting for a first token."""
+    fig, (a, b) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    names = sorted({n for s in samples for n in s.rss})
+    for name in names:
+        pts = [(s.t_s, s.rss[name] / 2**20) for s in samples if name in s.rss]
+        a.plot([t for t, _ in pts], [m for _, m in pts], marker=".", label=name)
+    a.set_ylabel("RSS MiB")
+    a.legend(fontsize=8)
+    t = [s.t_s for s in samples]
+    b.plot(t, [s.awaiting_first_token for s in samples], label="waiting for a first token")
+    b.plot(t, [s.in_flight for s in samples], label="in flight")
+    if any(s.router_pending is not None for s in samples):
+        b.plot(t, [s.router_pending or 0 for s in samples], label="router's queue")
+    b.set_ylabel("requests")
+    b.set_xlabel("seconds since the overload began")
+    b.legend(fontsize=8)
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    return _save(fig, out / "rss_over_time.png")
 
 
 def _save(fig: plt.Figure, path: Path) -> Path:

@@ -37,6 +37,7 @@ class Deployment:
     threshold_tokens: int
     threshold_queue: int
     step_target_ms: float | None = None  # `pdserve serve --step-target-ms`, chunked policies
+    max_pending: int | None = None  # `pdserve serve --max-pending` (None: the server's default)
 
     def args(self, policy: str) -> list[str]:
         """Colocated policies get every worker as a decode worker: the same total resources."""
@@ -44,6 +45,8 @@ class Deployment:
         colocated = name == "colocated"
         if self.step_target_ms is not None and "--no-chunked-prefill" not in extra:
             extra = [*extra, "--step-target-ms", f"{self.step_target_ms:g}"]
+        if self.max_pending is not None:
+            extra = [*extra, "--max-pending", str(self.max_pending)]
         return [
             "--model", self.model,
             "--prefill", "0" if colocated else str(self.num_prefill),
@@ -68,8 +71,13 @@ class ServerProcess:
     def __init__(self, deployment: Deployment, policy: str, log: Path) -> None:
         self.port = _free_port()
         self.address = f"127.0.0.1:{self.port}"
+        # Its own admin port too (worker pids for the overload run): not the default 50052,
+        # which another server on this machine may hold.
+        admin_port = _free_port()
+        self.admin_address = f"127.0.0.1:{admin_port}"
         self._log = open(log, "w")
-        cmd = [sys.executable, "-m", "router.cli", "serve", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "router.cli", "serve", "--port", str(self.port),
+               "--admin-port", str(admin_port)]  # fmt: skip
         self.proc = subprocess.Popen(
             cmd + deployment.args(policy),
             stdout=self._log,

@@ -1,7 +1,8 @@
 """The request core: every front door (gRPC, HTTP) hands it a checked request and relays what it
 yields. One request, in order:
   1. admission: refused at once (Overloaded) when the queue of requests still waiting for their
-     first token is full, or when the chosen path's predicted TTFT misses the request's TTFT SLO
+     first token is full, or when the chosen path's predicted TTFT, times how late first tokens
+     have come against their predictions lately (the margin), misses the request's TTFT SLO
      and waiting would help (the predicted queue time is what pushes it over); a request that
      misses its SLO on idle workers is served anyway;
   2. the policy picks the path and the workers (router/policy.py); the decision is logged with
@@ -23,7 +24,7 @@ import itertools
 import logging
 import statistics
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -51,6 +52,8 @@ from worker_protocol.messages import TokenChunk, WorkerInfo
 
 log = logging.getLogger("pdserve.router")
 MAX_RESUMES = 2  # a request outliving this many dead decode workers fails
+# The admission margin: a quantile of measured / predicted TTFT over the latest first tokens.
+MARGIN_WINDOW, MARGIN_MIN_SAMPLES, MARGIN_QUANTILE, MARGIN_MAX = 64, 16, 0.9, 4.0
 
 
 class RequestCore:
@@ -76,6 +79,7 @@ class RequestCore:
         self.pending = 0
         self.active = 0
         self.resumed = 0  # times a request moved to another decode worker
+        self.ttft_margin = 1.0  # admission's factor on predicted TTFT (see ttft_margin())
         self._poller: asyncio.Task[None] | None = None
         self._ids = itertools.count()  # workers see internal ids: clients' ids may collide
 
@@ -127,13 +131,15 @@ class RequestCore:
                 f"(limit {c.max_pending}), {self.active} are active (limit {c.max_active})",
                 wait,
             )
-        chosen = decision.chosen
-        if chosen.ttft_s > shape.slo_ttft_s and chosen.queue_s > 0:
+        chosen, margin = decision.chosen, self.ttft_margin
+        if chosen.ttft_s * margin > shape.slo_ttft_s and chosen.queue_s > 0:
             raise Overloaded(
                 "slo",
-                f"predicted TTFT {chosen.ttft_s * 1000:.0f} ms exceeds the TTFT SLO "
-                f"{shape.slo_ttft_s * 1000:.0f} ms ({chosen.queue_s * 1000:.0f} ms of it queueing)",
-                min(chosen.queue_s, chosen.ttft_s - shape.slo_ttft_s),
+                f"predicted TTFT {chosen.ttft_s * 1000:.0f} ms (x {margin:.2f}, how late first "
+                f"tokens have come lately) exceeds the TTFT SLO {shape.slo_ttft_s * 1000:.0f} ms "
+                f"({chosen.queue_s * 1000:.0f} ms of it queueing)",
+                # the queue to drain before it would pass
+                min(chosen.queue_s, chosen.ttft_s - shape.slo_ttft_s / margin),
             )
 
     async def generate(self, req: ParsedRequest, arrived: float) -> AsyncGenerator[CoreChunk, None]:
@@ -332,6 +338,10 @@ class RequestCore:
         path's bias (unless a failed handoff made the decode worker prefill after all)."""
         ttft = track.ttft_s or 0.0
         self.records.append(DecisionRecord(rid, decision, ttft))
+        latest = itertools.islice(reversed(self.records), MARGIN_WINDOW)
+        self.ttft_margin = ttft_margin(
+            (r.decision.chosen.ttft_s, r.measured_ttft_s) for r in latest if r.measured_ttft_s
+        )
         self.sink.first_token(
             track.path, ttft, track.queue_s, track.prefill_s, decision.chosen.ttft_s
         )
@@ -350,6 +360,19 @@ class RequestCore:
         return statistics.median(errs) if errs else None
 
 
+def ttft_margin(pairs: Iterable[tuple[float, float]]) -> float:
+    """From (predicted, measured) TTFTs: the MARGIN_QUANTILE of measured / predicted, so that
+    admission judges a prediction as late as most first tokens have lately come. Never below 1
+    (predictions that run early do not loosen admission), never above MARGIN_MAX (a few strays
+    cannot shut it), and 1 until MARGIN_MIN_SAMPLES first tokens have been seen. On the bare
+    prediction, a request predicted just under its SLO is admitted and misses it whenever its
+    first token comes later than predicted: on a shared machine, often."""
+    ratios = sorted(measured / predicted for predicted, measured in pairs if predicted > 0)
+    if len(ratios) < MARGIN_MIN_SAMPLES:
+        return 1.0
+    return min(max(ratios[int(MARGIN_QUANTILE * (len(ratios) - 1))], 1.0), MARGIN_MAX)
+
+
 async def _close(stream: AsyncIterator[TokenChunk]) -> None:
     aclose = getattr(stream, "aclose", None)
     if aclose is not None:
@@ -359,4 +382,3 @@ async def _close(stream: AsyncIterator[TokenChunk]) -> None:
 def _late(track: Tracker, shape: RequestShape) -> bool:
     """The first token came after the TTFT SLO: the request can no longer attain."""
     return track.ttft_s is not None and track.ttft_s > shape.slo_ttft_s
-

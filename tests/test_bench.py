@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench import cli, slo, trace
+from bench import cli, session, slo, trace
 from bench.loadgen import RequestResult
 
 
@@ -146,7 +146,7 @@ def test_sweep_finds_the_highest_rate_that_attains_90_percent(monkeypatch):
         ttft = 0.1 if rate <= 0.5 else 5.0
         return [_result(ttft, [0.01] * 4) for _ in reqs], 10.0
 
-    monkeypatch.setattr(cli, "_run", fake_run)
+    monkeypatch.setattr(session, "run_trace", fake_run)
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     args = parser.parse_args(["--rate", "0.4"])

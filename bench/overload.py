@@ -1,0 +1,429 @@
+"""`pdserve bench --overload F`: open-loop load at F times what the server sustains, and how it
+is shed. One policy, one server (its own, or `--address`).
+
+1. Capacity: `--capacity R` requests/s, or measured: a closed loop of `--capacity-clients`
+   clients, each sending its next request as soon as its last one has ended (no SLO hint), for
+   `--capacity-duration` s; R = its output tokens/s over the last two thirds of that window over
+   the mean output length of a request.
+2. Overload: Poisson arrivals at F x R for `--duration` s, synthetic lengths (`--prompt-len`,
+   `--output-len`), every request with its SLO hint, so that the router can refuse at once what
+   it cannot serve in time.
+3. Every request sent ends as exactly one of: completed (all its tokens), rejected
+   (RESOURCE_EXHAUSTED with `retry-after-ms`), rejected without `retry-after-ms` (an error),
+   failed with another status, or lost (no answer by its deadline, `--timeout`: DEADLINE_EXCEEDED
+   at the client, or nothing at all).
+4. Every `--sample-every` s: the RSS of the router process and of each worker process (a server
+   this bench started: the router's pid, the workers' from its admin port), the requests the
+   client sees waiting for their first token (the router's admission queue plus any on the wire)
+   and in flight, and the router's own queue where the probe can read it (in-process servers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psutil
+
+from bench import loadgen, session, slo, trace
+from bench.loadgen import RequestResult
+from bench.server import POLICIES, Deployment, ServerProcess
+from pdserve_client import ClientAuth
+from pdserve_proto import admin_pb2, admin_pb2_grpc
+
+log = logging.getLogger("pdserve.bench")
+LOST = "LOST"  # no answer at all, past its deadline and a grace period
+OUTCOMES = ("completed", "rejected", "rejected_without_retry_after", "failed", "lost")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("overload (--overload F)")
+    g.add_argument(
+        "--overload",
+        type=_positive,
+        default=None,
+        metavar="F",
+        help="open-loop Poisson load at F x the server's sustained rate, then how it was shed",
+    )
+    g.add_argument("--capacity", type=_positive, default=None, help="req/s (default: measured)")
+    g.add_argument("--capacity-clients", type=int, default=8, help="closed loop that measures it")
+    g.add_argument("--capacity-duration", type=_positive, default=40.0, help="seconds")
+    g.add_argument("--duration", type=_positive, default=60.0, help="seconds of overload")
+    g.add_argument("--sample-every", type=_positive, default=2.0, help="seconds between samples")
+    g.add_argument("--max-pending", type=int, default=None, help="the own server's --max-pending")
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+# -- what is sampled ----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Sample:
+    t_s: float  # since the overload began
+    rss: dict[str, int]  # process name (router, worker id) -> resident bytes
+    awaiting_first_token: int  # sent, neither refused nor a first token yet (client view)
+    in_flight: int  # sent, not yet ended (client view)
+    router_pending: int | None  # the router's own count, where the probe can read it
+
+
+async def _no_pids() -> dict[str, int]:
+    return {}
+
+
+def _unknown() -> int | None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """Where the sampler looks: the processes to measure (asked at every sample: a replaced
+    worker has a new pid) and the router's queue of requests waiting for a first token."""
+
+    pids: Callable[[], Awaitable[dict[str, int]]] = _no_pids
+    pending: Callable[[], int | None] = _unknown
+
+
+def _rss(pids: dict[str, int]) -> dict[str, int]:
+    out = {}
+    for name, pid in pids.items():
+        with contextlib.suppress(psutil.Error):
+            out[name] = psutil.Process(pid).memory_info().rss
+    return out
+
+
+async def _sample(probe: Probe, sent: Sequence[RequestResult], t0: float) -> Sample:
+    try:
+        pids = await probe.pids()
+    except Exception as exc:  # a worker mid-restart, the admin port busy: sample what is known
+        log.warning("overload: could not list the processes: %s", exc)
+        pids = {}
+    waiting = sum(1 for r in sent if _open(r) and r.ttft_s is None)
+    return Sample(
+        time.monotonic() - t0,
+        _rss(pids),
+        waiting,
+        sum(1 for r in sent if _open(r)),
+        probe.pending(),
+    )
+
+
+def _open(r: RequestResult) -> bool:
+    return r.status == "OK" and r.e2e_s is None
+
+
+# -- the run -------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Overload:
+    results: list[RequestResult]  # every request sent, in sending order
+    samples: list[Sample] = field(default_factory=list)
+    planned: int = 0  # arrivals in the schedule (all are sent unless the run was cut short)
+
+
+async def overload(
+    address: str,
+    reqs: Sequence[trace.TraceRequest],
+    rate: float,
+    vocab: int,
+    seed: int,
+    timeout: float,
+    hint: tuple[float, float] | None,
+    auth: ClientAuth | None = None,
+    probe: Probe | None = None,
+    every_s: float = 2.0,
+) -> Overload:
+    """Send `reqs` open loop at `rate` (arrival_s / rate), sampling every `every_s` s, and one
+    last time once every request has ended. A request still without an answer past its deadline
+    and a grace period is booked LOST."""
+    probe = probe or Probe()
+    out = Overload([], planned=len(reqs))
+    t0 = time.monotonic()
+    out.samples.append(await _sample(probe, out.results, t0))
+
+    async def sampler() -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            out.samples.append(await _sample(probe, out.results, t0))
+
+    task = asyncio.ensure_future(sampler())
+    last = max((r.arrival_s for r in reqs), default=0.0) / rate
+    try:
+        await asyncio.wait_for(
+            loadgen.run(
+                address, reqs, rate, vocab, seed, timeout, None, hint, auth, out.results.append
+            ),
+            last + timeout + 30,
+        )
+    except asyncio.TimeoutError:
+        for r in out.results:
+            if _open(r):
+                r.status = LOST
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    out.samples.append(await _sample(probe, out.results, t0))
+    return out
+
+
+def arrivals(
+    rate: float, duration_s: float, prompt: tuple[int, int], output: tuple[int, int], seed: int
+) -> list[trace.TraceRequest]:
+    """Poisson arrivals (at a mean of 1/s, as traces are; send them at `rate`) that fall inside
+    `duration_s` at that rate."""
+    n = int(rate * duration_s * 1.5) + 20
+    while True:
+        reqs = trace.synthetic(n, prompt, output, 1.0, seed)
+        if reqs[-1].arrival_s / rate >= duration_s:
+            return [r for r in reqs if r.arrival_s / rate < duration_s]
+        n *= 2
+
+
+# -- the books -----------------------------------------------------------------------------------
+def outcome(r: RequestResult) -> str:
+    """How one request ended: one of OUTCOMES."""
+    if r.ok:
+        return "completed"
+    if r.status == "RESOURCE_EXHAUSTED":
+        return "rejected" if r.retry_after_ms is not None else "rejected_without_retry_after"
+    if r.status in ("DEADLINE_EXCEEDED", LOST):
+        return "lost"
+    return "failed"  # with a status, or OK with fewer tokens than asked
+
+
+def figures(run: Overload, objective: slo.Slo) -> dict[str, Any]:
+    results = run.results
+    books = Counter(outcome(r) for r in results)
+    counts = {k: books.get(k, 0) for k in OUTCOMES}
+    accepted = [r for r in results if r.status != "RESOURCE_EXHAUSTED"]
+    ttfts = [r.ttft_s for r in accepted if r.ttft_s is not None]
+    within = sum(1 for t in ttfts if t <= objective.ttft_s)
+    attained = sum(1 for r in accepted if slo.attains(r, objective))
+    sent_at = [r.sent_s for r in results]
+    wall = max((r.sent_s + (r.e2e_s or 0.0) for r in results), default=0.0) - min(sent_at or [0])
+    return {
+        "planned": run.planned,
+        "sent": len(results),
+        **counts,
+        "accounted": sum(counts.values()) == len(results),
+        "failed_by_status": dict(
+            Counter(r.status for r in results if outcome(r) == "failed" and r.status != "OK")
+        ),
+        "short": sum(1 for r in results if r.status == "OK" and not r.ok),
+        "rejected_share": counts["rejected"] / len(results) if results else 0.0,
+        "rejected_by_reason": dict(
+            Counter(r.reject_reason or "?" for r in results if r.status == "RESOURCE_EXHAUSTED")
+        ),
+        "retry_after_ms": slo.summary([r.retry_after_ms for r in results if r.retry_after_ms]),
+        "accepted": len(accepted),
+        "accepted_ttft_s": slo.summary(ttfts),
+        "accepted_within_ttft_slo": within / len(accepted) if accepted else None,
+        "accepted_attainment": attained / len(accepted) if accepted else None,
+        "goodput_rps": attained / wall if wall > 0 else 0.0,
+        "completed_rps": counts["completed"] / wall if wall > 0 else 0.0,
+        "wall_s": wall,
+        "processes": rss_figures(run.samples),
+        "max_awaiting_first_token": max((s.awaiting_first_token for s in run.samples), default=0),
+        "max_in_flight": max((s.in_flight for s in run.samples), default=0),
+        "max_router_pending": max(
+            (s.router_pending for s in run.samples if s.router_pending is not None), default=None
+        ),
+    }
+
+
+def rss_figures(samples: Sequence[Sample]) -> dict[str, dict[str, int]]:
+    """Per process: RSS at the first and last sample that saw it, and the largest."""
+    seen: dict[str, list[int]] = {}
+    for s in samples:
+        for name, rss in s.rss.items():
+            seen.setdefault(name, []).append(rss)
+    return {
+        name: {"start": v[0], "end": v[-1], "max": max(v), "samples": len(v)}
+        for name, v in seen.items()
+    }
+
+
+# -- the command ---------------------------------------------------------------------------------
+def capacity(
+    address: str,
+    shapes: Sequence[trace.TraceRequest],
+    vocab: int,
+    clients: int,
+    window_s: float,
+    seed: int,
+    timeout: float,
+    auth: ClientAuth | None = None,
+) -> dict[str, Any]:
+    """What the server sustains: a closed loop of `clients` for `window_s`; its output tokens per
+    second over the last two thirds of the window (the first third fills the pipeline), over the
+    mean output length of `shapes`. Counting tokens rather than whole requests: on a slow model a
+    request can outlast much of the window."""
+    results = asyncio.run(
+        loadgen.closed_loop(address, shapes, clients, window_s, vocab, seed, timeout, auth)
+    )
+    steady = window_s / 3
+    tokens = sum(1 for r in results for t in r.token_times_s if steady <= t <= window_s)
+    tok_s = tokens / (window_s - steady)
+    mean_out = statistics.fmean(r.output_len for r in shapes)
+    done = [r for r in results if r.ok and r.sent_s + (r.e2e_s or 0.0) <= window_s]
+    return {
+        "rps": tok_s / mean_out,
+        "method": f"closed loop, {clients} clients, {window_s:g} s: "
+        f"{tok_s:.1f} tok/s / {mean_out:.0f} tokens a request",
+        "output_tok_s": tok_s,
+        "completed_in_window": len(done),
+        "sent": len(results),
+        "outcomes": dict(Counter(outcome(r) for r in results)),
+        "ttft_s": slo.summary([r.ttft_s for r in done if r.ttft_s is not None]),
+    }
+
+
+def _server_probe(server: ServerProcess) -> Probe:
+    async def pids() -> dict[str, int]:
+        out = {"router": server.proc.pid}
+        async with grpc.aio.insecure_channel(server.admin_address) as channel:
+            listing = await admin_pb2_grpc.AdminStub(channel).ListWorkers(
+                admin_pb2.ListWorkersRequest(), timeout=5
+            )
+        out.update({w.worker_id: w.pid for w in listing.workers if w.pid and w.status == "ready"})
+        return out
+
+    return Probe(pids)
+
+
+def run(args: argparse.Namespace) -> int:
+    policy = args.policy or "auto"
+    if policy not in POLICIES:
+        print(f"error: --overload takes one --policy of {list(POLICIES)}, got {policy!r}")
+        return 2
+    deployment = Deployment(args.model, args.prefill, args.decode, args.threads, args.kv_cache_gib,
+                            args.threshold_tokens, args.threshold_queue, args.step_target_ms,
+                            args.max_pending)  # fmt: skip
+    logs = Path(tempfile.mkdtemp(prefix="pdserve-overload-"))
+    server = None if args.address else ServerProcess(deployment, policy, logs / f"{policy}.log")
+    auth = ClientAuth.from_args(args)
+    out: dict[str, Any] = {"mode": "overload", "factor": args.overload, "policy": policy,
+                           "deployment": None if args.address else asdict(deployment)}  # fmt: skip
+    try:
+        address = args.address or server.address  # type: ignore[union-attr]
+        info = server.wait_ready() if server else session.server_info(address, auth)
+        vocab = info.vocab_size
+        # Lengths for the SLO calibration (their 99th-percentile prompt) and the closed loop.
+        shapes = trace.synthetic(200, args.prompt_len, args.output_len, 1.0, args.seed)
+        objective = session.objective(args, address, shapes, vocab, out)
+        warm = [trace.TraceRequest(0.0, 16, 4)]
+        session.run_trace(address, warm, 1.0, vocab, args, "warm-up", seed=2_000_000 + args.seed)
+        if args.capacity is not None:
+            out["capacity"] = {"rps": args.capacity, "method": "given (--capacity)"}
+        else:
+            print(f"measuring capacity: {args.capacity_clients} clients, closed loop, "
+                  f"{args.capacity_duration:g} s")  # fmt: skip
+            # Prompts of its own (seed): the overload's would hit the prefix cache.
+            out["capacity"] = capacity(address, shapes, vocab, args.capacity_clients,
+                                       args.capacity_duration, 5_000_000 + args.seed,
+                                       args.timeout, auth)  # fmt: skip
+        rate = args.overload * out["capacity"]["rps"]
+        reqs = arrivals(rate, args.duration, args.prompt_len, args.output_len, args.seed)
+        out.update(rate=rate, duration_s=args.duration, max_pending=args.max_pending)
+        print(f"overload: {len(reqs)} requests at {rate:.2f}/s for {args.duration:g} s")
+        hint = None if args.no_slo_hint else (objective.ttft_s, objective.itl_s)
+        out["load_average_before"] = os.getloadavg()  # the machine's other work, for the record
+        result = asyncio.run(
+            overload(address, reqs, rate, vocab, args.seed, args.timeout, hint, auth,
+                     _server_probe(server) if server else None, args.sample_every)
+        )  # fmt: skip
+        out["load_average_after"] = os.getloadavg()
+    finally:
+        if server is not None:
+            server.stop()
+    out["slo"] = asdict(objective)
+    out["figures"] = figures(result, objective)
+    out["samples"] = [asdict(s) for s in result.samples]
+    out["requests"] = [r.to_json() for r in result.results]
+    print(report(out, rss_sampled=server is not None))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    if args.plot:
+        from bench import plots
+
+        folder = Path(args.plot)
+        folder.mkdir(parents=True, exist_ok=True)
+        plots.rss_over_time(result.samples, folder)
+        print(f"plots in {folder}/")
+    print(f"server log in {logs}/")
+    bad = out["figures"]["lost"] + out["figures"]["rejected_without_retry_after"]
+    return 0 if out["figures"]["accounted"] and not bad else 1
+
+
+def _mib(v: int) -> str:
+    return f"{v / 2**20:,.0f}"
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:,.0f}"
+
+
+def _ms(v: float | None) -> str:
+    return _num(None if v is None else v * 1000)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"
+
+
+def report(out: dict[str, Any], rss_sampled: bool = True) -> str:
+    f = out["figures"]
+    cap, s = out["capacity"], out["slo"]
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(f["rejected_by_reason"].items()))
+    lines = [
+        f"overload {out['factor']:g}x: capacity {cap['rps']:.2f} req/s ({cap['method']}), "
+        f"offered {out['rate']:.2f} req/s Poisson for {out['duration_s']:g} s; "
+        f"TTFT SLO {_ms(s['ttft_s'])} ms",
+        f"{'sent':>28} {f['sent']} (of {f['planned']} planned)",
+        f"{'completed':>28} {f['completed']}",
+        f"{'rejected (retry-after-ms)':>28} {f['rejected']} ({f['rejected_share']:.0%}; {reasons})",
+        f"{'rejected without the hint':>28} {f['rejected_without_retry_after']}",
+        f"{'failed with a status':>28} {f['failed']} {f['failed_by_status'] or ''}",
+        f"{'lost':>28} {f['lost']}",
+        f"{'every request accounted for':>28} {'yes' if f['accounted'] else 'NO'}",
+        f"{'retry-after-ms p50 / p99':>28} {_num(f['retry_after_ms']['p50'])} / "
+        f"{_num(f['retry_after_ms']['p99'])}",
+        f"{'accepted TTFT p50 / p99':>28} {_ms(f['accepted_ttft_s']['p50'])} / "
+        f"{_ms(f['accepted_ttft_s']['p99'])} ms (SLO {_ms(s['ttft_s'])} ms)",
+        f"{'accepted within TTFT SLO':>28} {_pct(f['accepted_within_ttft_slo'])} "
+        f"(attainment, TTFT and ITL: {_pct(f['accepted_attainment'])})",
+        f"{'completed / goodput':>28} {f['completed_rps']:.2f} / {f['goodput_rps']:.2f} req/s",
+        f"{'max waiting for 1st token':>28} {f['max_awaiting_first_token']} (client view; "
+        f"router's own: {f['max_router_pending'] if f['max_router_pending'] is not None else '-'}"
+        f"; --max-pending {out.get('max_pending') or 'default'})",
+        f"{'max in flight':>28} {f['max_in_flight']}",
+    ]
+    if "load_average_before" in out:
+        before, after = out["load_average_before"][0], out["load_average_after"][0]
+        lines.append(f"{'machine load average (1 min)':>28} {before:.1f} before, {after:.1f} after")
+    if not rss_sampled or not f["processes"]:
+        lines.append("RSS: not sampled (a server this bench did not start)")
+        return "\n".join(lines)
+    lines.append(f"{'process':<12} {'RSS MiB start':>13} {'end':>6} {'max':>6} {'samples':>7}")
+    for name, p in sorted(f["processes"].items()):
+        lines.append(
+            f"{name:<12} {_mib(p['start']):>13} {_mib(p['end']):>6} {_mib(p['max']):>6} "
+            f"{p['samples']:>7}"
+        )
+    return "\n".join(lines)

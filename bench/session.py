@@ -1,0 +1,100 @@
+"""What every bench run does against a server: send a trace with a progress bar, ask the
+server what it serves, and fix the SLOs (given, or measured on lone requests first)."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from typing import Any
+
+from tqdm import tqdm
+
+from bench import loadgen, slo, trace
+from pdserve_client import ClientAuth
+
+
+def run_trace(
+    address: str,
+    reqs: list[trace.TraceRequest],
+    rate: float,
+    vocab: int,
+    args: Any,
+    desc: str,
+    objective: slo.Slo | None = None,
+    seed: int | None = None,
+):
+    bar = tqdm(total=len(reqs), desc=desc, unit="req", leave=False)
+    hint = None
+    if objective is not None and not args.no_slo_hint:
+        hint = (objective.ttft_s, objective.itl_s)
+    results = asyncio.run(
+        loadgen.run(
+            address,
+            reqs,
+            rate,
+            vocab,
+            args.seed if seed is None else seed,
+            args.timeout,
+            lambda _r: bar.update(),
+            hint,
+            ClientAuth.from_args(args),
+        )
+    )
+    bar.close()
+    # From the first send to the last answer: the wait before the trace's first arrival is not
+    # part of the run.
+    start = min((r.sent_s for r in results), default=0.0)
+    end = max((r.sent_s + (r.e2e_s or 0.0) for r in results), default=0.0)
+    return results, max(end - start, 1e-9)
+
+
+def calibrate(address: str, reqs: list[trace.TraceRequest], vocab: int, args: Any) -> dict:
+    """Single requests alone: TTFT at the trace's 99th-percentile prompt (one TTFT SLO for the
+    whole trace, so it must be one its long prompts can meet), and ITL."""
+    lens = sorted(r.prompt_len for r in reqs)
+    p99 = lens[int(0.99 * (len(lens) - 1))]
+    probe = [trace.TraceRequest(0.0, p99, 32)]
+    ttfts, itls = [], []
+    for i in range(3):
+        # A fresh prompt each time (its own seed): a repeat would hit the prefix cache.
+        seed = 1_000_000 + args.seed * 10 + i
+        res, _ = run_trace(address, probe, 1.0, vocab, args, f"calibrate {i + 1}/3", seed=seed)
+        if res[0].ok:
+            ttfts.append(res[0].ttft_s)
+            itls.append(statistics.median(res[0].itl_s))
+    if not ttfts:
+        raise RuntimeError("calibration requests failed; see the server log")
+    return {"prompt_len": p99, "ttft_s": statistics.median(ttfts), "itl_s": statistics.median(itls)}
+
+
+def server_info(address: str, auth: ClientAuth):
+    from pdserve_proto import generation_pb2 as pb
+    from pdserve_proto import generation_pb2_grpc as pb_grpc
+
+    with auth.channel(address) as channel:
+        return pb_grpc.GenerationStub(channel).Info(
+            pb.InfoRequest(), timeout=30, wait_for_ready=True, metadata=auth.metadata
+        )
+
+
+def objective(args: Any, address: str, reqs, vocab: int, out: dict) -> slo.Slo:
+    cal: dict = {}
+    if args.slo_ttft is None or args.slo_itl is None:
+        cal = calibrate(address, reqs, vocab, args)
+        out["calibration"] = cal
+    ttft = args.slo_ttft if args.slo_ttft is not None else args.slo_ttft_scale * cal["ttft_s"]
+    itl = args.slo_itl if args.slo_itl is not None else args.slo_itl_scale * cal["itl_s"]
+    out["slo"] = {"ttft_s": ttft, "itl_s": itl, "itl_metric": args.slo_itl_metric}
+    parts = []
+    if args.slo_ttft is None:
+        parts.append(
+            f"TTFT: {args.slo_ttft_scale:g} x {cal['ttft_s']:.3f} s of a lone "
+            f"{cal['prompt_len']}-token prompt"
+        )
+    if args.slo_itl is None:
+        parts.append(
+            f"ITL: {args.slo_itl_scale:g} x {cal['itl_s'] * 1000:.1f} ms of a lone request"
+        )
+    how = "; ".join(parts) or "both given"
+    print(f"SLO: TTFT <= {ttft:.3f} s, {args.slo_itl_metric} <= {itl * 1000:.1f} ms ({how})")
+    return slo.Slo(ttft, itl, args.slo_itl_metric)
