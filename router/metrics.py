@@ -187,6 +187,14 @@ class Metrics:
             ("reason",),
             registry=r,
         )
+        self.pending = Gauge(
+            "pdserve_requests_pending",
+            "Admitted requests still waiting for their first token (what --max-pending bounds).",
+            registry=r,
+        )
+        self.active = Gauge(
+            "pdserve_requests_active", "Admitted requests not yet finished.", registry=r
+        )
         self.replans = Counter(
             "pdserve_prefill_replans",
             "Disaggregated requests prefilled again on another prefill worker after theirs died.",

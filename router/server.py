@@ -95,6 +95,10 @@ class Server:
             self.metrics_port = self.metrics.serve(c.host, c.metrics_port)
             log.info("metrics on http://%s:%d/metrics", c.host, self.metrics_port)
         self.core = RequestCore(backend, infos, c.router, tokenizer, self.metrics)
+        if self.metrics is not None:  # read from the core at each scrape
+            core = self.core
+            self.metrics.pending.set_function(lambda: core.pending)
+            self.metrics.active.set_function(lambda: core.active)
         await self.core.refresh()
         self.core.start()
         self.grpc = grpc.aio.server(

@@ -148,9 +148,12 @@ def test_metrics_through_a_real_prometheus(srv, prometheus):
     for expr in dashboard_exprs() + alert_exprs():
         res = api(port, expr)
         assert res["status"] == "success", (expr, res)
-    # Every panel draws something after this load (a misspelt label selects nothing).
-    empty = [e for e in dashboard_exprs() if not api(port, e)["data"]["result"]]
-    assert not empty, empty
+    # Every panel draws something after this load (a misspelt label selects nothing); a rate
+    # needs two scrapes of a series that the load created.
+    deadline = time.monotonic() + 30
+    while empty := [e for e in dashboard_exprs() if not api(port, e)["data"]["result"]]:
+        assert time.monotonic() < deadline, empty
+        time.sleep(0.5)
     for series in (
         "pdserve_time_to_first_token_seconds_count",
         "pdserve_inter_token_latency_seconds_count",

@@ -161,6 +161,8 @@ def test_counters_move_by_what_was_injected_and_the_alerts_fire(tmp_path, ledger
             assert counters(srv, "pdserve_requests_resumed_total", "")[""] == resumed
             lost = counters(srv, "pdserve_worker_failures_total", "worker")
             assert lost[victim] == 1 and sum(lost.values()) == 1, lost
+            for gauge in ("pdserve_requests_pending", "pdserve_requests_active"):
+                assert counters(srv, gauge, "") == {"": 0.0}, gauge  # every request settled
             restarts = counters(srv, "pdserve_worker_restarts_total", "role")
             assert restarts == {"decode": 1, "prefill": 0}, restarts
 
