@@ -367,8 +367,9 @@ def run(args: argparse.Namespace) -> int:
         plots.rss_over_time(result.samples, folder)
         print(f"plots in {folder}/")
     print(f"server log in {logs}/")
-    bad = out["figures"]["lost"] + out["figures"]["rejected_without_retry_after"]
-    return 0 if out["figures"]["accounted"] and not bad else 1
+    got = out["figures"]
+    bad = got["lost"] + got["rejected_without_retry_after"] + got["failed"]
+    return 0 if got["accounted"] and not bad else 1
 
 
 def _mib(v: int) -> str:

@@ -149,20 +149,29 @@ class FakeConnector(TrackedConnector):
         if rec is not None and rec.role is Role.SEND:
             self._table.complete(rec)
 
-    def _peer_failed(self, transfer_id: str, peer_role: Role, why: str) -> None:
+    def _peer_failed(
+        self, transfer_id: str, peer_role: Role, why: str, reason: FailureReason | None = None
+    ) -> None:
         with self._lock:
             self._inbox.pop(transfer_id, None)
         rec = self._table.find(transfer_id)
         if rec is not None and rec.role is not peer_role:
-            self._table.fail(rec, FailureReason.PEER_ABORTED, f"peer ended it: {why}")
+            # As the real connector: what the receiver found wrong in the bytes is the sender's
+            # failure too.
+            data = reason in (FailureReason.CORRUPT, FailureReason.MISMATCH)
+            rec.peer_ended = True
+            self._table.fail(
+                rec, reason if data and reason else FailureReason.PEER_ABORTED,
+                f"peer ended it: {why}",
+            )  # fmt: skip
 
     def _on_fail(self, rec: Transfer) -> None:
-        if rec.reason in (FailureReason.PEER_ABORTED, FailureReason.PEER_DEAD):
+        if rec.peer_ended or rec.reason in (FailureReason.PEER_ABORTED, FailureReason.PEER_DEAD):
             return  # the peer already knows: it told us, or it is gone
         peer = self.hub.lookup(rec.req.peer)
         if peer is not None:
             reason = rec.reason.value if rec.reason else "failed"
-            peer._peer_failed(rec.req.transfer_id, rec.role, f"{reason}: {rec.error}")
+            peer._peer_failed(rec.req.transfer_id, rec.role, f"{reason}: {rec.error}", rec.reason)
 
     def close(self) -> None:
         for rec in self._table.running():

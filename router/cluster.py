@@ -267,14 +267,20 @@ class Cluster:
             if other is None:
                 fallback(FallbackReason.PREFILL_FAILED, why)
                 return None, None
-            # Re-planned: D's reservation was for P's KV; it is made again for the other's.
-            await self._abort_on(d, rid)
+            # Re-planned: D's reservation was for P's KV; it is made again for the other's, once
+            # D has surely dropped the first (else D prefills it, as without a re-plan).
+            if not await self._abort_on(d, rid):
+                fallback(FallbackReason.PREFILL_FAILED, why)
+                return None, None
             log.warning("request %s: %s; prefilling again on %s", rid, why, other.worker_id)
             self.replans += 1
             listener.replanned(p.worker_id, other.worker_id, why, time.monotonic() - t0)
             other.active += 1
             try:
                 return await self._handoff(req, other, d, fallback, listener, replan=False)
+            except BaseException:  # cancelled (the client left): stop the other's prefill too
+                await asyncio.shield(self._abort_on(other, rid))
+                raise
             finally:
                 other.active -= 1
         listener.prefilled(result)
@@ -295,12 +301,15 @@ class Cluster:
         ]  # fmt: skip
         return min(ready, key=lambda h: h.active, default=None)
 
-    async def _abort_on(self, h: WorkerHandle, rid: str) -> None:
+    async def _abort_on(self, h: WorkerHandle, rid: str) -> bool:
+        """Abort `rid` on one worker; False when it did not answer in time (or failed)."""
         try:
             await asyncio.wait_for(h.actor.abort.remote(rid), self.config.control_timeout_s)
+            return True
         except Exception as exc:
             log.warning("abort of %s on %s failed: %s: %s", rid, h.worker_id,
                         type(exc).__name__, exc)  # fmt: skip
+            return False
 
     async def _check_pair(self, p: WorkerHandle, d: WorkerHandle) -> None:
         """(Supervisor loop.) After a failed transfer: if either side lost the pair, it is made
@@ -381,4 +390,3 @@ class Cluster:
 
     def shutdown(self) -> None:
         self.pools.shutdown()
-

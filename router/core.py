@@ -289,7 +289,7 @@ class RequestCore:
             completion_tokens=track.output_tokens,
             cached_prompt_tokens=chunk.num_cached_tokens,
             path=first.chosen.path,
-            prefill_worker=first.chosen.prefill_worker,
+            prefill_worker=track.replanned_to or first.chosen.prefill_worker,
             decode_worker=chosen.decode_worker,
             ttft_s=track.ttft_s or 0.0,
             decision=first,

@@ -40,6 +40,8 @@ class Handoff:
 
     def prefilled(self, result: PrefillResult) -> None:
         self.track.prefilled(result)
+        if self.track.replanned_to is not None:  # its TTFT includes the dead worker's time:
+            self.track.handed_off = False  # nothing to train the disaggregated path's bias on
         if self.p is not self.d:
             self.p.done(self.wid)  # its prefill is over; the decode worker has the request now
         if result.transfer_ok and result.bytes_sent > 0:
@@ -76,5 +78,5 @@ class Handoff:
         if self.p is not self.d:
             self.p.done(self.wid)
         self.health.observe(dead, self.chosen.decode_worker, False, wasted_s)
-        self.prefill_worker = to
+        self.prefill_worker = self.track.replanned_to = to
         self.sink.replanned()

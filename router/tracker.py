@@ -29,6 +29,7 @@ class Tracker:
     resumed: int = 0
     handed_off: bool = False  # the prefill worker's KV reached the decode worker
     kv_fallback: FallbackReason | None = None  # why the decode worker prefilled it after all
+    replanned_to: str | None = None  # the prefill worker it moved to after its own died
 
     def prefilled(self, result: PrefillResult) -> None:
         """The prefill worker's own figures (disaggregated path), for the first prefill only

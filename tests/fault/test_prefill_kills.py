@@ -31,9 +31,29 @@ def warm_up(c: Cluster) -> None:
     assert got == hf_greedy(MODEL, WARM, MAX_NEW)
 
 
-def replanned(c: Cluster, old_pid: int, ledger) -> None:
+class Heard:
+    """A HandoffListener that keeps what the cluster told it."""
+
+    def __init__(self) -> None:
+        self.replans: list[tuple[str, str]] = []
+        self.fallbacks: list[object] = []
+        self.sends_ok: list[bool] = []
+
+    def prefilled(self, result) -> None:
+        self.sends_ok.append(result.transfer_ok)
+
+    def fell_back(self, reason, detail, wasted_s) -> None:
+        self.fallbacks.append(reason)
+
+    def replanned(self, dead, to, detail, wasted_s) -> None:
+        self.replans.append((dead, to))
+
+
+def replanned(c: Cluster, old_pid: int, heard: Heard, ledger) -> None:
     """The struck request went to prefill-1, its KV landed, and prefill-0 came back."""
     assert c.replans == 1
+    assert heard.replans == [("prefill-0", "prefill-1")] and not heard.fallbacks
+    assert heard.sends_ok == [True]  # prefill-1's answer: its send ended well
     assert not c.fallbacks  # its KV came from prefill-1: nothing was prefilled locally
     ok, failed = received(c)
     assert (ok, failed) == (2, 1)  # the warm-up and the re-planned one; the struck receive
@@ -53,16 +73,19 @@ def test_killed_mid_transfer_the_request_is_replanned_onto_another_prefill_worke
     try:
         prompt = random_prompts([251], seed=171)[0]
         old = c.worker_info("prefill-0").pid
+        heard = Heard()
         ledger.add(sent=2)
         warm_up(c)
         t0 = time.monotonic()
         got = asyncio.run(
-            asyncio.wait_for(run(c, prompt, "struck", prefill_worker="prefill-0"), 60)
+            asyncio.wait_for(
+                run(c, prompt, "struck", prefill_worker="prefill-0", listener=heard), 60
+            )
         )
         assert got == hf_greedy(MODEL, prompt, MAX_NEW)
         ledger.add(completed=2)
         assert time.monotonic() - t0 < 30
-        replanned(c, old, ledger)
+        replanned(c, old, heard, ledger)
     finally:
         c.shutdown()
 
@@ -80,13 +103,16 @@ def test_killed_mid_prefill_the_request_is_replanned_onto_another_prefill_worker
         prompt = random_prompts([900], seed=173)[0]
         p0 = c.actor("prefill-0")
         old = c.worker_info("prefill-0").pid
+        heard = Heard()
         ledger.add(sent=2)
         warm_up(c)
         out: list[list[int]] = []
         t = threading.Thread(
             target=lambda: out.append(
                 asyncio.run(
-                    asyncio.wait_for(run(c, prompt, "struck", prefill_worker="prefill-0"), 90)
+                    asyncio.wait_for(
+                        run(c, prompt, "struck", prefill_worker="prefill-0", listener=heard), 90
+                    )
                 )
             )
         )
@@ -103,6 +129,6 @@ def test_killed_mid_prefill_the_request_is_replanned_onto_another_prefill_worker
         t.join(120)
         assert out == [hf_greedy(MODEL, prompt, MAX_NEW)]
         ledger.add(completed=2)
-        replanned(c, old, ledger)
+        replanned(c, old, heard, ledger)
     finally:
         c.shutdown()
