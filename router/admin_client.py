@@ -1,7 +1,7 @@
 """`pdserve scale` and `pdserve workers`: the operator's side of pdserve.v1.Admin.
 
-pdserve scale --address 127.0.0.1:50052 --prefill 2 --decode 2   # resize, wait, list
-pdserve workers --address 127.0.0.1:50052                         # list
+    pdserve scale --address 127.0.0.1:50052 --prefill 2 --decode 2   # resize, wait, list
+    pdserve workers --address 127.0.0.1:50052                         # list
 """
 
 from __future__ import annotations

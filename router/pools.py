@@ -205,8 +205,7 @@ class Pools:
         """True when `exc` says that `h`'s actor died (now or before); it then leaves its pool and
         a replacement starts (unless it was being removed). Any thread."""
         if not isinstance(exc, ray.exceptions.RayActorError) or isinstance(
-            exc,
-            ray.exceptions.ActorUnavailableError,  # transient: it may answer again
+            exc, ray.exceptions.ActorUnavailableError  # transient: it may answer again
         ):
             return False
         if not h.is_actor(exc.actor_id):
@@ -289,9 +288,7 @@ class Pools:
                         # the newest.
                         members.sort(
                             key=lambda h: (
-                                h.status is not WorkerStatus.DEAD,
-                                h.active,
-                                -_order(h.worker_id),
+                                h.status is not WorkerStatus.DEAD, h.active, -_order(h.worker_id)
                             )
                         )
                         victims += members[: len(members) - n]
@@ -374,3 +371,4 @@ def _order(worker_id: str) -> int:
     """The number in a worker id ("decode-3" -> 3), for a stable order."""
     tail = worker_id.rsplit("-", 1)[-1]
     return int(tail) if tail.isdigit() else 0
+
