@@ -337,10 +337,14 @@ class RequestCore:
         """The first token is out: keep the decision with its measured TTFT, and train the
         path's bias (unless a failed handoff made the decode worker prefill after all)."""
         ttft = track.ttft_s or 0.0
-        self.records.append(DecisionRecord(rid, decision, ttft))
-        latest = itertools.islice(reversed(self.records), MARGIN_WINDOW)
+        disturbed = bool(track.kv_fallback or track.replanned_to or track.resumed)
+        self.records.append(DecisionRecord(rid, decision, ttft, disturbed))
+        latest = itertools.islice(
+            (r for r in reversed(self.records) if r.measured_ttft_s and not r.disturbed),
+            MARGIN_WINDOW,
+        )
         self.ttft_margin = ttft_margin(
-            (r.decision.chosen.ttft_s, r.measured_ttft_s) for r in latest if r.measured_ttft_s
+            (r.decision.chosen.ttft_s, r.measured_ttft_s or 0.0) for r in latest
         )
         self.sink.first_token(
             track.path, ttft, track.queue_s, track.prefill_s, decision.chosen.ttft_s

@@ -136,3 +136,6 @@ class DecisionRecord:
     request_id: str
     decision: Decision
     measured_ttft_s: float | None  # None: no token came
+    # A fault had a hand in its first token (a fallback, a re-plan or a resume): its TTFT says
+    # little about how the predictions hold, and the admission margin leaves it out.
+    disturbed: bool = False

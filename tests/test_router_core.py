@@ -166,3 +166,26 @@ def test_a_fallback_is_counted_by_reason_and_said_in_the_summary():
             assert sample("pdserve_local_prefill_fallbacks_total", {"reason": other.value}) == 0
     # The pair's failure is learned: auto stops choosing it while it keeps failing.
     assert core.health.failure_rate("prefill-0", "decode-0") == pytest.approx(0.5, abs=0.01)
+
+
+def test_admission_judges_a_prediction_by_how_late_first_tokens_have_come():
+    async def main():
+        gate = asyncio.Event()
+        backend = FakeBackend(num_prefill=0, gate=gate)  # one place to run: one queue
+        core = await make_core(backend)
+        first = asyncio.ensure_future(consume(core, request("big", n=3000)))
+        await asyncio.sleep(0.05)
+        _, decision = core.plan(request("probe", n=64))
+        assert decision.chosen.queue_s > 0
+        slo_ms = decision.chosen.ttft_s * 2000  # twice the bare prediction
+        core.ttft_margin = 3.0  # first tokens have lately come three times later than predicted
+        with pytest.raises(Overloaded) as err:
+            await consume(core, request("late", n=64, slo_ttft_ms=slo_ms))
+        assert err.value.reason == "slo" and "x 3.00" in str(err.value)
+        core.ttft_margin = 1.5
+        admitted = asyncio.ensure_future(consume(core, request("ok", n=64, slo_ttft_ms=slo_ms)))
+        gate.set()
+        assert len(await first) == 4 and len(await admitted) == 4
+        assert core.pending == core.active == 0
+
+    run(main())
