@@ -4,7 +4,8 @@ overhead benchmark) and for testing the request core without workers.
 Each request yields `max_tokens` tokens (token id i % vocab) in chunks of `chunk_tokens`, after
 an optional `gate` (an asyncio.Event) is set; it reports the same load every time. With
 `fallback`, every disaggregated request's handoff falls back for that reason (and with
-`fail_handoffs` then ends, as under --kv-failure-policy fail).
+`fail_handoffs` then ends, as under --kv-failure-policy fail). With `replan`, every
+disaggregated request's prefill worker "dies" and it is re-planned onto another.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class FakeBackend:
         gate: asyncio.Event | None = None,
         fallback: FallbackReason | None = None,
         fail_handoffs: bool = False,
+        replan: bool = False,
     ) -> None:
         self.prefill_ids = [f"prefill-{i}" for i in range(num_prefill)]
         self.decode_ids = [f"decode-{i}" for i in range(num_decode)]
@@ -63,6 +65,7 @@ class FakeBackend:
         self.gate = gate
         self.fallback = fallback
         self.fail_handoffs = fail_handoffs  # a fallback then ends the request (policy "fail")
+        self.replan = replan
         self.started: list[str] = []  # request ids, in the order they reached the backend
         self.closed: list[str] = []  # request ids whose stream ended, for any reason
 
@@ -94,6 +97,10 @@ class FakeBackend:
         try:
             if self.gate is not None:
                 await self.gate.wait()
+            if path == "disaggregated" and self.replan and listener is not None:
+                dead = prefill_worker or self.prefill_ids[0]
+                to = next(w for w in self.prefill_ids if w != dead)
+                listener.replanned(dead, to, "fake", 0.0)
             if path == "disaggregated" and self.fallback is not None and listener is not None:
                 listener.fell_back(self.fallback, "fake", 0.0)
                 if self.fail_handoffs:

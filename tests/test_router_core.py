@@ -189,3 +189,22 @@ def test_admission_judges_a_prediction_by_how_late_first_tokens_have_come():
         assert core.pending == core.active == 0
 
     run(main())
+
+
+def test_a_replanned_prefill_is_counted_and_the_summary_names_the_worker_that_did_it():
+    from router.metrics import Metrics
+
+    async def main():
+        backend = FakeBackend(num_prefill=2, replan=True)
+        metrics = Metrics()
+        core = RequestCore(backend, await backend.infos(), RouterConfig(), TOKENIZER, metrics)
+        await core.refresh()
+        final = (await consume(core, replace(request("r"), path=RoutePath.DISAGGREGATED)))[-1]
+        return metrics, core, final.final
+
+    metrics, core, final = run(main())
+    chosen = core.records[-1].decision.chosen.prefill_worker
+    assert final.prefill_worker not in (chosen, None) and final.kv_fallback is None
+    assert metrics.registry.get_sample_value("pdserve_prefill_replans_total") == 1
+    assert core.health.failure_rate(chosen, "decode-0") > 0  # the dead one's pair learned it
+    assert core.records[-1].disturbed  # and the admission margin leaves it out
