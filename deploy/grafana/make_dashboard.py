@@ -97,14 +97,16 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         ],
     ),
     (
-        "Disaggregated requests prefilled on their decode worker (fallbacks)",
+        "Disaggregated requests prefilled on their decode worker (fallbacks), or again on "
+        "another prefill worker (re-plans)",
         "reqps",
         [
             q(
                 "{{reason}}",
                 "sum by (reason) (rate(pdserve_local_prefill_fallbacks_total"
                 "[$__rate_interval]))",
-            )
+            ),
+            q("re-planned", "sum(rate(pdserve_prefill_replans_total[$__rate_interval]))"),
         ],
     ),
     (
