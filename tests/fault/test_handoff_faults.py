@@ -60,16 +60,27 @@ def test_every_request_completes_through_a_failed_transfer(plan, reason, ledger)
 
 
 @pytest.mark.timeout(180)
-def test_a_prefill_worker_killed_mid_transfer_is_replaced_and_the_request_completes(ledger):
-    c = cluster(FaultPlan(FaultKind.KILL, after_layers=1))
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_prefill_worker_killed_mid_transfer_is_replaced_and_the_request_ends_by_policy(
+    policy, ledger
+):
+    # The only prefill worker: nothing to re-plan onto.
+    c = cluster(FaultPlan(FaultKind.KILL, after_layers=1), kv_failure_policy=policy)
     try:
         prompt = random_prompts([61], seed=152)[0]
         old = c.worker_info("prefill-0")
         ledger.add(sent=1)
-        got = asyncio.run(asyncio.wait_for(run(c, prompt, "killed"), 60))
-        assert got == hf_greedy(MODEL, prompt, MAX_NEW)
-        ledger.add(completed=1, injected=1)
+        if policy == "recompute":
+            got = asyncio.run(asyncio.wait_for(run(c, prompt, "killed"), 60))
+            assert got == hf_greedy(MODEL, prompt, MAX_NEW)
+            ledger.add(completed=1, injected=1)
+        else:
+            with pytest.raises(HandoffFailed) as err:
+                asyncio.run(asyncio.wait_for(run(c, prompt, "killed"), 60))
+            assert err.value.reason == "prefill_failed"
+            ledger.add(failed=1, injected=1)
         assert [why for _, why, _ in c.fallbacks] == [FallbackReason.PREFILL_FAILED]
+        assert c.replans == 0
         ok, failed = received(c)
         assert (ok, failed) == (0, 1)  # killed while its KV was in flight
         deadline = time.monotonic() + 60
