@@ -5,7 +5,6 @@ servicer turns into INVALID_ARGUMENT; nothing is clamped.
 
 from __future__ import annotations
 
-import enum
 import math
 import uuid
 from dataclasses import dataclass
@@ -14,16 +13,19 @@ from typing import Any
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from pdserve_proto import generation_pb2 as pb
+from router.vocab import RoutePath
 
 CHAT_ROLES = ("system", "user", "assistant")
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 1.0
 
 
-class RoutePath(enum.Enum):
-    AUTO = pb.PATH_AUTO
-    COLOCATED = pb.PATH_COLOCATED
-    DISAGGREGATED = pb.PATH_DISAGGREGATED
+PATH_FROM_WIRE = {
+    pb.PATH_AUTO: RoutePath.AUTO,
+    pb.PATH_COLOCATED: RoutePath.COLOCATED,
+    pb.PATH_DISAGGREGATED: RoutePath.DISAGGREGATED,
+}
+PATH_TO_WIRE = {path: wire for wire, path in PATH_FROM_WIRE.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +49,7 @@ class ParsedRequest:
 def parse_request(req: pb.GenerateRequest, tokenizer: Any, limits: ModelLimits) -> ParsedRequest:
     ids = _prompt_ids(req, tokenizer, limits)
     sampling = _sampling(req.sampling, len(ids), limits)
-    if req.path not in RoutePath._value2member_map_:
+    if req.path not in PATH_FROM_WIRE:
         raise InvalidRequestError(
             "path", f"unknown value {req.path}; use PATH_AUTO, PATH_COLOCATED or PATH_DISAGGREGATED"
         )
@@ -61,7 +63,7 @@ def parse_request(req: pb.GenerateRequest, tokenizer: Any, limits: ModelLimits) 
         request_id=req.request_id or f"req-{uuid.uuid4().hex[:16]}",
         prompt_token_ids=tuple(ids),
         sampling=sampling,
-        path=RoutePath(req.path),
+        path=PATH_FROM_WIRE[req.path],
         slo_ttft_ms=req.slo.ttft_ms or None,
         slo_itl_ms=req.slo.itl_ms or None,
     )

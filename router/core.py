@@ -30,7 +30,7 @@ from typing import Any
 
 from engine.prefix_hash import block_hashes
 from engine.text_stream import TextStream
-from router.convert import ParsedRequest, RoutePath
+from router.convert import ParsedRequest
 from router.core_types import (
     Backend,
     CoreChunk,
@@ -48,6 +48,7 @@ from router.policy import Decision, PathPrediction, Planner, RequestShape
 from router.pool_state import WorkerState
 from router.stats import NullSink, StatsSink
 from router.tracker import Tracker
+from router.vocab import RoutePath
 from worker_protocol.messages import TokenChunk, WorkerInfo
 
 log = logging.getLogger("pdserve.router")
@@ -155,7 +156,7 @@ class RequestCore:
         rid = req.request_id
         wid = f"{rid}#{next(self._ids)}"
         first = decision  # the decision the client is told about
-        path = first.chosen.path.name.lower()
+        path = first.chosen.path.value
         self.sink.decided(path, first.reason_code)
         track = Tracker(rid, arrived, path, len(req.prompt_token_ids), first.chosen.ttft_s)
         text = TextStream(self.tokenizer, req.prompt_token_ids, req.sampling)
@@ -302,7 +303,7 @@ class RequestCore:
             "request %s -> %s %s%s: %s | %d prompt tokens, %d uncached; predicted TTFT %.0f ms "
             "(queue %.0f, prefill %.0f, transfer %.0f), ITL %.1f ms, running ITL %.1f ms",
             rid,
-            c.path.name.lower(),
+            c.path.value,
             c.prefill_worker + "->" if c.prefill_worker else "",
             c.decode_worker,
             decision.reason,

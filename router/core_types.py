@@ -10,8 +10,8 @@ from typing import Protocol
 
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from router.convert import RoutePath
 from router.policy import Decision, PolicyConfig
+from router.vocab import RoutePath
 from worker_protocol.messages import (
     PrefillResult,
     TokenChunk,

@@ -24,7 +24,6 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router.convert import RoutePath
 from router.cost_model import Bias, HandoffHealth, TransferTimeModel
 from router.pool_state import WorkerState
 from router.predictions import (
@@ -34,6 +33,7 @@ from router.predictions import (
     predict_colocated,
     predict_disaggregated,
 )
+from router.vocab import RoutePath
 
 
 class Policy(enum.Enum):
@@ -163,8 +163,8 @@ class Planner:
         if path is RoutePath.DISAGGREGATED:
             p = pick_prefill(prefill, d, self.health).worker_id
         chosen = self._find(cands, path, p, d)
-        label = "requested by the client" if why == "override" else f"--policy {path.name.lower()}"
-        return Decision(chosen, best, f"{path.name.lower()}: {label}", why)
+        label = "requested by the client" if why == "override" else f"--policy {path.value}"
+        return Decision(chosen, best, f"{path.value}: {label}", why)
 
     def _auto(
         self, req: RequestShape, cands: list[PathPrediction], best: tuple[PathPrediction, ...]
@@ -176,23 +176,23 @@ class Planner:
         else:  # every choice pushes: the one that pushes least
             chosen = min(usable, key=lambda c: (c.overshoot_s, *c.rank(req)))
         others = [c for c in best if c.path is not chosen.path]
-        parts = [f"{chosen.path.name.lower()}: predicted TTFT {_ms(chosen.ttft_s)}"]
+        parts = [f"{chosen.path.value}: predicted TTFT {_ms(chosen.ttft_s)}"]
         code = "cost_ttft"
         for o in others:
             if o.failing and len(usable) < len(cands):
                 parts.append(
-                    f"{o.path.name.lower()} handoffs {o.prefill_worker}->{o.decode_worker} keep "
+                    f"{o.path.value} handoffs {o.prefill_worker}->{o.decode_worker} keep "
                     f"falling back (failure rate {o.failure_rate:.2f})"
                 )
                 code = "handoff_failing"
             elif o.pushes_running and safe:
                 parts.append(
-                    f"{o.path.name.lower()} would raise {o.decode_worker}'s ITL to "
+                    f"{o.path.value} would raise {o.decode_worker}'s ITL to "
                     f"{_ms(o.running_itl_s)}, past its SLO {_ms(o.running_itl_slo_s)}"
                 )
                 code = "itl_guard"
             else:
-                parts.append(f"vs {_ms(o.ttft_s)} {o.path.name.lower()}")
+                parts.append(f"vs {_ms(o.ttft_s)} {o.path.value}")
         if code == "cost_ttft" and chosen.violation(req) > 0:
             code = "cost_slo_miss"  # nothing meets the SLO: least violation
         elif code == "cost_ttft" and any(o.violation(req) > 0 for o in others):

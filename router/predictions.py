@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from router.convert import RoutePath
 from router.cost_model import TransferTimeModel, prefill_pairs
 from router.pool_state import WorkerState
+from router.vocab import RoutePath
 
 # A pair whose recent handoffs fell back more often than this is not chosen while another
 # choice remains.

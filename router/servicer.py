@@ -26,7 +26,13 @@ from grpc_reflection.v1alpha import reflection
 from engine.errors import InvalidRequestError
 from engine.outputs import TokenLogprobs
 from pdserve_proto import generation_pb2 as pb
-from router.convert import ModelLimits, ParsedRequest, invalid_utf8_field, parse_request
+from router.convert import (
+    PATH_TO_WIRE,
+    ModelLimits,
+    ParsedRequest,
+    invalid_utf8_field,
+    parse_request,
+)
 from router.core import RequestCore
 from router.core_types import CoreChunk, NoWorkers, Overloaded, Summary
 from router.errors import HandoffFailed, WorkerLost
@@ -86,13 +92,13 @@ def _final(s: Summary) -> pb.FinalInfo:
             completion_tokens=s.completion_tokens,
             cached_prompt_tokens=s.cached_prompt_tokens,
         ),
-        path=s.path.value,
+        path=PATH_TO_WIRE[s.path],
         prefill_worker=s.prefill_worker,
         decode_worker=s.decode_worker,
         ttft_ms=s.ttft_s * 1000,
         predictions=[
             pb.PathPrediction(
-                path=p.path.value,
+                path=PATH_TO_WIRE[p.path],
                 ttft_ms=p.ttft_s * 1000,
                 itl_ms=p.itl_s * 1000,
                 prefill_worker=p.prefill_worker,

@@ -4,7 +4,8 @@ import pytest
 
 from engine.errors import InvalidRequestError
 from pdserve_proto import generation_pb2 as pb
-from router.convert import ModelLimits, RoutePath, parse_request
+from router.convert import ModelLimits, parse_request
+from router.vocab import RoutePath
 from tests.helpers import loaded
 
 TOK = loaded("tiny-llama").tokenizer

@@ -10,11 +10,11 @@ import pytest
 
 from engine.prefix_hash import block_hashes
 from engine.step_stats import StepStat
-from router.convert import RoutePath
 from router.cost_model import StepTimeModel, TransferTimeModel, prefill_pairs
 from router.fake_backend import fake_info
 from router.policy import Planner, Policy, PolicyConfig, RequestShape, pick_decode
 from router.pool_state import WorkerState
+from router.vocab import RoutePath
 
 # The "true" step time of the injected workers: 20 ms + 2 ms/token + attention terms.
 TRUE = np.array([0.020, 0.002, 2e-7, 1e-7])

@@ -10,10 +10,11 @@ import pytest
 from engine.config import ModelConfig
 from engine.loader import load_tokenizer
 from engine.sampling_params import SamplingParams
-from router.convert import ParsedRequest, RoutePath
+from router.convert import ParsedRequest
 from router.core import RequestCore
 from router.core_types import Overloaded, RouterConfig
 from router.fake_backend import FakeBackend
+from router.vocab import RoutePath
 
 
 def request(rid: str, n: int = 32, max_tokens: int = 4, slo_ttft_ms: float | None = None):
