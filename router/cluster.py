@@ -29,10 +29,11 @@ from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from kv_transfer import TransferStats
 from router.cluster_config import ClusterConfig
-from router.core_types import FallbackReason, HandoffListener
+from router.core_types import HandoffListener
 from router.errors import HandoffFailed, WorkerLost
 from router.pools import Pools
 from router.ray_runtime import init_ray
+from router.vocab import FallbackReason
 from router.workers import WorkerHandle, WorkerStatus
 from worker_protocol.messages import (
     KVTarget,

@@ -3,7 +3,6 @@ and how it refuses work."""
 
 from __future__ import annotations
 
-import enum
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -11,7 +10,7 @@ from typing import Protocol
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from router.policy import Decision, PolicyConfig
-from router.vocab import RoutePath
+from router.vocab import FallbackReason, RoutePath
 from worker_protocol.messages import (
     PrefillResult,
     TokenChunk,
@@ -19,17 +18,6 @@ from worker_protocol.messages import (
     WorkerLoad,
     WorkerRole,
 )
-
-
-class FallbackReason(enum.Enum):
-    """Why a disaggregated request's prompt was prefilled on its decode worker after all."""
-
-    PAIRING_FAILED = "pairing_failed"  # the pair could not be made; retried after a backoff
-    PAIR_NOT_READY = "pair_not_ready"  # the pair is being made (a worker just started)
-    NO_RESERVATION = "no_reservation"  # the decode worker had no free blocks or sequence slot
-    TRANSFER_FAILED = "transfer_failed"  # the KV send failed or passed its deadline
-    PREFILL_FAILED = "prefill_failed"  # the prefill worker died, timed out or was stopped
-    NO_PREFILL_WORKER = "no_prefill_worker"  # none was up when the request reached the pools
 
 
 class HandoffListener(Protocol):

@@ -16,8 +16,9 @@ from collections.abc import AsyncIterator, Sequence
 
 from engine.device_rate import DeviceRate
 from engine.sampling_params import SamplingParams
-from router.core_types import FallbackReason, HandoffListener
+from router.core_types import HandoffListener
 from router.errors import HandoffFailed
+from router.vocab import FallbackReason
 from worker_protocol.messages import TokenChunk, WorkerInfo, WorkerLoad, WorkerRole
 
 

@@ -5,12 +5,12 @@ its own), trains the transfer model and the pair's health, and reports to the st
 
 from __future__ import annotations
 
-from router.core_types import FallbackReason
 from router.cost_model import HandoffHealth, TransferTimeModel, prefill_pairs
 from router.policy import PathPrediction
 from router.pool_state import WorkerState
 from router.stats import StatsSink, TransferRecord
 from router.tracker import Tracker
+from router.vocab import FallbackReason
 from worker_protocol.messages import PrefillResult
 
 

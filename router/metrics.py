@@ -16,8 +16,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from kv_transfer import FailureReason
-from router.core_types import FallbackReason
 from router.stats import RequestRecord, TransferRecord
+from router.vocab import FallbackReason
 from worker_protocol.messages import WorkerLoad, WorkerRole
 
 REJECT_REASONS = ("queue_full", "slo", "client_limit", "no_workers")  # admission's refusals

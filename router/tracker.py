@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from router.core_types import FallbackReason
 from router.stats import RequestRecord
+from router.vocab import FallbackReason
 from worker_protocol.messages import PrefillResult, TokenChunk
 
 

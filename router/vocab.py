@@ -12,3 +12,14 @@ class RoutePath(enum.Enum):
     AUTO = "auto"
     COLOCATED = "colocated"  # one decode worker prefills it in chunks next to its decodes
     DISAGGREGATED = "disaggregated"  # a prefill worker prefills it and streams the KV over
+
+
+class FallbackReason(enum.Enum):
+    """Why a disaggregated request's prompt was prefilled on its decode worker after all."""
+
+    PAIRING_FAILED = "pairing_failed"  # the pair could not be made; retried after a backoff
+    PAIR_NOT_READY = "pair_not_ready"  # the pair is being made (a worker just started)
+    NO_RESERVATION = "no_reservation"  # the decode worker had no free blocks or sequence slot
+    TRANSFER_FAILED = "transfer_failed"  # the KV send failed or passed its deadline
+    PREFILL_FAILED = "prefill_failed"  # the prefill worker died, timed out or was stopped
+    NO_PREFILL_WORKER = "no_prefill_worker"  # none was up when the request reached the pools

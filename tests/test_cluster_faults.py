@@ -10,7 +10,7 @@ import ray
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
 from router.cluster import Cluster, ClusterConfig
-from router.core_types import FallbackReason
+from router.vocab import FallbackReason
 from tests.helpers import random_prompts
 from worker_protocol.messages import WorkRequest
 

@@ -13,8 +13,8 @@ import ray
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
 from router.cluster import Cluster, ClusterConfig
-from router.core_types import FallbackReason
 from router.errors import HandoffFailed
+from router.vocab import FallbackReason
 from tests.helpers import random_prompts
 
 

@@ -143,8 +143,8 @@ def test_a_request_past_its_ttft_slo_no_longer_guards_the_itl_of_its_worker():
 
 
 def test_a_fallback_is_counted_by_reason_and_said_in_the_summary():
-    from router.core_types import FallbackReason
     from router.metrics import Metrics
+    from router.vocab import FallbackReason
 
     async def main():
         backend = FakeBackend(fallback=FallbackReason.PAIRING_FAILED)

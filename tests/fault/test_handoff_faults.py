@@ -12,8 +12,8 @@ import pytest
 import ray
 
 from kv_transfer.faults import FaultKind, FaultPlan
-from router.core_types import FallbackReason
 from router.errors import HandoffFailed
+from router.vocab import FallbackReason
 from tests.fault.clusters import MAX_NEW, MODEL, cluster, pools_full, received, run
 from tests.helpers import hf_greedy, random_prompts
 
