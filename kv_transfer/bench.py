@@ -33,7 +33,7 @@ from engine.kv_cache import KVCache, KVCacheSpec
 from kv_transfer.base import TransferRequest, TransferStatus, send_all_layers
 from kv_transfer.layout import KVLayout
 from kv_transfer.rendezvous import connect_lanes, join, listen
-from kv_transfer.torch_dist import TorchDistConfig, TorchDistConnector
+from kv_transfer.torch_dist import MAX_MESSAGE_BYTES, TorchDistConfig, TorchDistConnector
 
 LAYOUT = KVLayout("smollm2-135m", 30, 3, 64, 16, "float32")
 CACHE_BLOCKS = 320
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--max-message-mib",
         type=float,
-        default=TorchDistConfig().max_message_bytes / 2**20,
+        default=MAX_MESSAGE_BYTES / 2**20,
         help="the connector's cap on one message when it groups queued layers",
     )
     ap.add_argument(

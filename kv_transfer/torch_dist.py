@@ -75,9 +75,14 @@ def _close_all() -> None:
         conn.close()
 
 
+MAX_MESSAGE_BYTES = 4 << 20
+
+
 @dataclass(frozen=True, slots=True)
 class TorchDistConfig:
-    bind_host: str = "127.0.0.1"  # the interface this worker's store and lanes listen on
+    # The interface this worker's store and lanes listen on: the address its node is known by
+    # (worker_protocol/address.py). No default: loopback would strand a peer on another node.
+    bind_host: str
     backend: str = "auto"  # "auto" (nccl for a CUDA cache, else gloo), "gloo" or "nccl"
     connect_timeout_s: float = 60.0
     io_timeout_s: float = 30.0
@@ -85,7 +90,7 @@ class TorchDistConfig:
     register_wait_s: float = 10.0
     # Layers already queued for one transfer travel as one message up to this size. Small enough
     # that a complete KV of a few MiB still splits into messages whose copies overlap the wire.
-    max_message_bytes: int = 4 << 20
+    max_message_bytes: int = MAX_MESSAGE_BYTES
     # A checksum per LAYER message, checked by the receiver (a mismatch ends the transfer
     # CORRUPT). None: on for CPU caches, where it costs a pass over memory; off for CUDA ones.
     checksum: bool | None = None
@@ -104,14 +109,14 @@ class TorchDistConnector(TrackedConnector):
     def __init__(
         self,
         layout: KVLayout,
-        device: torch.device | str = "cpu",
-        config: TorchDistConfig | None = None,
+        device: torch.device | str,
+        config: TorchDistConfig,
     ) -> None:
         super().__init__(layout)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.config = config or TorchDistConfig()
+        self.config = config
         self.backend = choose_backend(self.config.backend, self.device)
         checksum = self.config.checksum
         self.checksum = self.device.type == "cpu" if checksum is None else checksum

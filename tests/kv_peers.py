@@ -17,6 +17,7 @@ from kv_transfer.torch_dist import TorchDistConfig, TorchDistConnector
 
 # Small messages (two layers of a 5-block transfer) so that layer grouping is exercised.
 FAST = TorchDistConfig(
+    bind_host="127.0.0.1",  # both peers in this process
     connect_timeout_s=30.0,
     io_timeout_s=10.0,
     heartbeat_s=0.2,

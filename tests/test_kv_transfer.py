@@ -269,7 +269,7 @@ def test_torch_dist_block_count_mismatch(pd):
 
 def test_torch_dist_unconnected_peer_fails_at_once():
     lay = kp.layout()
-    conn = TorchDistConnector(lay)
+    conn = TorchDistConnector(lay, "cpu", kp.FAST)
     conn.start_send(req("n", "nobody"), kp.cache(lay, 16, seed=1))
     assert conn.poll("n") is TransferStatus.FAILED
     assert conn.result("n").reason is FailureReason.PEER_DEAD  # type: ignore[union-attr]
