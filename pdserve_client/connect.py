@@ -31,13 +31,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _read(path: Path, option: str) -> bytes:
+def read_credential(path: Path, option: str, error: type[ValueError] = ClientAuthError) -> bytes:
+    """A certificate, key or token file's bytes; `error` naming `option` when it can't be used
+    (the client's and the server's options alike)."""
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise ClientAuthError(f"{option}: cannot read {path}: {exc.strerror or exc}") from None
+        raise error(f"{option}: cannot read {path}: {exc.strerror or exc}") from None
     if not data.strip():
-        raise ClientAuthError(f"{option}: {path} is empty")
+        raise error(f"{option}: {path} is empty")
     return data
 
 
@@ -57,11 +59,11 @@ class ClientAuth:
             raise ClientAuthError("--tls-cert: mutual TLS needs --tls-ca too")
         token = None
         if args.token_file is not None:
-            token = _read(args.token_file, "--token-file").decode().strip()
+            token = read_credential(args.token_file, "--token-file").decode().strip()
         return cls(
-            ca=_read(args.tls_ca, "--tls-ca") if args.tls_ca else None,
-            cert=_read(args.tls_cert, "--tls-cert") if args.tls_cert else None,
-            key=_read(args.tls_key, "--tls-key") if args.tls_key else None,
+            ca=read_credential(args.tls_ca, "--tls-ca") if args.tls_ca else None,
+            cert=read_credential(args.tls_cert, "--tls-cert") if args.tls_cert else None,
+            key=read_credential(args.tls_key, "--tls-key") if args.tls_key else None,
             token=token,
         )
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import grpc
 
+from pdserve_client.connect import read_credential
+
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # prefixes of methods that need no token
 
 
@@ -26,13 +28,7 @@ class SecurityError(ValueError):
 
 
 def _read(path: Path, option: str) -> bytes:
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise SecurityError(f"{option}: cannot read {path}: {exc.strerror or exc}") from None
-    if not data.strip():
-        raise SecurityError(f"{option}: {path} is empty")
-    return data
+    return read_credential(path, option, SecurityError)
 
 
 @dataclass(frozen=True, slots=True)
