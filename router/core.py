@@ -372,10 +372,11 @@ def ttft_margin(pairs: Iterable[tuple[float, float]]) -> float:
     cannot shut it), and 1 until MARGIN_MIN_SAMPLES first tokens have been seen. On the bare
     prediction, a request predicted just under its SLO is admitted and misses it whenever its
     first token comes later than predicted: on a shared machine, often."""
-    ratios = sorted(measured / predicted for predicted, measured in pairs if predicted > 0)
+    ratios = [measured / predicted for predicted, measured in pairs if predicted > 0]
     if len(ratios) < MARGIN_MIN_SAMPLES:
         return 1.0
-    return min(max(ratios[int(MARGIN_QUANTILE * (len(ratios) - 1))], 1.0), MARGIN_MAX)
+    q = statistics.quantiles(ratios, n=100, method="inclusive")[round(MARGIN_QUANTILE * 100) - 1]
+    return min(max(q, 1.0), MARGIN_MAX)
 
 
 async def _close(stream: AsyncIterator[TokenChunk]) -> None:
