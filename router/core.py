@@ -30,7 +30,6 @@ from typing import Any
 
 from engine.prefix_hash import block_hashes
 from engine.text_stream import TextStream
-from router.convert import ParsedRequest
 from router.core_types import (
     Backend,
     CoreChunk,
@@ -46,6 +45,7 @@ from router.handoff import Handoff
 from router.membership import Membership
 from router.policy import Decision, PathPrediction, Planner, RequestShape
 from router.pool_state import WorkerState
+from router.request import ParsedRequest
 from router.stats import NullSink, StatsSink
 from router.tracker import Tracker
 from router.vocab import RoutePath

@@ -23,11 +23,11 @@ from grpc_health.v1 import health_pb2
 from engine.loader import load_tokenizer
 from router.admin import add_admin
 from router.cluster import Cluster, ClusterConfig
-from router.convert import ModelLimits
 from router.core import RequestCore
 from router.core_types import Backend, RouterConfig
 from router.metrics import Metrics
 from router.ray_runtime import init_ray
+from router.request import ModelLimits
 from router.security import SecurityConfig
 from router.servicer import SERVICE, GenerationServicer, add_services
 

@@ -26,16 +26,11 @@ from grpc_reflection.v1alpha import reflection
 from engine.errors import InvalidRequestError
 from engine.outputs import TokenLogprobs
 from pdserve_proto import generation_pb2 as pb
-from router.convert import (
-    PATH_TO_WIRE,
-    ModelLimits,
-    ParsedRequest,
-    invalid_utf8_field,
-    parse_request,
-)
+from router.convert import PATH_TO_WIRE, invalid_utf8_field, parse_request
 from router.core import RequestCore
 from router.core_types import CoreChunk, NoWorkers, Overloaded, Summary
 from router.errors import HandoffFailed, WorkerLost
+from router.request import ModelLimits, ParsedRequest
 
 SERVICE = "pdserve.v1.Generation"
 FINISH = {

@@ -23,3 +23,10 @@ class FallbackReason(enum.Enum):
     TRANSFER_FAILED = "transfer_failed"  # the KV send failed or passed its deadline
     PREFILL_FAILED = "prefill_failed"  # the prefill worker died, timed out or was stopped
     NO_PREFILL_WORKER = "no_prefill_worker"  # none was up when the request reached the pools
+
+
+class Frontend(enum.Enum):
+    """The front door a request came in by (a label on its metrics)."""
+
+    GRPC = "grpc"
+    HTTP = "http"

@@ -4,7 +4,8 @@ import pytest
 
 from engine.errors import InvalidRequestError
 from pdserve_proto import generation_pb2 as pb
-from router.convert import ModelLimits, parse_request
+from router.convert import parse_request
+from router.request import ModelLimits
 from router.vocab import RoutePath
 from tests.helpers import loaded
 
@@ -80,7 +81,7 @@ def test_bad_requests_name_their_field():
 def test_fast_encode_gives_the_tokenizers_own_ids(model):
     from engine.config import ModelConfig
     from engine.loader import load_tokenizer
-    from router.convert import encode
+    from router.request import encode
 
     tok = load_tokenizer(ModelConfig(model=model))
     for text in [

@@ -10,10 +10,10 @@ import pytest
 from engine.config import ModelConfig
 from engine.loader import load_tokenizer
 from engine.sampling_params import SamplingParams
-from router.convert import ParsedRequest
 from router.core import RequestCore
 from router.core_types import Overloaded, RouterConfig
 from router.fake_backend import FakeBackend
+from router.request import ParsedRequest
 from router.vocab import RoutePath
 
 

@@ -1,0 +1,197 @@
+"""A request as the core takes it, and the one place it is checked. Each front door (gRPC in
+router/convert.py, HTTP in router/http_api.py) reads its wire format into RequestFields, and
+`check_request` turns those into a ParsedRequest or refuses them with an InvalidRequestError that
+names the field and what is allowed; nothing is clamped. A front door may rename the field for
+its own clients (the HTTP API's `max_completion_tokens`), never re-check it.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+from router.vocab import Frontend, RoutePath
+
+CHAT_ROLES = ("system", "user", "assistant")
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_TEMPERATURE = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    vocab_size: int
+    max_model_len: int
+    max_prompt_bytes: int = 1 << 20  # text (or chat) prompts larger than this are refused
+    max_tokens: int | None = None  # the server's cap on one request's max_tokens (None: none)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFields:
+    """A request as a front door read it, before any check. None: not given (the default)."""
+
+    request_id: str | None = None
+    prompt: str | None = None
+    prompt_token_ids: Sequence[int] | None = None
+    messages: Sequence[tuple[str, str]] | None = None  # (role, content)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top alternatives per token (0: the chosen token's only)
+    path: RoutePath = RoutePath.AUTO
+    slo_ttft_ms: float | None = None  # None or 0: the server's default
+    slo_itl_ms: float | None = None
+    frontend: Frontend = Frontend.GRPC
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    path: RoutePath
+    slo_ttft_ms: float | None  # None: the server's default
+    slo_itl_ms: float | None
+    frontend: Frontend = Frontend.GRPC
+
+
+def prompt_bytes(f: RequestFields) -> int:
+    """The text a request brings (its prompt or chat turns), in characters: large ones are worth
+    tokenizing off the event loop."""
+    return len(f.prompt or "") + sum(len(c) for _, c in f.messages or ())
+
+
+def check_request(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> ParsedRequest:
+    ids = _prompt_ids(f, tokenizer, limits)
+    sampling = _sampling(f, len(ids), limits)
+    for name, value in (("slo.ttft_ms", f.slo_ttft_ms), ("slo.itl_ms", f.slo_itl_ms)):
+        if value is not None and not 0 <= value < math.inf:
+            raise InvalidRequestError(name, f"must be finite and >= 0 (0: default), got {value}")
+    return ParsedRequest(
+        request_id=f.request_id or f"req-{uuid.uuid4().hex[:16]}",
+        prompt_token_ids=tuple(ids),
+        sampling=sampling,
+        path=f.path,
+        slo_ttft_ms=f.slo_ttft_ms or None,
+        slo_itl_ms=f.slo_itl_ms or None,
+        frontend=f.frontend,
+    )
+
+
+def _prompt_ids(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> list[int]:
+    given = [f.prompt is not None, f.prompt_token_ids is not None, f.messages is not None]
+    if sum(given) != 1:
+        raise InvalidRequestError(
+            "prompt", "give exactly one of prompt, prompt_token_ids or messages (non-empty)"
+        )
+    if f.prompt_token_ids is not None:
+        if len(f.prompt_token_ids) >= limits.max_model_len:  # before looking at each id
+            raise InvalidRequestError(
+                "prompt_token_ids",
+                f"has {len(f.prompt_token_ids)} tokens; at most {limits.max_model_len - 1} "
+                f"(the model's context is {limits.max_model_len})",
+            )
+        ids = list(f.prompt_token_ids)
+        bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                "prompt_token_ids", f"token id {bad} is outside [0, {limits.vocab_size})"
+            )
+    elif f.prompt is not None:
+        _check_size("prompt", len(f.prompt.encode()), limits)
+        ids = encode(tokenizer, f.prompt)
+    else:
+        ids = _chat_ids(f.messages or (), tokenizer, limits)
+    if not ids:
+        raise InvalidRequestError("prompt", "must not be empty (at least 1 token)")
+    if len(ids) >= limits.max_model_len:
+        raise InvalidRequestError(
+            "prompt",
+            f"has {len(ids)} tokens; at most {limits.max_model_len - 1} "
+            f"(the model's context is {limits.max_model_len})",
+        )
+    return ids
+
+
+def _chat_ids(
+    messages: Sequence[tuple[str, str]], tokenizer: Any, limits: ModelLimits
+) -> list[int]:
+    if not messages:
+        raise InvalidRequestError("messages", "must hold at least one message")
+    size = 0
+    for i, (role, content) in enumerate(messages):
+        if role not in CHAT_ROLES:
+            raise InvalidRequestError(
+                f"messages[{i}].role", f"must be one of {CHAT_ROLES}, got {role!r}"
+            )
+        size += len(content.encode())
+    _check_size("messages", size, limits)
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("messages", "this model has no chat template; send prompt")
+    chat = [{"role": role, "content": content} for role, content in messages]
+    try:
+        return list(
+            tokenizer.apply_chat_template(
+                chat, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+    except Exception as exc:  # the template's own refusal (e.g. roles out of order)
+        raise InvalidRequestError("messages", f"the chat template refused them: {exc}") from exc
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """`tokenizer.encode(text)`, through the Rust tokenizer directly when there is one: the same
+    ids (special tokens included) without the Python wrapper's per-call cost."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return list(backend.encode(text).ids)
+    return list(tokenizer.encode(text))
+
+
+def _check_size(field: str, nbytes: int, limits: ModelLimits) -> None:
+    if nbytes > limits.max_prompt_bytes:
+        raise InvalidRequestError(
+            field, f"is {nbytes} bytes; at most {limits.max_prompt_bytes} bytes are accepted"
+        )
+
+
+def _sampling(f: RequestFields, prompt_len: int, limits: ModelLimits) -> SamplingParams:
+    room = limits.max_model_len - prompt_len
+    cap = room if limits.max_tokens is None else min(room, limits.max_tokens)
+    max_tokens = f.max_tokens if f.max_tokens is not None else min(DEFAULT_MAX_TOKENS, cap)
+    if f.max_tokens is not None and not 1 <= max_tokens <= cap:
+        why = f"(context {limits.max_model_len})"
+        if cap < room:
+            why = f"(the server's --max-tokens-limit {limits.max_tokens})"
+        raise InvalidRequestError(
+            "max_tokens",
+            f"must be in [1, {cap}] for a {prompt_len}-token prompt {why}, got {max_tokens}",
+        )
+    bad_stop = next((t for t in f.stop_token_ids if not 0 <= t < limits.vocab_size), None)
+    if bad_stop is not None:
+        raise InvalidRequestError(
+            "stop_token_ids", f"token id {bad_stop} is outside [0, {limits.vocab_size})"
+        )
+    # SamplingParams checks every range itself and names the field.
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=DEFAULT_TEMPERATURE if f.temperature is None else f.temperature,
+        top_p=1.0 if f.top_p is None else f.top_p,
+        top_k=0 if f.top_k is None else f.top_k,
+        min_p=0.0 if f.min_p is None else f.min_p,
+        seed=f.seed,
+        stop=tuple(f.stop),
+        stop_token_ids=tuple(f.stop_token_ids),
+        ignore_eos=f.ignore_eos,
+        logprobs=f.logprobs,
+    )
