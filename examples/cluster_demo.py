@@ -8,11 +8,13 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.loader import load_model
 from engine.sampling_params import SamplingParams
 from router.cluster import Cluster, ClusterConfig
+from router.vocab import Placement, RoutePath
 
 
-async def stream(cluster: Cluster, ids: list[int], path: str) -> None:
-    print(f"[{path}] ", end="", flush=True)
-    async for chunk in cluster.generate(ids, SamplingParams(max_tokens=32, temperature=0), path):
+async def stream(cluster: Cluster, ids: list[int], path: RoutePath) -> None:
+    print(f"[{path.value}] ", end="", flush=True)
+    params = SamplingParams(max_tokens=32, temperature=0)
+    async for chunk in cluster.generate(ids, params, Placement(path=path)):
         print(chunk.text, end="", flush=True)
     print()
 
@@ -30,8 +32,8 @@ def main() -> None:
     engine = EngineConfig(cache=CacheConfig(cpu_kv_cache_gib=0.5))
     cluster = Cluster(ClusterConfig(model=args.model, num_prefill=1, num_decode=1, engine=engine))
     try:
-        asyncio.run(stream(cluster, list(ids), "colocated"))
-        asyncio.run(stream(cluster, list(ids), "disaggregated"))
+        asyncio.run(stream(cluster, list(ids), RoutePath.COLOCATED))
+        asyncio.run(stream(cluster, list(ids), RoutePath.DISAGGREGATED))
     finally:
         cluster.shutdown()
 

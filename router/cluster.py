@@ -20,7 +20,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 import ray
@@ -33,7 +33,7 @@ from router.core_types import HandoffListener
 from router.errors import HandoffFailed, WorkerLost
 from router.pools import Pools
 from router.ray_runtime import init_ray
-from router.vocab import FallbackReason
+from router.vocab import FallbackReason, Placement, RoutePath
 from router.workers import WorkerHandle, WorkerStatus
 from worker_protocol.messages import (
     KVTarget,
@@ -45,7 +45,6 @@ from worker_protocol.messages import (
     WorkRequest,
 )
 
-PATHS = ("colocated", "disaggregated")
 log = logging.getLogger("pdserve.cluster")
 
 
@@ -76,7 +75,6 @@ class Cluster:
         self.fallback_counts = {r: 0 for r in FallbackReason}
         self.replans = 0  # requests prefilled again on another prefill worker after one died
         self._rr = itertools.count()
-        self._ids = itertools.count()
 
     # -- the Backend the request core drives -----------------------------------------------------
     @property
@@ -130,30 +128,24 @@ class Cluster:
         self,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
-        path: str = "colocated",
-        request_id: str | None = None,
-        prefill_worker: str | None = None,
-        decode_worker: str | None = None,
-        listener: HandoffListener | None = None,
-    ) -> AsyncIterator[TokenChunk]:
+        placement: Placement,
+        on_prefill: HandoffListener | None = None,
+    ) -> AsyncGenerator[TokenChunk, None]:
         """Stream one request's chunks. Leaving early (or failing) aborts it on every worker
-        it touched, so its blocks are freed there. `listener` hears how the handoff went on the
+        it touched, so its blocks are freed there. `on_prefill` hears how the handoff went on the
         disaggregated path."""
-        if path not in PATHS:
-            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-        rid = request_id or f"cl-{next(self._ids)}"
+        rid = placement.request_id
         req = WorkRequest(rid, tuple(int(t) for t in prompt_token_ids), params)
-        d = self._handle(decode_worker or self._pick(self.decode_ids))
-        p: WorkerHandle | None = None
-        if path == "disaggregated":
-            p = self._prefill_handle(prefill_worker)
+        d = self._handle(placement.decode_worker or self._pick(self.decode_ids))
+        listener = on_prefill or _NullListener()
+        disaggregated = placement.path is RoutePath.DISAGGREGATED
+        p = self._prefill_handle(placement.prefill_worker) if disaggregated else None
         if p is not None:
-            stream = self._disaggregated(req, p, d, listener or _NullListener())
+            stream = self._disaggregated(req, p, d, listener)
         else:
-            if path == "disaggregated":  # its prefill worker left the pool on the way here
-                why = f"{prefill_worker or 'no prefill worker'} is not in the pool"
-                self._fallback(req, FallbackReason.NO_PREFILL_WORKER, why, 0.0,
-                               listener or _NullListener())  # fmt: skip
+            if disaggregated:  # its prefill worker left the pool on the way here
+                why = f"{placement.prefill_worker or 'no prefill worker'} is not in the pool"
+                self._fallback(req, FallbackReason.NO_PREFILL_WORKER, why, 0.0, listener)
             stream = self._stream(d.actor.generate, req)
         finished = False
         d.active += 1

@@ -7,8 +7,10 @@ yields. One request, in order:
      misses its SLO on idle workers is served anyway;
   2. the policy picks the path and the workers (router/policy.py); the decision is logged with
      its inputs and kept;
-  3. the pools run it (router/cluster.py); the core's books (router/pool_state.py) follow the
-     request from queued prefill to decoding to done, so the next decision sees it at once;
+  3. the pools run it (router/cluster.py) where the decision placed it; its books
+     (router/books.py, over the workers' books in router/pool_state.py) follow it from queued
+     prefill to decoding to done, so the next decision sees it at once, and settle it in one
+     place however it ends;
   4. chunks stream back with text; the first one's arrival is the TTFT the client sees, and it
      trains the per-path bias and the prediction-error record; the last carries a summary.
 Leaving early (client cancel or deadline) closes the stream, which aborts the request on every
@@ -24,12 +26,14 @@ import itertools
 import logging
 import statistics
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, Iterable, Sequence
+from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
 
 from engine.prefix_hash import block_hashes
 from engine.text_stream import TextStream
+from router.books import RequestBooks, RequestCounts
 from router.core_types import (
     Backend,
     CoreChunk,
@@ -39,16 +43,15 @@ from router.core_types import (
     RouterConfig,
     Summary,
 )
-from router.cost_model import HandoffHealth, TransferTimeModel, prefill_pairs
+from router.cost_model import HandoffHealth, TransferTimeModel
 from router.errors import WorkerLost
 from router.handoff import Handoff
 from router.membership import Membership
 from router.policy import Decision, PathPrediction, Planner, RequestShape
-from router.pool_state import WorkerState
 from router.request import ParsedRequest
 from router.stats import NullSink, StatsSink
 from router.tracker import Tracker
-from router.vocab import RoutePath
+from router.vocab import FinishReason, Placement, RejectReason, RoutePath
 from worker_protocol.messages import TokenChunk, WorkerInfo
 
 log = logging.getLogger("pdserve.router")
@@ -77,12 +80,25 @@ class RequestCore:
         self.states = self.members.states  # the books, by worker id (current incarnations)
         self.planner = Planner(config.policy, self.transfer, self.health)
         self.records: deque[DecisionRecord] = deque(maxlen=2048)
-        self.pending = 0
-        self.active = 0
-        self.resumed = 0  # times a request moved to another decode worker
+        self.counts = RequestCounts()
         self.ttft_margin = 1.0  # admission's factor on predicted TTFT (see ttft_margin())
         self._poller: asyncio.Task[None] | None = None
         self._ids = itertools.count()  # workers see internal ids: clients' ids may collide
+
+    @property
+    def pending(self) -> int:
+        """Admitted requests still waiting for their first token."""
+        return self.counts.pending
+
+    @property
+    def active(self) -> int:
+        """Admitted requests not yet finished."""
+        return self.counts.active
+
+    @property
+    def resumed(self) -> int:
+        """Times a request moved to another decode worker."""
+        return self.counts.resumed
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -118,160 +134,131 @@ class RequestCore:
         )
         prefill, decode = self.members.pools()
         if not decode:
-            self.sink.rejected("no_workers")
+            self.sink.rejected(RejectReason.NO_WORKERS)
             raise NoWorkers("no decode worker is up; the server cannot take requests now")
         return shape, self.planner.decide(shape, prefill, decode, req.path)
 
     def _admit(self, shape: RequestShape, decision: Decision) -> None:
+        """Raise Overloaded (counted by its reason) when the request is refused."""
         c = self.config
+        chosen, margin = decision.chosen, self.ttft_margin
         if self.pending >= c.max_pending or self.active >= c.max_active:
-            wait = max(0.05, decision.chosen.queue_s)
-            raise Overloaded(
-                "queue_full",
+            refused = Overloaded(
+                RejectReason.QUEUE_FULL,
                 f"server busy: {self.pending} requests wait for a first token "
                 f"(limit {c.max_pending}), {self.active} are active (limit {c.max_active})",
-                wait,
+                max(0.05, chosen.queue_s),
             )
-        chosen, margin = decision.chosen, self.ttft_margin
-        if chosen.ttft_s * margin > shape.slo_ttft_s and chosen.queue_s > 0:
-            raise Overloaded(
-                "slo",
+        elif chosen.ttft_s * margin > shape.slo_ttft_s and chosen.queue_s > 0:
+            refused = Overloaded(
+                RejectReason.SLO,
                 f"predicted TTFT {chosen.ttft_s * 1000:.0f} ms (x {margin:.2f}, how late first "
                 f"tokens have come lately) exceeds the TTFT SLO {shape.slo_ttft_s * 1000:.0f} ms "
                 f"({chosen.queue_s * 1000:.0f} ms of it queueing)",
                 # the queue to drain before it would pass
                 min(chosen.queue_s, chosen.ttft_s - shape.slo_ttft_s / margin),
             )
+        else:
+            return
+        self.sink.rejected(refused.reason)
+        raise refused
 
     async def generate(self, req: ParsedRequest, arrived: float) -> AsyncGenerator[CoreChunk, None]:
         """Run one admitted request; raises Overloaded before any work is done. If its decode
         worker dies, it resumes on another from its prompt and the tokens already streamed
         (greedy output is unchanged; a seeded sample continues with a fresh generator)."""
         shape, decision = self.plan(req)
-        try:
-            self._admit(shape, decision)
-        except Overloaded as exc:
-            self.sink.rejected(exc.reason)
-            raise
-        rid = req.request_id
-        wid = f"{rid}#{next(self._ids)}"
-        first = decision  # the decision the client is told about
-        path = first.chosen.path.value
-        self.sink.decided(path, first.reason_code)
-        track = Tracker(rid, arrived, path, len(req.prompt_token_ids), first.chosen.ttft_s)
+        self._admit(shape, decision)
         text = TextStream(self.tokenizer, req.prompt_token_ids, req.sampling)
-        self.pending += 1
-        self.active += 1
-        emitted: list[int] = []
-        placed: list[WorkerState] = []
-        failed = True
-        try:
+        with self._books(req, decision, arrived) as books:  # settled however it ends
             for attempt in range(MAX_RESUMES + 1):
-                chosen = decision.chosen
-                self._log_decision(rid, shape, decision)
-                prefill_on, d = self._place(wid, shape, chosen)
-                placed += [prefill_on, d]
-                if _late(track, shape):  # resumed after missing its TTFT SLO
-                    d.unprotect(wid)
-                handoff = Handoff(
-                    track, wid, chosen, prefill_on, d, self.transfer, self.health, self.sink
-                )
-                stream = self._run(req, wid, chosen, emitted, handoff)
                 try:
-                    async for chunk in stream:
-                        if self._first_token_of(wid, track, chunk, prefill_on, d, shape):
-                            self.pending -= 1
-                            self._trained(rid, first, track)
-                            if _late(track, shape):
-                                d.unprotect(wid)  # it cannot attain: it guards no one's ITL
-                        emitted.extend(chunk.token_ids)
-                        d.grow(wid, len(chunk.token_ids))
-                        delta = text.feed(chunk.token_ids, chunk.finished)
-                        done = chunk.finished or text.stop_hit is not None
-                        final = None
-                        if done:
-                            final = self._summary(req, first, chosen, chunk, text, track)
-                            track.ended(final.finish_reason, chunk.num_cached_tokens)
-                            failed = False
-                        yield CoreChunk(rid, chunk.token_ids, delta, chunk.logprobs, final)
-                        if done:
-                            return  # closing the stream aborts a worker still running it
-                    raise RuntimeError(f"the stream of {rid} ended before it finished")
+                    async with aclosing(self._placed(req, shape, decision, books, text)) as chunks:
+                        async for chunk in chunks:
+                            yield chunk
+                    return
                 except WorkerLost as lost:
                     if attempt == MAX_RESUMES or not self.backend.decode_ids:
                         raise
-                    log.warning("request %s: %s; resuming after %d tokens", rid, lost, len(emitted))
-                    track.resumed += 1
-                    self.resumed += 1
-                    prefill_on.finish(wid)
-                    d.finish(wid)
-                    ids = req.prompt_token_ids + tuple(emitted)
-                    shape = replace(
-                        shape,
-                        prompt_len=len(ids),
-                        hashes=tuple(block_hashes(ids, self.block_size)),
-                        max_tokens=req.sampling.max_tokens - len(emitted),
-                    )
-                    prefill, decode = self.members.pools()
-                    decision = self.planner.decide(shape, prefill, decode, req.path)
-                finally:
-                    await _close(stream)
-        except (GeneratorExit, asyncio.CancelledError):
-            failed = False  # the client left (or its deadline passed): an abort, not a failure
-            raise
-        finally:
-            if track.first_at is None:
-                self.pending -= 1
-                self.records.append(DecisionRecord(rid, first, None))
-            self.active -= 1
-            for w in placed:
-                w.finish(wid)
-            self.sink.finished(track.record(failed))
+                    shape, decision = self._resumed(req, shape, books, lost)
 
-    def _run(
+    def _books(self, req: ParsedRequest, decision: Decision, arrived: float) -> RequestBooks:
+        path = decision.chosen.path.value
+        self.sink.decided(path, decision.reason_code)
+        track = Tracker(
+            req.request_id,
+            arrived,
+            path,
+            req.frontend,
+            len(req.prompt_token_ids),
+            decision.chosen.ttft_s,
+        )
+        wid = f"{req.request_id}#{next(self._ids)}"
+        return RequestBooks(wid, track, decision, self.counts, self.records, self.states, self.sink)
+
+    async def _placed(
         self,
         req: ParsedRequest,
-        wid: str,
-        chosen: PathPrediction,
-        emitted: list[int],
-        handoff: Handoff,
-    ) -> AsyncIterator[TokenChunk]:
+        shape: RequestShape,
+        decision: Decision,
+        books: RequestBooks,
+        text: TextStream,
+    ) -> AsyncGenerator[CoreChunk, None]:
+        """One placement's chunks, booked and detokenized, up to the last (with its summary)."""
+        chosen = decision.chosen
+        self._log_decision(req.request_id, shape, decision)
+        p, d = books.place(shape, chosen)
+        handoff = Handoff(
+            books.track, books.wid, chosen, p, d, self.transfer, self.health, self.sink
+        )
+        async with aclosing(self._run(req, chosen, books, handoff)) as stream:
+            async for chunk in stream:
+                if books.took(chunk):
+                    self._trained(req.request_id, books.first, books.track)
+                delta = text.feed(chunk.token_ids, chunk.finished)
+                final = None
+                if chunk.finished or text.stop_hit is not None:
+                    final = self._summary(req, books.first, chosen, chunk, text, books.track)
+                    books.finished(final.finish_reason, chunk.num_cached_tokens)
+                yield CoreChunk(req.request_id, chunk.token_ids, delta, chunk.logprobs, final)
+                if final is not None:
+                    return  # closing the stream aborts a worker still running it
+        raise RuntimeError(f"the stream of {req.request_id} ended before it finished")
+
+    def _run(
+        self, req: ParsedRequest, chosen: PathPrediction, books: RequestBooks, handoff: Handoff
+    ) -> AsyncGenerator[TokenChunk, None]:
         """The backend stream for one placement; after a resume, prompt + tokens so far."""
-        params = req.sampling
+        params, emitted = req.sampling, books.emitted
         if emitted:
             params = replace(params, max_tokens=params.max_tokens - len(emitted))
+        placement = Placement(
+            path=chosen.path,
+            request_id=books.wid,
+            prefill_worker=chosen.prefill_worker or None,
+            decode_worker=chosen.decode_worker,
+        )
         return self.backend.generate(
-            req.prompt_token_ids + tuple(emitted),
-            params,
-            "disaggregated" if chosen.path is RoutePath.DISAGGREGATED else "colocated",
-            wid,
-            chosen.prefill_worker or None,
-            chosen.decode_worker,
-            handoff,
+            req.prompt_token_ids + tuple(emitted), params, placement, handoff
         )
 
-    def _first_token_of(
-        self,
-        wid: str,
-        track: Tracker,
-        chunk: TokenChunk,
-        prefill_on: WorkerState,
-        d: WorkerState,
-        shape: RequestShape,
-    ) -> bool:
-        """Book a chunk; True when it brings the request's very first token."""
-        if chunk.token_ids and prefill_on is d and not d.decoding(wid):
-            d.done(wid)  # colocated: prefilled here; decoding from now on
-            d.add_decode(wid, shape.prompt_len, shape.slo_itl_s)
-            if _late(track, shape):  # resumed after missing its TTFT SLO
-                d.unprotect(wid)
-        elif chunk.token_ids and d.prefilling(wid):
-            d.done(wid)  # a disaggregated request prefilled here after a fallback
-        was_first = track.first_at is None
-        gaps = track.chunk(chunk)
-        if chunk.token_ids:
-            self.sink.streamed(track.path, len(chunk.token_ids), gaps)
-        return was_first and track.first_at is not None
+    def _resumed(
+        self, req: ParsedRequest, shape: RequestShape, books: RequestBooks, lost: WorkerLost
+    ) -> tuple[RequestShape, Decision]:
+        """Its decode worker died: it leaves that placement, and is planned again from its
+        prompt and the tokens already streamed."""
+        emitted = books.emitted
+        log.warning("request %s: %s; resuming after %d tokens", req.request_id, lost, len(emitted))
+        books.moved()
+        ids = req.prompt_token_ids + tuple(emitted)
+        shape = replace(
+            shape,
+            prompt_len=len(ids),
+            hashes=tuple(block_hashes(ids, self.block_size)),
+            max_tokens=req.sampling.max_tokens - len(emitted),
+        )
+        prefill, decode = self.members.pools()
+        return shape, self.planner.decide(shape, prefill, decode, req.path)
 
     def _summary(
         self,
@@ -283,8 +270,9 @@ class RequestCore:
         track: Tracker,
     ) -> Summary:
         stopped = text.stop_hit is not None
+        ended = FinishReason(chunk.finish_reason) if chunk.finish_reason else None
         return Summary(
-            finish_reason="stop" if stopped else chunk.finish_reason,
+            finish_reason=FinishReason.STOP if stopped else ended,
             stop_reason=text.stop_hit if stopped else chunk.stop_reason,
             prompt_tokens=len(req.prompt_token_ids),
             completion_tokens=track.output_tokens,
@@ -317,23 +305,6 @@ class RequestCore:
             c.running_itl_s * 1000,
         )
 
-    def _place(
-        self, wid: str, shape: RequestShape, chosen: PathPrediction
-    ) -> tuple[WorkerState, WorkerState]:
-        """Enter a placed request in the books: (the worker that prefills it, its decode worker).
-        A disaggregated request counts on its decode worker at once (its blocks are reserved
-        there first); a colocated one, once its first token is out."""
-        d = self.states[chosen.decode_worker]
-        prefill_on = self.states.get(chosen.prefill_worker) or d
-        hit = prefill_on.cached_tokens(shape.hashes, shape.prompt_len)
-        n_prefill = shape.prompt_len - hit
-        prefill_on.add_prefill(wid, n_prefill, prefill_pairs(n_prefill, hit))
-        if prefill_on is not d:
-            d.add_decode(wid, shape.prompt_len, shape.slo_itl_s)
-        prefill_on.prefix.insert(shape.hashes)
-        d.prefix.insert(shape.hashes)
-        return prefill_on, d
-
     def _trained(self, rid: str, decision: Decision, track: Tracker) -> None:
         """The first token is out: keep the decision with its measured TTFT, and train the
         path's bias (unless a failed handoff made the decode worker prefill after all)."""
@@ -347,9 +318,7 @@ class RequestCore:
         self.ttft_margin = ttft_margin(
             (r.decision.chosen.ttft_s, r.measured_ttft_s or 0.0) for r in latest
         )
-        self.sink.first_token(
-            track.path, ttft, track.queue_s, track.prefill_s, decision.chosen.ttft_s
-        )
+        self.sink.first_token(track.first_token())
         chosen = decision.chosen
         if chosen.path is RoutePath.COLOCATED or track.handed_off:
             self.planner.bias[chosen.path].observe(chosen.raw_ttft_s, ttft)
@@ -377,14 +346,3 @@ def ttft_margin(pairs: Iterable[tuple[float, float]]) -> float:
         return 1.0
     q = statistics.quantiles(ratios, n=100, method="inclusive")[round(MARGIN_QUANTILE * 100) - 1]
     return min(max(q, 1.0), MARGIN_MAX)
-
-
-async def _close(stream: AsyncIterator[TokenChunk]) -> None:
-    aclose = getattr(stream, "aclose", None)
-    if aclose is not None:
-        await aclose()
-
-
-def _late(track: Tracker, shape: RequestShape) -> bool:
-    """The first token came after the TTFT SLO: the request can no longer attain."""
-    return track.ttft_s is not None and track.ttft_s > shape.slo_ttft_s

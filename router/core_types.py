@@ -3,14 +3,14 @@ and how it refuses work."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from router.policy import Decision, PolicyConfig
-from router.vocab import FallbackReason, RoutePath
+from router.vocab import FallbackReason, FinishReason, Placement, RejectReason, RoutePath
 from worker_protocol.messages import (
     PrefillResult,
     TokenChunk,
@@ -60,12 +60,12 @@ class Backend(Protocol):
         self,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
-        path: str,
-        request_id: str | None,
-        prefill_worker: str | None,
-        decode_worker: str | None,
-        listener: HandoffListener | None = None,
-    ) -> AsyncIterator[TokenChunk]: ...
+        placement: Placement,
+        on_prefill: HandoffListener | None = None,
+    ) -> AsyncGenerator[TokenChunk, None]:
+        """Stream one request's chunks where `placement` says. Closing the stream before its last
+        chunk (or a failure) aborts the request on every worker it touched. `on_prefill` hears
+        how the handoff went on the disaggregated path."""
 
     async def load(self) -> list[WorkerLoad]: ...
 
@@ -75,7 +75,7 @@ class Backend(Protocol):
 class Overloaded(Exception):
     """Admission refused; the client may retry after `retry_after_s`."""
 
-    def __init__(self, reason: str, message: str, retry_after_s: float) -> None:
+    def __init__(self, reason: RejectReason, message: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.reason = reason
         self.retry_after_s = retry_after_s
@@ -97,7 +97,7 @@ class RouterConfig:
 
 @dataclass(frozen=True, slots=True)
 class Summary:
-    finish_reason: str | None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None
     stop_reason: int | str | None
     prompt_tokens: int
     completion_tokens: int

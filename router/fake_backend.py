@@ -5,20 +5,22 @@ Each request yields `max_tokens` tokens (token id i % vocab) in chunks of `chunk
 an optional `gate` (an asyncio.Event) is set; it reports the same load every time. With
 `fallback`, every disaggregated request's handoff falls back for that reason (and with
 `fail_handoffs` then ends, as under --kv-failure-policy fail). With `replan`, every
-disaggregated request's prefill worker "dies" and it is re-planned onto another.
+disaggregated request's prefill worker "dies" and it is re-planned onto another. With
+`lose_decode_after`, the first request to have streamed that many tokens loses its decode worker
+(WorkerLost, once), as when one dies.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 from engine.device_rate import DeviceRate
 from engine.sampling_params import SamplingParams
 from router.core_types import HandoffListener
-from router.errors import HandoffFailed
-from router.vocab import FallbackReason
+from router.errors import HandoffFailed, WorkerLost
+from router.vocab import FallbackReason, Placement, RoutePath
 from worker_protocol.messages import TokenChunk, WorkerInfo, WorkerLoad, WorkerRole
 
 
@@ -56,6 +58,7 @@ class FakeBackend:
         fallback: FallbackReason | None = None,
         fail_handoffs: bool = False,
         replan: bool = False,
+        lose_decode_after: int | None = None,
     ) -> None:
         self.prefill_ids = [f"prefill-{i}" for i in range(num_prefill)]
         self.decode_ids = [f"decode-{i}" for i in range(num_decode)]
@@ -67,6 +70,8 @@ class FakeBackend:
         self.fallback = fallback
         self.fail_handoffs = fail_handoffs  # a fallback then ends the request (policy "fail")
         self.replan = replan
+        self.lose_decode_after = lose_decode_after
+        self.lost: list[str] = []  # request ids whose decode worker "died" under them
         self.started: list[str] = []  # request ids, in the order they reached the backend
         self.closed: list[str] = []  # request ids whose stream ended, for any reason
 
@@ -87,27 +92,28 @@ class FakeBackend:
         self,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
-        path: str,
-        request_id: str | None,
-        prefill_worker: str | None,
-        decode_worker: str | None,
-        listener: HandoffListener | None = None,
-    ) -> AsyncIterator[TokenChunk]:
-        rid = request_id or "fake"
+        placement: Placement,
+        on_prefill: HandoffListener | None = None,
+    ) -> AsyncGenerator[TokenChunk, None]:
+        rid = placement.request_id
         self.started.append(rid)
+        handoff = on_prefill if placement.path is RoutePath.DISAGGREGATED else None
         try:
             if self.gate is not None:
                 await self.gate.wait()
-            if path == "disaggregated" and self.replan and listener is not None:
-                dead = prefill_worker or self.prefill_ids[0]
+            if self.replan and handoff is not None:
+                dead = placement.prefill_worker or self.prefill_ids[0]
                 to = next(w for w in self.prefill_ids if w != dead)
-                listener.replanned(dead, to, "fake", 0.0)
-            if path == "disaggregated" and self.fallback is not None and listener is not None:
-                listener.fell_back(self.fallback, "fake", 0.0)
+                handoff.replanned(dead, to, "fake", 0.0)
+            if self.fallback is not None and handoff is not None:
+                handoff.fell_back(self.fallback, "fake", 0.0)
                 if self.fail_handoffs:
                     raise HandoffFailed(self.fallback.value, "fake")
             n = params.max_tokens
             for start in range(0, n, self.chunk_tokens):
+                if self._loses_decode(start):
+                    self.lost.append(rid)
+                    raise WorkerLost(placement.decode_worker or "decode-0", "fake")
                 end = min(n, start + self.chunk_tokens)
                 ids = tuple(i % self.vocab_size for i in range(start, end))
                 last = start + self.chunk_tokens >= n
@@ -118,8 +124,12 @@ class FakeBackend:
                     finished=last,
                     finish_reason="length" if last else None,
                     num_prompt_tokens=len(prompt_token_ids),
-                    worker_id=decode_worker or "",
+                    worker_id=placement.decode_worker or "",
                     emitted_at=time.monotonic(),
                 )
         finally:
             self.closed.append(rid)
+
+    def _loses_decode(self, streamed: int) -> bool:
+        after = self.lose_decode_after
+        return after is not None and streamed >= after and not self.lost

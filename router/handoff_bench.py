@@ -24,6 +24,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from router.cluster import Cluster, ClusterConfig
+from router.vocab import Placement, RoutePath
 
 
 def prompt(n: int, vocab: int, seed: int) -> list[int]:
@@ -35,13 +36,13 @@ def prompt(n: int, vocab: int, seed: int) -> list[int]:
 
 
 async def timed_stream(
-    cluster: Cluster, ids: list[int], path: str, n_out: int
+    cluster: Cluster, ids: list[int], path: RoutePath, n_out: int
 ) -> tuple[float, list[float], list[float]]:
     """(TTFT, inter-token times, per-token delivery delay worker -> here)."""
     params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     stamps, delays = [], []
-    async for chunk in cluster.generate(ids, params, path):
+    async for chunk in cluster.generate(ids, params, Placement(path=path)):
         if chunk.token_ids:
             stamps.append(time.perf_counter())
             delays.append(time.monotonic() - chunk.emitted_at)
@@ -83,17 +84,19 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         # Warm both paths (first calls pay for pairing and allocation).
-        asyncio.run(timed_stream(cluster, prompt(32, vocab, 1), "colocated", 2))
-        asyncio.run(timed_stream(cluster, prompt(32, vocab, 2), "disaggregated", 2))
+        asyncio.run(timed_stream(cluster, prompt(32, vocab, 1), RoutePath.COLOCATED, 2))
+        asyncio.run(timed_stream(cluster, prompt(32, vocab, 2), RoutePath.DISAGGREGATED, 2))
         local.generate([prompt(32, vocab, 3)], SamplingParams(max_tokens=2, temperature=0))
         for i, n in enumerate(lens):
             pre, step = engine_times(local, prompt(n, vocab, 100 + i), args.output_tokens)
             co, co_itl, co_delay = asyncio.run(
-                timed_stream(cluster, prompt(n, vocab, 200 + i), "colocated", args.output_tokens)
+                timed_stream(
+                    cluster, prompt(n, vocab, 200 + i), RoutePath.COLOCATED, args.output_tokens
+                )
             )
             dis, dis_itl, dis_delay = asyncio.run(
                 timed_stream(
-                    cluster, prompt(n, vocab, 300 + i), "disaggregated", args.output_tokens
+                    cluster, prompt(n, vocab, 300 + i), RoutePath.DISAGGREGATED, args.output_tokens
                 )
             )
             rows.append(

@@ -19,13 +19,14 @@ from collections.abc import Callable
 from engine.config import CacheConfig, EngineConfig
 from engine.sampling_params import SamplingParams
 from router.cluster import Cluster, ClusterConfig
+from router.vocab import Placement, RoutePath
 
 
-async def _ttft(cluster: Cluster, path: str) -> float:
+async def _ttft(cluster: Cluster, path: RoutePath) -> float:
     t0 = time.monotonic()
     params = SamplingParams(max_tokens=4, temperature=0.0)
     first = None
-    async for chunk in cluster.generate(list(range(1, 65)), params, path):
+    async for chunk in cluster.generate(list(range(1, 65)), params, Placement(path=path)):
         if first is None and chunk.token_ids:
             first = time.monotonic() - t0
     assert first is not None
@@ -50,8 +51,8 @@ def measure(model: str, kv_cache_gib: float) -> dict[str, float]:
     cluster = Cluster(config)
     out["start_1p1d_s"] = time.monotonic() - t0
     try:
-        out["ttft_colocated_s"] = asyncio.run(_ttft(cluster, "colocated"))
-        out["ttft_disaggregated_s"] = asyncio.run(_ttft(cluster, "disaggregated"))
+        out["ttft_colocated_s"] = asyncio.run(_ttft(cluster, RoutePath.COLOCATED))
+        out["ttft_disaggregated_s"] = asyncio.run(_ttft(cluster, RoutePath.DISAGGREGATED))
         old = cluster.worker_info("decode-0")
         t0 = time.monotonic()
         os.kill(old.pid, signal.SIGKILL)
@@ -64,7 +65,9 @@ def measure(model: str, kv_cache_gib: float) -> dict[str, float]:
         _until(lambda: cluster.decode_ids == ["decode-0"], 300, poll)
         out["replace_decode_s"] = time.monotonic() - t0
         assert cluster.worker_info("decode-0").incarnation == old.incarnation + 1
-        out["ttft_disaggregated_after_replace_s"] = asyncio.run(_ttft(cluster, "disaggregated"))
+        out["ttft_disaggregated_after_replace_s"] = asyncio.run(
+            _ttft(cluster, RoutePath.DISAGGREGATED)
+        )
         for name, (p, d) in (("scale_to_2p2d_s", (2, 2)), ("scale_to_1p1d_s", (1, 1))):
             t0 = time.monotonic()
             asyncio.run(cluster.scale(p, d, drain_timeout_s=30))

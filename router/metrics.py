@@ -4,7 +4,8 @@ of their own; their figures reach here through the router.
 
 Names follow vLLM's and SGLang's (time_to_first_token_seconds, inter_token_latency_seconds, ...)
 under the `pdserve_` prefix, with units in the name. Request latencies carry the label `path`
-(colocated | disaggregated); worker figures carry `worker` and `role`. One bucket list serves
+(colocated | disaggregated); the requests counter and TTFT also `frontend` (grpc | http: the front
+door it came in by); worker figures carry `worker` and `role`. One bucket list serves
 millisecond ITLs and tens-of-seconds TTFTs alike.
 """
 
@@ -16,11 +17,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from kv_transfer import FailureReason
-from router.stats import RequestRecord, TransferRecord
-from router.vocab import FallbackReason
+from router.stats import FirstTokenRecord, RequestRecord, TransferRecord
+from router.vocab import FallbackReason, RejectReason
 from worker_protocol.messages import WorkerLoad, WorkerRole
 
-REJECT_REASONS = ("queue_full", "slo", "client_limit", "no_workers")  # admission's refusals
+REJECT_REASONS = tuple(r.value for r in RejectReason)  # admission's refusals
 # 1 ms .. 120 s: ITLs of a few ms to TTFTs of tens of seconds.
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
@@ -28,6 +29,7 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 RATIO_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.35, 0.5, 0.75, 1.0, 2.0, 5.0)
 PATH = ("path",)
+PATH_FRONTEND = ("path", "frontend")  # the front door: grpc | http
 WORKER = ("worker", "role")
 
 
@@ -43,7 +45,8 @@ class Metrics:
         self.ttft = hist(
             "pdserve_time_to_first_token_seconds",
             "Request arrival at the router to its first token leaving the router (what the "
-            "client sees), by path.",
+            "client sees), by path and front door.",
+            PATH_FRONTEND,
         )
         self.itl = hist(
             "pdserve_inter_token_latency_seconds", "Gap between consecutive output tokens."
@@ -102,8 +105,8 @@ class Metrics:
         )
         self.requests = Counter(
             "pdserve_requests",
-            "Requests that ran, by path and finish reason.",
-            ("path", "finish_reason"),
+            "Requests that ran, by path, finish reason and front door.",
+            ("path", "finish_reason", "frontend"),
             registry=r,
         )
         self.prompt_tokens = Counter(
@@ -237,20 +240,19 @@ class Metrics:
     def decided(self, path: str, reason: str) -> None:
         self._c(self.decisions, path, reason).inc()
 
-    def rejected(self, reason: str) -> None:
-        self._c(self.rejections, reason).inc()
+    def rejected(self, reason: RejectReason) -> None:
+        self._c(self.rejections, reason.value).inc()
 
-    def first_token(
-        self, path: str, ttft_s: float, queue_s: float, prefill_s: float | None, predicted_s: float
-    ) -> None:
-        self._c(self.ttft, path).observe(ttft_s)
-        self._c(self.queue, path).observe(queue_s)
-        if prefill_s is not None:
-            self._c(self.prefill, path).observe(prefill_s)
-        self._c(self.predicted_ttft, path).observe(predicted_s)
-        if ttft_s > 0:
-            err = abs(predicted_s - ttft_s) / ttft_s
-            self._c(self.prediction_error, path).observe(err)
+    def first_token(self, rec: FirstTokenRecord) -> None:
+        p = rec.path
+        self._c(self.ttft, p, rec.frontend.value).observe(rec.ttft_s)
+        self._c(self.queue, p).observe(rec.queue_s)
+        if rec.prefill_s is not None:
+            self._c(self.prefill, p).observe(rec.prefill_s)
+        self._c(self.predicted_ttft, p).observe(rec.predicted_ttft_s)
+        if rec.ttft_s > 0:
+            err = abs(rec.predicted_ttft_s - rec.ttft_s) / rec.ttft_s
+            self._c(self.prediction_error, p).observe(err)
 
     def streamed(self, path: str, tokens: int, gaps_s: Sequence[float]) -> None:
         self._c(self.generation_tokens, path).inc(tokens)
@@ -260,7 +262,7 @@ class Metrics:
 
     def finished(self, rec: RequestRecord) -> None:
         p = rec.path
-        self._c(self.requests, p, rec.finish_reason).inc()
+        self._c(self.requests, p, rec.finish_reason, rec.frontend.value).inc()
         self._c(self.prompt_tokens, p).inc(rec.prompt_tokens)
         self._c(self.cached_prompt_tokens, p).inc(rec.cached_prompt_tokens)
         self._c(self.e2e, p).observe(rec.e2e_s)

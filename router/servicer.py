@@ -31,12 +31,13 @@ from router.core import RequestCore
 from router.core_types import CoreChunk, NoWorkers, Overloaded, Summary
 from router.errors import HandoffFailed, WorkerLost
 from router.request import ModelLimits, ParsedRequest
+from router.vocab import FinishReason, RejectReason
 
 SERVICE = "pdserve.v1.Generation"
 FINISH = {
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
 # Prompts larger than this are tokenized on a thread, so the event loop keeps serving.
 _TOKENIZE_INLINE_BYTES = 16 << 10
@@ -81,7 +82,7 @@ def _logprobs(lps: tuple[TokenLogprobs, ...]) -> list[pb.TokenLogprob]:
 
 def _final(s: Summary) -> pb.FinalInfo:
     info = pb.FinalInfo(
-        finish_reason=FINISH.get(s.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
+        finish_reason=FINISH[s.finish_reason] if s.finish_reason else pb.FINISH_REASON_UNSPECIFIED,
         usage=pb.Usage(
             prompt_tokens=s.prompt_tokens,
             completion_tokens=s.completion_tokens,
@@ -170,9 +171,12 @@ class GenerationServicer:
             return
         client = _client(context)
         if self._streams.get(client, 0) >= limit:
-            self.core.sink.rejected("client_limit")
+            self.core.sink.rejected(RejectReason.CLIENT_LIMIT)
             context.set_trailing_metadata(
-                (("retry-after-ms", "1000"), ("pdserve-reject-reason", "client_limit"))
+                (
+                    ("retry-after-ms", "1000"),
+                    ("pdserve-reject-reason", RejectReason.CLIENT_LIMIT.value),
+                )
             )
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -206,7 +210,7 @@ class GenerationServicer:
             context.set_trailing_metadata(
                 (
                     ("retry-after-ms", str(max(1, round(exc.retry_after_s * 1000)))),
-                    ("pdserve-reject-reason", exc.reason),
+                    ("pdserve-reject-reason", exc.reason.value),
                 )
             )
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from router.vocab import Frontend, RejectReason
 from worker_protocol.messages import WorkerLoad, WorkerRole
 
 
@@ -17,6 +18,7 @@ class RequestRecord:
 
     request_id: str
     path: str  # "colocated" | "disaggregated": the path chosen first
+    frontend: Frontend  # the front door it came in by
     prompt_tokens: int
     cached_prompt_tokens: int
     output_tokens: int
@@ -28,6 +30,18 @@ class RequestRecord:
     queue_s: float  # arrival on the worker that prefilled it -> first scheduled there
     prefill_s: float | None  # first scheduled -> first token on the prefilling worker
     resumed: int  # times it moved to another decode worker after one died
+
+
+@dataclass(frozen=True, slots=True)
+class FirstTokenRecord:
+    """A request's first token left the router."""
+
+    path: str  # the path chosen first
+    frontend: Frontend
+    ttft_s: float  # arrival at the router -> first token out of it
+    queue_s: float  # on the worker that prefilled it: arrival -> first scheduled
+    prefill_s: float | None  # first scheduled -> first token there
+    predicted_ttft_s: float  # what the cost model said of the path taken
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,11 +57,9 @@ class TransferRecord:
 class StatsSink(Protocol):
     def decided(self, path: str, reason: str) -> None: ...
 
-    def rejected(self, reason: str) -> None: ...
+    def rejected(self, reason: RejectReason) -> None: ...
 
-    def first_token(
-        self, path: str, ttft_s: float, queue_s: float, prefill_s: float | None, predicted_s: float
-    ) -> None: ...
+    def first_token(self, record: FirstTokenRecord) -> None: ...
 
     def streamed(self, path: str, tokens: int, gaps_s: Sequence[float]) -> None: ...
 
@@ -76,12 +88,10 @@ class NullSink:
     def decided(self, path: str, reason: str) -> None:
         pass
 
-    def rejected(self, reason: str) -> None:
+    def rejected(self, reason: RejectReason) -> None:
         pass
 
-    def first_token(
-        self, path: str, ttft_s: float, queue_s: float, prefill_s: float | None, predicted_s: float
-    ) -> None:
+    def first_token(self, record: FirstTokenRecord) -> None:
         pass
 
     def streamed(self, path: str, tokens: int, gaps_s: Sequence[float]) -> None:

@@ -65,11 +65,11 @@ def quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:
 
 
 def _quantiles(samples: Samples, metric: str) -> dict[str, tuple[float | None, float | None]]:
+    """p50 and p99 by path, over the path's series summed (sum by (le, path), as Prometheus)."""
+    buckets = _by(samples, metric + "_bucket", "path", "le")
     per_path: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for (n, labels), v in samples.items():
-        if n == metric + "_bucket":
-            d = dict(labels)
-            per_path[d.get("path", "")].append((float(d["le"]), v))
+    for (path, le), v in buckets.items():
+        per_path[path].append((float(le), v))
     return {p: (quantile(0.5, b), quantile(0.99, b)) for p, b in sorted(per_path.items())}
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from router.stats import RequestRecord
-from router.vocab import FallbackReason
+from router.stats import FirstTokenRecord, RequestRecord
+from router.vocab import FallbackReason, FinishReason, Frontend
 from worker_protocol.messages import PrefillResult, TokenChunk
 
 
@@ -16,6 +16,7 @@ class Tracker:
     request_id: str
     arrived: float
     path: str
+    frontend: Frontend
     prompt_tokens: int
     predicted_ttft_s: float
     first_at: float | None = None
@@ -25,7 +26,7 @@ class Tracker:
     itl_s: list[float] = field(default_factory=list)
     queue_s: float = 0.0
     prefill_s: float | None = None
-    finish_reason: str = "abort"  # until a chunk says otherwise: the client left, or a failure
+    finish_reason: FinishReason = FinishReason.ABORT  # until it ends: the client left, or a failure
     resumed: int = 0
     handed_off: bool = False  # the prefill worker's KV reached the decode worker
     kv_fallback: FallbackReason | None = None  # why the decode worker prefilled it after all
@@ -59,23 +60,34 @@ class Tracker:
             self.output_tokens += n
         return gaps
 
-    def ended(self, finish_reason: str | None, cached_prompt_tokens: int) -> None:
-        self.finish_reason = finish_reason or "stop"
+    def ended(self, finish_reason: FinishReason | None, cached_prompt_tokens: int) -> None:
+        self.finish_reason = finish_reason or FinishReason.STOP
         self.cached_prompt_tokens = cached_prompt_tokens
 
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_at is None else self.first_at - self.arrived
 
+    def first_token(self) -> FirstTokenRecord:
+        return FirstTokenRecord(
+            path=self.path,
+            frontend=self.frontend,
+            ttft_s=self.ttft_s or 0.0,
+            queue_s=self.queue_s,
+            prefill_s=self.prefill_s,
+            predicted_ttft_s=self.predicted_ttft_s,
+        )
+
     def record(self, failed: bool = False) -> RequestRecord:
         end = self.last_at if self.last_at is not None else time.monotonic()
         return RequestRecord(
             request_id=self.request_id,
             path=self.path,
+            frontend=self.frontend,
             prompt_tokens=self.prompt_tokens,
             cached_prompt_tokens=self.cached_prompt_tokens,
             output_tokens=self.output_tokens,
-            finish_reason="error" if failed else self.finish_reason,
+            finish_reason="error" if failed else self.finish_reason.value,
             ttft_s=self.ttft_s,
             predicted_ttft_s=self.predicted_ttft_s,
             itl_s=tuple(self.itl_s),

@@ -4,6 +4,12 @@ for gRPC) are the only places that map these to and from what travels."""
 from __future__ import annotations
 
 import enum
+import itertools
+from dataclasses import dataclass, field
+
+from engine.request import FinishReason  # stop | length | abort: the engine's own, as it ends
+
+__all__ = ["FallbackReason", "FinishReason", "Frontend", "Placement", "RejectReason", "RoutePath"]
 
 
 class RoutePath(enum.Enum):
@@ -25,8 +31,36 @@ class FallbackReason(enum.Enum):
     NO_PREFILL_WORKER = "no_prefill_worker"  # none was up when the request reached the pools
 
 
+class RejectReason(enum.Enum):
+    """Why a request was refused before any work was done (a label on its metric, and what the
+    front door tells the client beside a retry hint)."""
+
+    QUEUE_FULL = "queue_full"  # too many requests wait for a first token, or run
+    SLO = "slo"  # its predicted TTFT misses its SLO, and waiting would help
+    CLIENT_LIMIT = "client_limit"  # its client already runs as many requests as it may
+    NO_WORKERS = "no_workers"  # no decode worker is up
+
+
 class Frontend(enum.Enum):
     """The front door a request came in by (a label on its metrics)."""
 
     GRPC = "grpc"
     HTTP = "http"
+
+
+_placements = itertools.count()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Placement:
+    """Where the pools run one request: a path that is taken (never AUTO), and the workers (None:
+    whichever the pools pick). The workers know the request by `request_id`."""
+
+    path: RoutePath
+    request_id: str = field(default_factory=lambda: f"placed-{next(_placements)}")
+    prefill_worker: str | None = None  # the disaggregated path's only
+    decode_worker: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.path not in (RoutePath.COLOCATED, RoutePath.DISAGGREGATED):
+            raise ValueError(f"a placement's path is colocated or disaggregated, not {self.path}")

@@ -10,11 +10,12 @@ import pytest
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
 from router.cluster import Cluster, ClusterConfig
-from router.vocab import FallbackReason
+from router.vocab import FallbackReason, Placement, RoutePath
 from tests.helpers import hf_greedy, loaded, random_prompts
 from worker_protocol.messages import WorkerRole
 
 MAX_NEW = 10
+COLO, DIS = RoutePath.COLOCATED, RoutePath.DISAGGREGATED
 BLOCK = 4
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
 
@@ -35,7 +36,9 @@ def cluster():
 
 async def run_one(cluster, prompt, path, rid, **workers):
     toks, chunks = [], []
-    async for chunk in cluster.generate(prompt, GREEDY, path, rid, **workers):
+    async for chunk in cluster.generate(
+        prompt, GREEDY, Placement(path=path, request_id=rid, **workers)
+    ):
         toks.extend(chunk.token_ids)
         chunks.append(chunk)
     assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
@@ -62,22 +65,22 @@ def assert_pools_full(cluster):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("path", ["colocated", "disaggregated"])
+@pytest.mark.parametrize("path", [COLO, DIS], ids=lambda p: p.value)
 def test_paths_match_transformers_for_concurrent_requests(cluster, path):
     prompts = random_prompts([3, 9, 16, 17, 25, 33, 48, 61], seed=51)
     before = received(cluster)
-    got = gather([run_one(cluster, p, path, f"{path}-{i}") for i, p in enumerate(prompts)])
+    got = gather([run_one(cluster, p, path, f"{path.value}-{i}") for i, p in enumerate(prompts)])
     after = received(cluster)
     moved = sum(after[w][0] - before[w][0] for w in after)
     oks = sum(after[w][1] - before[w][1] for w in cluster.decode_ids)
     failed = sum(after[w][2] - before[w][2] for w in after)
-    if path == "disaggregated":
+    if path is DIS:
         # Every prompt's KV travelled: no silent fallback to recompute on the decode side.
         assert oks == len(prompts) and failed == 0 and moved > 0
     else:
         assert moved == 0
     for p, g in zip(prompts, got):
-        assert g == hf_greedy("tiny-llama", p, MAX_NEW), f"{path}: prompt of {len(p)} tokens"
+        assert g == hf_greedy("tiny-llama", p, MAX_NEW), f"{path.value}: prompt of {len(p)} tokens"
     assert_pools_full(cluster)
 
 
@@ -89,7 +92,7 @@ def test_all_four_pairings_concurrently(cluster):
         run_one(
             cluster,
             prompt,
-            "disaggregated",
+            DIS,
             f"pair-{i}",
             prefill_worker=pairs[i % 4][0],
             decode_worker=pairs[i % 4][1],
@@ -109,13 +112,15 @@ def test_all_four_pairings_concurrently(cluster):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("path", ["colocated", "disaggregated"])
+@pytest.mark.parametrize("path", [COLO, DIS], ids=lambda p: p.value)
 def test_client_leaving_mid_stream_frees_everything(cluster, path):
     params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
 
     async def leave_after(n):
         got = 0
-        async for chunk in cluster.generate(random_prompts([30], seed=60)[0], params, path):
+        async for chunk in cluster.generate(
+            random_prompts([30], seed=60)[0], params, Placement(path=path)
+        ):
             got += len(chunk.token_ids)
             if got >= n:
                 break  # the client goes away; generate's cleanup aborts on the worker
@@ -140,9 +145,9 @@ def test_prefix_cached_on_decode_worker_is_not_sent_again(cluster):
     base = random_prompts([24], seed=53)[0]
     longer = base + random_prompts([10], seed=54)[0]  # 34 tokens: 9 blocks, the first 6 cached
     where = {"prefill_worker": "prefill-0", "decode_worker": "decode-1"}
-    gather([run_one(cluster, base, "colocated", "warm", decode_worker="decode-1")])
+    gather([run_one(cluster, base, COLO, "warm", decode_worker="decode-1")])
     before = received(cluster)["decode-1"][0]
-    (got,) = gather([run_one(cluster, longer, "disaggregated", "after-warm", **where)])
+    (got,) = gather([run_one(cluster, longer, DIS, "after-warm", **where)])
     assert received(cluster)["decode-1"][0] - before == 3 * block_bytes
     assert got == hf_greedy("tiny-llama", longer, MAX_NEW)
     assert_pools_full(cluster)
@@ -157,13 +162,13 @@ def test_a_prefill_worker_killed_by_pid_is_replaced_and_the_replacement_takes_re
     c = Cluster(ClusterConfig(model="tiny-llama", engine=engine, kv_transfer_deadline_s=5))
     try:
         prompts = random_prompts([19, 40, 27], seed=55)
-        (first,) = gather([run_one(c, prompts[0], "disaggregated", "before-kill")])
+        (first,) = gather([run_one(c, prompts[0], DIS, "before-kill")])
         assert first == hf_greedy("tiny-llama", prompts[0], MAX_NEW)
         old = c.worker_info("prefill-0")
         assert old.incarnation == 0 and old.pid > 0
         os.kill(old.pid, signal.SIGKILL)
         # The request reaches the dead actor: decode-0 recomputes it, and the death is noticed.
-        (second,) = gather([run_one(c, prompts[1], "disaggregated", "after-kill")], timeout=60)
+        (second,) = gather([run_one(c, prompts[1], DIS, "after-kill")], timeout=60)
         assert second == hf_greedy("tiny-llama", prompts[1], MAX_NEW)
         assert c.dead == ["prefill-0"]
         assert [(rid, why) for rid, why, _ in c.fallbacks] == [
@@ -179,7 +184,7 @@ def test_a_prefill_worker_killed_by_pid_is_replaced_and_the_replacement_takes_re
         assert c.pools.pairs.connected("prefill-0", "decode-0")
         assert c.pools.restarts[WorkerRole.PREFILL] == 1
         before = received(c)
-        (third,) = gather([run_one(c, prompts[2], "disaggregated", "after-replace")])
+        (third,) = gather([run_one(c, prompts[2], DIS, "after-replace")])
         assert third == hf_greedy("tiny-llama", prompts[2], MAX_NEW)
         after = received(c)
         assert after["decode-0"][1] - before["decode-0"][1] == 1  # its KV came from the new one
@@ -197,14 +202,12 @@ def test_logprobs_reach_the_client_on_both_paths(cluster):
 
     async def collect(path):
         toks, lps = [], []
-        async for chunk in cluster.generate(prompt, params, path):
+        async for chunk in cluster.generate(prompt, params, Placement(path=path)):
             toks.extend(chunk.token_ids)
             lps.extend(chunk.logprobs)
         return toks, lps
 
-    (co_toks, co_lps), (dis_toks, dis_lps) = gather(
-        [collect("colocated"), collect("disaggregated")]
-    )
+    (co_toks, co_lps), (dis_toks, dis_lps) = gather([collect(COLO), collect(DIS)])
     assert co_toks == dis_toks and len(dis_lps) == len(dis_toks) == 6
     for a, b in zip(co_lps, dis_lps):
         assert a.token_id == b.token_id and len(b.top) == 2

@@ -10,7 +10,7 @@ import ray
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
 from router.cluster import Cluster, ClusterConfig
-from router.vocab import FallbackReason
+from router.vocab import FallbackReason, Placement, RoutePath
 from tests.helpers import random_prompts
 from worker_protocol.messages import WorkRequest
 
@@ -113,9 +113,8 @@ def test_broken_pair_is_made_again():
         sp = SamplingParams(max_tokens=4, temperature=0.0)
 
         async def run(prompt, rid):
-            return [
-                t async for ch in c.generate(prompt, sp, "disaggregated", rid) for t in ch.token_ids
-            ]
+            placement = Placement(path=RoutePath.DISAGGREGATED, request_id=rid)
+            return [t async for ch in c.generate(prompt, sp, placement) for t in ch.token_ids]
 
         d, p = c.actor("decode-0"), c.actor("prefill-0")
         asyncio.run(run(prompts[0], "first"))  # over the pair made at start

@@ -9,6 +9,7 @@ import pytest
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
 from router.cluster import Cluster, ClusterConfig
+from router.vocab import Placement, RoutePath
 from tests.helpers import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.gpu
@@ -28,12 +29,13 @@ def test_both_paths_on_one_gpu_match_transformers():
         sp = SamplingParams(max_tokens=10, temperature=0.0)
 
         async def run(prompt, path, rid):
-            return [t async for ch in c.generate(prompt, sp, path, rid) for t in ch.token_ids]
+            placement = Placement(path=path, request_id=rid)
+            return [t async for ch in c.generate(prompt, sp, placement) for t in ch.token_ids]
 
         async def main():
             jobs = [
-                run(p, path, f"{path}-{i}")
-                for path in ("colocated", "disaggregated")
+                run(p, path, f"{path.value}-{i}")
+                for path in (RoutePath.COLOCATED, RoutePath.DISAGGREGATED)
                 for i, p in enumerate(prompts)
             ]
             return await asyncio.wait_for(asyncio.gather(*jobs), 240)

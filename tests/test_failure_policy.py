@@ -14,7 +14,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
 from router.cluster import Cluster, ClusterConfig
 from router.errors import HandoffFailed
-from router.vocab import FallbackReason
+from router.vocab import FallbackReason, Placement, RoutePath
 from tests.helpers import random_prompts
 
 
@@ -46,9 +46,8 @@ def test_fail_policy_ends_the_request_with_the_reason_and_frees_both_pools():
         sp = SamplingParams(max_tokens=4, temperature=0.0)
 
         async def run(prompt, rid):
-            return [
-                t async for ch in c.generate(prompt, sp, "disaggregated", rid) for t in ch.token_ids
-            ]
+            placement = Placement(path=RoutePath.DISAGGREGATED, request_id=rid)
+            return [t async for ch in c.generate(prompt, sp, placement) for t in ch.token_ids]
 
         prompts = random_prompts([28, 33], seed=141)
         assert len(asyncio.run(run(prompts[0], "fine"))) == 4  # the handoff works
@@ -96,9 +95,13 @@ def test_the_client_gets_unavailable_with_the_reason_and_the_fallback_is_counted
         assert "KV handoff failed (pairing_failed)" in err.value.details()
         sample = s.server.metrics.registry.get_sample_value
         assert sample("pdserve_local_prefill_fallbacks_total", {"reason": "pairing_failed"}) == 1
-        assert sample(
-            "pdserve_requests_total", {"path": "disaggregated", "finish_reason": "error"}
-        ) == 1
+        assert (
+            sample(
+                "pdserve_requests_total",
+                {"path": "disaggregated", "finish_reason": "error", "frontend": "grpc"},
+            )
+            == 1
+        )
         assert s.server.core.pending == s.server.core.active == 0
     finally:
         s.close()

@@ -14,7 +14,7 @@ from router.core import RequestCore
 from router.core_types import Overloaded, RouterConfig
 from router.fake_backend import FakeBackend
 from router.request import ParsedRequest
-from router.vocab import RoutePath
+from router.vocab import FinishReason, Frontend, Placement, RejectReason, RoutePath
 
 
 def request(rid: str, n: int = 32, max_tokens: int = 4, slo_ttft_ms: float | None = None):
@@ -55,7 +55,7 @@ def test_a_full_queue_is_refused_at_once_and_frees_when_requests_move_on():
         assert core.pending == 2
         with pytest.raises(Overloaded) as err:
             await consume(core, request("r2"))
-        assert err.value.reason == "queue_full" and err.value.retry_after_s > 0
+        assert err.value.reason is RejectReason.QUEUE_FULL and err.value.retry_after_s > 0
         # No work was done for it (workers see internal ids: the client's id, '#', a number).
         assert not [w for w in backend.started if w.startswith("r2#")]
         gate.set()
@@ -78,7 +78,7 @@ def test_predicted_ttft_past_the_slo_is_refused_only_when_waiting_would_help():
         # Now the big prompt is queued ahead: a tight SLO is refused with a retry hint.
         with pytest.raises(Overloaded) as err:
             await consume(core, request("late", n=64, slo_ttft_ms=1))
-        assert err.value.reason == "slo" and err.value.retry_after_s > 0
+        assert err.value.reason is RejectReason.SLO and err.value.retry_after_s > 0
         assert "exceeds the TTFT SLO" in str(err.value)
         gate.set()
         assert len(await first) == 4
@@ -182,7 +182,7 @@ def test_admission_judges_a_prediction_by_how_late_first_tokens_have_come():
         core.ttft_margin = 3.0  # first tokens have lately come three times later than predicted
         with pytest.raises(Overloaded) as err:
             await consume(core, request("late", n=64, slo_ttft_ms=slo_ms))
-        assert err.value.reason == "slo" and "x 3.00" in str(err.value)
+        assert err.value.reason is RejectReason.SLO and "x 3.00" in str(err.value)
         core.ttft_margin = 1.5
         admitted = asyncio.ensure_future(consume(core, request("ok", n=64, slo_ttft_ms=slo_ms)))
         gate.set()
@@ -209,3 +209,85 @@ def test_a_replanned_prefill_is_counted_and_the_summary_names_the_worker_that_di
     assert metrics.registry.get_sample_value("pdserve_prefill_replans_total") == 1
     assert core.health.failure_rate(chosen, "decode-0") > 0  # the dead one's pair learned it
     assert core.records[-1].disturbed  # and the admission margin leaves it out
+
+
+def test_a_request_whose_decode_worker_dies_resumes_and_its_books_settle_once():
+    from router.metrics import Metrics
+
+    async def main():
+        backend = FakeBackend(num_decode=2, lose_decode_after=3)
+        metrics = Metrics()
+        core = RequestCore(backend, await backend.infos(), RouterConfig(), TOKENIZER, metrics)
+        await core.refresh()
+        chunks = await consume(core, request("moved", max_tokens=8))
+        return metrics, core, backend, chunks
+
+    metrics, core, backend, chunks = run(main())
+    assert sum(len(c.token_ids) for c in chunks) == 8  # 3 before the loss, 5 after
+    final = chunks[-1].final
+    assert final is not None and final.finish_reason is FinishReason.LENGTH
+    assert final.completion_tokens == 8
+    assert len(backend.lost) == 1 and len(backend.started) == 2  # placed twice
+    assert core.resumed == 1 and core.pending == core.active == 0
+    assert all(s.batch == 0 and s.queued_tokens == 0 for s in core.states.values())
+    sample = metrics.registry.get_sample_value
+    assert sample("pdserve_requests_resumed_total") == 1
+    done = {"path": final.path.value, "finish_reason": "length", "frontend": "grpc"}
+    assert sample("pdserve_requests_total", done) == 1  # one record, not one per placement
+    assert sample(
+        "pdserve_time_to_first_token_seconds_count", {"path": final.path.value, "frontend": "grpc"}
+    ) == 1  # fmt: skip
+    assert [r.request_id for r in core.records] == ["moved"]
+
+
+def test_requests_and_ttft_are_counted_by_front_door():
+    from router.metrics import Metrics
+
+    async def main():
+        backend = FakeBackend()
+        metrics = Metrics()
+        core = RequestCore(backend, await backend.infos(), RouterConfig(), TOKENIZER, metrics)
+        await core.refresh()
+        colo = replace(request("h"), path=RoutePath.COLOCATED, frontend=Frontend.HTTP)
+        await consume(core, colo)
+        stream = core.generate(replace(colo, request_id="left"), 0.0)
+        await stream.__anext__()
+        await stream.aclose()  # the client left: an abort, not an error
+        return metrics
+
+    sample = run(main()).registry.get_sample_value
+    by = {"path": "colocated", "frontend": "http"}
+    assert sample("pdserve_requests_total", {**by, "finish_reason": "length"}) == 1
+    assert sample("pdserve_requests_total", {**by, "finish_reason": "abort"}) == 1
+    assert sample("pdserve_time_to_first_token_seconds_count", by) == 2
+    assert sample("pdserve_time_to_first_token_seconds_count", {**by, "frontend": "grpc"}) is None
+
+
+def test_a_refusal_is_counted_by_its_reason():
+    from router.metrics import Metrics
+
+    async def main():
+        backend = FakeBackend(gate=asyncio.Event())
+        metrics = Metrics()
+        config = RouterConfig(max_pending=0)
+        core = RequestCore(backend, await backend.infos(), config, TOKENIZER, metrics)
+        await core.refresh()
+        with pytest.raises(Overloaded) as err:
+            await consume(core, request("no"))
+        assert err.value.reason is RejectReason.QUEUE_FULL
+        return metrics
+
+    sample = run(main()).registry.get_sample_value
+    assert sample("pdserve_admission_rejections_total", {"reason": "queue_full"}) == 1
+    for other in RejectReason:  # every reason exists at 0 from the start
+        if other is not RejectReason.QUEUE_FULL:
+            assert sample("pdserve_admission_rejections_total", {"reason": other.value}) == 0
+
+
+def test_a_placement_takes_a_path_that_is_taken():
+    assert Placement(path=RoutePath.DISAGGREGATED, request_id="x").prefill_worker is None
+    a, b = Placement(path=RoutePath.COLOCATED), Placement(path=RoutePath.COLOCATED)
+    assert a.request_id != b.request_id and a.decode_worker is None
+    for bad in (RoutePath.AUTO, "colocated"):
+        with pytest.raises(ValueError):
+            Placement(path=bad)  # type: ignore[arg-type]

@@ -11,6 +11,8 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
 from kv_transfer.faults import FaultPlan
 from router.cluster import Cluster, ClusterConfig
+from router.core_types import HandoffListener
+from router.vocab import Placement, RoutePath
 
 MODEL = "tiny-llama"
 MAX_NEW = 6
@@ -27,8 +29,18 @@ def cluster(plan: FaultPlan | None, engine: EngineConfig | None = None, **kw) ->
     )
 
 
-async def run(c: Cluster, prompt: list[int], rid: str, **kw) -> list[int]:
-    stream = c.generate(prompt, GREEDY, "disaggregated", rid, **kw)
+async def run(
+    c: Cluster,
+    prompt: list[int],
+    rid: str,
+    prefill_worker: str | None = None,
+    on_prefill: HandoffListener | None = None,
+) -> list[int]:
+    """A disaggregated request's greedy tokens."""
+    placement = Placement(
+        path=RoutePath.DISAGGREGATED, request_id=rid, prefill_worker=prefill_worker
+    )
+    stream = c.generate(prompt, GREEDY, placement, on_prefill)
     return [t async for chunk in stream for t in chunk.token_ids]
 
 

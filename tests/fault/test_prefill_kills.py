@@ -79,7 +79,7 @@ def test_killed_mid_transfer_the_request_is_replanned_onto_another_prefill_worke
         t0 = time.monotonic()
         got = asyncio.run(
             asyncio.wait_for(
-                run(c, prompt, "struck", prefill_worker="prefill-0", listener=heard), 60
+                run(c, prompt, "struck", prefill_worker="prefill-0", on_prefill=heard), 60
             )
         )
         assert got == hf_greedy(MODEL, prompt, MAX_NEW)
@@ -111,7 +111,7 @@ def test_killed_mid_prefill_the_request_is_replanned_onto_another_prefill_worker
             target=lambda: out.append(
                 asyncio.run(
                     asyncio.wait_for(
-                        run(c, prompt, "struck", prefill_worker="prefill-0", listener=heard), 90
+                        run(c, prompt, "struck", prefill_worker="prefill-0", on_prefill=heard), 90
                     )
                 )
             )

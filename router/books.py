@@ -1,0 +1,160 @@
+"""One admitted request's books, from admission to its end: opened as it is admitted and settled
+in one place whichever way it ends (finished, failed, cancelled by its client or its deadline,
+or after resuming on another decode worker when its own died).
+
+What they hold:
+  - the core's counts: requests waiting for their first token (pending) and not yet finished
+    (active), and how many times one moved to another decode worker (resumed);
+  - the request's entries in the books of every worker it was placed on (router/pool_state.py):
+    queued prefill, then decoding, grown by each token, out when the placement ends;
+  - its DecisionRecord when no token ever came (one with its TTFT is kept by the core when the
+    first token comes);
+  - its RequestRecord for the stats sink, failed unless it ended or its client left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import TracebackType
+
+from router.core_types import DecisionRecord
+from router.cost_model import prefill_pairs
+from router.policy import Decision, PathPrediction, RequestShape
+from router.pool_state import WorkerState
+from router.stats import StatsSink
+from router.tracker import Tracker
+from router.vocab import FinishReason
+from worker_protocol.messages import TokenChunk
+
+
+@dataclass(slots=True)
+class RequestCounts:
+    pending: int = 0  # admitted, waiting for their first token
+    active: int = 0  # admitted, not yet finished
+    resumed: int = 0  # times a request moved to another decode worker
+
+
+class RequestBooks:
+    """A context manager: entering counts the request in; leaving settles everything it holds.
+    Between the two, `place` enters each placement, `took` books each chunk and `moved` takes a
+    placement whose decode worker died out again."""
+
+    def __init__(
+        self,
+        wid: str,
+        track: Tracker,
+        first: Decision,
+        counts: RequestCounts,
+        records: deque[DecisionRecord],
+        states: Mapping[str, WorkerState],
+        sink: StatsSink,
+    ) -> None:
+        self.wid = wid  # the id the workers know it by
+        self.track = track
+        self.first = first  # the decision the client is told about
+        self.counts = counts
+        self.records = records
+        self.states = states
+        self.sink = sink
+        self.emitted: list[int] = []  # tokens streamed so far, over every placement
+        self.placed: list[WorkerState] = []
+        self.ended = False  # its last chunk is out
+        self.shape: RequestShape | None = None  # of the current placement
+        self.p: WorkerState | None = None  # the worker that prefills it now
+        self.d: WorkerState | None = None  # its decode worker now
+
+    def __enter__(self) -> RequestBooks:
+        self.counts.pending += 1
+        self.counts.active += 1
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # The client left (or its deadline passed): an abort, not a failure.
+        left = exc_type is not None and issubclass(
+            exc_type, (GeneratorExit, asyncio.CancelledError)
+        )
+        if self.track.first_at is None:
+            self.counts.pending -= 1
+            self.records.append(DecisionRecord(self.track.request_id, self.first, None))
+        self.counts.active -= 1
+        for w in self.placed:
+            w.finish(self.wid)
+        self.sink.finished(self.track.record(failed=not (self.ended or left)))
+
+    def place(self, shape: RequestShape, chosen: PathPrediction) -> tuple[WorkerState, WorkerState]:
+        """Enter a placement: (the worker that prefills it, its decode worker). A disaggregated
+        request counts on its decode worker at once (its blocks are reserved there first); a
+        colocated one, once its first token is out."""
+        d = self.states[chosen.decode_worker]
+        p = self.states.get(chosen.prefill_worker) or d
+        self.shape, self.p, self.d = shape, p, d
+        self.placed += [p, d]
+        hit = p.cached_tokens(shape.hashes, shape.prompt_len)
+        n_prefill = shape.prompt_len - hit
+        p.add_prefill(self.wid, n_prefill, prefill_pairs(n_prefill, hit))
+        if p is not d:
+            d.add_decode(self.wid, shape.prompt_len, shape.slo_itl_s)
+        p.prefix.insert(shape.hashes)
+        d.prefix.insert(shape.hashes)
+        if self.late:  # resumed after missing its TTFT SLO
+            d.unprotect(self.wid)
+        return p, d
+
+    def took(self, chunk: TokenChunk) -> bool:
+        """Book a chunk of the current placement; True when it brings the very first token."""
+        assert self.d is not None, "a chunk before any placement"
+        n = len(chunk.token_ids)
+        if n:
+            self._decoding()
+        was_first = self.track.first_at is None
+        gaps = self.track.chunk(chunk)
+        if n:
+            self.sink.streamed(self.track.path, n, gaps)
+        first = was_first and self.track.first_at is not None
+        if first:
+            self.counts.pending -= 1
+            if self.late:
+                self.d.unprotect(self.wid)  # it cannot attain: it guards no one's ITL
+        self.emitted.extend(chunk.token_ids)
+        self.d.grow(self.wid, n)
+        return first
+
+    def _decoding(self) -> None:
+        """Tokens came: the decode worker's prefill of it (if any) is over."""
+        p, d, wid = self.p, self.d, self.wid
+        assert d is not None and self.shape is not None
+        if p is d and not d.decoding(wid):
+            d.done(wid)  # colocated: prefilled here; decoding from now on
+            d.add_decode(wid, self.shape.prompt_len, self.shape.slo_itl_s)
+            if self.late:  # resumed after missing its TTFT SLO
+                d.unprotect(wid)
+        elif d.prefilling(wid):
+            d.done(wid)  # a disaggregated request prefilled here after a fallback
+
+    def finished(self, reason: FinishReason | None, cached_prompt_tokens: int) -> None:
+        """Its last chunk is about to go out."""
+        self.track.ended(reason, cached_prompt_tokens)
+        self.ended = True
+
+    def moved(self) -> None:
+        """Its decode worker died: the placement leaves the books (so that the next decision
+        sees it gone), and the request counts as resumed."""
+        for w in (self.p, self.d):
+            if w is not None:
+                w.finish(self.wid)
+        self.track.resumed += 1
+        self.counts.resumed += 1
+
+    @property
+    def late(self) -> bool:
+        """The first token came after the TTFT SLO: the request can no longer attain."""
+        ttft = self.track.ttft_s
+        return ttft is not None and self.shape is not None and ttft > self.shape.slo_ttft_s
