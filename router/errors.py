@@ -20,3 +20,11 @@ class HandoffFailed(RuntimeError):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"KV handoff failed ({reason}): {detail}")
         self.reason = reason
+
+
+def worker_failure(exc: BaseException) -> bool:
+    """A worker (or the Ray runtime under it) failed, as opposed to a fault in the router: what
+    a front door reports as unavailable rather than internal."""
+    return any(c.__module__.startswith("ray.") for c in type(exc).__mro__) or isinstance(
+        exc, TimeoutError
+    )

@@ -7,6 +7,7 @@ its own clients (the HTTP API's `max_completion_tokens`), never re-check it.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import uuid
 from collections.abc import Sequence
@@ -195,3 +196,16 @@ def _sampling(f: RequestFields, prompt_len: int, limits: ModelLimits) -> Samplin
         ignore_eos=f.ignore_eos,
         logprobs=f.logprobs,
     )
+
+
+# Prompts larger than this are tokenized on a thread, so the event loop keeps serving.
+TOKENIZE_INLINE_CHARS = 16 << 10
+
+
+async def check_request_async(
+    f: RequestFields, tokenizer: Any, limits: ModelLimits
+) -> ParsedRequest:
+    """check_request, on a thread when the prompt is large enough to hold up the event loop."""
+    if prompt_bytes(f) > TOKENIZE_INLINE_CHARS:
+        return await asyncio.to_thread(check_request, f, tokenizer, limits)
+    return check_request(f, tokenizer, limits)

@@ -60,11 +60,15 @@ class SecurityConfig:
             [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
         )
 
-    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+    def token(self) -> bytes | None:
+        """The bearer token requests must carry, or None when none is set."""
         if self.auth_token_file is None:
-            return []
-        token = _read(self.auth_token_file, "auth_token_file").strip()
-        return [TokenAuth(token)]
+            return None
+        return _read(self.auth_token_file, "auth_token_file").strip()
+
+    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        token = self.token()
+        return [] if token is None else [TokenAuth(token)]
 
 
 Behavior = Callable[..., Any]

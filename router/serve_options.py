@@ -198,8 +198,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_pending", integer(1), 256,
            "requests waiting for a first token before RESOURCE_EXHAUSTED"),
     # addresses and ports
-    Option("host", text, "127.0.0.1", "address the gRPC, admin and metrics ports bind"),
+    Option("host", text, "127.0.0.1", "address the gRPC, HTTP, admin and metrics ports bind"),
     Option("port", PORT, 50051, "gRPC port (pdserve.v1.Generation)"),
+    Option("http_port", OFF_OR_PORT, -1,
+           "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on --host; "
+           "-1: off"),
     Option("metrics_port", OFF_OR_PORT, 9400, "Prometheus /metrics on --host; -1: off"),
     Option("admin_port", OFF_OR_PORT, 50052,
            "pdserve.v1.Admin (scale, list workers) on --host, for operators only; -1: off"),
@@ -209,7 +212,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("tls_client_ca", optional(path), None,
            "CA certificate (PEM): clients must present a certificate it signed (mutual TLS)"),
     Option("auth_token_file", optional(path), None,
-           "file holding the bearer token every RPC but the health check must carry"),
+           "file holding the bearer token every request but the health checks must carry"),
     Option("max_streams_per_client", optional(integer(1)), None,
            "concurrent requests one client address may have (default: no limit)"),
     Option("max_tokens_limit", optional(integer(1)), None,
@@ -352,6 +355,7 @@ class ServeOptions:
             port=v["port"],
             metrics_port=None if v["metrics_port"] < 0 else v["metrics_port"],
             admin_port=None if v["admin_port"] < 0 else v["admin_port"],
+            http_port=None if v["http_port"] < 0 else v["http_port"],
             drain_timeout_s=v["drain_timeout"],
             security=SecurityConfig(
                 tls_cert=v["tls_cert"],

@@ -2,10 +2,10 @@
 
 Start: Ray (router/ray_runtime.py) and the worker actors, the tokenizer, the metrics endpoint,
 the core (with its load poller), then the gRPC server on host:port with health SERVING, and
-the admin service (Scale, ListWorkers) on host:admin_port. Stop (SIGINT/SIGTERM, or `stop()`):
-health NOT_SERVING, the admin service, no new RPCs, in-flight requests drained for up to
-`drain_timeout_s` (then cancelled, which aborts them on the workers), the poller, the actors,
-the metrics endpoint.
+the admin service (Scale, ListWorkers) on host:admin_port, and the OpenAI-compatible HTTP API on
+host:http_port when it is set. Stop (SIGINT/SIGTERM, or `stop()`): health NOT_SERVING, the admin
+service, no new RPCs or HTTP requests, in-flight requests drained for up to `drain_timeout_s`
+(then cancelled, which aborts them on the workers), the poller, the actors, the metrics endpoint.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from router.admin import add_admin
 from router.cluster import Cluster, ClusterConfig
 from router.core import RequestCore
 from router.core_types import Backend, RouterConfig
+from router.http_api import HttpApi
+from router.http_server import HttpServer
 from router.metrics import Metrics
 from router.ray_runtime import init_ray
 from router.request import ModelLimits
@@ -42,6 +44,7 @@ class ServeConfig:
     port: int = 50051  # 0: any free port (see Server.port)
     metrics_port: int | None = 9400  # Prometheus /metrics on `host`; 0: any free port; None: off
     admin_port: int | None = None  # pdserve.v1.Admin on `host`; 0: any free port; None: off
+    http_port: int | None = None  # the OpenAI-compatible HTTP API on `host`; 0: any; None: off
     drain_timeout_s: float = 30.0  # in-flight requests on SIGINT/SIGTERM
     security: SecurityConfig = field(default_factory=SecurityConfig)  # both gRPC ports
     max_streams_per_client: int | None = None  # concurrent requests per client address
@@ -63,6 +66,8 @@ class Server:
         self.admin: grpc.aio.Server | None = None
         self.port = 0
         self.admin_port = 0
+        self.http: HttpServer | None = None
+        self.http_port = 0
         self.metrics: Metrics | None = None
         self.metrics_port = 0
         self._health: Any = None
@@ -122,6 +127,24 @@ class Server:
             self.admin_port = _listen(self.admin, c.host, c.admin_port, creds, "--admin-port")
             await self.admin.start()
             log.info("admin service (operators only) on %s:%d", c.host, self.admin_port)
+        if c.http_port is not None:
+            api = HttpApi(
+                self.core,
+                tokenizer,
+                limits,
+                c.cluster.model,
+                c.security.token(),
+                c.max_streams_per_client,
+            )
+            self.http = HttpServer(api.app, c.host, c.http_port, c.security, c.drain_timeout_s)
+            await self.http.start()
+            self.http_port = self.http.port
+            log.info(
+                "OpenAI-compatible HTTP API on %s://%s:%d/v1",
+                "http" if c.security.tls_cert is None else "https",
+                c.host,
+                self.http_port,
+            )
         self._watch = asyncio.ensure_future(self._watch_health(backend))
         log.info(
             "pdserve listening on %s:%d (%s%s; %d prefill, %d decode workers, policy %s)",
@@ -165,9 +188,15 @@ class Server:
         if self.admin is not None:
             await self.admin.stop(1.0)
             self.admin = None
+        # Both front doors drain at once, each for up to the drain timeout.
+        stopping = []
         if self.grpc is not None:
-            await self.grpc.stop(self.config.drain_timeout_s)
+            stopping.append(self.grpc.stop(self.config.drain_timeout_s))
             self.grpc = None
+        if self.http is not None:
+            stopping.append(self.http.stop())
+            self.http = None
+        await asyncio.gather(*stopping)
         if self.core is not None:
             await self.core.stop()
         if self.cluster is not None:

@@ -40,3 +40,24 @@ class ServerThread:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
+
+
+def tiny_config(
+    num_prefill: int = 1, num_decode: int = 1, batched_tokens: int = 32, **serve: Any
+) -> ServeConfig:
+    """A server on 127.0.0.1 (any free ports) over Ray workers running tiny-llama."""
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from router.cluster import ClusterConfig
+
+    engine = EngineConfig(
+        cache=CacheConfig(block_size=4, num_blocks=512),
+        scheduler=SchedulerConfig(max_num_batched_tokens=batched_tokens, max_num_seqs=16),
+    )
+    cluster = ClusterConfig(
+        model="tiny-llama",
+        num_prefill=num_prefill,
+        num_decode=num_decode,
+        engine=engine,
+        kv_transfer_deadline_s=10,
+    )
+    return ServeConfig(**{"cluster": cluster, "port": 0, "drain_timeout_s": 5, **serve})

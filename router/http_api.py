@@ -1,0 +1,293 @@
+"""The HTTP front door: an OpenAI-compatible API (FastAPI, served by uvicorn on --http-port) over
+the same request core as gRPC. Only this module (and convert.py for gRPC) maps the core's
+vocabulary to and from a wire format.
+
+Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent events ending in
+`data: [DONE]`, or whole), GET /v1/models, GET /health (open, like gRPC's health service), and
+the OpenAPI document at /openapi.json. The request is read into the core's RequestFields and
+checked by router/request.py, as gRPC's is; admission, the policy, streaming, cancellation and
+metrics are the core's.
+
+Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`): 400 names the
+parameter (unknown fields are refused, not ignored), 401 a missing or wrong bearer token, 404 an
+unknown model, 429 admission's refusal with Retry-After (and retry-after-ms, which the openai
+client honours), 503 a worker that failed under the request or no decode worker. A client that
+closes its connection aborts the request on every worker it touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Send
+
+from engine.errors import InvalidRequestError
+from engine.outputs import TokenLogprobs
+from router.client_limit import ClientLimit
+from router.core import RequestCore
+from router.core_types import CoreChunk, Overloaded, Summary
+from router.http_errors import ApiError, from_core, invalid, validation_error
+from router.http_schema import ChatCompletionRequest, CompletionRequest, request_fields
+from router.http_shapes import Call, Shapes, sse, usage
+from router.request import ModelLimits, check_request_async
+
+log = logging.getLogger("pdserve.http")
+_BEARER = HTTPBearer(auto_error=False, description="the server's --auth-token-file")
+
+
+class HttpApi:
+    def __init__(
+        self,
+        core: RequestCore,
+        tokenizer: Any,
+        limits: ModelLimits,
+        model: str,
+        token: bytes | None = None,
+        max_streams_per_client: int | None = None,
+    ) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.model = model
+        self._expected = b"Bearer " + token if token is not None else None
+        self.clients = ClientLimit(max_streams_per_client, core.sink)
+        self.shapes = Shapes(model, tokenizer)
+        self.app = self._build()
+
+    def _build(self) -> FastAPI:
+        app = FastAPI(
+            title="pdserve",
+            summary="OpenAI-compatible completions over pdserve's prefill and decode pools",
+            version="1",
+        )
+
+        @app.exception_handler(ApiError)
+        async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+            return exc.response()
+
+        @app.exception_handler(RequestValidationError)
+        async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+            return validation_error(exc).response()
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+            code = "not_found" if exc.status_code == 404 else None
+            return ApiError(exc.status_code, str(exc.detail), code=code).response()
+
+        # Without a token the routes are open, and the OpenAPI document says no auth.
+        auth = [Depends(self._authorize)] if self._expected is not None else []
+
+        @app.get("/health")
+        async def health() -> JSONResponse:
+            up = bool(self.core.backend.decode_ids)
+            body = {"status": "ok" if up else "no decode worker"}
+            return JSONResponse(body, status_code=200 if up else 503)
+
+        @app.get("/v1/models", dependencies=auth)
+        async def models() -> dict[str, Any]:
+            return {"object": "list", "data": [self._model_card()]}
+
+        @app.get("/v1/models/{model:path}", dependencies=auth)
+        async def model(model: str) -> dict[str, Any]:
+            self._check_model(model)
+            return self._model_card()
+
+        @app.post("/v1/completions", dependencies=auth, response_model=None)
+        async def completions(
+            body: CompletionRequest, request: Request
+        ) -> JSONResponse | StreamingResponse:
+            return await self._serve(body, request, chat=False)
+
+        @app.post("/v1/chat/completions", dependencies=auth, response_model=None)
+        async def chat_completions(
+            body: ChatCompletionRequest, request: Request
+        ) -> JSONResponse | StreamingResponse:
+            return await self._serve(body, request, chat=True)
+
+        return app
+
+    async def _authorize(
+        self, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]
+    ) -> None:
+        if self._expected is None:
+            return
+        got = f"Bearer {creds.credentials}".encode() if creds is not None else b""
+        if not hmac.compare_digest(got, self._expected):
+            raise ApiError(
+                401,
+                "authorization: a valid `Bearer <token>` is required",
+                param=None,
+                code="invalid_api_key",
+            )
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdserve",
+            "max_model_len": self.limits.max_model_len,
+        }
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model:
+            raise ApiError(
+                404,
+                f"model: {model!r} is not served here; this server serves {self.model!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    # -- one request ---------------------------------------------------------------------------
+    async def _serve(
+        self, body: CompletionRequest | ChatCompletionRequest, request: Request, chat: bool
+    ) -> JSONResponse | StreamingResponse:
+        arrived = time.monotonic()
+        self._check_model(body.model)
+        fields, renames = request_fields(body)
+        try:
+            req = await check_request_async(fields, self.tokenizer, self.limits)
+        except InvalidRequestError as exc:
+            raise invalid(exc, renames) from None
+        call = Call(
+            req,
+            arrived,
+            chat,
+            body.stream,
+            bool(body.stream_options and body.stream_options.include_usage),
+            int(time.time()),
+        )
+        try:
+            release = self.clients.take(request.client.host if request.client else "")
+        except Overloaded as exc:
+            raise from_core(exc) from None
+        # Admission and placement happen at the first chunk: a refusal is still an HTTP status,
+        # so the response's headers go out with the first token.
+        chunks = self.core.generate(req, arrived)
+        try:
+            first = await _until_disconnected(request.receive, anext(chunks))
+        except BaseException as exc:
+            await chunks.aclose()
+            release()
+            if isinstance(exc, (StopAsyncIteration, asyncio.CancelledError)):
+                raise
+            raise from_core(exc) from None
+        if first is None:  # the client left before its first token: the request was aborted
+            await chunks.aclose()
+            release()
+            return JSONResponse({}, status_code=499)
+        if call.stream:
+            return _EventStream(
+                self._events(call, first, chunks, release),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Request-Id": req.request_id},
+            )
+        try:
+            collected = await _until_disconnected(request.receive, _collect(first, chunks))
+        except Exception as exc:  # a worker failed under it
+            raise from_core(exc) from None
+        finally:
+            await chunks.aclose()
+            release()
+        if collected is None:  # the client left: the request was aborted
+            return JSONResponse({}, status_code=499)
+        return JSONResponse(self.shapes.whole(call, *collected))
+
+    async def _events(
+        self,
+        call: Call,
+        first: CoreChunk,
+        chunks: AsyncGenerator[CoreChunk, None],
+        release: Callable[[], None],
+    ) -> AsyncIterator[str]:
+        """The response's server-sent events. Cancelled when the client closes the connection,
+        which closes the core's stream (and so aborts the request on its workers)."""
+        rid = call.req.request_id
+        offset = 0
+        try:
+            if call.chat:
+                yield sse(self.shapes.chunk(call, {"delta": {"role": "assistant", "content": ""}}))
+            chunk: CoreChunk | None = first
+            while chunk is not None:
+                choice = self.shapes.streamed_choice(call, chunk, offset)
+                offset += sum(len(self.shapes.token(lp.token_id)) for lp in chunk.logprobs)
+                yield sse(self.shapes.chunk(call, choice, chunk.final))
+                if chunk.final is not None:
+                    if call.include_usage:
+                        yield sse(self.shapes.chunk(call, None, usage_=usage(chunk.final)))
+                    break
+                chunk = await anext(chunks, None)  # type: ignore[arg-type]
+            yield "data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            log.info("request %s: the client closed the connection; aborted", rid)
+            raise
+        except Exception as exc:  # a worker failed mid-answer: tell the client, then end
+            err = from_core(exc)
+            log.warning("request %s failed mid-stream: %s", rid, exc)
+            yield sse(err.body())
+        finally:
+            await chunks.aclose()
+            release()
+
+
+async def _collect(
+    first: CoreChunk, chunks: AsyncIterator[CoreChunk]
+) -> tuple[str, list[TokenLogprobs], Summary]:
+    text, lps = [first.text], list(first.logprobs)
+    final = first.final
+    while final is None:
+        c = await anext(chunks)  # type: ignore[call-overload]
+        text.append(c.text)
+        lps.extend(c.logprobs)
+        final = c.final
+    return "".join(text), lps, final
+
+
+class _EventStream(StreamingResponse):
+    """A StreamingResponse that notices a closed connection at once, not at its next write,
+    and always closes its body (so the core's stream is closed, aborting the request)."""
+
+    async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
+        async def respond() -> None:
+            with contextlib.suppress(OSError):  # the client left mid-write
+                await self.stream_response(send)
+
+        try:
+            await _until_disconnected(receive, respond())
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def _until_disconnected(receive: Receive, work: Awaitable[Any]) -> Any:
+    """`work`'s result, or None (with `work` cancelled) once the client has disconnected."""
+    task = asyncio.ensure_future(work)
+
+    async def left() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(left())
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watch):
+            if not t.done():
+                t.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await watch
+    if task in done:
+        return task.result()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    return None

@@ -1,0 +1,188 @@
+"""The HTTP API's request bodies (pydantic models, from which FastAPI writes /openapi.json), and
+how one becomes the core's RequestFields. Like router/convert.py for gRPC, this reads the wire
+format and checks only its shape; router/request.py checks the values, for both doors.
+
+Unknown fields are refused (extra="forbid"), never ignored. Defaults follow OpenAI's: a
+completion's max_tokens is 16, a chat's is the server's own.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.errors import InvalidRequestError
+from router.request import RequestFields
+from router.vocab import Frontend, RoutePath
+
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the server's own)
+_ZERO: dict[str, Any] = {"minimum": 0, "maximum": 0}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a field pdserve does not support is refused
+
+
+class SloHint(_Body):
+    ttft_ms: float | None = Field(None, ge=0, description="TTFT SLO (0 or absent: the server's)")
+    itl_ms: float | None = Field(None, ge=0, description="ITL SLO (0 or absent: the server's)")
+
+
+class PdserveOptions(_Body):
+    """pdserve's own request options: the path and SLO hints."""
+
+    path: Literal["auto", "colocated", "disaggregated"] = "auto"
+    slo: SloHint | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=0)
+    stop: str | list[str] | None = None
+    n: int = Field(
+        1, description="only 1 is supported", json_schema_extra={"minimum": 1, "maximum": 1}
+    )
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, description="only 0 is supported", json_schema_extra=_ZERO)
+    frequency_penalty: float = Field(
+        0.0, description="only 0 is supported", json_schema_extra=_ZERO
+    )
+    # vLLM's extensions
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    pdserve: PdserveOptions | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"only n=1 is supported, got {n}")
+        return n
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float) -> float:
+        if v != 0:
+            raise ValueError(f"only 0 is supported, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _options_need_stream(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream: true")
+        return self
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="one prompt: text, or token ids (a list of one is taken as that one)"
+    )
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _one_max(self) -> ChatCompletionRequest:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("max_completion_tokens: give it or max_tokens, not both")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        return self
+
+
+def request_fields(
+    body: CompletionRequest | ChatCompletionRequest,
+) -> tuple[RequestFields, dict[str, str]]:
+    """The body as the core's RequestFields, and the core's field names this API spells
+    otherwise for this request."""
+    renames: dict[str, str] = {}
+    prompt: str | None = None
+    ids: list[int] | None = None
+    messages: list[tuple[str, str]] | None = None
+    logprobs: int | None
+    max_tokens = body.max_tokens
+    if isinstance(body, CompletionRequest):
+        prompt, ids = _one_prompt(body.prompt)
+        if ids is not None:
+            renames["prompt_token_ids"] = "prompt"
+        logprobs = body.logprobs
+        if max_tokens is None:
+            max_tokens = COMPLETIONS_MAX_TOKENS
+    else:
+        messages = [(m.role, _text(m.content)) for m in body.messages]
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        if body.max_completion_tokens is not None:
+            max_tokens = body.max_completion_tokens
+            renames["max_tokens"] = "max_completion_tokens"
+    opts = body.pdserve or PdserveOptions()
+    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    fields = RequestFields(
+        request_id=f"http-{uuid.uuid4().hex[:16]}",
+        prompt=prompt,
+        prompt_token_ids=ids,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        seed=body.seed,
+        stop=tuple(stop),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        path=RoutePath(opts.path),
+        slo_ttft_ms=opts.slo.ttft_ms if opts.slo else None,
+        slo_itl_ms=opts.slo.itl_ms if opts.slo else None,
+        frontend=Frontend.HTTP,
+    )
+    return fields, renames
+
+
+def _one_prompt(
+    prompt: str | list[str] | list[int] | list[list[int]],
+) -> tuple[str | None, list[int] | None]:
+    if isinstance(prompt, str):
+        return prompt, None
+    if not prompt:
+        raise InvalidRequestError("prompt", "must not be empty")
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return None, [int(p) for p in prompt]  # type: ignore[arg-type]
+    if len(prompt) != 1:
+        raise InvalidRequestError(
+            "prompt", f"one prompt per request is supported, got {len(prompt)}"
+        )
+    one = prompt[0]
+    return (one, None) if isinstance(one, str) else (None, list(one))  # type: ignore[arg-type]
+
+
+def _text(content: str | list[TextPart]) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content)

@@ -1,0 +1,159 @@
+"""The HTTP API's response bodies, shaped as OpenAI's: completions and chat completions, whole
+or as stream chunks, with usage (prompt_tokens_details.cached_tokens) and logprobs, plus a
+`pdserve` object that says what gRPC's FinalInfo says (the path taken, the workers, the TTFT)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from engine.outputs import TokenLogprobs
+from router.core_types import CoreChunk, Summary
+from router.request import ParsedRequest
+from router.vocab import FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One request as this module runs it."""
+
+    req: ParsedRequest
+    arrived: float
+    chat: bool
+    stream: bool
+    include_usage: bool
+    created: int
+
+
+class Shapes:
+    def __init__(self, model: str, tokenizer: Any) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+
+    def chunk(
+        self,
+        call: Call,
+        choice: dict[str, Any] | None,
+        final: Summary | None = None,
+        usage_: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": response_id(call),
+            "object": "chat.completion.chunk" if call.chat else "text_completion",
+            "created": call.created,
+            "model": self.model,
+            "choices": [] if choice is None else [{"index": 0, **choice}],
+        }
+        if call.include_usage:
+            out["usage"] = usage_
+        if final is not None:
+            out["pdserve"] = pdserve(final)
+        return out
+
+    def streamed_choice(self, call: Call, chunk: CoreChunk, offset: int) -> dict[str, Any]:
+        why = finish(chunk.final)
+        logprobs = self.logprobs(call, chunk.logprobs, offset)
+        if call.chat:
+            delta = {"content": chunk.text} if chunk.text or chunk.final is None else {}
+            return {"delta": delta, "logprobs": logprobs, "finish_reason": why}
+        return {"text": chunk.text, "logprobs": logprobs, "finish_reason": why}
+
+    def whole(
+        self, call: Call, text: str, lps: list[TokenLogprobs], final: Summary
+    ) -> dict[str, Any]:
+        logprobs = self.logprobs(call, tuple(lps), 0)
+        if call.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": finish(final),
+            }
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish(final),
+            }
+        return {
+            "id": response_id(call),
+            "object": "chat.completion" if call.chat else "text_completion",
+            "created": call.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage(final),
+            "pdserve": pdserve(final),
+        }
+
+    def token(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id]))
+
+    def logprobs(
+        self, call: Call, lps: tuple[TokenLogprobs, ...], offset: int
+    ) -> dict[str, Any] | None:
+        if call.req.sampling.logprobs is None:
+            return None
+        if call.chat:
+
+            def entry(tid: int, lp: float) -> dict[str, Any]:
+                s = self.token(tid)
+                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+            return {
+                "content": [
+                    {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(*t) for t in lp.top]}
+                    for lp in lps
+                ]
+            }
+        tokens = [self.token(lp.token_id) for lp in lps]
+        offsets = []
+        for s in tokens:
+            offsets.append(offset)
+            offset += len(s)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{self.token(t): v for t, v in lp.top} for lp in lps],
+            "text_offset": offsets,
+        }
+
+
+FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+
+
+def finish(final: Summary | None) -> str | None:
+    if final is None or final.finish_reason is None:
+        return None
+    return FINISH[final.finish_reason]
+
+
+def usage(s: Summary) -> dict[str, Any]:
+    return {
+        "prompt_tokens": s.prompt_tokens,
+        "completion_tokens": s.completion_tokens,
+        "total_tokens": s.prompt_tokens + s.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens},
+    }
+
+
+def pdserve(s: Summary) -> dict[str, Any]:
+    """What gRPC's FinalInfo says beside the text: the path taken, the workers, the TTFT."""
+    return {
+        "path": s.path.value,
+        "prefill_worker": s.prefill_worker,
+        "decode_worker": s.decode_worker,
+        "ttft_ms": s.ttft_s * 1000,
+        "decision_reason": s.decision.reason,
+        "kv_fallback": s.kv_fallback.value if s.kv_fallback is not None else None,
+        "stop_reason": s.stop_reason,
+    }
+
+
+def response_id(call: Call) -> str:
+    return ("chatcmpl-" if call.chat else "cmpl-") + call.req.request_id
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"

@@ -1,0 +1,209 @@
+"""The OpenAI-compatible HTTP API end to end: a real server (1 prefill x 1 decode Ray worker, a
+tiny model) with both front doors, the unmodified `openai` client on --http-port, and the gRPC
+client on --port, asked the same greedy requests."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import httpx2 as httpx
+import openai
+import pytest
+
+from pdserve_proto import generation_pb2 as pb
+from pdserve_proto import generation_pb2_grpc as pb_grpc
+from tests.grpc_server import ServerThread, tiny_config
+from tests.helpers import hf_greedy
+from tests.test_router_grpc import assert_pools_full, received
+
+MODEL = "tiny-llama"
+MAX_NEW = 12
+PROMPT = "The capital of France is"
+CHAT = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
+PATHS = {"colocated": pb.PATH_COLOCATED, "disaggregated": pb.PATH_DISAGGREGATED}
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = ServerThread(tiny_config(http_port=0, metrics_port=0))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def stub(srv):
+    with grpc.insecure_channel(srv.address) as channel:
+        yield pb_grpc.GenerationStub(channel)
+
+
+@pytest.fixture(scope="module")
+def base(srv) -> str:
+    return f"http://127.0.0.1:{srv.server.http_port}"
+
+
+@pytest.fixture(scope="module")
+def client(base):
+    with openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def grpc_answer(stub, path: str, **kw) -> tuple[str, list[int], pb.FinalInfo]:
+    req = pb.GenerateRequest(
+        sampling=pb.SamplingParams(max_tokens=MAX_NEW, temperature=0.0), path=PATHS[path], **kw
+    )
+    resp = stub.Complete(req, timeout=60)
+    return resp.text, list(resp.token_ids), resp.final
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("path", ["colocated", "disaggregated"])
+def test_openai_client_gets_the_grpc_text_through_every_call(srv, stub, client, path):
+    """completions.create and chat.completions.create, whole and streamed, give the text the
+    gRPC API gives for the same greedy request, on both paths (the disaggregated ones move KV and
+    never fall back); gRPC's tokens are transformers' own greedy ones."""
+    before = received(srv)
+    text, ids, final = grpc_answer(stub, path, prompt=PROMPT)
+    prompt_ids = list(srv.server.core.tokenizer(PROMPT)["input_ids"])
+    assert ids == hf_greedy(MODEL, prompt_ids, MAX_NEW)[: len(ids)] and len(ids) > 0
+    chat_text, _, _ = grpc_answer(stub, path, messages=[pb.ChatMessage(**m) for m in CHAT])
+    opts = {"max_tokens": MAX_NEW, "temperature": 0, "extra_body": {"pdserve": {"path": path}}}
+
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, **opts)
+    assert whole.choices[0].text == text
+    assert whole.usage.prompt_tokens == final.usage.prompt_tokens
+    assert whole.usage.completion_tokens == len(ids)
+    assert whole.model_extra["pdserve"]["path"] == path
+    assert whole.model_extra["pdserve"]["kv_fallback"] is None
+
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, stream=True, **opts)
+    assert "".join(c.choices[0].text for c in streamed) == text
+
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, **opts)
+    assert chat.choices[0].message.content == chat_text
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].finish_reason in ("stop", "length")
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=CHAT, stream=True, stream_options={"include_usage": True}, **opts
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    usage = chunks[-1].usage  # include_usage: a last chunk with no choices and the usage
+    assert not chunks[-1].choices and usage.completion_tokens == chat.usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens >= 0
+    n_dis = 6 if path == "disaggregated" else 0
+    nbytes, ok = received(srv)
+    assert ok - before[1] == n_dis and (nbytes > before[0]) == bool(n_dis)
+    assert_pools_full(srv, within_s=2.0)
+
+
+def test_chat_logprobs_and_completion_logprobs_have_openai_shapes(srv, client):
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-4)  # greedy
+    comp = client.completions.create(
+        model=MODEL, prompt=[5, 6, 7, 8], max_tokens=4, temperature=0, logprobs=1
+    )
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == comp.choices[0].text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", ["colocated", "disaggregated"])
+def test_closing_a_stream_mid_answer_frees_its_blocks_within_a_second(srv, base, path):
+    body = {
+        "model": MODEL,
+        "prompt": [3] * 40,
+        "max_tokens": 900,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "pdserve": {"path": path},
+    }
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", base + "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            events = 0
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events += 1
+                    if events >= 3:
+                        break
+    # the connection is closed here, mid-answer: the router's books and every pool empty at once
+    assert_pools_full(srv, within_s=1.0)
+
+
+def test_bad_requests_get_a_400_naming_the_parameter_and_the_server_keeps_serving(
+    srv, base, client
+):
+    cases = [
+        ({"model": MODEL, "prompt": "x", "n": 2}, "n"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "temperature": 2.5}, "temperature"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+        ({"model": MODEL, "prompt": 7}, "prompt"),
+        ({"model": MODEL, "prompt": "x", "echo": True}, "echo"),
+        ({"model": MODEL, "prompt": [300]}, "prompt"),  # a token id outside the vocabulary
+    ]
+    with httpx.Client(timeout=30) as http:
+        for body, param in cases:
+            resp = http.post(base + "/v1/completions", json=body)
+            assert resp.status_code == 400, (body, resp.text)
+            err = resp.json()["error"]
+            assert err["param"] == param and param in err["message"], (body, err)
+            assert err["type"] == "invalid_request_error"
+        resp = http.post(
+            base + "/v1/completions",
+            content=b"{not json",
+            headers={"content-type": "application/json"},
+        )
+        assert resp.status_code == 400 and "JSON" in resp.json()["error"]["message"]
+        resp = http.post(base + "/v1/completions", json={"model": "gpt-4", "prompt": "x"})
+        assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+        resp = http.post(
+            base + "/v1/chat/completions",
+            json={"model": MODEL, "messages": CHAT, "max_completion_tokens": 0},
+        )
+        assert resp.status_code == 400
+        assert resp.json()["error"]["param"] == "max_completion_tokens"
+        assert http.get(base + "/health").json() == {"status": "ok"}
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x")
+    ok = client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens >= 1
+    assert_pools_full(srv, within_s=2.0)
+
+
+def test_models_health_and_openapi(base, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    with httpx.Client(timeout=30) as http:
+        assert http.get(base + "/health").status_code == 200
+        doc = http.get(base + "/openapi.json").json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(doc["paths"])
+
+
+def test_http_requests_are_labelled_in_the_metrics(srv, client):
+    client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0)
+    deadline = time.monotonic() + 5
+    port = srv.server.metrics_port
+    while True:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        lines = [ln for ln in text.splitlines() if ln.startswith("pdserve_requests_total{")]
+        if any('frontend="http"' in ln and not ln.endswith(" 0.0") for ln in lines):
+            break
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.1)
+    assert any('frontend="grpc"' in ln for ln in lines)

@@ -1,0 +1,210 @@
+"""The HTTP API's edges, on a server whose pools are the instant fake backend (no Ray): TLS and
+mutual TLS, the bearer token (health stays open), 429 with Retry-After from admission and from
+the per-client limit, 503 with no decode worker and when a worker fails mid-answer, and the
+OpenAPI document."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import threading
+import time
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from router.core_types import RouterConfig
+from router.errors import WorkerLost
+from router.fake_backend import FakeBackend
+from router.security import SecurityConfig
+from router.server import ServeConfig
+from tests.grpc_server import ServerThread
+from tests.test_security import TOKENIZER, pki  # noqa: F401 (a fixture)
+
+MODEL = "smollm2-135m"  # the name the server reports (ServeConfig's cluster model)
+BODY = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4}
+
+
+def server(backend: FakeBackend | None = None, **kw) -> ServerThread:
+    config = ServeConfig(port=0, metrics_port=None, http_port=0, **kw)
+    return ServerThread(config, backend=backend or FakeBackend(), tokenizer=TOKENIZER)
+
+
+def base(s: ServerThread, scheme: str = "http") -> str:
+    return f"{scheme}://127.0.0.1:{s.server.http_port}"
+
+
+def _ctx(pki, client_cert: bool = False) -> ssl.SSLContext:  # noqa: F811
+    ctx = ssl.create_default_context(cafile=str(pki["ca.pem"]))
+    if client_cert:
+        ctx.load_cert_chain(str(pki["client.pem"]), str(pki["client.key"]))
+    return ctx
+
+
+@pytest.mark.timeout(120)
+def test_tls_and_mutual_tls(pki):  # noqa: F811
+    s = server(security=SecurityConfig(tls_cert=pki["server.pem"], tls_key=pki["server.key"]))
+    try:
+        with httpx.Client(verify=_ctx(pki), timeout=30) as http:
+            c = openai.OpenAI(base_url=base(s, "https") + "/v1", api_key="x", http_client=http)
+            assert c.completions.create(**BODY).usage.completion_tokens == 4
+        with httpx.Client(timeout=30) as plain, pytest.raises(httpx.TransportError):
+            plain.post(base(s) + "/v1/completions", json=BODY)  # plaintext to a TLS port
+    finally:
+        s.close()
+    s = server(
+        security=SecurityConfig(
+            tls_cert=pki["server.pem"], tls_key=pki["server.key"], tls_client_ca=pki["ca.pem"]
+        )
+    )
+    try:
+        url = base(s, "https") + "/v1/completions"
+        with httpx.Client(verify=_ctx(pki, client_cert=True), timeout=30) as http:
+            assert http.post(url, json=BODY).status_code == 200
+        with httpx.Client(verify=_ctx(pki), timeout=30) as http:
+            with pytest.raises(httpx.TransportError):
+                http.post(url, json=BODY)  # no client certificate
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_bearer_token_is_checked_on_every_route_but_health(pki):  # noqa: F811
+    s = server(security=SecurityConfig(auth_token_file=pki["token"]))
+    try:
+        token = pki["token"].read_text().strip()
+        good = openai.OpenAI(base_url=base(s) + "/v1", api_key=token, max_retries=0)
+        assert good.completions.create(**BODY).usage.completion_tokens == 4
+        assert [m.id for m in good.models.list().data] == [MODEL]
+        for key in ("wrong", ""):
+            bad = openai.OpenAI(base_url=base(s) + "/v1", api_key=key or "-", max_retries=0)
+            with pytest.raises(openai.AuthenticationError) as err:
+                bad.completions.create(**BODY)
+            assert err.value.status_code == 401
+            assert err.value.body["code"] == "invalid_api_key"
+        with httpx.Client(timeout=30) as http:
+            assert http.post(base(s) + "/v1/chat/completions", json={}).status_code == 401
+            assert http.get(base(s) + "/v1/models").status_code == 401
+            assert http.get(base(s) + "/health").status_code == 200
+            doc = http.get(base(s) + "/openapi.json").json()
+        assert "HTTPBearer" in doc["components"]["securitySchemes"]
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(120)
+def test_admission_and_the_client_limit_answer_429_with_retry_after():
+    gate = asyncio.Event()
+    s = server(FakeBackend(gate=gate), router=RouterConfig(max_pending=1), max_streams_per_client=2)
+    url = base(s) + "/v1/completions"
+    try:
+        with httpx.Client(timeout=30) as http:
+            held = _hold(s, url, 1)  # waits at the gate: the one request allowed to wait
+            full = http.post(url, json=BODY)
+            assert full.status_code == 429, full.text
+            assert int(full.headers["retry-after"]) >= 1 and int(full.headers["retry-after-ms"]) > 0
+            assert full.json()["error"]["code"] == "queue_full"
+            _release(s, gate, held)
+            # Two requests of this client wait; a third is over --max-streams-per-client.
+            s.server.core.config = RouterConfig(max_pending=64)
+            held = _hold(s, url, 2)
+            third = http.post(url, json=BODY)
+            assert third.status_code == 429 and third.json()["error"]["code"] == "client_limit"
+            _release(s, gate, held)
+            s.run(_set(gate))
+            assert http.post(url, json=BODY).status_code == 200
+    finally:
+        s.run(_set(gate))
+        s.close()
+
+
+def _hold(s: ServerThread, url: str, n: int) -> list[threading.Thread]:
+    """n requests started on threads, once all of them wait for their first token."""
+    threads = [
+        threading.Thread(target=httpx.post, args=(url,), kwargs={"json": BODY, "timeout": 30})
+        for _ in range(n)
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while s.server.core.pending < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return threads
+
+
+def _release(s: ServerThread, gate: asyncio.Event, threads: list[threading.Thread]) -> None:
+    s.run(_set(gate))
+    for t in threads:
+        t.join(30)
+    gate.clear()
+
+
+async def _set(event: asyncio.Event) -> None:
+    event.set()
+
+
+@pytest.mark.timeout(120)
+def test_no_decode_worker_is_a_503_and_health_says_so():
+    backend = FakeBackend()
+    s = server(backend)
+    try:
+        backend.decode_ids = []
+        with httpx.Client(timeout=30) as http:
+            resp = http.post(base(s) + "/v1/completions", json=BODY)
+            assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_workers"
+            assert http.get(base(s) + "/health").status_code == 503
+    finally:
+        s.close()
+
+
+class _Failing(FakeBackend):
+    """A decode worker that dies after two tokens, every time (resumes fail too)."""
+
+    async def generate(self, prompt_token_ids, params, *args, **kw):  # type: ignore[override]
+        n = 0
+        async for chunk in super().generate(prompt_token_ids, params, *args, **kw):
+            yield chunk
+            n += len(chunk.token_ids)
+            if n >= 2:
+                raise WorkerLost("decode-0", "killed")
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_failing_mid_answer_is_a_503_or_an_error_event():
+    s = server(_Failing(num_decode=1))
+    try:
+        with httpx.Client(timeout=30) as http:
+            body = {**BODY, "max_tokens": 10}
+            whole = http.post(base(s) + "/v1/completions", json=body)
+            assert whole.status_code == 503, whole.text
+            assert whole.json()["error"]["code"] == "worker_failed"
+            with http.stream(
+                "POST", base(s) + "/v1/completions", json={**body, "stream": True}
+            ) as resp:
+                lines = [ln for ln in resp.iter_lines() if ln.startswith("data: ")]
+            assert resp.status_code == 200
+            assert '"error"' in lines[-1] and "worker_failed" in lines[-1]
+            assert s.server.core.active == 0 and s.server.core.pending == 0
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_leaving_before_its_first_token_aborts_the_request(stream):
+    gate = asyncio.Event()
+    backend = FakeBackend(gate=gate)
+    s = server(backend)
+    try:
+        with httpx.Client(timeout=0.5) as http, pytest.raises(httpx.ReadTimeout):
+            http.post(base(s) + "/v1/completions", json={**BODY, "stream": stream})
+        deadline = time.monotonic() + 1.0
+        while s.server.core.active or len(backend.closed) < 1:
+            assert time.monotonic() < deadline, (s.server.core.active, backend.closed)
+            time.sleep(0.02)
+        assert s.server.core.pending == 0 and backend.closed == backend.started
+    finally:
+        s.run(_set(gate))
+        s.close()
