@@ -24,7 +24,14 @@ from engine.attention import AttentionMetadata, SdpaAttention
 from engine.kv_cache import KVCache
 
 _SRC = Path(__file__).parent / "csrc" / "paged_decode.c"
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
+# -ffast-math's parts, not the flag itself: with it the linker adds crtfastmath.o, whose
+# constructor turns on flush-to-zero for the thread that loads the library (every float op of
+# the process's main thread, torch's included, would then lose its subnormals).
+_FAST_MATH = [
+    "-fno-math-errno", "-ffinite-math-only", "-fno-signed-zeros", "-fno-trapping-math",
+    "-fassociative-math", "-freciprocal-math",
+]  # fmt: skip
+_FLAGS = ["-O3", "-march=native", *_FAST_MATH, "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
 _LIB: ctypes.CDLL | None = None
 _TRIED = False
 

@@ -1,5 +1,8 @@
 """The compiled paged-decode kernel against the portable SDPA backend, and the engine on each."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -63,3 +66,20 @@ def test_sdpa_backend_matches_transformers(arch):
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="attention_backend"):
         make_engine("tiny-llama", attention_backend="flash")
+
+
+CHECK_SUBNORMALS = """
+import torch
+from engine import paged_attention_cpu
+assert paged_attention_cpu.load_kernel() is not None
+print(float(torch.tensor(torch.finfo(torch.float32).tiny) / 2) > 0)
+"""
+
+
+def test_loading_the_kernel_keeps_subnormal_floats():
+    """The kernel library must not turn on flush-to-zero in the thread that loads it (as a
+    library linked with -ffast-math does): torch's float ops there would lose subnormals."""
+    out = subprocess.run(
+        [sys.executable, "-c", CHECK_SUBNORMALS], capture_output=True, text=True, timeout=300
+    )
+    assert out.stdout.strip() == "True", out.stderr[-2000:]
