@@ -54,14 +54,14 @@ class HttpApi:
         limits: ModelLimits,
         model: str,
         token: bytes | None = None,
-        max_streams_per_client: int | None = None,
+        clients: ClientLimit | None = None,
     ) -> None:
         self.core = core
         self.tokenizer = tokenizer
         self.limits = limits
         self.model = model
         self._expected = b"Bearer " + token if token is not None else None
-        self.clients = ClientLimit(max_streams_per_client, core.sink)
+        self.clients = clients or ClientLimit(None, core.sink)  # --max-streams-per-client
         self.shapes = Shapes(model, tokenizer)
         self.app = self._build()
 
@@ -155,8 +155,9 @@ class HttpApi:
     ) -> JSONResponse | StreamingResponse:
         arrived = time.monotonic()
         self._check_model(body.model)
-        fields, renames = request_fields(body)
+        renames: dict[str, str] = {}
         try:
+            fields, renames = request_fields(body)
             req = await check_request_async(fields, self.tokenizer, self.limits)
         except InvalidRequestError as exc:
             raise invalid(exc, renames) from None

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.errors import InvalidRequestError
-from router.request import RequestFields
+from router.request import DEFAULT_MAX_TOKENS, RequestFields
 from router.vocab import Frontend, RoutePath
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the server's own)
@@ -129,13 +129,13 @@ def request_fields(
     messages: list[tuple[str, str]] | None = None
     logprobs: int | None
     max_tokens = body.max_tokens
+    default_max_tokens = DEFAULT_MAX_TOKENS
     if isinstance(body, CompletionRequest):
         prompt, ids = _one_prompt(body.prompt)
         if ids is not None:
             renames["prompt_token_ids"] = "prompt"
         logprobs = body.logprobs
-        if max_tokens is None:
-            max_tokens = COMPLETIONS_MAX_TOKENS
+        default_max_tokens = COMPLETIONS_MAX_TOKENS
     else:
         messages = [(m.role, _text(m.content)) for m in body.messages]
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -150,6 +150,7 @@ def request_fields(
         prompt_token_ids=ids,
         messages=messages,
         max_tokens=max_tokens,
+        default_max_tokens=default_max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,

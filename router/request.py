@@ -40,6 +40,7 @@ class RequestFields:
     prompt_token_ids: Sequence[int] | None = None
     messages: Sequence[tuple[str, str]] | None = None  # (role, content)
     max_tokens: int | None = None
+    default_max_tokens: int = DEFAULT_MAX_TOKENS  # when max_tokens is None (capped by the room)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -169,7 +170,7 @@ def _check_size(field: str, nbytes: int, limits: ModelLimits) -> None:
 def _sampling(f: RequestFields, prompt_len: int, limits: ModelLimits) -> SamplingParams:
     room = limits.max_model_len - prompt_len
     cap = room if limits.max_tokens is None else min(room, limits.max_tokens)
-    max_tokens = f.max_tokens if f.max_tokens is not None else min(DEFAULT_MAX_TOKENS, cap)
+    max_tokens = f.max_tokens if f.max_tokens is not None else min(f.default_max_tokens, cap)
     if f.max_tokens is not None and not 1 <= max_tokens <= cap:
         why = f"(context {limits.max_model_len})"
         if cap < room:

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2
 
 from engine.loader import load_tokenizer
 from router.admin import add_admin
+from router.client_limit import ClientLimit
 from router.cluster import Cluster, ClusterConfig
 from router.core import RequestCore
 from router.core_types import Backend, RouterConfig
@@ -113,9 +114,9 @@ class Server:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        servicer = GenerationServicer(
-            self.core, tokenizer, limits, c.cluster.model, c.max_streams_per_client
-        )
+        # One count of each client's requests over both front doors.
+        clients = ClientLimit(c.max_streams_per_client, self.core.sink)
+        servicer = GenerationServicer(self.core, tokenizer, limits, c.cluster.model, clients)
         self._health = await add_services(self.grpc, servicer)
         self.port = _listen(self.grpc, c.host, c.port, creds, "--port")
         await self.grpc.start()
@@ -134,7 +135,7 @@ class Server:
                 limits,
                 c.cluster.model,
                 c.security.token(),
-                c.max_streams_per_client,
+                clients,
             )
             self.http = HttpServer(api.app, c.host, c.http_port, c.security, c.drain_timeout_s)
             await self.http.start()

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -26,12 +26,13 @@ from grpc_reflection.v1alpha import reflection
 from engine.errors import InvalidRequestError
 from engine.outputs import TokenLogprobs
 from pdserve_proto import generation_pb2 as pb
-from router.convert import PATH_TO_WIRE, invalid_utf8_field, parse_request
+from router.client_limit import ClientLimit
+from router.convert import PATH_TO_WIRE, invalid_utf8_field, request_fields
 from router.core import RequestCore
 from router.core_types import CoreChunk, NoWorkers, Overloaded, Summary
-from router.errors import HandoffFailed, WorkerLost
-from router.request import ModelLimits, ParsedRequest
-from router.vocab import FinishReason, RejectReason
+from router.errors import HandoffFailed, WorkerLost, worker_failure
+from router.request import ModelLimits, ParsedRequest, check_request_async
+from router.vocab import FinishReason
 
 SERVICE = "pdserve.v1.Generation"
 FINISH = {
@@ -39,8 +40,6 @@ FINISH = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
-# Prompts larger than this are tokenized on a thread, so the event loop keeps serving.
-_TOKENIZE_INLINE_BYTES = 16 << 10
 log = logging.getLogger("pdserve.servicer")
 
 
@@ -60,13 +59,6 @@ def _deserialize(raw: bytes) -> pb.GenerateRequest | _BadWire:
         if field is not None:
             return _BadWire(field, "is not valid UTF-8")
         return _BadWire("request", f"could not be parsed: {exc}")
-
-
-def _worker_failure(exc: BaseException) -> bool:
-    """A worker (or the Ray runtime under it) failed, as opposed to a bug here."""
-    return any(c.__module__.startswith("ray.") for c in type(exc).__mro__) or isinstance(
-        exc, TimeoutError
-    )
 
 
 def _logprobs(lps: tuple[TokenLogprobs, ...]) -> list[pb.TokenLogprob]:
@@ -112,6 +104,18 @@ def _final(s: Summary) -> pb.FinalInfo:
     return info
 
 
+async def _refuse(context: grpc.aio.ServicerContext, exc: Overloaded) -> NoReturn:
+    """RESOURCE_EXHAUSTED with the reason and a retry hint in the trailing metadata."""
+    context.set_trailing_metadata(
+        (
+            ("retry-after-ms", str(max(1, round(exc.retry_after_s * 1000)))),
+            ("pdserve-reject-reason", exc.reason.value),
+        )
+    )
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    raise AssertionError("unreachable: abort raises")
+
+
 def _client(context: grpc.aio.ServicerContext) -> str:
     """Who is calling, for per-client limits: the peer's address without its port."""
     peer = context.peer() or ""
@@ -125,14 +129,13 @@ class GenerationServicer:
         tokenizer: Any,
         limits: ModelLimits,
         model: str,
-        max_streams_per_client: int | None = None,
+        clients: ClientLimit | None = None,
     ) -> None:
         self.core = core
         self.tokenizer = tokenizer
         self.limits = limits
         self.model = model
-        self.max_streams_per_client = max_streams_per_client
-        self._streams: dict[str, int] = {}  # RPCs running per client, while a limit is set
+        self.clients = clients or ClientLimit(None, core.sink)  # --max-streams-per-client
 
     async def Info(  # noqa: N802
         self, request: pb.InfoRequest, context: grpc.aio.ServicerContext
@@ -153,51 +156,26 @@ class GenerationServicer:
         try:
             if isinstance(request, _BadWire):
                 raise InvalidRequestError(request.field, request.message)
-            size = len(request.prompt) + sum(len(m.content) for m in request.messages)
-            if size > _TOKENIZE_INLINE_BYTES:
-                return await asyncio.to_thread(parse_request, request, self.tokenizer, self.limits)
-            return parse_request(request, self.tokenizer, self.limits)
+            fields = request_fields(request)
+            return await check_request_async(fields, self.tokenizer, self.limits)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # abort raises; this line is never reached
 
-    @contextlib.asynccontextmanager
-    async def _slot(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-        """One of the calling client's concurrent requests, while a per-client limit is set;
-        RESOURCE_EXHAUSTED (reason client_limit) past it."""
-        limit = self.max_streams_per_client
-        if limit is None:
-            yield
-            return
-        client = _client(context)
-        if self._streams.get(client, 0) >= limit:
-            self.core.sink.rejected(RejectReason.CLIENT_LIMIT)
-            context.set_trailing_metadata(
-                (
-                    ("retry-after-ms", "1000"),
-                    ("pdserve-reject-reason", RejectReason.CLIENT_LIMIT.value),
-                )
-            )
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"this client already has {limit} requests running (--max-streams-per-client)",
-            )
-        self._streams[client] = self._streams.get(client, 0) + 1
-        try:
-            yield
-        finally:
-            self._streams[client] -= 1
-            if not self._streams[client]:
-                del self._streams[client]
-
     async def _chunks(
         self, req: ParsedRequest, arrived: float, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[CoreChunk, None]:
-        async with self._slot(context):
+        try:
+            release = self.clients.take(_client(context))
+        except Overloaded as exc:
+            await _refuse(context, exc)
+        try:
             # Closed here, not left to the garbage collector: closing aborts the request.
             async with contextlib.aclosing(self._core_chunks(req, arrived, context)) as chunks:
                 async for chunk in chunks:
                     yield chunk
+        finally:
+            release()
 
     async def _core_chunks(
         self, req: ParsedRequest, arrived: float, context: grpc.aio.ServicerContext
@@ -207,13 +185,7 @@ class GenerationServicer:
             async for chunk in stream:
                 yield chunk
         except Overloaded as exc:
-            context.set_trailing_metadata(
-                (
-                    ("retry-after-ms", str(max(1, round(exc.retry_after_s * 1000)))),
-                    ("pdserve-reject-reason", exc.reason.value),
-                )
-            )
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await _refuse(context, exc)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -224,7 +196,7 @@ class GenerationServicer:
         except Exception as exc:
             log.exception("request %s failed", req.request_id)
             code = grpc.StatusCode.INTERNAL
-            if _worker_failure(exc):
+            if worker_failure(exc):
                 code = grpc.StatusCode.UNAVAILABLE
             await context.abort(code, f"request failed: {type(exc).__name__}: {exc}")
         finally:
