@@ -174,36 +174,30 @@ class HttpApi:
         except Overloaded as exc:
             raise from_core(exc) from None
         # Admission and placement happen at the first chunk: a refusal is still an HTTP status,
-        # so the response's headers go out with the first token.
+        # so a stream's headers go out with its first token. A whole answer is collected under
+        # the same watch for a closed connection.
         chunks = self.core.generate(req, arrived)
+        work = anext(chunks) if call.stream else _collect(chunks)
         try:
-            first = await _until_disconnected(request.receive, anext(chunks))
+            got = await _until_disconnected(request.receive, work)
         except BaseException as exc:
             await chunks.aclose()
             release()
             if isinstance(exc, (StopAsyncIteration, asyncio.CancelledError)):
                 raise
             raise from_core(exc) from None
-        if first is None:  # the client left before its first token: the request was aborted
+        if got is None or not call.stream:
             await chunks.aclose()
             release()
+        if got is None:  # the client left: the request was aborted on its workers
             return JSONResponse({}, status_code=499)
-        if call.stream:
-            return _EventStream(
-                self._events(call, first, chunks, release),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Request-Id": req.request_id},
-            )
-        try:
-            collected = await _until_disconnected(request.receive, _collect(first, chunks))
-        except Exception as exc:  # a worker failed under it
-            raise from_core(exc) from None
-        finally:
-            await chunks.aclose()
-            release()
-        if collected is None:  # the client left: the request was aborted
-            return JSONResponse({}, status_code=499)
-        return JSONResponse(self.shapes.whole(call, *collected))
+        if not call.stream:
+            return JSONResponse(self.shapes.whole(call, *got))
+        return _EventStream(
+            self._events(call, got, chunks, release),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Request-Id": req.request_id},
+        )
 
     async def _events(
         self,
@@ -242,17 +236,15 @@ class HttpApi:
             release()
 
 
-async def _collect(
-    first: CoreChunk, chunks: AsyncIterator[CoreChunk]
-) -> tuple[str, list[TokenLogprobs], Summary]:
-    text, lps = [first.text], list(first.logprobs)
-    final = first.final
-    while final is None:
-        c = await anext(chunks)  # type: ignore[call-overload]
+async def _collect(chunks: AsyncIterator[CoreChunk]) -> tuple[str, list[TokenLogprobs], Summary]:
+    text: list[str] = []
+    lps: list[TokenLogprobs] = []
+    async for c in chunks:
         text.append(c.text)
         lps.extend(c.logprobs)
-        final = c.final
-    return "".join(text), lps, final
+        if c.final is not None:
+            return "".join(text), lps, c.final
+    raise RuntimeError("the request's stream ended without its final chunk")
 
 
 class _EventStream(StreamingResponse):

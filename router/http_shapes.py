@@ -142,7 +142,7 @@ def pdserve(s: Summary) -> dict[str, Any]:
     """What gRPC's FinalInfo says beside the text: the path taken, the workers, the TTFT."""
     return {
         "path": s.path.value,
-        "prefill_worker": s.prefill_worker,
+        "prefill_worker": s.prefill_worker or None,  # None: colocated (no prefill worker)
         "decode_worker": s.decode_worker,
         "ttft_ms": s.ttft_s * 1000,
         "decision_reason": s.decision.reason,
