@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from engine.errors import InvalidRequestError
 
 _MIN_TEMPERATURE = 1e-5
+_SEED_LIMIT = 1 << 64  # it seeds a torch.Generator, which takes 64 bits
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +63,12 @@ class SamplingParams:
             )
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise InvalidRequestError("seed", f"must be an integer >= 0, got {self.seed!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not 0 <= self.seed < _SEED_LIMIT
+        ):
+            raise InvalidRequestError(
+                "seed", f"must be an integer in [0, 2**64), got {self.seed!r}"
+            )
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise InvalidRequestError("stop", "every stop string must be a non-empty string")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):

@@ -1,14 +1,14 @@
-"""--max-streams-per-client: how many requests one client address may have running at once, for
-every front door alike. Past the limit a request is refused as Overloaded (client_limit)."""
+"""--max-streams-per-client: how many requests one client address may have running at once, over
+both front doors together (one count per address). Past the limit a request is refused as
+Overloaded (client_limit)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from router.core_types import Overloaded
 from router.stats import StatsSink
-from router.vocab import RejectReason
+from router.vocab import Frontend, RejectReason
 
 RETRY_AFTER_S = 1.0
 
@@ -19,22 +19,13 @@ class ClientLimit:
         self.sink = sink
         self._running: dict[str, int] = {}  # requests running per client, while a limit is set
 
-    @contextlib.contextmanager
-    def slot(self, client: str) -> Iterator[None]:
-        """One of `client`'s concurrent requests; raises Overloaded past the limit."""
-        release = self.take(client)
-        try:
-            yield
-        finally:
-            release()
-
-    def take(self, client: str) -> Callable[[], None]:
+    def take(self, client: str, frontend: Frontend) -> Callable[[], None]:
         """Count one more request of `client` (Overloaded past the limit); call what it returns
         once, when the request ends."""
         if self.limit is None:
             return _nothing
         if self._running.get(client, 0) >= self.limit:
-            self.sink.rejected(RejectReason.CLIENT_LIMIT)
+            self.sink.rejected(RejectReason.CLIENT_LIMIT, frontend)
             raise Overloaded(
                 RejectReason.CLIENT_LIMIT,
                 f"this client already has {self.limit} requests running (--max-streams-per-client)",
@@ -52,6 +43,14 @@ class ClientLimit:
                     del self._running[client]
 
         return release
+
+
+def client_host(peer: str) -> str:
+    """A caller's address without its port, alike for both doors: gRPC's peer
+    ("ipv4:10.0.0.5:51234", "ipv6:[::1]:51234") and HTTP's client host ("10.0.0.5", "::1")."""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        peer = peer[5:].rsplit(":", 1)[0]
+    return peer.removeprefix("[").removesuffix("]")
 
 
 def _nothing() -> None:

@@ -1,7 +1,8 @@
-"""The gRPC edge: a pdserve.v1 GenerateRequest becomes the core's RequestFields, which
-router/request.py checks field by field (as it does the HTTP API's). Every refusal is an
-InvalidRequestError naming the field and what is allowed, which the servicer turns into
-INVALID_ARGUMENT. The only place that maps the core's vocabulary to and from protobuf values.
+"""The gRPC edge's wire format, both ways: a pdserve.v1 GenerateRequest becomes the core's
+RequestFields, which router/request.py checks field by field (as it does the HTTP API's; every
+refusal is an InvalidRequestError naming the field, which the servicer turns into
+INVALID_ARGUMENT), and the core's chunks and summaries become GenerateResponse, CompleteResponse
+and FinalInfo. The only place that maps the core's vocabulary to and from protobuf values.
 """
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import InvalidRequestError
+from engine.outputs import TokenLogprobs
 from pdserve_proto import generation_pb2 as pb
-from router.request import ModelLimits, ParsedRequest, RequestFields, check_request
-from router.vocab import Frontend, RoutePath
+from router.core_types import Summary
+from router.request import RequestFields
+from router.vocab import FinishReason, Frontend, RoutePath
 
 PATH_FROM_WIRE = {
     pb.PATH_AUTO: RoutePath.AUTO,
@@ -54,8 +57,54 @@ def request_fields(req: pb.GenerateRequest) -> RequestFields:
     )
 
 
-def parse_request(req: pb.GenerateRequest, tokenizer: Any, limits: ModelLimits) -> ParsedRequest:
-    return check_request(request_fields(req), tokenizer, limits)
+FINISH = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+
+
+def logprobs_to_wire(lps: tuple[TokenLogprobs, ...]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+        for lp in lps
+    ]
+
+
+def final_to_wire(s: Summary) -> pb.FinalInfo:
+    info = pb.FinalInfo(
+        finish_reason=FINISH[s.finish_reason] if s.finish_reason else pb.FINISH_REASON_UNSPECIFIED,
+        usage=pb.Usage(
+            prompt_tokens=s.prompt_tokens,
+            completion_tokens=s.completion_tokens,
+            cached_prompt_tokens=s.cached_prompt_tokens,
+        ),
+        path=PATH_TO_WIRE[s.path],
+        prefill_worker=s.prefill_worker,
+        decode_worker=s.decode_worker,
+        ttft_ms=s.ttft_s * 1000,
+        predictions=[
+            pb.PathPrediction(
+                path=PATH_TO_WIRE[p.path],
+                ttft_ms=p.ttft_s * 1000,
+                itl_ms=p.itl_s * 1000,
+                prefill_worker=p.prefill_worker,
+                decode_worker=p.decode_worker,
+            )
+            for p in s.decision.best
+        ],
+        decision_reason=s.decision.reason,
+        kv_fallback=s.kv_fallback.value if s.kv_fallback is not None else "",
+    )
+    if isinstance(s.stop_reason, str):
+        info.stop_string = s.stop_reason
+    elif isinstance(s.stop_reason, int):
+        info.stop_token_id = s.stop_reason
+    return info
 
 
 # Where the string fields of a GenerateRequest sit on the wire (field number -> name), and the

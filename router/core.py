@@ -1,12 +1,8 @@
 """The request core: every front door (gRPC, HTTP) hands it a checked request and relays what it
 yields. One request, in order:
-  1. admission: refused at once (Overloaded) when the queue of requests still waiting for their
-     first token is full, or when the chosen path's predicted TTFT, times how late first tokens
-     have come against their predictions lately (the margin), misses the request's TTFT SLO
-     and waiting would help (the predicted queue time is what pushes it over); a request that
-     misses its SLO on idle workers is served anyway;
-  2. the policy picks the path and the workers (router/policy.py); the decision is logged with
-     its inputs and kept;
+  1. the policy picks the path and the workers (router/policy.py);
+  2. admission (router/admission.py) takes it, or refuses it at once (Overloaded) when the
+     queue is full or waiting would make it miss its TTFT SLO; the decision is logged and kept;
   3. the pools run it (router/cluster.py) where the decision placed it; its books
      (router/books.py, over the workers' books in router/pool_state.py) follow it from queued
      prefill to decoding to done, so the next decision sees it at once, and settle it in one
@@ -26,20 +22,20 @@ import itertools
 import logging
 import statistics
 from collections import deque
-from collections.abc import AsyncGenerator, Iterable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
 
 from engine.prefix_hash import block_hashes
 from engine.text_stream import TextStream
+from router.admission import MARGIN_WINDOW, refusal, ttft_margin
 from router.books import RequestBooks, RequestCounts
 from router.core_types import (
     Backend,
     CoreChunk,
     DecisionRecord,
     NoWorkers,
-    Overloaded,
     RouterConfig,
     Summary,
 )
@@ -51,13 +47,11 @@ from router.policy import Decision, PathPrediction, Planner, RequestShape
 from router.request import ParsedRequest
 from router.stats import NullSink, StatsSink
 from router.tracker import Tracker
-from router.vocab import FinishReason, Placement, RejectReason, RoutePath
+from router.vocab import FinishReason, Frontend, Placement, RejectReason, RoutePath
 from worker_protocol.messages import TokenChunk, WorkerInfo
 
 log = logging.getLogger("pdserve.router")
 MAX_RESUMES = 2  # a request outliving this many dead decode workers fails
-# The admission margin: a quantile of measured / predicted TTFT over the latest first tokens.
-MARGIN_WINDOW, MARGIN_MIN_SAMPLES, MARGIN_QUANTILE, MARGIN_MAX = 64, 16, 0.9, 4.0
 
 
 class RequestCore:
@@ -134,41 +128,23 @@ class RequestCore:
         )
         prefill, decode = self.members.pools()
         if not decode:
-            self.sink.rejected(RejectReason.NO_WORKERS)
+            self.sink.rejected(RejectReason.NO_WORKERS, req.frontend)
             raise NoWorkers("no decode worker is up; the server cannot take requests now")
         return shape, self.planner.decide(shape, prefill, decode, req.path)
 
-    def _admit(self, shape: RequestShape, decision: Decision) -> None:
+    def _admit(self, shape: RequestShape, decision: Decision, frontend: Frontend) -> None:
         """Raise Overloaded (counted by its reason) when the request is refused."""
-        c = self.config
-        chosen, margin = decision.chosen, self.ttft_margin
-        if self.pending >= c.max_pending or self.active >= c.max_active:
-            refused = Overloaded(
-                RejectReason.QUEUE_FULL,
-                f"server busy: {self.pending} requests wait for a first token "
-                f"(limit {c.max_pending}), {self.active} are active (limit {c.max_active})",
-                max(0.05, chosen.queue_s),
-            )
-        elif chosen.ttft_s * margin > shape.slo_ttft_s and chosen.queue_s > 0:
-            refused = Overloaded(
-                RejectReason.SLO,
-                f"predicted TTFT {chosen.ttft_s * 1000:.0f} ms (x {margin:.2f}, how late first "
-                f"tokens have come lately) exceeds the TTFT SLO {shape.slo_ttft_s * 1000:.0f} ms "
-                f"({chosen.queue_s * 1000:.0f} ms of it queueing)",
-                # the queue to drain before it would pass
-                min(chosen.queue_s, chosen.ttft_s - shape.slo_ttft_s / margin),
-            )
-        else:
-            return
-        self.sink.rejected(refused.reason)
-        raise refused
+        refused = refusal(shape, decision, self.config, self.counts, self.ttft_margin)
+        if refused is not None:
+            self.sink.rejected(refused.reason, frontend)
+            raise refused
 
     async def generate(self, req: ParsedRequest, arrived: float) -> AsyncGenerator[CoreChunk, None]:
         """Run one admitted request; raises Overloaded before any work is done. If its decode
         worker dies, it resumes on another from its prompt and the tokens already streamed
         (greedy output is unchanged; a seeded sample continues with a fresh generator)."""
         shape, decision = self.plan(req)
-        self._admit(shape, decision)
+        self._admit(shape, decision, req.frontend)
         text = TextStream(self.tokenizer, req.prompt_token_ids, req.sampling)
         with self._books(req, decision, arrived) as books:  # settled however it ends
             for attempt in range(MAX_RESUMES + 1):
@@ -332,17 +308,3 @@ class RequestCore:
             if r.measured_ttft_s and (path is None or r.decision.chosen.path is path)
         ]
         return statistics.median(errs) if errs else None
-
-
-def ttft_margin(pairs: Iterable[tuple[float, float]]) -> float:
-    """From (predicted, measured) TTFTs: the MARGIN_QUANTILE of measured / predicted, so that
-    admission judges a prediction as late as most first tokens have lately come. Never below 1
-    (predictions that run early do not loosen admission), never above MARGIN_MAX (a few strays
-    cannot shut it), and 1 until MARGIN_MIN_SAMPLES first tokens have been seen. On the bare
-    prediction, a request predicted just under its SLO is admitted and misses it whenever its
-    first token comes later than predicted: on a shared machine, often."""
-    ratios = [measured / predicted for predicted, measured in pairs if predicted > 0]
-    if len(ratios) < MARGIN_MIN_SAMPLES:
-        return 1.0
-    q = statistics.quantiles(ratios, n=100, method="inclusive")[round(MARGIN_QUANTILE * 100) - 1]
-    return min(max(q, 1.0), MARGIN_MAX)

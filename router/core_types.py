@@ -3,7 +3,7 @@ and how it refuses work."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -127,3 +127,27 @@ class DecisionRecord:
     # A fault had a hand in its first token (a fallback, a re-plan or a resume): its TTFT says
     # little about how the predictions hold, and the admission margin leaves it out.
     disturbed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A whole answer, for the front doors' calls that do not stream."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...]
+    final: Summary
+
+
+async def collect(chunks: AsyncIterator[CoreChunk]) -> Answer:
+    """Read a request's chunks up to its final one."""
+    text: list[str] = []
+    ids: list[int] = []
+    lps: list[TokenLogprobs] = []
+    async for c in chunks:
+        text.append(c.text)
+        ids.extend(c.token_ids)
+        lps.extend(c.logprobs)
+        if c.final is not None:
+            return Answer("".join(text), tuple(ids), tuple(lps), c.final)
+    raise RuntimeError("the request's stream ended without its final chunk")

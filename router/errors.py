@@ -1,6 +1,9 @@
-"""Errors the pools raise to the request core."""
+"""Errors the pools raise to the request core, and how any error reads as a FailureReason."""
 
 from __future__ import annotations
+
+from engine.errors import InvalidRequestError
+from router.vocab import FailureReason
 
 
 class WorkerLost(RuntimeError):
@@ -22,9 +25,20 @@ class HandoffFailed(RuntimeError):
         self.reason = reason
 
 
-def worker_failure(exc: BaseException) -> bool:
-    """A worker (or the Ray runtime under it) failed, as opposed to a fault in the router: what
-    a front door reports as unavailable rather than internal."""
-    return any(c.__module__.startswith("ray.") for c in type(exc).__mro__) or isinstance(
-        exc, TimeoutError
-    )
+def failure_reason(exc: BaseException) -> FailureReason:
+    """What the core (or a front door's own check) raised, as one reason both doors answer."""
+    from router.core_types import NoWorkers, Overloaded  # core_types does not import this module
+
+    if isinstance(exc, InvalidRequestError):
+        return FailureReason.INVALID
+    if isinstance(exc, Overloaded):
+        return FailureReason.OVERLOADED
+    if isinstance(exc, NoWorkers):
+        return FailureReason.NO_WORKERS
+    if isinstance(exc, HandoffFailed):
+        return FailureReason.HANDOFF_FAILED
+    if isinstance(exc, (WorkerLost, TimeoutError)) or any(
+        c.__module__.startswith("ray.") for c in type(exc).__mro__
+    ):
+        return FailureReason.WORKER_FAILED  # a worker, or the Ray runtime under it
+    return FailureReason.INTERNAL

@@ -18,11 +18,10 @@ closes its connection aborts the request on every worker it touched.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
@@ -30,17 +29,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Send
 
 from engine.errors import InvalidRequestError
-from engine.outputs import TokenLogprobs
-from router.client_limit import ClientLimit
+from router.client_limit import ClientLimit, client_host
 from router.core import RequestCore
-from router.core_types import CoreChunk, Overloaded, Summary
-from router.http_errors import ApiError, from_core, invalid, validation_error
+from router.core_types import CoreChunk, Overloaded, collect
+from router.http_errors import ApiError, from_core, validation_error
 from router.http_schema import ChatCompletionRequest, CompletionRequest, request_fields
 from router.http_shapes import Call, Shapes, sse, usage
+from router.http_stream import EventStream, close, until_disconnected
 from router.request import ModelLimits, check_request_async
+from router.vocab import Frontend
 
 log = logging.getLogger("pdserve.http")
 _BEARER = HTTPBearer(auto_error=False, description="the server's --auth-token-file")
@@ -159,8 +158,10 @@ class HttpApi:
         try:
             fields, renames = request_fields(body)
             req = await check_request_async(fields, self.tokenizer, self.limits)
-        except InvalidRequestError as exc:
-            raise invalid(exc, renames) from None
+            host = client_host(request.client.host if request.client else "")
+            release = self.clients.take(host, Frontend.HTTP)
+        except (InvalidRequestError, Overloaded) as exc:
+            raise from_core(exc, renames) from None
         call = Call(
             req,
             arrived,
@@ -169,46 +170,32 @@ class HttpApi:
             bool(body.stream_options and body.stream_options.include_usage),
             int(time.time()),
         )
-        try:
-            release = self.clients.take(request.client.host if request.client else "")
-        except Overloaded as exc:
-            raise from_core(exc) from None
         # Admission and placement happen at the first chunk: a refusal is still an HTTP status,
         # so a stream's headers go out with its first token. A whole answer is collected under
         # the same watch for a closed connection.
         chunks = self.core.generate(req, arrived)
-        work = anext(chunks) if call.stream else _collect(chunks)
+        work = anext(chunks) if call.stream else collect(chunks)
         try:
-            got = await _until_disconnected(request.receive, work)
+            got = await until_disconnected(request.receive, work)
         except BaseException as exc:
-            await chunks.aclose()
-            release()
+            await close(chunks, release)
             if isinstance(exc, (StopAsyncIteration, asyncio.CancelledError)):
                 raise
             raise from_core(exc) from None
         if got is None or not call.stream:
-            await chunks.aclose()
-            release()
+            await close(chunks, release)
         if got is None:  # the client left: the request was aborted on its workers
             return JSONResponse({}, status_code=499)
         if not call.stream:
-            return JSONResponse(self.shapes.whole(call, *got))
-        return _EventStream(
-            self._events(call, got, chunks, release),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Request-Id": req.request_id},
-        )
+            return JSONResponse(self.shapes.whole(call, got))
+        headers = {"Cache-Control": "no-cache", "X-Request-Id": req.request_id}
+        return EventStream(self._events(call, got, chunks), chunks, release, headers)
 
     async def _events(
-        self,
-        call: Call,
-        first: CoreChunk,
-        chunks: AsyncGenerator[CoreChunk, None],
-        release: Callable[[], None],
+        self, call: Call, first: CoreChunk, chunks: AsyncIterator[CoreChunk]
     ) -> AsyncIterator[str]:
-        """The response's server-sent events. Cancelled when the client closes the connection,
-        which closes the core's stream (and so aborts the request on its workers)."""
-        rid = call.req.request_id
+        """The response's server-sent events, from its first chunk on. A failure mid-answer
+        ends them with an error event; EventStream closes the core's stream either way."""
         offset = 0
         try:
             if call.chat:
@@ -224,63 +211,5 @@ class HttpApi:
                     break
                 chunk = await anext(chunks, None)  # type: ignore[arg-type]
             yield "data: [DONE]\n\n"
-        except (asyncio.CancelledError, GeneratorExit):
-            log.info("request %s: the client closed the connection; aborted", rid)
-            raise
         except Exception as exc:  # a worker failed mid-answer: tell the client, then end
-            err = from_core(exc)
-            log.warning("request %s failed mid-stream: %s", rid, exc)
-            yield sse(err.body())
-        finally:
-            await chunks.aclose()
-            release()
-
-
-async def _collect(chunks: AsyncIterator[CoreChunk]) -> tuple[str, list[TokenLogprobs], Summary]:
-    text: list[str] = []
-    lps: list[TokenLogprobs] = []
-    async for c in chunks:
-        text.append(c.text)
-        lps.extend(c.logprobs)
-        if c.final is not None:
-            return "".join(text), lps, c.final
-    raise RuntimeError("the request's stream ended without its final chunk")
-
-
-class _EventStream(StreamingResponse):
-    """A StreamingResponse that notices a closed connection at once, not at its next write,
-    and always closes its body (so the core's stream is closed, aborting the request)."""
-
-    async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
-        async def respond() -> None:
-            with contextlib.suppress(OSError):  # the client left mid-write
-                await self.stream_response(send)
-
-        try:
-            await _until_disconnected(receive, respond())
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
-async def _until_disconnected(receive: Receive, work: Awaitable[Any]) -> Any:
-    """`work`'s result, or None (with `work` cancelled) once the client has disconnected."""
-    task = asyncio.ensure_future(work)
-
-    async def left() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    watch = asyncio.ensure_future(left())
-    try:
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (task, watch):
-            if not t.done():
-                t.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await watch
-    if task in done:
-        return task.result()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
-    return None
+            yield sse(from_core(exc).body())

@@ -13,8 +13,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from engine.errors import InvalidRequestError
-from router.core_types import NoWorkers, Overloaded
-from router.errors import HandoffFailed, WorkerLost, worker_failure
+from router.core_types import Overloaded
+from router.errors import failure_reason
+from router.vocab import FailureReason
 
 log = logging.getLogger("pdserve.http")
 # The core's names for fields this API spells differently.
@@ -59,8 +60,20 @@ def invalid(exc: InvalidRequestError, renames: dict[str, str]) -> ApiError:
     return ApiError(400, message, param=param)
 
 
-def from_core(exc: BaseException) -> ApiError:
-    """What the core raised before the first token, as the HTTP error a client gets."""
+# The status, the error's type and its code, by why the request failed (429 is built apart).
+_STATUS = {
+    FailureReason.NO_WORKERS: (503, "service_unavailable", "no_workers"),
+    FailureReason.WORKER_FAILED: (503, "service_unavailable", "worker_failed"),
+    FailureReason.HANDOFF_FAILED: (503, "service_unavailable", "handoff_failed"),
+    FailureReason.INTERNAL: (500, "internal_error", "internal_error"),
+}
+
+
+def from_core(exc: BaseException, renames: dict[str, str] | None = None) -> ApiError:
+    """What the core (or the request check) raised, as the HTTP error a client gets."""
+    reason = failure_reason(exc)
+    if isinstance(exc, InvalidRequestError):
+        return invalid(exc, renames or {})
     if isinstance(exc, Overloaded):
         return ApiError(
             429,
@@ -72,26 +85,25 @@ def from_core(exc: BaseException) -> ApiError:
                 "retry-after-ms": str(max(1, round(exc.retry_after_s * 1000))),
             },
         )
-    if isinstance(exc, NoWorkers):
-        return ApiError(503, str(exc), type_="service_unavailable", code="no_workers")
-    if isinstance(exc, (WorkerLost, HandoffFailed)):
-        return ApiError(503, str(exc), type_="service_unavailable", code="worker_failed")
-    if worker_failure(exc):
-        return ApiError(
-            503, f"{type(exc).__name__}: {exc}", type_="service_unavailable", code="worker_failed"
-        )
-    log.error("request failed", exc_info=exc)
-    return ApiError(500, f"internal error: {type(exc).__name__}", type_="internal_error")
+    status, type_, code = _STATUS[reason]
+    if reason is FailureReason.INTERNAL:
+        log.error("request failed", exc_info=exc)
+        return ApiError(status, f"internal error: {type(exc).__name__}", type_=type_, code=code)
+    log.warning("request failed: %s: %s", type(exc).__name__, exc)
+    return ApiError(status, str(exc), type_=type_, code=code)
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:
     err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    loc = [p for p in loc if p not in _UNION_MEMBERS]
     kind = err.get("type", "")
     if kind == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {err.get('msg')}", param=None)
-    param = ".".join(loc) or None
+    param = ""  # as the core names fields: messages[0].content
+    for part in err.get("loc", ()):
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part != "body" and part not in _UNION_MEMBERS:
+            param += f".{part}" if param else str(part)
     msg = str(err.get("msg", "invalid"))
     if kind == "extra_forbidden":
         msg = "is not supported by pdserve"
@@ -99,6 +111,6 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         msg = "is required"
     elif msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
-        if ": " in msg and param is None:  # a check across fields names its own field
+        if ": " in msg and not param:  # a check across fields names its own field
             param, msg = msg.split(": ", 1)
-    return ApiError(400, f"{param or 'body'}: {msg}", param=param)
+    return ApiError(400, f"{param or 'body'}: {msg}", param=param or None)

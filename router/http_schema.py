@@ -26,8 +26,8 @@ class _Body(BaseModel):
 
 
 class SloHint(_Body):
-    ttft_ms: float | None = Field(None, ge=0, description="TTFT SLO (0 or absent: the server's)")
-    itl_ms: float | None = Field(None, ge=0, description="ITL SLO (0 or absent: the server's)")
+    ttft_ms: float | None = Field(None, description="TTFT SLO, ms (0 or absent: the server's)")
+    itl_ms: float | None = Field(None, description="ITL SLO, ms (0 or absent: the server's)")
 
 
 class PdserveOptions(_Body):
@@ -44,9 +44,11 @@ class StreamOptions(_Body):
 class _Sampling(_Body):
     model: str
     max_tokens: int | None = None
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=0)
+    # Only OpenAI's own rules are checked here (temperature up to 2, n 1); every range the
+    # engine has is checked by router/request.py, for both doors, naming the field.
+    temperature: float | None = Field(None, le=2, description="0 (greedy) to 2")
+    top_p: float | None = Field(None, description="in (0, 1]")
+    seed: int | None = Field(None, description="in [0, 2**64)")
     stop: str | list[str] | None = None
     n: int = Field(
         1, description="only 1 is supported", json_schema_extra={"minimum": 1, "maximum": 1}
@@ -58,8 +60,8 @@ class _Sampling(_Body):
         0.0, description="only 0 is supported", json_schema_extra=_ZERO
     )
     # vLLM's extensions
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, description="-1 or 0: off")
+    min_p: float | None = Field(None, description="in [0, 1]")
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     pdserve: PdserveOptions | None = None
@@ -89,7 +91,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="one prompt: text, or token ids (a list of one is taken as that one)"
     )
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, description="top alternatives per token, 0 to 20")
 
 
 class TextPart(_Body):
@@ -98,16 +100,15 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant"]
+    role: str = Field(description="system, user or assistant")
     content: str | list[TextPart]
-    name: str | None = None
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, description="0 to 20; needs logprobs: true")
 
     @model_validator(mode="after")
     def _one_max(self) -> ChatCompletionRequest:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.outputs import TokenLogprobs
-from router.core_types import CoreChunk, Summary
+from router.core_types import Answer, CoreChunk, Summary
 from router.request import ParsedRequest
 from router.vocab import FinishReason
 
@@ -59,10 +59,9 @@ class Shapes:
             return {"delta": delta, "logprobs": logprobs, "finish_reason": why}
         return {"text": chunk.text, "logprobs": logprobs, "finish_reason": why}
 
-    def whole(
-        self, call: Call, text: str, lps: list[TokenLogprobs], final: Summary
-    ) -> dict[str, Any]:
-        logprobs = self.logprobs(call, tuple(lps), 0)
+    def whole(self, call: Call, answer: Answer) -> dict[str, Any]:
+        text, final = answer.text, answer.final
+        logprobs = self.logprobs(call, answer.logprobs, 0)
         if call.chat:
             choice = {
                 "index": 0,

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from kv_transfer import FailureReason
 from router.stats import FirstTokenRecord, RequestRecord, TransferRecord
-from router.vocab import FallbackReason, RejectReason
+from router.vocab import FallbackReason, Frontend, RejectReason
 from worker_protocol.messages import WorkerLoad, WorkerRole
 
 REJECT_REASONS = tuple(r.value for r in RejectReason)  # admission's refusals
@@ -99,8 +99,8 @@ class Metrics:
         )
         self.rejections = Counter(
             "pdserve_admission_rejections",
-            "Requests refused at admission, by reason.",
-            ("reason",),
+            "Requests refused at admission, by reason and front door.",
+            ("reason", "frontend"),
             registry=r,
         )
         self.requests = Counter(
@@ -209,7 +209,8 @@ class Metrics:
         for fb in FallbackReason:
             self.fallbacks.labels(fb.value)
         for why in REJECT_REASONS:
-            self.rejections.labels(why)
+            for door in Frontend:
+                self.rejections.labels(why, door.value)
         for role in WorkerRole:
             self.worker_restarts.labels(role.value)
             self.live_workers.labels(role.value)
@@ -240,8 +241,8 @@ class Metrics:
     def decided(self, path: str, reason: str) -> None:
         self._c(self.decisions, path, reason).inc()
 
-    def rejected(self, reason: RejectReason) -> None:
-        self._c(self.rejections, reason.value).inc()
+    def rejected(self, reason: RejectReason, frontend: Frontend) -> None:
+        self._c(self.rejections, reason.value, frontend.value).inc()
 
     def first_token(self, rec: FirstTokenRecord) -> None:
         p = rec.path

@@ -35,6 +35,7 @@ class ModelLimits:
 class RequestFields:
     """A request as a front door read it, before any check. None: not given (the default)."""
 
+    frontend: Frontend  # every door says which it is: its requests' metrics carry it
     request_id: str | None = None
     prompt: str | None = None
     prompt_token_ids: Sequence[int] | None = None
@@ -53,7 +54,6 @@ class RequestFields:
     path: RoutePath = RoutePath.AUTO
     slo_ttft_ms: float | None = None  # None or 0: the server's default
     slo_itl_ms: float | None = None
-    frontend: Frontend = Frontend.GRPC
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +64,7 @@ class ParsedRequest:
     path: RoutePath
     slo_ttft_ms: float | None  # None: the server's default
     slo_itl_ms: float | None
-    frontend: Frontend = Frontend.GRPC
+    frontend: Frontend
 
 
 def prompt_bytes(f: RequestFields) -> int:
@@ -110,7 +110,7 @@ def _prompt_ids(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> list[i
                 "prompt_token_ids", f"token id {bad} is outside [0, {limits.vocab_size})"
             )
     elif f.prompt is not None:
-        _check_size("prompt", len(f.prompt.encode()), limits)
+        _check_size("prompt", _utf8_len("prompt", f.prompt), limits)
         ids = encode(tokenizer, f.prompt)
     else:
         ids = _chat_ids(f.messages or (), tokenizer, limits)
@@ -136,7 +136,7 @@ def _chat_ids(
             raise InvalidRequestError(
                 f"messages[{i}].role", f"must be one of {CHAT_ROLES}, got {role!r}"
             )
-        size += len(content.encode())
+        size += _utf8_len(f"messages[{i}].content", content)
     _check_size("messages", size, limits)
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("messages", "this model has no chat template; send prompt")
@@ -160,6 +160,14 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text))
 
 
+def _utf8_len(field: str, text: str) -> int:
+    """Its length in UTF-8; a lone surrogate (JSON allows "\\ud800") cannot be encoded."""
+    try:
+        return len(text.encode())
+    except UnicodeEncodeError:
+        raise InvalidRequestError(field, "is not valid UTF-8 (a lone surrogate)") from None
+
+
 def _check_size(field: str, nbytes: int, limits: ModelLimits) -> None:
     if nbytes > limits.max_prompt_bytes:
         raise InvalidRequestError(
@@ -179,6 +187,8 @@ def _sampling(f: RequestFields, prompt_len: int, limits: ModelLimits) -> Samplin
             "max_tokens",
             f"must be in [1, {cap}] for a {prompt_len}-token prompt {why}, got {max_tokens}",
         )
+    for i, stop in enumerate(f.stop):
+        _utf8_len(f"stop[{i}]", stop)
     bad_stop = next((t for t in f.stop_token_ids if not 0 <= t < limits.vocab_size), None)
     if bad_stop is not None:
         raise InvalidRequestError(

@@ -68,6 +68,7 @@ class Server:
         self.port = 0
         self.admin_port = 0
         self.http: HttpServer | None = None
+        self.clients: ClientLimit | None = None  # requests per client, over both doors
         self.http_port = 0
         self.metrics: Metrics | None = None
         self.metrics_port = 0
@@ -115,7 +116,7 @@ class Server:
             ],
         )
         # One count of each client's requests over both front doors.
-        clients = ClientLimit(c.max_streams_per_client, self.core.sink)
+        self.clients = clients = ClientLimit(c.max_streams_per_client, self.core.sink)
         servicer = GenerationServicer(self.core, tokenizer, limits, c.cluster.model, clients)
         self._health = await add_services(self.grpc, servicer)
         self.port = _listen(self.grpc, c.host, c.port, creds, "--port")

@@ -24,21 +24,27 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.errors import InvalidRequestError
-from engine.outputs import TokenLogprobs
 from pdserve_proto import generation_pb2 as pb
-from router.client_limit import ClientLimit
-from router.convert import PATH_TO_WIRE, invalid_utf8_field, request_fields
+from router.client_limit import ClientLimit, client_host
+from router.convert import final_to_wire, invalid_utf8_field, logprobs_to_wire, request_fields
 from router.core import RequestCore
-from router.core_types import CoreChunk, NoWorkers, Overloaded, Summary
-from router.errors import HandoffFailed, WorkerLost, worker_failure
+from router.core_types import CoreChunk, Overloaded, collect
+from router.errors import failure_reason
 from router.request import ModelLimits, ParsedRequest, check_request_async
-from router.vocab import FinishReason
+from router.vocab import FailureReason, Frontend
 
 SERVICE = "pdserve.v1.Generation"
-FINISH = {
-    FinishReason.STOP: pb.FINISH_REASON_STOP,
-    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+STATUS = {
+    FailureReason.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    FailureReason.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    FailureReason.NO_WORKERS: grpc.StatusCode.UNAVAILABLE,
+    FailureReason.WORKER_FAILED: grpc.StatusCode.UNAVAILABLE,
+    FailureReason.HANDOFF_FAILED: grpc.StatusCode.UNAVAILABLE,
+    FailureReason.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+_WHY = {r: "" for r in FailureReason} | {
+    FailureReason.WORKER_FAILED: "request failed: a worker failed: ",
+    FailureReason.INTERNAL: "request failed: ",
 }
 log = logging.getLogger("pdserve.servicer")
 
@@ -61,49 +67,6 @@ def _deserialize(raw: bytes) -> pb.GenerateRequest | _BadWire:
         return _BadWire("request", f"could not be parsed: {exc}")
 
 
-def _logprobs(lps: tuple[TokenLogprobs, ...]) -> list[pb.TokenLogprob]:
-    return [
-        pb.TokenLogprob(
-            token_id=lp.token_id,
-            logprob=lp.logprob,
-            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
-        )
-        for lp in lps
-    ]
-
-
-def _final(s: Summary) -> pb.FinalInfo:
-    info = pb.FinalInfo(
-        finish_reason=FINISH[s.finish_reason] if s.finish_reason else pb.FINISH_REASON_UNSPECIFIED,
-        usage=pb.Usage(
-            prompt_tokens=s.prompt_tokens,
-            completion_tokens=s.completion_tokens,
-            cached_prompt_tokens=s.cached_prompt_tokens,
-        ),
-        path=PATH_TO_WIRE[s.path],
-        prefill_worker=s.prefill_worker,
-        decode_worker=s.decode_worker,
-        ttft_ms=s.ttft_s * 1000,
-        predictions=[
-            pb.PathPrediction(
-                path=PATH_TO_WIRE[p.path],
-                ttft_ms=p.ttft_s * 1000,
-                itl_ms=p.itl_s * 1000,
-                prefill_worker=p.prefill_worker,
-                decode_worker=p.decode_worker,
-            )
-            for p in s.decision.best
-        ],
-        decision_reason=s.decision.reason,
-        kv_fallback=s.kv_fallback.value if s.kv_fallback is not None else "",
-    )
-    if isinstance(s.stop_reason, str):
-        info.stop_string = s.stop_reason
-    elif isinstance(s.stop_reason, int):
-        info.stop_token_id = s.stop_reason
-    return info
-
-
 async def _refuse(context: grpc.aio.ServicerContext, exc: Overloaded) -> NoReturn:
     """RESOURCE_EXHAUSTED with the reason and a retry hint in the trailing metadata."""
     context.set_trailing_metadata(
@@ -114,12 +77,6 @@ async def _refuse(context: grpc.aio.ServicerContext, exc: Overloaded) -> NoRetur
     )
     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
     raise AssertionError("unreachable: abort raises")
-
-
-def _client(context: grpc.aio.ServicerContext) -> str:
-    """Who is calling, for per-client limits: the peer's address without its port."""
-    peer = context.peer() or ""
-    return peer.rsplit(":", 1)[0] if peer.startswith(("ipv4:", "ipv6:")) else peer
 
 
 class GenerationServicer:
@@ -166,7 +123,7 @@ class GenerationServicer:
         self, req: ParsedRequest, arrived: float, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[CoreChunk, None]:
         try:
-            release = self.clients.take(_client(context))
+            release = self.clients.take(client_host(context.peer() or ""), Frontend.GRPC)
         except Overloaded as exc:
             await _refuse(context, exc)
         try:
@@ -184,21 +141,20 @@ class GenerationServicer:
         try:
             async for chunk in stream:
                 yield chunk
-        except Overloaded as exc:
-            await _refuse(context, exc)
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
-        except (NoWorkers, WorkerLost, HandoffFailed) as exc:
-            log.warning("request %s: %s", req.request_id, exc)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except Exception as exc:
-            log.exception("request %s failed", req.request_id)
-            code = grpc.StatusCode.INTERNAL
-            if worker_failure(exc):
-                code = grpc.StatusCode.UNAVAILABLE
-            await context.abort(code, f"request failed: {type(exc).__name__}: {exc}")
+            reason = failure_reason(exc)
+            if isinstance(exc, Overloaded):
+                await _refuse(context, exc)
+            if reason is FailureReason.INTERNAL:
+                log.exception("request %s failed", req.request_id)
+            elif reason is not FailureReason.INVALID:
+                log.warning("request %s: %s: %s", req.request_id, type(exc).__name__, exc)
+            detail = str(exc)
+            if reason is FailureReason.INTERNAL:
+                detail = f"{type(exc).__name__}: {exc}"
+            await context.abort(STATUS[reason], f"{_WHY[reason]}{detail}")
         finally:
             await stream.aclose()
 
@@ -213,8 +169,8 @@ class GenerationServicer:
                     request_id=c.request_id,
                     token_ids=c.token_ids,
                     text=c.text,
-                    logprobs=_logprobs(c.logprobs),
-                    final=_final(c.final) if c.final is not None else None,
+                    logprobs=logprobs_to_wire(c.logprobs),
+                    final=final_to_wire(c.final) if c.final is not None else None,
                 )
 
     async def Complete(  # noqa: N802
@@ -222,22 +178,14 @@ class GenerationServicer:
     ) -> pb.CompleteResponse:
         arrived = time.monotonic()
         req = await self._parse(request, context)
-        ids: list[int] = []
-        text: list[str] = []
-        lps: list[TokenLogprobs] = []
-        final: Summary | None = None
         async with contextlib.aclosing(self._chunks(req, arrived, context)) as chunks:
-            async for c in chunks:
-                ids.extend(c.token_ids)
-                text.append(c.text)
-                lps.extend(c.logprobs)
-                final = c.final or final
+            answer = await collect(chunks)
         return pb.CompleteResponse(
             request_id=req.request_id,
-            token_ids=ids,
-            text="".join(text),
-            logprobs=_logprobs(tuple(lps)),
-            final=_final(final) if final is not None else None,
+            token_ids=answer.token_ids,
+            text=answer.text,
+            logprobs=logprobs_to_wire(answer.logprobs),
+            final=final_to_wire(answer.final),
         )
 
 

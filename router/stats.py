@@ -57,7 +57,7 @@ class TransferRecord:
 class StatsSink(Protocol):
     def decided(self, path: str, reason: str) -> None: ...
 
-    def rejected(self, reason: RejectReason) -> None: ...
+    def rejected(self, reason: RejectReason, frontend: Frontend) -> None: ...
 
     def first_token(self, record: FirstTokenRecord) -> None: ...
 
@@ -88,7 +88,7 @@ class NullSink:
     def decided(self, path: str, reason: str) -> None:
         pass
 
-    def rejected(self, reason: RejectReason) -> None:
+    def rejected(self, reason: RejectReason, frontend: Frontend) -> None:
         pass
 
     def first_token(self, record: FirstTokenRecord) -> None:

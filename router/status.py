@@ -38,7 +38,7 @@ def scrape(address: str, timeout: float = 5.0) -> Samples:
     return out
 
 
-def _by(samples: Samples, name: str, *keys: str) -> dict[tuple[str, ...], float]:
+def by_labels(samples: Samples, name: str, *keys: str) -> dict[tuple[str, ...], float]:
     """Sum of `name`'s samples grouped by the label values of `keys`."""
     acc: dict[tuple[str, ...], float] = defaultdict(float)
     for (n, labels), v in samples.items():
@@ -66,7 +66,7 @@ def quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:
 
 def _quantiles(samples: Samples, metric: str) -> dict[str, tuple[float | None, float | None]]:
     """p50 and p99 by path, over the path's series summed (sum by (le, path), as Prometheus)."""
-    buckets = _by(samples, metric + "_bucket", "path", "le")
+    buckets = by_labels(samples, metric + "_bucket", "path", "le")
     per_path: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for (path, le), v in buckets.items():
         per_path[path].append((float(le), v))
@@ -81,7 +81,7 @@ def _fmt_s(v: float | None) -> str:
 
 def render(before: Samples, after: Samples, seconds: float, address: str) -> str:
     lines = [f"pdserve metrics at {address}"]
-    roles = _by(after, "pdserve_workers", "role")
+    roles = by_labels(after, "pdserve_workers", "role")
     lines.append(
         "workers: " + (", ".join(f"{int(v)} {r[0]}" for r, v in sorted(roles.items())) or "none")
     )
@@ -89,13 +89,13 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
         f"{'worker':<12} {'role':<8} {'running':>7} {'waiting':>7} {'KV used':>8} "
         f"{'queued prefill tok':>18} {'prefix hits':>11} {'preempted':>9}"
     )
-    running = _by(after, "pdserve_worker_requests_running", "worker", "role")
-    waiting = _by(after, "pdserve_worker_requests_waiting", "worker", "role")
-    kv = _by(after, "pdserve_worker_kv_cache_usage_ratio", "worker", "role")
-    queued = _by(after, "pdserve_worker_queued_prefill_tokens", "worker", "role")
-    hits = _by(after, "pdserve_worker_prefix_cache_hits_tokens_total", "worker", "role")
-    queries = _by(after, "pdserve_worker_prefix_cache_queries_tokens_total", "worker", "role")
-    preempt = _by(after, "pdserve_worker_preemptions_total", "worker", "role")
+    running = by_labels(after, "pdserve_worker_requests_running", "worker", "role")
+    waiting = by_labels(after, "pdserve_worker_requests_waiting", "worker", "role")
+    kv = by_labels(after, "pdserve_worker_kv_cache_usage_ratio", "worker", "role")
+    queued = by_labels(after, "pdserve_worker_queued_prefill_tokens", "worker", "role")
+    hits = by_labels(after, "pdserve_worker_prefix_cache_hits_tokens_total", "worker", "role")
+    queries = by_labels(after, "pdserve_worker_prefix_cache_queries_tokens_total", "worker", "role")
+    preempt = by_labels(after, "pdserve_worker_preemptions_total", "worker", "role")
     for key in sorted(running, key=lambda k: (k[1], k[0])):
         hit = hits.get(key, 0) / queries[key] if queries.get(key) else 0.0
         lines.append(
@@ -103,10 +103,10 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
             f"{kv.get(key, 0):>8.1%} {queued.get(key, 0):>18.0f} {hit:>11.1%} "
             f"{preempt.get(key, 0):>9.0f}"
         )
-    reqs = _by(after, "pdserve_requests_total", "path")
-    reqs0 = _by(before, "pdserve_requests_total", "path")
-    toks = sum(_by(after, "pdserve_generation_tokens_total").values())
-    toks0 = sum(_by(before, "pdserve_generation_tokens_total").values())
+    reqs = by_labels(after, "pdserve_requests_total", "path")
+    reqs0 = by_labels(before, "pdserve_requests_total", "path")
+    toks = sum(by_labels(after, "pdserve_generation_tokens_total").values())
+    toks0 = sum(by_labels(before, "pdserve_generation_tokens_total").values())
     total = sum(reqs.values())
     rate = (total - sum(reqs0.values())) / seconds
     per_path = ", ".join(f"{p[0]} {v:.0f}" for p, v in sorted(reqs.items()))
@@ -114,7 +114,7 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
         f"requests: {total:.0f} ({per_path or 'none'}); now {rate:.1f} req/s, "
         f"{(toks - toks0) / seconds:.0f} output tok/s"
     )
-    fin = _by(after, "pdserve_requests_total", "finish_reason")
+    fin = by_labels(after, "pdserve_requests_total", "finish_reason")
     lines.append("finish: " + (", ".join(f"{k[0]} {v:.0f}" for k, v in sorted(fin.items())) or "-"))
     for label, metric in (
         ("TTFT", "pdserve_time_to_first_token_seconds"),
@@ -123,28 +123,28 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
         qs = _quantiles(after, metric)
         text = "; ".join(f"{p} {_fmt_s(a)} / {_fmt_s(b)}" for p, (a, b) in qs.items())
         lines.append(f"{label} p50 / p99: {text or '-'}")
-    dec = _by(after, "pdserve_path_decisions_total", "path", "reason")
+    dec = by_labels(after, "pdserve_path_decisions_total", "path", "reason")
     lines.append(
         "decisions: " + (", ".join(f"{p}/{r} {v:.0f}" for (p, r), v in sorted(dec.items())) or "-")
     )
-    rej = _by(after, "pdserve_admission_rejections_total", "reason")
+    rej = by_labels(after, "pdserve_admission_rejections_total", "reason")
     lines.append(
         "rejected: " + (", ".join(f"{k[0]} {v:.0f}" for k, v in sorted(rej.items())) or "none")
     )
-    ok = sum(_by(after, "pdserve_kv_transfers_total").values())
-    nbytes = sum(_by(after, "pdserve_kv_transfer_bytes_total").values())
-    fails = _by(after, "pdserve_kv_transfer_failures_total", "reason")
-    bw = sum(_by(after, "pdserve_kv_transfer_bandwidth_bytes_per_second").values())
+    ok = sum(by_labels(after, "pdserve_kv_transfers_total").values())
+    nbytes = sum(by_labels(after, "pdserve_kv_transfer_bytes_total").values())
+    fails = by_labels(after, "pdserve_kv_transfer_failures_total", "reason")
+    bw = sum(by_labels(after, "pdserve_kv_transfer_bandwidth_bytes_per_second").values())
     lines.append(
         f"KV transfers: {ok:.0f} done, {nbytes / 1e6:.1f} MB, "
         f"{sum(fails.values()):.0f} failed, latest {bw / 1e9:.2f} GB/s"
     )
-    falls = _by(after, "pdserve_local_prefill_fallbacks_total", "reason")
+    falls = by_labels(after, "pdserve_local_prefill_fallbacks_total", "reason")
     lines.append(
         "prefilled on the decode worker after all: "
         + (", ".join(f"{k[0]} {v:.0f}" for k, v in sorted(falls.items()) if v) or "none")
     )
-    restarts = _by(after, "pdserve_worker_restarts_total", "role")
+    restarts = by_labels(after, "pdserve_worker_restarts_total", "role")
     lines.append(
         "dead workers replaced: "
         + (", ".join(f"{k[0]} {v:.0f}" for k, v in sorted(restarts.items()) if v) or "none")

@@ -64,3 +64,14 @@ class Placement:
     def __post_init__(self) -> None:
         if self.path not in (RoutePath.COLOCATED, RoutePath.DISAGGREGATED):
             raise ValueError(f"a placement's path is colocated or disaggregated, not {self.path}")
+
+
+class FailureReason(enum.Enum):
+    """Why a request ended without its answer: each front door maps it to its own status."""
+
+    INVALID = "invalid"  # a field out of range (a client's mistake)
+    OVERLOADED = "overloaded"  # admission refused it; RejectReason says why
+    NO_WORKERS = "no_workers"  # no decode worker is up
+    WORKER_FAILED = "worker_failed"  # a worker died or timed out under it; no resume was left
+    HANDOFF_FAILED = "handoff_failed"  # its KV never came, under --kv-failure-policy fail
+    INTERNAL = "internal"  # a fault in the router itself

@@ -4,8 +4,8 @@ import pytest
 
 from engine.errors import InvalidRequestError
 from pdserve_proto import generation_pb2 as pb
-from router.convert import parse_request
-from router.request import ModelLimits
+from router.convert import request_fields
+from router.request import ModelLimits, check_request
 from router.vocab import RoutePath
 from tests.helpers import loaded
 
@@ -14,7 +14,7 @@ LIMITS = ModelLimits(vocab_size=259, max_model_len=1024, max_prompt_bytes=1 << 2
 
 
 def parse(**kw):
-    return parse_request(pb.GenerateRequest(**kw), TOK, LIMITS)
+    return check_request(request_fields(pb.GenerateRequest(**kw)), TOK, LIMITS)
 
 
 def refused(field, **kw):
@@ -100,10 +100,10 @@ def test_chat_without_a_template_or_refused_by_it_names_messages():
     bare = copy.deepcopy(TOK)
     bare.chat_template = None
     with pytest.raises(InvalidRequestError) as info:
-        parse_request(pb.GenerateRequest(messages=msgs), bare, LIMITS)
+        check_request(request_fields(pb.GenerateRequest(messages=msgs)), bare, LIMITS)
     assert info.value.field == "messages" and "no chat template" in str(info.value)
     strict = copy.deepcopy(TOK)
     strict.chat_template = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(InvalidRequestError) as info:
-        parse_request(pb.GenerateRequest(messages=msgs), strict, LIMITS)
+        check_request(request_fields(pb.GenerateRequest(messages=msgs)), strict, LIMITS)
     assert info.value.field == "messages" and "roles must alternate" in str(info.value)

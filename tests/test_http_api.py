@@ -76,8 +76,10 @@ def test_openai_client_gets_the_grpc_text_through_every_call(srv, stub, client, 
     assert whole.choices[0].text == text
     assert whole.usage.prompt_tokens == final.usage.prompt_tokens
     assert whole.usage.completion_tokens == len(ids)
-    assert whole.model_extra["pdserve"]["path"] == path
-    assert whole.model_extra["pdserve"]["kv_fallback"] is None
+    info = whole.model_extra["pdserve"]
+    assert info["path"] == path and info["kv_fallback"] is None and info["ttft_ms"] > 0
+    assert info["decode_worker"] == "decode-0"
+    assert info["prefill_worker"] == ("prefill-0" if path == "disaggregated" else None)
 
     streamed = client.completions.create(model=MODEL, prompt=PROMPT, stream=True, **opts)
     assert "".join(c.choices[0].text for c in streamed) == text
@@ -96,7 +98,8 @@ def test_openai_client_gets_the_grpc_text_through_every_call(srv, stub, client, 
     assert chunks[0].choices[0].delta.role == "assistant"
     usage = chunks[-1].usage  # include_usage: a last chunk with no choices and the usage
     assert not chunks[-1].choices and usage.completion_tokens == chat.usage.completion_tokens
-    assert usage.prompt_tokens_details.cached_tokens >= 0
+    # The same chat prompt came three times before: its full blocks are in the prefix cache.
+    assert usage.prompt_tokens_details.cached_tokens > 0
     n_dis = 6 if path == "disaggregated" else 0
     nbytes, ok = received(srv)
     assert ok - before[1] == n_dis and (nbytes > before[0]) == bool(n_dis)
@@ -195,15 +198,17 @@ def test_models_health_and_openapi(base, client):
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(doc["paths"])
 
 
-def test_http_requests_are_labelled_in_the_metrics(srv, client):
+def test_http_requests_are_labelled_in_the_metrics(srv, stub, client):
     client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0)
+    grpc_answer(stub, "colocated", prompt="x")
     deadline = time.monotonic() + 5
     port = srv.server.metrics_port
     while True:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         lines = [ln for ln in text.splitlines() if ln.startswith("pdserve_requests_total{")]
-        if any('frontend="http"' in ln and not ln.endswith(" 0.0") for ln in lines):
+        counted = {door for door in ("http", "grpc") for ln in lines
+                   if f'frontend="{door}"' in ln and not ln.endswith(" 0.0")}  # fmt: skip
+        if counted == {"http", "grpc"}:
             break
         assert time.monotonic() < deadline, lines
         time.sleep(0.1)
-    assert any('frontend="grpc"' in ln for ln in lines)

@@ -6,14 +6,18 @@ OpenAPI document."""
 from __future__ import annotations
 
 import asyncio
+import json
 import ssl
 import threading
 import time
 
+import grpc
 import httpx2 as httpx
 import openai
 import pytest
 
+from pdserve_proto import generation_pb2 as pb
+from pdserve_proto import generation_pb2_grpc as pb_grpc
 from router.core_types import RouterConfig
 from router.errors import WorkerLost
 from router.fake_backend import FakeBackend
@@ -27,7 +31,7 @@ BODY = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4}
 
 
 def server(backend: FakeBackend | None = None, **kw) -> ServerThread:
-    config = ServeConfig(port=0, metrics_port=None, http_port=0, **kw)
+    config = ServeConfig(**{"port": 0, "metrics_port": None, "http_port": 0, **kw})
     return ServerThread(config, backend=backend or FakeBackend(), tokenizer=TOKENIZER)
 
 
@@ -114,6 +118,7 @@ def test_admission_and_the_client_limit_answer_429_with_retry_after():
             _release(s, gate, held)
             s.run(_set(gate))
             assert http.post(url, json=BODY).status_code == 200
+            assert not s.server.clients._running  # every slot was given back
     finally:
         s.run(_set(gate))
         s.close()
@@ -207,4 +212,71 @@ def test_a_client_leaving_before_its_first_token_aborts_the_request(stream):
         assert s.server.core.pending == 0 and backend.closed == backend.started
     finally:
         s.run(_set(gate))
+        s.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_client_limit_counts_both_front_doors_together():
+    """One request waits on gRPC and one on HTTP: with --max-streams-per-client 2 a third is
+    refused on either door, and every slot comes back."""
+    gate = asyncio.Event()
+    s = server(FakeBackend(gate=gate), max_streams_per_client=2, metrics_port=0)
+    url = base(s) + "/v1/completions"
+    req = pb.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=pb.SamplingParams(max_tokens=4))
+    try:
+        with grpc.insecure_channel(s.address) as ch, httpx.Client(timeout=30) as http:
+            stub = pb_grpc.GenerationStub(ch)
+            on_grpc = stub.Complete.future(req, timeout=30)
+            on_http = threading.Thread(target=httpx.post, args=(url,), kwargs={"json": BODY})
+            on_http.start()
+            deadline = time.monotonic() + 10
+            while s.server.core.pending < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            third = http.post(url, json=BODY)
+            assert third.status_code == 429 and third.json()["error"]["code"] == "client_limit"
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Complete(req, timeout=30)
+            assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            s.run(_set(gate))
+            assert len(on_grpc.result(30).token_ids) == 4
+            on_http.join(30)
+        assert not s.server.clients._running
+        sample = s.server.metrics.registry.get_sample_value
+        for door in ("grpc", "http"):
+            labels = {"reason": "client_limit", "frontend": door}
+            assert sample("pdserve_admission_rejections_total", labels) == 1
+    finally:
+        s.run(_set(gate))
+        s.close()
+
+
+@pytest.mark.timeout(120)
+def test_values_the_engine_cannot_take_are_a_400_not_a_failed_worker():
+    s = server()
+    try:
+        with httpx.Client(timeout=30) as http:
+            cases = [
+                ({**BODY, "seed": 2**64}, "seed"),
+                ({**BODY, "prompt": "caf\ud800"}, "prompt"),
+                ({**BODY, "stop": ["\udfff"]}, "stop[0]"),
+                ({"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]},
+                 "messages[0].content"),
+                ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]},
+                 "messages[0].role"),
+                ({"model": MODEL, "messages": [{"role": "user", "content": "hi", "name": "x"}]},
+                 "messages[0].name"),
+                ({"model": MODEL, "messages": []}, "messages"),
+            ]  # fmt: skip
+            for body, param in cases:
+                route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+                raw = json.dumps(body)  # a lone surrogate is written "\\ud800", as JSON allows
+                resp = http.post(
+                    base(s) + route, content=raw, headers={"content-type": "application/json"}
+                )
+                assert resp.status_code == 400, (body, resp.text)
+                assert resp.json()["error"]["param"] == param, resp.text
+            ok = http.post(base(s) + "/v1/completions", json={**BODY, "seed": 2**64 - 1})
+            assert ok.status_code == 200
+    finally:
         s.close()

@@ -25,6 +25,7 @@ def request(rid: str, n: int = 32, max_tokens: int = 4, slo_ttft_ms: float | Non
         path=RoutePath.AUTO,
         slo_ttft_ms=slo_ttft_ms,
         slo_itl_ms=None,
+        frontend=Frontend.GRPC,
     )
 
 
@@ -278,10 +279,13 @@ def test_a_refusal_is_counted_by_its_reason():
         return metrics
 
     sample = run(main()).registry.get_sample_value
-    assert sample("pdserve_admission_rejections_total", {"reason": "queue_full"}) == 1
-    for other in RejectReason:  # every reason exists at 0 from the start
-        if other is not RejectReason.QUEUE_FULL:
-            assert sample("pdserve_admission_rejections_total", {"reason": other.value}) == 0
+    by = {"reason": "queue_full", "frontend": "grpc"}
+    assert sample("pdserve_admission_rejections_total", by) == 1
+    for other in RejectReason:  # every reason exists at 0 from the start, for both doors
+        for door in ("grpc", "http"):
+            if (other.value, door) != ("queue_full", "grpc"):
+                labels = {"reason": other.value, "frontend": door}
+                assert sample("pdserve_admission_rejections_total", labels) == 0
 
 
 def test_a_placement_takes_a_path_that_is_taken():

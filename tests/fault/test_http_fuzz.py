@@ -101,8 +101,11 @@ def answer_ok(test: str, resp: httpx.Response, what: str) -> None:
         assert finishes and finishes[-1] in ("stop", "length"), chunks
     else:
         body = resp.json()
-        if "usage" in body:
+        if body.get("object") in ("text_completion", "chat.completion"):
             assert 1 <= body["usage"]["completion_tokens"] <= MAX_NEW, body
+            assert body["choices"][0]["finish_reason"] in ("stop", "length"), body
+        else:  # the model list or the health answer
+            assert body.get("object") == "list" or body == {"status": "ok"}, body
 
 
 @pytest.fixture(scope="module")

@@ -46,9 +46,7 @@ def request(prompt: list[int], path: int, max_tokens: int) -> pb.GenerateRequest
 
 def counters(srv: ServerThread, name: str, key: str) -> dict[str, float]:
     samples = status.scrape(f"127.0.0.1:{srv.server.metrics_port}")
-    return {
-        dict(labels).get(key, ""): v for (n, labels), v in samples.items() if n == name
-    }  # fmt: skip
+    return {k[0]: v for k, v in status.by_labels(samples, name, key).items()}
 
 
 def rule_health(port: int) -> list[tuple[str, str, str]]:

@@ -16,8 +16,8 @@ import pytest
 
 from bench import cli, loadgen, overload, slo, trace
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from router.admission import ttft_margin
 from router.cluster import ClusterConfig
-from router.core import ttft_margin
 from router.core_types import RouterConfig
 from router.server import ServeConfig
 from tests.grpc_server import ServerThread
