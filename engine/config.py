@@ -25,8 +25,8 @@ class ModelConfig:
     max_model_len: int | None = None
     # torch threads for this process; None leaves torch's default.
     num_threads: int | None = None
-    # Attention kernel: "auto", "sdpa" (portable gather + SDPA) or "paged" (the
-    # compiled CPU paged-decode kernel, when it builds).
+    # Attention kernel: "auto", "sdpa" (portable gather + SDPA) or "paged" (the Triton
+    # kernel on CUDA; the compiled CPU paged-decode kernel on CPU, when it builds).
     attention_backend: str = "auto"
     # Where converted models are cached; None means ~/.cache/pdserve/models.
     cache_dir: str | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.util import find_spec
 from typing import Any
 
 import torch
@@ -64,14 +65,19 @@ class ModelRunner:
         heads, scale = self.model.num_heads, self.model.scale
         if name not in ("auto", "sdpa", "paged"):
             raise ValueError(f"attention_backend must be auto, sdpa or paged, got {name!r}")
+        if name in ("auto", "paged") and self.device.type == "cuda" and find_spec("triton"):
+            # Imported here: triton is optional on CPU installs (CUDA builds of torch bring it).
+            from engine import triton_attention
+
+            return triton_attention.TritonPagedAttention(self.cache, heads, scale)
         if name in ("auto", "paged") and paged_attention_cpu.supported(self.cache):
             lib = paged_attention_cpu.load_kernel()
             if lib is not None:
                 return paged_attention_cpu.PagedCpuAttention(self.cache, heads, scale, lib)
         if name == "paged":
             raise ValueError(
-                "attention_backend 'paged' needs float32 on CPU and a C compiler to build "
-                "its kernel"
+                "attention_backend 'paged' needs triton on CUDA, or float32 on CPU and a C "
+                "compiler to build its kernel"
             )
         return SdpaAttention(self.cache, heads, scale)
 
