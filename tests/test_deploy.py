@@ -115,11 +115,12 @@ def test_the_router_manifest_runs_a_command_the_cli_accepts_and_exposes_its_port
     assert values["ray_address"] == "auto" and values["host"] == "0.0.0.0"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {
-        "grpc": values["port"], "metrics": values["metrics_port"], "admin": values["admin_port"]
+        "grpc": values["port"], "http": values["http_port"], "metrics": values["metrics_port"],
+        "admin": values["admin_port"],
     }  # fmt: skip
-    # The Service exposes gRPC and metrics, never the admin port.
+    # The Service exposes gRPC, HTTP and metrics, never the admin port.
     service = objs["Service"]
-    assert {p["targetPort"] for p in service["spec"]["ports"]} == {"grpc", "metrics"}
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == {"grpc", "http", "metrics"}
     labels = objs["Deployment"]["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
     assert container["readinessProbe"]["grpc"]["port"] == values["port"]
