@@ -1,0 +1,195 @@
+"""Decode-step time against the memory roofline, on random weights of a model's shape.
+
+    python -m engine.decode_sweep [--shape llama-3.1-8b|smollm2-135m|tiny] [--batches 1,16,64,128]
+                                  [--context 1024] [--dtype bfloat16] [--device auto] [--json FILE]
+
+A decode step must read every weight once and each running request's KV once. For each batch
+size B it runs the engine's model runner (paged KV, the chosen attention backend, sampling) on
+steps of B decodes whose context is `--context` tokens, and reports the median step time and the
+fraction of the roofline it reaches:
+
+    roofline fraction = (weight bytes + KV bytes read) / step time / measured copy bandwidth
+
+where the copy bandwidth is the device's own, measured here (a large buffer copied on the
+device: bytes read plus bytes written, per second). The weights are random (a decode step's
+time does not depend on their values), built on the device from a config written here: no
+download. The KV cache's contents are arbitrary for the same reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.model_runner import ModelRunner, resolve_device
+from engine.outputs import ScheduledRequest, SchedulerOutput
+from engine.sampling_params import SamplingParams
+
+# Llama-family shapes: hidden, layers, heads, kv heads, intermediate, vocab, head_dim.
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": dict(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=14336, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=False,
+    ),
+    "smollm2-135m": dict(
+        hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        intermediate_size=1536, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=512, rope_theta=10000.0, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+
+
+def random_model(shape: str, device: torch.device, dtype: torch.dtype) -> Any:
+    """A LlamaForCausalLM of `shape` with random weights, built on `device` in `dtype`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=131072, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    with device:
+        model = LlamaForCausalLM(cfg)
+    return torch.nn.Module.to(model, dtype).eval()
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Bytes moved per second (read + write) by a device-to-device copy of `nbytes`."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decode_step(batch: int, context: int, block_size: int) -> SchedulerOutput:
+    """B decodes, each at position `context - 1` of its own blocks (block tables disjoint)."""
+    per = -(-context // block_size)
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    return SchedulerOutput(
+        scheduled=tuple(
+            ScheduledRequest(
+                request_id=f"r{i}",
+                token_ids=(1,),
+                start_pos=context - 1,
+                block_ids=tuple(range(i * per, (i + 1) * per)),
+                sample=True,
+                sampling=greedy,
+            )
+            for i in range(batch)
+        ),
+        num_batched_tokens=batch,
+    )
+
+
+def sweep(args: argparse.Namespace) -> dict[str, Any]:
+    device = resolve_device(args.device)
+    dtype = getattr(torch, args.dtype)
+    hf = random_model(args.shape, device, dtype)
+    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    if hf.config.tie_word_embeddings:  # one matrix, read by the embedding and the LM head
+        weight_bytes -= hf.lm_head.weight.numel() * hf.lm_head.weight.element_size()
+    block_size = 16
+    blocks = max(args.batches) * -(-args.context // block_size) + 8
+    config = EngineConfig(
+        model=ModelConfig(
+            model=args.shape, device=str(device), dtype=args.dtype,
+            attention_backend=args.attention_backend,
+        ),
+        cache=CacheConfig(block_size=block_size, num_blocks=blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max(args.batches)),
+    )  # fmt: skip
+    runner = ModelRunner(hf, config)
+    del hf
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    kv_per_token = 2 * runner.spec.num_layers * runner.spec.num_kv_heads * runner.spec.head_dim
+    kv_per_token *= torch.tensor([], dtype=dtype).element_size()
+    bandwidth = copy_bandwidth(device, nbytes=args.copy_bytes)
+    rows = []
+    for b in args.batches:
+        so = decode_step(b, args.context, block_size)
+        for _ in range(args.warmup):
+            runner.execute(so)
+        times = []
+        for _ in range(args.steps):
+            _sync(device)
+            t0 = time.perf_counter()
+            runner.execute(so)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        step_s = statistics.median(times)
+        nbytes = weight_bytes + b * args.context * kv_per_token
+        rows.append(
+            {
+                "batch": b,
+                "step_ms": step_s * 1000,
+                "bytes_read": nbytes,
+                "roofline_fraction": nbytes / step_s / bandwidth,
+                "tokens_per_s": b / step_s,
+            }
+        )
+    return {
+        "shape": args.shape,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": args.dtype,
+        "attention_backend": runner.attention.name,
+        "context": args.context,
+        "weight_bytes": weight_bytes,
+        "kv_bytes_per_token": kv_per_token,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "rows": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engine.decode_sweep", description=__doc__)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
+    p.add_argument("--batches", default="1,16,64,128")
+    p.add_argument("--context", type=int, default=1024, help="tokens each request holds")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "paged"])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--copy-bytes", type=int, default=1 << 30)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",")]
+    res = sweep(args)
+    print(
+        f"{res['shape']} on {res['device']}, {res['dtype']}, {res['attention_backend']} "
+        f"attention, context {res['context']}; weights {res['weight_bytes'] / 1e9:.2f} GB, "
+        f"copy bandwidth {res['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s"
+    )
+    print(f"{'batch':>6} {'ms/step':>9} {'GB read':>8} {'roofline':>9} {'tok/s':>9}")
+    for r in res["rows"]:
+        print(
+            f"{r['batch']:>6} {r['step_ms']:>9.2f} {r['bytes_read'] / 1e9:>8.2f} "
+            f"{r['roofline_fraction']:>9.2f} {r['tokens_per_s']:>9.0f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
