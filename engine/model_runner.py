@@ -18,6 +18,7 @@ from engine import paged_attention_cpu
 from engine.attention import AttentionBackend, AttentionMetadata, PrefillSegment, SdpaAttention
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache, KVCacheSpec
+from engine.loader import model_dtype
 from engine.model import PagedDecoderModel
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.sampler import sample
@@ -43,7 +44,7 @@ class ModelRunner:
     def __init__(self, hf_model: Any, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.model.device)
-        self.dtype = config.model.torch_dtype
+        self.dtype = model_dtype(config.model, self.device)
         self.model = PagedDecoderModel(hf_model, self.device, self.dtype)
         self.block_size = config.cache.block_size
         self.spec = KVCacheSpec(

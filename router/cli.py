@@ -38,6 +38,8 @@ def _error(exc: Exception) -> int:
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
+    from router.serve_options import DTYPE_HELP, DTYPES
+
     p = sub.add_parser("generate", help="complete prompts offline with one in-process engine")
     p.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf")
     p.add_argument(
@@ -53,6 +55,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
     p.add_argument("prompt", nargs="+")
     p.set_defaults(handler=_generate, passthrough=False)
 
@@ -77,7 +80,8 @@ def _generate(args: argparse.Namespace, _extra: list[str]) -> int:
             seed=args.seed,
             stop=tuple(args.stop),
         )
-        config = EngineConfig(model=ModelConfig(model=args.model, num_threads=args.threads))
+        model = ModelConfig(model=args.model, num_threads=args.threads, dtype=args.dtype)
+        config = EngineConfig(model=model)
         engine = LLMEngine(config)
     except ValueError as exc:  # InvalidRequestError and ModelNotFoundError included
         return _error(exc)

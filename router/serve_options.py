@@ -144,10 +144,18 @@ class Option:
 PORT = integer(0, 65535)
 OFF_OR_PORT = integer(-1, 65535)
 POLICIES = ("auto", "colocated", "disaggregated", "threshold")
+# engine.config.DTYPE_CHOICES, spelled out: building the parser must not import torch.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_HELP = (
+    "of the weights, activations and KV cache; auto: the checkpoint's own dtype on CUDA "
+    "(config.json's dtype, or the GGUF file's; bfloat16 for a quantized GGUF), float32 on CPU"
+)
 
 OPTIONS: tuple[Option, ...] = (
     # model and pools
     Option("model", text, "smollm2-135m", "built-in name, HF folder or .gguf"),
+    Option("dtype", choice(*DTYPES), "auto",
+           DTYPE_HELP + " (each worker resolves auto on its own device)"),
     Option("prefill", integer(0), 1, "prefill workers (0: colocated only)"),
     Option("decode", integer(1), 1, "decode workers"),
     Option("threads", integer(1), 1, "torch threads per worker"),
@@ -290,15 +298,24 @@ class ServeOptions:
     values: Mapping[str, Any]
 
     def to_yaml(self) -> str:
-        """A complete config file: every option, in the order of OPTIONS."""
+        """A complete config file: every option, in the order of OPTIONS.
+
+        `dtype: auto` is printed as such, with a comment: the router cannot know what it
+        becomes, since each worker resolves it on its own device."""
         plain = {o.name: self.values[o.name] for o in OPTIONS}
         plain = {k: str(v) if isinstance(v, Path) else v for k, v in plain.items()}
-        return yaml.safe_dump(plain, sort_keys=False)
+        text = yaml.safe_dump(plain, sort_keys=False)
+        if plain["dtype"] == "auto":
+            text += (
+                "# dtype auto: each worker resolves it on its own device: the checkpoint's own "
+                "dtype on CUDA, float32 on CPU\n"
+            )
+        return text
 
     def serve_config(self) -> ServeConfig:
         """The server's configuration."""
         # Imported here: building the parser (every `pdserve` command) must not load Ray.
-        from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+        from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
         from router.cluster_config import ClusterConfig
         from router.core_types import RouterConfig
         from router.policy import Policy, PolicyConfig
@@ -311,6 +328,7 @@ class ServeOptions:
             cache = replace(cache, cpu_kv_cache_gib=v["kv_cache_gib"])
         step_target = v["step_target_ms"]
         engine = EngineConfig(
+            model=ModelConfig(dtype=v["dtype"]),  # the cluster sets its model name
             cache=cache,
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=v["max_num_batched_tokens"],
