@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# On a machine with CUDA: the tests marked gpu/multigpu, the engine tests with CUDA as the
-# default device, and the engine's throughput on CUDA, as one run. Everything lands in
-# ${OUT:-gpu-out}/.
+# On a machine with CUDA, as one run within 10 minutes, everything landing in ${OUT:-gpu-out}/:
+#   1. the tests marked gpu/multigpu (the Triton paged attention in fp32 and bf16 included) and
+#      the engine tests with CUDA as the default device;
+#   2. bench-engine in bfloat16 on the SmolLM2-135M shape;
+#   3. the decode-step sweep on random weights of a Llama-3.1-8B-shaped model (its config written
+#      by engine/decode_sweep.py, no download) at batch 1/16/64/128: ms per step and the fraction
+#      of the HBM roofline (weight + KV bytes read / step time / the measured copy bandwidth).
 #
 # Two ways to get the dependencies:
 #   - online: scripts/install.sh into .venv with a CUDA build of torch (TORCH_SPEC, TORCH_INDEX_URL);
@@ -48,6 +52,7 @@ EOF
 stamp "pytest -m 'gpu or multigpu'"
 timeout 200 $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" -rs \
     tests/test_gpu.py tests/test_kv_transfer_peers.py tests/test_cluster_gpu.py \
+    tests/test_triton_attention.py tests/test_dtype.py \
     2>&1 | tee "$out/pytest-gpu.txt"
 check "${PIPESTATUS[0]}"
 
@@ -70,10 +75,16 @@ cfg = AutoConfig.from_pretrained(sys.argv[1])
 AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(sys.argv[1])
 EOF
 fi
-stamp "bench-engine on CUDA ($model)"
-timeout 120 $PY -m engine.bench_engine --model "$model" --requests 64 --skip hf_continuous \
-    --hf-sequential-requests 8 --json "$out/bench-engine-cuda.json" 2>&1 \
+stamp "bench-engine on CUDA, bfloat16 ($model)"
+timeout 120 $PY -m engine.bench_engine --model "$model" --dtype bfloat16 --requests 64 \
+    --skip hf_continuous --hf-sequential-requests 8 --json "$out/bench-engine-cuda.json" 2>&1 \
     | tail -12 | tee "$out/bench-engine.txt"
+check "${PIPESTATUS[0]}"
+
+stamp "decode-step sweep, Llama-3.1-8B shape, bfloat16"
+timeout 180 $PY -m engine.decode_sweep --shape llama-3.1-8b --batches 1,16,64,128 \
+    --context 1024 --dtype bfloat16 --json "$out/decode-sweep-8b.json" 2>&1 \
+    | tail -8 | tee "$out/decode-sweep-8b.txt"
 check "${PIPESTATUS[0]}"
 stamp "done"
 exit "$failed"
