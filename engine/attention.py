@@ -26,13 +26,48 @@ class PrefillSegment:
 
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
+    """One step's attention inputs. The model runner's are views into its preallocated step
+    buffers (engine/step_inputs.py); tests may build their own and leave the optional ones out.
+    Block tables may be views with a row stride wider than their width."""
+
     slot_blocks: torch.Tensor  # [T] long
     slot_offsets: torch.Tensor  # [T] long
     num_decodes: int  # rows [0, num_decodes) are single-token queries
     decode_block_table: torch.Tensor  # [num_decodes, max_nb] long (padded with block 0)
     decode_context_lens: torch.Tensor  # [num_decodes] int32
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_nb * bs] bool; None if no padding
+    # [num_decodes, 1, 1, max_nb * bs] bool; None: derived from the context lengths by the
+    # backend that needs it (only SDPA does)
+    decode_mask: torch.Tensor | None
     prefills: tuple[PrefillSegment, ...]
+    # Row of each new token's K in a layer viewed as [num_blocks * 2 * block_size, Hkv, D] (its
+    # V is block_size rows further): one index_copy_ per tensor instead of a 2-index scatter.
+    kv_slots: torch.Tensor | None = None  # [T] long
+    # Every sequence of the step (decodes, then chunks): first row, query count, context length.
+    seq_info: torch.Tensor | None = None  # [S, 3] long
+    block_table: torch.Tensor | None = None  # [S, max_nb] long, all sequences, step order
+    context_lens: torch.Tensor | None = None  # [S] int32
+
+
+def write_kv(
+    cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
+) -> None:
+    """Store a layer's new K and V [T, Hkv, D] at the step's slots."""
+    if md.kv_slots is None:
+        cache.write(layer, k, v, md.slot_blocks, md.slot_offsets)
+        return
+    t = cache.layers[layer]
+    flat = t.view(-1, t.shape[-2], t.shape[-1])
+    flat.index_copy_(0, md.kv_slots, k)
+    flat.index_copy_(0, md.kv_slots + cache.spec.block_size, v)
+
+
+def decode_mask(md: AttentionMetadata, block_size: int) -> torch.Tensor | None:
+    """The decode rows' key mask over their padded block tables (True: a key to attend)."""
+    if md.decode_mask is not None or not md.num_decodes:
+        return md.decode_mask
+    width = md.decode_block_table.shape[1] * block_size
+    keys = torch.arange(width, device=md.decode_context_lens.device)
+    return (keys[None, :] < md.decode_context_lens[:, None])[:, None, None, :]
 
 
 class AttentionBackend(Protocol):
@@ -58,18 +93,24 @@ class SdpaAttention:
         self.cache = cache
         self.num_heads = num_heads
         self.scale = scale
+        # The decode mask is derived once per step, on the first layer's call.
+        self._mask_for: AttentionMetadata | None = None
+        self._mask: torch.Tensor | None = None
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> None:
-        self.cache.write(layer, k, v, md.slot_blocks, md.slot_offsets)
+        write_kv(self.cache, layer, k, v, md)
 
     def decode(self, layer: int, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """q [Bd, H, D] -> [Bd, H, D]."""
+        if self._mask_for is not md:
+            self._mask = decode_mask(md, self.cache.spec.block_size)
+            self._mask_for = md
         k, v = self.cache.gather(layer, md.decode_block_table)  # [Bd, L, Hkv, D]
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=md.decode_mask,
+            attn_mask=self._mask,
             scale=self.scale,
             enable_gqa=True,
         )

@@ -1,8 +1,11 @@
 """Executes a SchedulerOutput on one device: flattens the batch, runs the model, samples.
 
-Lifecycle per step: prepare inputs (decodes first, then prefill chunks) -> forward over the paged
-cache -> sample the rows whose chunk ended its sequence -> ModelRunnerOutput. The runner keeps one
-torch.Generator per live request and drops it when the scheduler reports the request finished.
+Lifecycle per step: prepare inputs in the preallocated step buffers (decodes first, then prefill
+chunks; one host-to-device copy, see engine/step_inputs.py) -> forward over the paged cache ->
+sample the rows whose chunk ended its sequence, on the device -> one device-to-host copy of the
+sampled ids -> ModelRunnerOutput. The runner keeps one torch.Generator and one block-table row
+per live request, and drops both when the scheduler reports the request finished (the row also
+when it is preempted).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 import torch
 
 from engine import paged_attention_cpu
-from engine.attention import AttentionBackend, AttentionMetadata, PrefillSegment, SdpaAttention
+from engine.attention import AttentionBackend, SdpaAttention
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import model_dtype
@@ -23,6 +26,7 @@ from engine.model import PagedDecoderModel
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
+from engine.step_inputs import StepBatch, StepInputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +36,12 @@ class StepShape:
     decode_context_lens: tuple[int, ...]
     prefills: tuple[tuple[int, int], ...]  # (tokens in the chunk, tokens already cached)
     num_sampled: int
+
+
+def _max_len(hf_model: Any, config: EngineConfig) -> int:
+    """The longest sequence a request may reach: sizes the step buffers' block tables."""
+    nominal = int(getattr(hf_model.config, "max_position_embeddings", 0) or 4096)
+    return min(nominal, config.model.max_model_len or nominal)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -57,6 +67,16 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         self.cache = KVCache(self.spec, self.num_blocks, self.device)
         self.attention = self._attention_backend(config.model.attention_backend)
+        sc = config.scheduler
+        self.inputs = StepInputs(
+            self.device,
+            self.block_size,
+            max_tokens=sc.max_num_batched_tokens,
+            max_seqs=sc.max_num_seqs,
+            max_blocks_per_seq=min(
+                self.num_blocks, -(-_max_len(hf_model, config) // self.block_size)
+            ),
+        )
         self.generators: dict[str, torch.Generator] = {}
         # When a list, every executed step's shape is appended (benchmarks replay them).
         self.trace: list[StepShape] | None = None
@@ -114,79 +134,24 @@ class ModelRunner:
         for _ in range(n):
             torch.empty(self.model.vocab_size, device=self.device).exponential_(generator=g)
 
-    def _prepare(self, order: list[ScheduledRequest], num_decodes: int):
-        bs = self.block_size
-        dev = self.device
-        ids: list[int] = []
-        pos: list[int] = []
-        for s in order:
-            ids.extend(s.token_ids)
-            pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
-        decodes = order[:num_decodes]
-        max_nb = max((len(s.block_ids) for s in decodes), default=0)
-        table = [list(s.block_ids) + [0] * (max_nb - len(s.block_ids)) for s in decodes]
-        ctx = [s.start_pos + 1 for s in decodes]
-        block_of = [
-            s.block_ids[p // bs]
-            for s in order
-            for p in range(s.start_pos, s.start_pos + len(s.token_ids))
-        ]
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        decode_table = torch.tensor(table, dtype=torch.long, device=dev).view(len(decodes), max_nb)
-        ctx_t = torch.tensor(ctx, dtype=torch.int32, device=dev)
-        mask = None
-        if decodes and min(ctx) != max_nb * bs:
-            mask = (torch.arange(max_nb * bs, device=dev)[None, :] < ctx_t[:, None])[
-                :, None, None, :
-            ]
-        segs = []
-        row = num_decodes
-        for s in order[num_decodes:]:
-            segs.append(
-                PrefillSegment(
-                    row, len(s.token_ids), s.start_pos, torch.tensor(s.block_ids, device=dev)
-                )
-            )
-            row += len(s.token_ids)
-        md = AttentionMetadata(
-            slot_blocks=torch.tensor(block_of, dtype=torch.long, device=dev),
-            slot_offsets=positions % bs,
-            num_decodes=num_decodes,
-            decode_block_table=decode_table,
-            decode_context_lens=ctx_t,
-            decode_mask=mask,
-            prefills=tuple(segs),
-        )
-        return torch.tensor(ids, dtype=torch.long, device=dev), positions, md
-
     def execute(
         self, so: SchedulerOutput, on_layer: Callable[[int], None] | None = None
     ) -> ModelRunnerOutput:
         """Run one step. `on_layer(i)` is called once layer i's new KV is in the cache."""
         for rid in so.finished_request_ids:
             self.generators.pop(rid, None)
+            self.inputs.release(rid)
+        for rid in so.preempted_request_ids:
+            self.inputs.release(rid)  # recomputed later on new blocks
         if so.is_empty:
             return ModelRunnerOutput((), ())
-        decodes = [s for s in so.scheduled if len(s.token_ids) == 1]
-        chunks = [s for s in so.scheduled if len(s.token_ids) > 1]
-        order = decodes + chunks
-        input_ids, positions, md = self._prepare(order, len(decodes))
+        batch = self.inputs.prepare(so)
         if self.trace is not None:
-            self.trace.append(
-                StepShape(
-                    decode_context_lens=tuple(s.start_pos + 1 for s in decodes),
-                    prefills=tuple((len(s.token_ids), s.start_pos) for s in chunks),
-                    num_sampled=sum(1 for s in order if s.sample),
-                )
-            )
-        rows, samplers, row = [], [], 0
-        for s in order:
-            row += len(s.token_ids)
-            if s.sample:
-                rows.append(row - 1)
-                samplers.append(s)
-        logit_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
-        logits = self.model.forward(input_ids, positions, md, self.attention, logit_rows, on_layer)
+            self.trace.append(_shape(batch))
+        logits = self.model.forward(
+            batch.input_ids, batch.positions, batch.md, self.attention, batch.logit_rows, on_layer
+        )
+        samplers = batch.samplers
         if not samplers:
             return ModelRunnerOutput((), ())
         tokens, lps = sample(
@@ -197,3 +162,12 @@ class ModelRunner:
             token_ids=tuple(tokens),
             logprobs=tuple(lps),
         )
+
+
+def _shape(batch: StepBatch) -> StepShape:
+    nd = batch.md.num_decodes
+    return StepShape(
+        decode_context_lens=tuple(s.start_pos + 1 for s in batch.order[:nd]),
+        prefills=tuple((len(s.token_ids), s.start_pos) for s in batch.order[nd:]),
+        num_sampled=len(batch.samplers),
+    )

@@ -124,6 +124,7 @@ class PagedCpuAttention(SdpaAttention):
         q = q.contiguous()
         out = torch.empty_like(q)
         table = md.decode_block_table
+        assert table.stride(1) == 1 and table.dtype == torch.long
         cache = self.cache.layers[layer].data_ptr()
         ctx = md.decode_context_lens
         n = q.shape[0]
@@ -145,16 +146,16 @@ class PagedCpuAttention(SdpaAttention):
                 self.spec.num_kv_heads,
                 self.spec.head_dim,
                 self.spec.block_size,
-                table.shape[1],
+                table.stride(0),  # the row stride: a table may be a view of a wider one
                 self.scale,
                 1,
             )
 
-        if len(parts) == 1:
-            run(*parts[0])
-        else:
-            for f in [self.pool.submit(run, lo, hi) for lo, hi in parts]:
-                f.result()
+        # The calling thread runs the first part itself: one thread handoff fewer per layer.
+        futures = [self.pool.submit(run, lo, hi) for lo, hi in parts[1:]]
+        run(*parts[0])
+        for f in futures:
+            f.result()
         return out
 
     def _split(self, ctx: torch.Tensor, n: int) -> list[tuple[int, int]]:

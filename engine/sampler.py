@@ -13,27 +13,36 @@ import torch
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
+FilterKey = tuple[float, int, float, float]  # temperature, top_k, top_p, min_p
 
-def _filter(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    """Apply temperature and the top-k / top-p / min-p filters to one row of float32 logits."""
-    logits = logits / sp.temperature
-    if sp.top_k > 0 and sp.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, sp.top_k).values[-1]
+
+def _filter(logits: torch.Tensor, key: FilterKey) -> torch.Tensor:
+    """Apply temperature and the top-k / top-p / min-p filters to rows [m, V] of float32 logits
+    that share one setting. Row by row the same as filtering each row alone."""
+    temperature, top_k, top_p, min_p = key
+    logits = logits / temperature
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sp.top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True)
+    if top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
         # Drop a token when the mass before it already reaches top_p (the first always stays).
-        drop = (probs.cumsum(-1) - probs) >= sp.top_p
+        drop = (probs.cumsum(-1) - probs) >= top_p
         # The first stays explicitly too: where the CPU flushes denormals (as it does after a
         # model forward here), a denormal top_p reads as 0 and would drop every token (NaN row).
-        drop[0] = False
+        drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(0, idx, sorted_logits)
-    if sp.min_p > 0.0:
+        logits = torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
+    if min_p > 0.0:
         probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < sp.min_p * probs.max(), float("-inf"))
+        top = probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < min_p * top, float("-inf"))
     return logits
+
+
+def _rows(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
+    return t if len(idx) == t.shape[0] else t[idx]
 
 
 def sample(
@@ -41,28 +50,55 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """Sample one token per row of `logits` [N, V]."""
+    """Sample one token per row of `logits` [N, V], on their device; the ids (and logprobs)
+    come back to the host in one copy at the end."""
     logits = logits.float()
-    greedy_ids = logits.argmax(dim=-1).tolist()
-    tokens: list[int] = []
+    tokens = logits.argmax(dim=-1)  # greedy rows keep these
+    groups: dict[FilterKey, list[int]] = {}
     for i, sp in enumerate(params):
-        if sp.greedy:
-            tokens.append(greedy_ids[i])
-            continue
-        probs = _filter(logits[i], sp).softmax(-1)
-        # Exponential race (Gumbel-max in another form): argmax p / E with E ~ Exp(1).
-        noise = torch.empty_like(probs).exponential_(generator=generators[i])
+        if not sp.greedy:
+            groups.setdefault((sp.temperature, sp.top_k, sp.top_p, sp.min_p), []).append(i)
+    for key, idx in groups.items():
+        probs = _filter(_rows(logits, idx), key).softmax(-1)
+        # Exponential race (Gumbel-max in another form): argmax p / E with E ~ Exp(1), each
+        # row's draw from its own request's generator, one vocabulary-sized draw per token.
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(idx):
+            noise[j].exponential_(generator=generators[i])
         noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # a 0 draw would give 0/0 = NaN
-        tokens.append(int(torch.argmax(probs / noise)))
-    lps: list[TokenLogprobs | None] = [None] * len(params)
+        chosen = torch.argmax(probs / noise, dim=-1)
+        if len(idx) == tokens.shape[0]:
+            tokens = chosen
+        else:
+            tokens[idx] = chosen
     want = [i for i, sp in enumerate(params) if sp.logprobs is not None]
-    if want:
-        logp = torch.log_softmax(logits[want], dim=-1)
-        for j, i in enumerate(want):
-            n = params[i].logprobs or 0
-            top: tuple[tuple[int, float], ...] = ()
-            if n:
-                vals, ids = torch.topk(logp[j], n)
-                top = tuple(zip(ids.tolist(), vals.tolist()))
-            lps[i] = TokenLogprobs(tokens[i], float(logp[j, tokens[i]]), top)
-    return tokens, lps
+    if not want:
+        return tokens.tolist(), [None] * len(params)
+    return _with_logprobs(logits, tokens, params, want)
+
+
+def _with_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams], want: list[int]
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Tokens plus the chosen and top-n logprobs of the rows in `want`, packed into one float64
+    tensor so that a single copy brings them all back (ids are exact in float64)."""
+    logp = torch.log_softmax(_rows(logits, want), dim=-1)
+    chosen = logp.gather(1, _rows(tokens, want).unsqueeze(1)).squeeze(1)
+    n_top = max(params[i].logprobs or 0 for i in want)
+    parts = [tokens.double(), chosen.double()]
+    if n_top:
+        vals, ids = torch.topk(logp, n_top, dim=-1)
+        parts += [ids.double().flatten(), vals.double().flatten()]
+    packed = torch.cat(parts).tolist()
+    n, m = len(params), len(want)
+    ids_out = [int(t) for t in packed[:n]]
+    top_ids, top_vals = packed[n + m : n + m + m * n_top], packed[n + m + m * n_top :]
+    lps: list[TokenLogprobs | None] = [None] * n
+    for j, i in enumerate(want):
+        k = params[i].logprobs or 0
+        top = tuple(
+            (int(t), v)
+            for t, v in zip(top_ids[j * n_top : j * n_top + k], top_vals[j * n_top : j * n_top + k])
+        )
+        lps[i] = TokenLogprobs(ids_out[i], packed[n + j], top)
+    return ids_out, lps

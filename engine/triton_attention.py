@@ -13,8 +13,9 @@ times the G = H / Hkv query heads sharing one kv head, packed into BLOCK_M rows
 tile; a chunk of n tokens is ceil(n / BLOCK_Q) tiles. Softmax is online (running max and sum in
 float32), and a tile stops reading keys after the last position its latest query may see.
 
-The per-step tables (sequences, tiles, one padded block table) are built once per step, the
-first time a layer asks for them, not once per layer.
+The per-step tables (sequences and one padded block table) come from the model runner's step
+buffers, already on the device; the tile tables are derived from them on the device once per step
+(the first time a layer asks), so a step copies nothing across beyond the runner's one copy.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, PrefillSegment, write_kv
 from engine.kv_cache import KVCache
 
 
@@ -131,12 +132,12 @@ def _paged_attention_kernel(
 
 
 class StepPlan(NamedTuple):
-    """One step's launch tables, shared by every layer."""
+    """One step's launch tables, shared by every layer (int32 or int64 alike)."""
 
-    seqs: torch.Tensor  # [S, 3] int32: first row, query count, context length
-    table: torch.Tensor  # [S, max_nb] int32 block ids (padded with block 0)
-    tile_seq: torch.Tensor  # [num_tiles] int32: which sequence a tile belongs to
-    tile_q0: torch.Tensor  # [num_tiles] int32: its first query within that sequence
+    seqs: torch.Tensor  # [S, 3]: first row, query count, context length (rows contiguous)
+    table: torch.Tensor  # [S, max_nb] block ids (padded with block 0; rows may be strided)
+    tile_seq: torch.Tensor  # [num_tiles]: which sequence a tile belongs to
+    tile_q0: torch.Tensor  # [num_tiles]: its first query within that sequence
     block_m: int
     block_q: int
 
@@ -173,25 +174,35 @@ class TritonPagedAttention:
         self.d_pad = max(16, _pow2(spec.head_dim))
         self._plan_for: AttentionMetadata | None = None
         self._plan: StepPlan | None = None
+        self._iota = torch.arange(0)
+        self._zeros = torch.zeros(0, dtype=torch.long)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> None:
-        self.cache.write(layer, k, v, md.slot_blocks, md.slot_offsets)
+        write_kv(self.cache, layer, k, v, md)
 
     def plan(self, md: AttentionMetadata) -> StepPlan:
         """The step's launch tables; built on the first layer's call, reused by the others."""
         if self._plan_for is md and self._plan is not None:
             return self._plan
-        dev = md.slot_blocks.device
         nd, segs = md.num_decodes, md.prefills
         block_m = self.block_m_prefill if segs else self.block_m_decode
         block_q = block_m // self.group
+        if md.seq_info is not None and md.block_table is not None:
+            # The model runner's step buffers: already on the device, nothing to build.
+            seqs, table = md.seq_info, md.block_table
+        else:
+            seqs, table = self._tables(md)
+        tile_seq, tile_q0 = self._tiles(seqs, nd, segs, block_q)
+        self._plan = StepPlan(seqs, table, tile_seq, tile_q0, block_m, block_q)
+        self._plan_for = md
+        return self._plan
+
+    @staticmethod
+    def _tables(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence and block tables from metadata built without the runner's buffers."""
+        dev = md.slot_blocks.device
+        nd, segs = md.num_decodes, md.prefills
         seg_rows = [(s.row_start, s.num_tokens, s.start_pos + s.num_tokens) for s in segs]
-        tile_seq = list(range(nd))
-        tile_q0 = [0] * nd
-        for i, s in enumerate(segs):
-            starts = range(0, s.num_tokens, block_q)
-            tile_seq.extend([nd + i] * len(starts))
-            tile_q0.extend(starts)
         dec_rows = torch.arange(nd, dtype=torch.int32, device=dev)
         dec = torch.stack([dec_rows, torch.ones_like(dec_rows), md.decode_context_lens.int()], 1)
         seqs = torch.cat([dec, torch.tensor(seg_rows, dtype=torch.int32, device=dev).view(-1, 3)])
@@ -199,16 +210,29 @@ class TritonPagedAttention:
         tables += [s.block_table.int().unsqueeze(0) for s in segs]
         width = max(t.shape[1] for t in tables)
         table = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tables])
-        self._plan = StepPlan(
-            seqs=seqs.contiguous(),
-            table=table.contiguous(),
-            tile_seq=torch.tensor(tile_seq, dtype=torch.int32, device=dev),
-            tile_q0=torch.tensor(tile_q0, dtype=torch.int32, device=dev),
-            block_m=block_m,
-            block_q=block_q,
-        )
-        self._plan_for = md
-        return self._plan
+        return seqs.contiguous(), table.contiguous()
+
+    def _tiles(
+        self, seqs: torch.Tensor, nd: int, segs: tuple[PrefillSegment, ...], block_q: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which sequence each query tile belongs to and its first query: a decode is one tile
+        at query 0, a chunk of n tokens ceil(n / block_q) tiles. Computed on the device from the
+        sequence table (the host knows only the count), so no per-step copy goes across."""
+        dev = seqs.device
+        if self._iota.device != dev or self._iota.shape[0] < nd:
+            self._iota = torch.arange(max(nd, 2 * self._iota.shape[0]), device=dev)
+            self._zeros = torch.zeros_like(self._iota)
+        dec_seq, dec_q0 = self._iota[:nd], self._zeros[:nd]
+        if not segs:
+            return dec_seq, dec_q0
+        num_chunk_tiles = sum(-(-s.num_tokens // block_q) for s in segs)
+        q_lens = seqs[nd:, 1].long()
+        counts = (q_lens + block_q - 1) // block_q
+        seg_ids = torch.arange(len(segs), device=dev)
+        tile_seg = torch.repeat_interleave(seg_ids, counts, output_size=num_chunk_tiles)
+        first = torch.cumsum(counts, 0) - counts
+        q0 = (torch.arange(num_chunk_tiles, device=dev) - first[tile_seg]) * block_q
+        return torch.cat([dec_seq, tile_seg + nd]), torch.cat([dec_q0, q0])
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata

@@ -1,0 +1,223 @@
+"""Host time per engine step at 8, 64 and 256 running requests.
+
+    python -m engine.step_overhead_bench [--json FILE]
+
+
+For each batch size, N requests are prefilled, then every one of them decodes at once; the timed
+steps are those decode-only steps. One step splits into:
+
+  schedule   the scheduler's `schedule()`;
+  prepare    the runner filling its preallocated step buffers (engine/step_inputs.py);
+  forward    the model's forward (on CPU: its compute; on CUDA: the time to launch its kernels);
+  sample     the rest of the runner's `execute` (sampling and the copy of the ids back);
+  post       the engine's work after the runner (request state, outputs, detokenizing, stats).
+
+host = step - forward: everything the device does not need. `lists` is the same step's inputs
+built the way the runner built them before the buffers (Python lists of every token, position and
+block, then fresh tensors), timed on the same schedules for comparison. Medians over the steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.loader import load_model
+from engine.outputs import SchedulerOutput
+from engine.sampling_params import SamplingParams
+
+PHASES = ("schedule", "prepare", "forward", "sample", "post")
+
+
+class _Timer:
+    """Wraps a callable on one object (an instance attribute shadowing the method) and
+    accumulates the seconds spent in it during the current step."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.fn: Callable[..., Any] = getattr(owner, name)
+        self.seconds = 0.0
+        setattr(owner, name, self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+def prepare_from_lists(so: SchedulerOutput, block_size: int, device: torch.device) -> int:
+    """The former per-step preparation, for comparison: Python lists over every token and every
+    block of the step, then new tensors (and on CUDA one copy each). Returns the token count."""
+    decodes = [s for s in so.scheduled if len(s.token_ids) == 1]
+    chunks = [s for s in so.scheduled if len(s.token_ids) > 1]
+    order = decodes + chunks
+    ids: list[int] = []
+    pos: list[int] = []
+    for s in order:
+        ids.extend(s.token_ids)
+        pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
+    max_nb = max((len(s.block_ids) for s in decodes), default=0)
+    table = [list(s.block_ids) + [0] * (max_nb - len(s.block_ids)) for s in decodes]
+    ctx = [s.start_pos + 1 for s in decodes]
+    block_of = [
+        s.block_ids[p // block_size]
+        for s in order
+        for p in range(s.start_pos, s.start_pos + len(s.token_ids))
+    ]
+    positions = torch.tensor(pos, dtype=torch.long, device=device)
+    torch.tensor(table, dtype=torch.long, device=device).view(len(decodes), max_nb)
+    ctx_t = torch.tensor(ctx, dtype=torch.int32, device=device)
+    if decodes and min(ctx) != max_nb * block_size:
+        _ = torch.arange(max_nb * block_size, device=device)[None, :] < ctx_t[:, None]
+    for s in chunks:
+        torch.tensor(s.block_ids, device=device)
+    torch.tensor(block_of, dtype=torch.long, device=device)
+    _ = positions % block_size
+    rows, row = [], 0
+    for s in order:
+        row += len(s.token_ids)
+        if s.sample:
+            rows.append(row - 1)
+    torch.tensor(rows, dtype=torch.long, device=device)
+    return len(torch.tensor(ids, dtype=torch.long, device=device))
+
+
+def measure(
+    loaded: Any, model: str, n: int, prompt_len: int, steps: int, block_size: int
+) -> dict[str, Any]:
+    cfg = EngineConfig(
+        model=ModelConfig(model=model),
+        cache=CacheConfig(block_size=block_size, cpu_kv_cache_gib=4.0),
+        scheduler=SchedulerConfig(max(1024, n), n, True),
+    )
+    engine = LLMEngine(cfg, loaded)
+    runner = engine.runner
+    vocab = min(engine.vocab_size, 256)
+    g = torch.Generator().manual_seed(n)
+    warmup = 3
+    # Enough tokens that no request ends before the timed steps do (they are aborted after).
+    params = SamplingParams(
+        max_tokens=engine.max_model_len - prompt_len - 1, temperature=0.0, ignore_eos=True
+    )
+    for _ in range(n):
+        engine.add_request(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params)
+    while (
+        any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting
+    ):
+        engine.step()  # prefill (not timed)
+
+    timers = {
+        "schedule": _Timer(engine.scheduler, "schedule"),
+        "execute": _Timer(runner, "execute"),
+        "prepare": _Timer(runner.inputs, "prepare"),
+        "forward": _Timer(runner.model, "forward"),
+    }
+    rows: list[dict[str, float]] = []
+    sched = timers["schedule"]
+    for i in range(warmup + steps):
+        for t in timers.values():
+            t.seconds = 0.0
+        t0 = time.perf_counter()
+        engine.step()
+        total = time.perf_counter() - t0
+        if i < warmup:
+            continue
+        sec = {k: t.seconds for k, t in timers.items()}
+        rows.append(
+            {
+                "schedule": sec["schedule"],
+                "prepare": sec["prepare"],
+                "forward": sec["forward"],
+                "sample": sec["execute"] - sec["prepare"] - sec["forward"],
+                "post": total - sec["schedule"] - sec["execute"],
+                "step": total,
+                "host": total - sec["forward"],
+            }
+        )
+    # The same decode-only schedules again, for the list-built preparation (a step's schedule
+    # alone: no forward, so the engine state is left as it is).
+    last = engine.scheduler.running
+    assert len(last) == n and all(r.num_tokens - r.num_computed_tokens == 1 for r in last)
+    so = sched.fn()
+    for _ in range(warmup):
+        prepare_from_lists(so, block_size, runner.device)
+    lists = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        prepare_from_lists(so, block_size, runner.device)
+        lists.append(time.perf_counter() - t0)
+    ctx = [s.start_pos + 1 for s in so.scheduled]
+    engine.abort([r.request_id for r in list(engine.scheduler.running)])
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    med["lists"] = statistics.median(lists)
+    return {
+        "running": n,
+        "device": str(runner.device),
+        "context_mean": sum(ctx) / len(ctx),
+        "blocks_per_request": -(-max(ctx) // block_size),
+        "steps": len(rows),
+        "attention_backend": runner.attention.name,
+        "median_ms": {k: v * 1e3 for k, v in med.items()},
+    }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(
+        f"\nhost time per decode step, {result['model']} on {result['device']} "
+        f"({result['attention_backend']} attention), "
+        f"{result['threads']} threads, prompts of {result['prompt_len']} tokens, "
+        f"block size {result['block_size']}; medians over {result['steps']} steps, ms"
+    )
+    cols = ["running", *PHASES, "step", "host", "lists"]
+    print("".join(f"{c:>10}" for c in cols))
+    for r in result["rows"]:
+        m = r["median_ms"]
+        cells = [f"{r['running']:>10}"] + [f"{m[c]:>10.3f}" for c in cols[1:]]
+        print("".join(cells))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engine.step_overhead_bench", description=__doc__)
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--running", default="8,64,256", help="comma-separated batch sizes")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=30, help="timed decode steps per batch size")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--json", default=None, help="write results to this file")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(ModelConfig(model=args.model))
+    sizes = [int(x) for x in args.running.split(",") if x.strip()]
+    rows = [
+        measure(loaded, args.model, n, args.prompt_len, args.steps, args.block_size) for n in sizes
+    ]
+    result = {
+        "model": args.model,
+        "device": rows[0]["device"],
+        "attention_backend": rows[0]["attention_backend"],
+        "threads": torch.get_num_threads(),
+        "prompt_len": args.prompt_len,
+        "block_size": args.block_size,
+        "steps": args.steps,
+        "rows": rows,
+    }
+    print_table(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
