@@ -15,7 +15,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -31,7 +30,11 @@ _FAST_MATH = [
     "-fno-math-errno", "-ffinite-math-only", "-fno-signed-zeros", "-fno-trapping-math",
     "-fassociative-math", "-freciprocal-math",
 ]  # fmt: skip
-_FLAGS = ["-O3", "-march=native", *_FAST_MATH, "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
+# -fopenmp links libgomp.so.1: in a process that has imported torch it resolves to the copy torch
+# loaded (same soname), so the kernel's threads are torch's own thread pool. Worker threads of
+# our own (a Python pool) lost a core to torch's workers, which spin for a while after every
+# parallel op: on two cores a threaded decode ran slower than a single-threaded one.
+_FLAGS = ["-O3", "-march=native", *_FAST_MATH, "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _LIB: ctypes.CDLL | None = None
 _TRIED = False
 
@@ -84,16 +87,6 @@ def load_kernel() -> ctypes.CDLL | None:
     return lib
 
 
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-
-
-def _pool(threads: int) -> ThreadPoolExecutor:
-    """One shared pool per thread count for the process: engines come and go, threads don't."""
-    if threads not in _POOLS:
-        _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="paged-decode")
-    return _POOLS[threads]
-
-
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -113,61 +106,30 @@ class PagedCpuAttention(SdpaAttention):
         super().__init__(cache, num_heads, scale)
         self.fn = lib.paged_decode_f32
         self.spec = cache.spec
-        self.threads = max(1, torch.get_num_threads())
-        self.pool = _pool(self.threads)
-        # The batch split depends only on the step's context lengths: made once per step, not
-        # once per layer.
-        self._split_for: AttentionMetadata | None = None
-        self._parts: list[tuple[int, int]] = []
 
     def decode(self, layer: int, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         q = q.contiguous()
         out = torch.empty_like(q)
         table = md.decode_block_table
         assert table.stride(1) == 1 and table.dtype == torch.long
-        cache = self.cache.layers[layer].data_ptr()
         ctx = md.decode_context_lens
-        n = q.shape[0]
-        if self._split_for is not md:
-            self._parts = self._split(ctx, n)
-            self._split_for = md
-        parts = self._parts
-
-        def run(lo: int, hi: int) -> None:
-            # ctypes drops the GIL for the call, so the parts run in parallel.
-            self.fn(
-                q[lo].data_ptr(),
-                cache,
-                table[lo].data_ptr(),
-                ctx[lo].data_ptr(),
-                out[lo].data_ptr(),
-                hi - lo,
-                self.num_heads,
-                self.spec.num_kv_heads,
-                self.spec.head_dim,
-                self.spec.block_size,
-                table.stride(0),  # the row stride: a table may be a view of a wider one
-                self.scale,
-                1,
-            )
-
-        # The calling thread runs the first part itself: one thread handoff fewer per layer.
-        futures = [self.pool.submit(run, lo, hi) for lo, hi in parts[1:]]
-        run(*parts[0])
-        for f in futures:
-            f.result()
+        assert ctx.is_contiguous() and ctx.dtype == torch.int32
+        self.fn(
+            q.data_ptr(),
+            self.cache.layers[layer].data_ptr(),
+            table.data_ptr(),
+            ctx.data_ptr(),
+            out.data_ptr(),
+            q.shape[0],
+            self.num_heads,
+            self.spec.num_kv_heads,
+            self.spec.head_dim,
+            self.spec.block_size,
+            table.stride(0),  # the row stride: a table may be a view of a wider one
+            self.scale,
+            torch.get_num_threads(),  # the kernel runs on torch's own OpenMP threads
+        )
         return out
-
-    def _split(self, ctx: torch.Tensor, n: int) -> list[tuple[int, int]]:
-        """Cut the batch into contiguous parts of about equal context, one per thread."""
-        k = min(self.threads, n)
-        if k <= 1:
-            return [(0, n)]
-        cum = ctx.cumsum(0)
-        total = int(cum[-1])
-        cuts = [0] + [int(torch.searchsorted(cum, total * i // k)) + 1 for i in range(1, k)] + [n]
-        cuts = sorted(set(min(max(c, 0), n) for c in cuts))
-        return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
 def supported(cache: KVCache) -> bool:

@@ -7,10 +7,11 @@
  *
  * One sequence at a time: each block's K (then V) rows are read in address order, one slot row
  * (all KV heads) after another, and serve every query head. Scores go to a scratch row per head,
- * then an exact softmax, then the V sum. Single-threaded: the caller runs slices of the batch on
- * its own threads, since a second OpenMP team here fights torch's thread pool.
+ * then an exact softmax, then the V sum. With n_threads > 1 the batch is cut into parts of about
+ * equal total context, one per OpenMP thread: torch's own threads (see paged_decode_f32).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,17 +23,18 @@ static inline float dot(const float *a, const float *b, int n) {
     return s;
 }
 
-void paged_decode_f32(const float *q, const float *cache, const int64_t *block_tables,
-                      const int32_t *context_lens, float *out, int batch, int n_heads,
-                      int n_kv_heads, int head_dim, int block_size, int max_blocks, float scale,
-                      int n_threads) {
-    (void)n_threads;
+/* Sequences [lo, hi) of the batch, on the calling thread. Inlined into each caller below, so
+ * that a literal head_dim specialises it (dots and sums of a known length vectorise fully). */
+static inline __attribute__((always_inline)) void decode_rows(const float *q, const float *cache, const int64_t *block_tables,
+                        const int32_t *context_lens, float *out, int lo, int hi, int n_heads,
+                        int n_kv_heads, int head_dim, int block_size, int max_blocks,
+                        float scale) {
     const int group = n_heads / n_kv_heads;
     const size_t slot_stride = (size_t)n_kv_heads * head_dim;
     const size_t half_block = (size_t)block_size * slot_stride;
     int cap = 0;
     float *scores = NULL;
-    for (int b = 0; b < batch; b++) {
+    for (int b = lo; b < hi; b++) {
         const int len = context_lens[b];
         if (len > cap) {
             free(scores);
@@ -84,4 +86,56 @@ void paged_decode_f32(const float *q, const float *cache, const int64_t *block_t
         }
     }
     free(scores);
+}
+
+static void decode_rows_any(const float *q, const float *cache, const int64_t *block_tables,
+                            const int32_t *context_lens, float *out, int lo, int hi, int n_heads,
+                            int n_kv_heads, int head_dim, int block_size, int max_blocks,
+                            float scale) {
+#define ROWS(D)                                                                                   \
+    decode_rows(q, cache, block_tables, context_lens, out, lo, hi, n_heads, n_kv_heads, D,        \
+                block_size, max_blocks, scale)
+    switch (head_dim) {
+    case 16: ROWS(16); break;
+    case 32: ROWS(32); break;
+    case 64: ROWS(64); break;
+    case 128: ROWS(128); break;
+    default: ROWS(head_dim);
+    }
+#undef ROWS
+}
+
+/* The first sequence of part `t` of `parts`: parts of about equal total context. */
+static int cut(const int32_t *context_lens, int batch, long total, int t, int parts) {
+    const long want = total * t / parts;
+    long seen = 0;
+    int b = 0;
+    while (b < batch && seen + context_lens[b] <= want) seen += context_lens[b++];
+    return t == 0 ? 0 : (t == parts ? batch : b);
+}
+
+void paged_decode_f32(const float *q, const float *cache, const int64_t *block_tables,
+                      const int32_t *context_lens, float *out, int batch, int n_heads,
+                      int n_kv_heads, int head_dim, int block_size, int max_blocks, float scale,
+                      int n_threads) {
+    if (n_threads > batch) n_threads = batch;
+    if (n_threads <= 1) {
+        decode_rows_any(q, cache, block_tables, context_lens, out, 0, batch, n_heads, n_kv_heads,
+                    head_dim, block_size, max_blocks, scale);
+        return;
+    }
+    long total = 0;
+    for (int b = 0; b < batch; b++) total += context_lens[b];
+    /* The process's one OpenMP runtime: the library is linked against libgomp.so.1, which
+     * resolves to the copy torch already loaded, so these are torch's own (still spinning)
+     * worker threads, not a second team competing with them for the cores. */
+#pragma omp parallel num_threads(n_threads)
+    {
+        const int parts = omp_get_num_threads();
+        const int t = omp_get_thread_num();
+        const int lo = cut(context_lens, batch, total, t, parts);
+        const int hi = cut(context_lens, batch, total, t + 1, parts);
+        decode_rows_any(q, cache, block_tables, context_lens, out, lo, hi, n_heads, n_kv_heads,
+                        head_dim, block_size, max_blocks, scale);
+    }
 }
