@@ -39,9 +39,9 @@ class AttentionMetadata:
     # backend that needs it (only SDPA does)
     decode_mask: torch.Tensor | None
     prefills: tuple[PrefillSegment, ...]
-    # Row of each new token's K in a layer viewed as [num_blocks * 2 * block_size, Hkv, D] (its
-    # V is block_size rows further): one index_copy_ per tensor instead of a 2-index scatter.
-    kv_slots: torch.Tensor | None = None  # [T] long
+    # Rows of each new token's K (row 0) and V (row 1) in a layer viewed as
+    # [num_blocks * 2 * block_size, Hkv, D]: one index_copy_ per tensor, not a 2-index scatter.
+    kv_slots: torch.Tensor | None = None  # [2, T] long
     # Every sequence of the step (decodes, then chunks): first row, query count, context length.
     seq_info: torch.Tensor | None = None  # [S, 3] long
     block_table: torch.Tensor | None = None  # [S, max_nb] long, all sequences, step order
@@ -57,8 +57,8 @@ def write_kv(
         return
     t = cache.layers[layer]
     flat = t.view(-1, t.shape[-2], t.shape[-1])
-    flat.index_copy_(0, md.kv_slots, k)
-    flat.index_copy_(0, md.kv_slots + cache.spec.block_size, v)
+    flat.index_copy_(0, md.kv_slots[0], k)
+    flat.index_copy_(0, md.kv_slots[1], v)
 
 
 def decode_mask(md: AttentionMetadata, block_size: int) -> torch.Tensor | None:

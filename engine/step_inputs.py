@@ -4,7 +4,7 @@ Every per-step tensor the forward reads lives in one flat int64 staging buffer, 
 regions (the decode part of each region always starts at offset 0, so a decode-only step's inputs
 sit at the same addresses from step to step):
 
-    ┌ input_ids [T] ┬ positions [T] ┬ slot_blocks [T] ┬ slot_offsets [T] ┬ kv_slots [T] ┬
+    ┌ input_ids [T] ┬ positions [T] ┬ slot_blocks [T] ┬ slot_offsets [T] ┬ kv_slots [2, T] ┬
     ├ logit_rows [S] ┬ seq_info [S, 3] ┬ context_lens [S] int32 (S/2 int64 words) ┬
     └ block_table [S, W] (last: a step copies only its first rows) ┘
 
@@ -59,7 +59,13 @@ class _Regions(NamedTuple):
 
 
 def _regions(max_tokens: int, max_seqs: int, width: int) -> _Regions:
-    sizes = [max_tokens] * 5 + [max_seqs, 3 * max_seqs, (max_seqs + 1) // 2, max_seqs * width]
+    sizes = [max_tokens] * 4 + [
+        2 * max_tokens,
+        max_seqs,
+        3 * max_seqs,
+        (max_seqs + 1) // 2,
+        max_seqs * width,
+    ]
     cuts = np.cumsum([0, *sizes]).tolist()
     return _Regions(*(slice(a, b) for a, b in zip(cuts, cuts[1:])))
 
@@ -107,7 +113,7 @@ class StepInputs:
                     h[rg.pos],
                     h[rg.blocks],
                     h[rg.offsets],
-                    h[rg.kv_slots],
+                    h[rg.kv_slots].reshape(2, max_tokens),
                     h[rg.logit_rows],
                     h[rg.seq_info].reshape(max_seqs, 3),
                     h[rg.ctx].view(np.int32),
@@ -120,8 +126,8 @@ class StepInputs:
         self._turn = 0
         d = self._dev
         self._dev_regions = _Regions(
-            d[rg.ids], d[rg.pos], d[rg.blocks], d[rg.offsets], d[rg.kv_slots], d[rg.logit_rows],
-            d[rg.seq_info].view(max_seqs, 3), d[rg.ctx].view(torch.int32),
+            d[rg.ids], d[rg.pos], d[rg.blocks], d[rg.offsets], d[rg.kv_slots].view(2, max_tokens),
+            d[rg.logit_rows], d[rg.seq_info].view(max_seqs, 3), d[rg.ctx].view(torch.int32),
             d[rg.table].view(max_seqs, width),
         )  # fmt: skip
         # The last step's views, reused while the step's shape stays (decode after decode):
@@ -220,7 +226,7 @@ class StepInputs:
         h = self._host_regions[self._turn]
         iota = self._arange
         ids, pos = h.ids, h.pos
-        tok_rows = h.kv_slots  # scratch: each token's persistent row, overwritten below
+        tok_rows = h.kv_slots[1]  # scratch: each token's persistent row, overwritten below
         firsts: list[int] = []
         if nd:
             ids[:nd] = [s.token_ids[0] for s in decodes]
@@ -235,14 +241,16 @@ class StepInputs:
             tok_rows[r : r + n] = row
             firsts.append(r)
             r += n
-        blocks, offsets, kv_slots = h.blocks[:T], h.offsets[:T], h.kv_slots[:T]
+        blocks, offsets = h.blocks[:T], h.offsets[:T]
+        k_slots, v_slots = h.kv_slots[0, :T], h.kv_slots[1, :T]
         np.floor_divide(pos[:T], bs, out=offsets)  # scratch: block index within the request
         flat_index = tok_rows[:T] * self._req_table.shape[1] + offsets
         np.take(self._req_table.reshape(-1), flat_index, out=blocks, mode="clip")
         np.remainder(pos[:T], bs, out=offsets)
-        # kv_slots: the K row of the token in the layer viewed as [num_blocks * 2 * bs, ...].
-        np.multiply(blocks, 2 * bs, out=kv_slots)
-        kv_slots += offsets
+        # The token's K and V rows in the layer viewed as [num_blocks * 2 * bs, Hkv, D].
+        np.multiply(blocks, 2 * bs, out=k_slots)
+        k_slots += offsets
+        np.add(k_slots, bs, out=v_slots)
 
         seq_info = h.seq_info[:num_seqs]
         seq_info[:nd, 0] = iota[:nd]
@@ -285,7 +293,7 @@ class StepInputs:
             d = self._dev_regions
             table = d.table[:S]
             self._view_val = (
-                d.ids[:T], d.pos[:T], d.blocks[:T], d.offsets[:T], d.kv_slots[:T],
+                d.ids[:T], d.pos[:T], d.blocks[:T], d.offsets[:T], d.kv_slots[:, :T],
                 d.logit_rows[: len(samplers)], d.seq_info[:S], d.ctx[:nd], d.ctx[:S], table,
                 table[:nd, :nb_dec], table[:, :nb_max],
             )  # fmt: skip

@@ -50,7 +50,8 @@ def check(inputs: StepInputs, so: SchedulerOutput) -> None:
     assert md.slot_blocks.tolist() == blocks
     assert md.slot_offsets.tolist() == [p % BS for p in pos]
     assert md.kv_slots is not None
-    assert md.kv_slots.tolist() == [blk * 2 * BS + p % BS for blk, p in zip(blocks, pos)]
+    k_rows = [blk * 2 * BS + p % BS for blk, p in zip(blocks, pos)]
+    assert md.kv_slots.tolist() == [k_rows, [r + BS for r in k_rows]]
     ctx = [s.start_pos + len(s.token_ids) for s in order]
     assert md.decode_context_lens.dtype == torch.int32
     assert md.decode_context_lens.tolist() == ctx[:nd]
@@ -137,7 +138,7 @@ def test_flat_kv_write_equals_the_cache_write():
     write_kv(a, 0, k, v, md)
     flat_md = AttentionMetadata(
         blocks, offsets, 0, md.decode_block_table, md.decode_context_lens, None, (),
-        kv_slots=blocks * 2 * BS + offsets,
+        kv_slots=torch.stack([blocks * 2 * BS + offsets, blocks * 2 * BS + BS + offsets]),
     )  # fmt: skip
     write_kv(b, 0, k, v, flat_md)
     assert torch.equal(a.layers[0], b.layers[0]) and a.layers[0].abs().sum() > 0
