@@ -91,8 +91,9 @@ class StepInputs:
         self._row_blocks: list[int] = [0] * self._req_table.shape[0]
         self._row_last: list[int] = [-1] * self._req_table.shape[0]
         self._free_rows: list[int] = list(range(self._req_table.shape[0] - 1, -1, -1))
-        # Positions of a chunk are a slice of this (grown on demand, never per token).
-        self._arange = np.arange(max(1, max_blocks_per_seq * block_size), dtype=np.int64)
+        # Positions of a chunk, and the rows of a step's decodes, are slices of this (grown on
+        # demand, never per token).
+        self._arange = np.arange(max(max_seqs, max_blocks_per_seq * block_size), dtype=np.int64)
 
     # -- buffers ------------------------------------------------------------------------------
     def _allocate(self, max_tokens: int, max_seqs: int, width: int) -> None:
@@ -141,10 +142,12 @@ class StepInputs:
         that fits the configured limits."""
         if tokens <= self.max_tokens and seqs <= self.max_seqs and width <= self.width:
             return
+
+        def grow(need: int, have: int) -> int:
+            return have if need <= have else max(need, 2 * have)
+
         self._allocate(
-            max(tokens, self.max_tokens),
-            max(seqs, self.max_seqs),
-            max(width, self.width),
+            grow(tokens, self.max_tokens), grow(seqs, self.max_seqs), grow(width, self.width)
         )
         if self.width > self._req_table.shape[1]:
             grown = np.zeros((self._req_table.shape[0], self.width), dtype=np.int64)
@@ -224,6 +227,8 @@ class StepInputs:
 
         self._turn = (self._turn + 1) % len(self._hosts)
         h = self._host_regions[self._turn]
+        if len(self._arange) < num_seqs:
+            self._arange = np.arange(2 * num_seqs, dtype=np.int64)
         iota = self._arange
         ids, pos = h.ids, h.pos
         tok_rows = h.kv_slots[1]  # scratch: each token's persistent row, overwritten below

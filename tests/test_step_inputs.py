@@ -155,3 +155,10 @@ def test_engine_releases_every_row():
     engine.step()  # reports the last finished requests to the runner
     assert engine.runner.inputs.num_rows_in_use == 0
     assert_pool_free(engine)
+
+
+def test_more_sequences_than_positions():
+    """Short sequences, many of them: the step outgrows every buffer at once."""
+    inputs = StepInputs(torch.device("cpu"), BS, max_tokens=2, max_seqs=1, max_blocks_per_seq=1)
+    check(inputs, step(*(req(f"r{i}", [i], 0, [i]) for i in range(9))))
+    check(inputs, step(*(req(f"r{i}", [i], 1, [i]) for i in range(9)), req("c", [5, 6], 0, [20])))
