@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.model_runner import ModelRunner, resolve_device
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_device
+from engine.model_runner import ModelRunner
 from engine.outputs import ScheduledRequest, SchedulerOutput
 from engine.sampling_params import SamplingParams
 

@@ -19,7 +19,7 @@ import torch
 
 from engine import paged_attention_cpu
 from engine.attention import AttentionBackend, SdpaAttention
-from engine.config import EngineConfig
+from engine.config import EngineConfig, resolve_device
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import model_dtype
 from engine.model import PagedDecoderModel
@@ -42,12 +42,6 @@ def _max_len(hf_model: Any, config: EngineConfig) -> int:
     """The longest sequence a request may reach: sizes the step buffers' block tables."""
     nominal = int(getattr(hf_model.config, "max_position_embeddings", 0) or 4096)
     return min(nominal, config.model.max_model_len or nominal)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 class ModelRunner:
