@@ -158,3 +158,6 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Text deltas in every output. Off, a request's text is decoded only where a stop string
+    # must be found in it: the workers run so, since the router detokenizes what they stream.
+    detokenize: bool = True

@@ -14,6 +14,9 @@ class ComputedBlocks(NamedTuple):
     num_tokens: int
 
 
+_NOTHING_COMPUTED = ComputedBlocks([], 0)  # never mutated
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -40,7 +43,7 @@ class KVCacheManager:
 
     def free_slots(self, req: Request, computed: ComputedBlocks | None = None) -> int:
         """Tokens `req` could take now: the rest of its last block plus the free blocks."""
-        computed = computed or ComputedBlocks([], 0)
+        computed = computed or _NOTHING_COMPUTED
         reused_free = sum(1 for b in computed.block_ids if self.pool.ref_cnt[b] == 0)
         held = (len(req.block_ids) + len(computed.block_ids)) * self.block_size
         slack = held - req.num_computed_tokens - computed.num_tokens
@@ -56,7 +59,10 @@ class KVCacheManager:
         self, req: Request, num_new_tokens: int, computed: ComputedBlocks | None = None
     ) -> bool:
         """Grow `req` to hold `num_new_tokens` more tokens; False (and no change) if blocks lack."""
-        computed = computed or ComputedBlocks([], 0)
+        if computed is None:
+            if req.num_computed_tokens + num_new_tokens <= len(req.block_ids) * self.block_size:
+                return True  # its last block has room (most decode steps): nothing to allocate
+            computed = _NOTHING_COMPUTED
         if not self.can_allocate(req, num_new_tokens, computed):
             return False
         if req.num_computed_tokens == 0 and not req.block_ids and self.pool.enable_caching:
@@ -68,16 +74,16 @@ class KVCacheManager:
             req.block_ids.extend(computed.block_ids)
             req.num_computed_tokens += computed.num_tokens
             req.num_cached_tokens = computed.num_tokens
-        need = self.blocks_needed(req, num_new_tokens, ComputedBlocks([], 0))
+        need = self.blocks_needed(req, num_new_tokens, _NOTHING_COMPUTED)
         if need:
             req.block_ids.extend(self.pool.allocate(need))
         return True
 
     def cache_computed_blocks(self, req: Request) -> None:
         """Register the full blocks whose KV is now computed."""
-        if not self.pool.enable_caching:
-            return
         n_full = req.num_computed_tokens // self.block_size
+        if n_full <= req.num_registered_blocks or not self.pool.enable_caching:
+            return  # no block filled up since the last call (most decode steps)
         hashes = self._hashes(req)
         for i in range(req.num_registered_blocks, n_full):
             self.pool.cache_block(req.block_ids[i], hashes[i])

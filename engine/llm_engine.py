@@ -58,7 +58,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.eos_token_ids = self._eos_ids()
-        self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler, config.detokenize)
         self._ids = itertools.count()
         self.step_stats = StepRecorder()
 

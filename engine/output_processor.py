@@ -2,7 +2,8 @@
 
 One stream per live request. A stop string found in the text ends the request (through the
 scheduler, so its blocks are freed) and cuts the text where the string starts; text that could
-still become a stop string is held back until it can't.
+still become a stop string is held back until it can't. With `detokenize` off, a request without
+stop strings keeps no text at all (its outputs carry token ids and an empty text delta).
 """
 
 from __future__ import annotations
@@ -19,23 +20,25 @@ from engine.text_stream import TextStream
 
 @dataclass(slots=True)
 class _Stream:
-    text: TextStream
+    text: TextStream | None  # None: no text kept (detokenize off, no stop strings)
     num_sent: int = 0  # output tokens already reported
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, scheduler: Scheduler) -> None:
+    def __init__(self, tokenizer: Any, scheduler: Scheduler, detokenize: bool = True) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
+        self.detokenize = detokenize
         self._streams: dict[str, _Stream] = {}
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._streams
 
     def open(self, req: Request) -> None:
-        self._streams[req.request_id] = _Stream(
-            TextStream(self.tokenizer, req.prompt_token_ids, req.sampling)
-        )
+        text = None
+        if self.detokenize or req.sampling.stop:
+            text = TextStream(self.tokenizer, req.prompt_token_ids, req.sampling)
+        self._streams[req.request_id] = _Stream(text)
 
     def close(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -47,8 +50,10 @@ class OutputProcessor:
         if new_ids and req.first_token_time is None:
             req.first_token_time = time.monotonic()
         st.num_sent += len(new_ids)
-        delta = st.text.feed(new_ids, req.is_finished)
-        hit = st.text.stop_hit
+        delta, hit = "", None
+        if st.text is not None:
+            delta = st.text.feed(new_ids, req.is_finished)
+            hit = st.text.stop_hit
         if hit is not None:
             if req.is_finished:  # EOS or length in the same step: the stop string still wins
                 req.status = RequestStatus.FINISHED_STOPPED

@@ -1,15 +1,18 @@
-"""Messages between scheduler, runner and engine user. Frozen: a step's facts never change."""
+"""Messages between scheduler, runner and engine user. Immutable: a step's facts never change.
+
+The two made once per request per step (ScheduledRequest, RequestOutput) are NamedTuples: as
+immutable as a frozen dataclass, at half its construction cost on the step's hot path."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledRequest:
+class ScheduledRequest(NamedTuple):
     """One request's share of a step: compute `token_ids` at positions start_pos.."""
 
     request_id: str
@@ -51,8 +54,7 @@ class ModelRunnerOutput:
     logprobs: tuple[TokenLogprobs | None, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class RequestOutput:
+class RequestOutput(NamedTuple):
     """What one step produced for one request, as the engine's caller sees it."""
 
     request_id: str

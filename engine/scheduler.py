@@ -143,8 +143,10 @@ class Scheduler:
         chunks: dict[str, int] = {}  # request_id -> tokens scheduled, in schedule order
         preempted: list[str] = []
 
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for r in self.running:
+            (decodes if len(r.token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
         if self.sizer is not None and (decodes or self.waiting_for_kv):
             # Handoffs whose KV is on its way count too: one that lands during a whole-budget
             # prefill step would wait that step out before its second token.

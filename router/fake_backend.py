@@ -120,7 +120,6 @@ class FakeBackend:
                 yield TokenChunk(
                     request_id=rid,
                     token_ids=ids,
-                    text="x" * len(ids),
                     finished=last,
                     finish_reason="length" if last else None,
                     num_prompt_tokens=len(prompt_token_ids),

@@ -27,6 +27,7 @@ def make_engine(
     caching: bool = True,
     attention_backend: str = "auto",
     step_target_s: float | None = None,
+    detokenize: bool = True,
 ) -> LLMEngine:
     cfg = EngineConfig(
         model=ModelConfig(model=name, attention_backend=attention_backend),
@@ -36,6 +37,7 @@ def make_engine(
         scheduler=SchedulerConfig(
             budget, min(max_num_seqs, budget), chunked, step_target_s=step_target_s
         ),
+        detokenize=detokenize,
     )
     return LLMEngine(cfg, loaded(name))
 

@@ -120,6 +120,23 @@ def test_stop_string_ends_text_and_is_never_streamed(include):
     assert_pool_free(engine)
 
 
+def test_without_detokenizing_only_stop_strings_decode_text():
+    """Workers run with detokenize off (the router decodes text): tokens are the same, a request
+    without stop strings gets no text, and one with stop strings still stops where they match."""
+    prompt = random_prompts([9], seed=41)[0]
+    full = _greedy_text(make_engine("tiny-llama"), prompt)
+    stop = _pick_stop(full)
+    stopping = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=(stop,))
+    want = make_engine("tiny-llama").generate([prompt, prompt], [GREEDY, stopping])
+    quiet = make_engine("tiny-llama", detokenize=False)
+    plain, stopped = quiet.generate([prompt, prompt], [GREEDY, stopping])
+    assert plain.token_ids == want[0].token_ids and plain.text == ""
+    assert stopped.token_ids == want[1].token_ids and len(stopped.token_ids) < 24
+    assert stopped.finish_reason is FinishReason.STOP and stopped.stop_reason == stop
+    assert stopped.text == want[1].text == full[: full.index(stop)]
+    assert_pool_free(quiet)
+
+
 def test_stop_token_ids():
     engine = make_engine("tiny-llama")
     prompt = random_prompts([7], seed=43)[0]

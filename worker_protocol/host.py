@@ -42,7 +42,9 @@ class EngineHost:
         self.spec = spec
         self.node_ip = node_ip()
         self.kv_host = kv_bind_host(self.node_ip, spec.kv_interface, spec.kv_host)
-        self.engine = LLMEngine(spec.engine)
+        # The router detokenizes what workers stream: a worker decodes text only to find stop
+        # strings.
+        self.engine = LLMEngine(replace(spec.engine, detokenize=False))
         self.aeng = AsyncEngine(self.engine, on_layer=on_layer, on_dead=self._engine_died)
         rate = measure_device(self.engine.runner.device, self.engine.runner.dtype)
         self._info = worker_info(
@@ -147,8 +149,6 @@ def worker_info(
         step_target_s=engine.scheduler.sizer.target_s if engine.scheduler.sizer else None,
         **identity,
     )
-
-
 
 
 def engine_load(engine: LLMEngine, worker_id: str, role: WorkerRole) -> WorkerLoad:

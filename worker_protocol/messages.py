@@ -101,7 +101,6 @@ class TokenChunk:
 
     request_id: str
     token_ids: tuple[int, ...]
-    text: str
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_prompt_tokens: int = 0
@@ -123,7 +122,6 @@ class TokenChunk:
         return cls(
             request_id=out.request_id,
             token_ids=out.new_token_ids,
-            text=out.text_delta,
             finished=out.finished,
             finish_reason=out.finish_reason.value if out.finish_reason else None,
             num_prompt_tokens=out.num_prompt_tokens,
