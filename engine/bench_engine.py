@@ -58,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "baselines run in the same dtype",
     )
     p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs for decode steps (CPU runs are always eager)",
+    )
+    p.add_argument(
         "--detokenize",
         action="store_true",
         help="the engine also decodes each request's text as it steps (the workers don't: the "
@@ -99,7 +104,10 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_cfg = ModelConfig(
-        model=args.model, dtype=args.dtype, attention_backend=args.attention_backend
+        model=args.model,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
     )
     loaded = load_model(model_cfg)  # in the dtype the engine runs in, for the baselines too
     model = loaded.hf_model
@@ -188,6 +196,9 @@ def _run_pdserve(
     engine.runner.trace = None
     result["steps"] = len(steps)
     result["attention_backend"] = engine.runner.attention.name
+    graphs = engine.runner.graphs
+    result["decode_graphs"] = graphs.sizes if graphs is not None else None
+    result["graph_replays"] = sum(graphs.replays.values()) if graphs is not None else 0
     result["preemptions"] = engine.scheduler.num_preemptions
     return result, steps, engine.runner.model
 

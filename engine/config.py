@@ -66,6 +66,9 @@ class ModelConfig:
     attention_backend: str = "auto"
     # Where converted models are cached; None means ~/.cache/pdserve/models.
     cache_dir: str | None = None
+    # No CUDA graphs: every decode step runs eagerly (engine/cuda_graphs.py). CPU runs are
+    # always eager.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:

@@ -112,6 +112,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         model=ModelConfig(
             model=args.shape, device=str(device), dtype=args.dtype,
             attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager,
         ),
         cache=CacheConfig(block_size=block_size, num_blocks=blocks),
         scheduler=SchedulerConfig(max_num_seqs=max(args.batches)),
@@ -151,6 +152,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": args.dtype,
         "attention_backend": runner.attention.name,
+        "decode_graphs": runner.graphs is not None,
         "context": args.context,
         "weight_bytes": weight_bytes,
         "kv_bytes_per_token": kv_per_token,
@@ -167,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "paged"])
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--copy-bytes", type=int, default=1 << 30)
@@ -176,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     res = sweep(args)
     print(
         f"{res['shape']} on {res['device']}, {res['dtype']}, {res['attention_backend']} "
-        f"attention, context {res['context']}; weights {res['weight_bytes'] / 1e9:.2f} GB, "
+        f"attention, {'graphs' if res['decode_graphs'] else 'eager'}, context {res['context']}; "
+        f"weights {res['weight_bytes'] / 1e9:.2f} GB, "
         f"copy bandwidth {res['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s"
     )
     print(f"{'batch':>6} {'ms/step':>9} {'GB read':>8} {'roofline':>9} {'tok/s':>9}")

@@ -1,7 +1,9 @@
 """Executes a SchedulerOutput on one device: flattens the batch, runs the model, samples.
 
 Lifecycle per step: prepare inputs in the preallocated step buffers (decodes first, then prefill
-chunks; one host-to-device copy, see engine/step_inputs.py) -> forward over the paged cache ->
+chunks; one host-to-device copy, see engine/step_inputs.py) -> forward over the paged cache (a
+decode-only step on CUDA: the replay of a captured graph, padded to its ladder size, see
+engine/cuda_graphs.py) ->
 sample the rows whose chunk ended its sequence, on the device -> one device-to-host copy of the
 sampled ids -> ModelRunnerOutput. The runner keeps one torch.Generator and one block-table row
 per live request, and drops both when the scheduler reports the request finished (the row also
@@ -10,6 +12,7 @@ when it is preempted).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.util import find_spec
@@ -17,7 +20,7 @@ from typing import Any
 
 import torch
 
-from engine import paged_attention_cpu
+from engine import cuda_graphs, paged_attention_cpu
 from engine.attention import AttentionBackend, SdpaAttention
 from engine.config import EngineConfig, resolve_device
 from engine.kv_cache import KVCache, KVCacheSpec
@@ -27,6 +30,8 @@ from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.step_inputs import StepBatch, StepInputs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +64,9 @@ class ModelRunner:
             dtype=self.dtype,
         )
         self.num_blocks = self._num_blocks()
-        self.cache = KVCache(self.spec, self.num_blocks, self.device)
+        capture = self._graph_capture()
+        # With graphs, one block past the pool's is the scratch block padded decode rows use.
+        self.cache = KVCache(self.spec, self.num_blocks + (capture is not None), self.device)
         self.attention = self._attention_backend(config.model.attention_backend)
         sc = config.scheduler
         self.inputs = StepInputs(
@@ -71,10 +78,31 @@ class ModelRunner:
                 self.num_blocks, -(-_max_len(hf_model, config) // self.block_size)
             ),
         )
+        self.graphs: cuda_graphs.DecodeGraphs | None = None
+        if capture is not None:
+            self.inputs.scratch_block = self.num_blocks
+            sizes = cuda_graphs.ladder(min(sc.max_num_seqs, self.inputs.max_tokens))
+            self.graphs = cuda_graphs.DecodeGraphs(capture, sizes, self._padded_forward)
+            self.graphs.capture_all(self.inputs.generation)
         self.generators: dict[str, torch.Generator] = {}
         # When a list, every executed step's shape is appended (benchmarks replay them).
         self.trace: list[StepShape] | None = None
         self._seed_source = torch.Generator().manual_seed(config.model.seed)
+
+    def _graph_capture(self) -> cuda_graphs.Capture | None:
+        if self.config.model.enforce_eager:
+            return None
+        capture = cuda_graphs.capturer(self.device)
+        why = cuda_graphs.unsupported_reason(self.model) if capture is not None else None
+        if why is not None:
+            log.warning("decode steps run eagerly: %s", why)
+            return None
+        return capture
+
+    def _padded_forward(self, size: int) -> cuda_graphs.Forward:
+        return cuda_graphs.forward_over(
+            self.model, self.attention, self.inputs.padded_decodes(size)
+        )
 
     def _attention_backend(self, name: str) -> AttentionBackend:
         heads, scale = self.model.num_heads, self.model.scale
@@ -139,12 +167,27 @@ class ModelRunner:
             self.inputs.release(rid)  # recomputed later on new blocks
         if so.is_empty:
             return ModelRunnerOutput((), ())
-        batch = self.inputs.prepare(so)
+        pad = None
+        if (
+            self.graphs is not None
+            and on_layer is None
+            and so.num_batched_tokens == len(so.scheduled)
+        ):
+            pad = self.graphs.size_for(len(so.scheduled))  # decode-only: a graph may run it
+        batch = self.inputs.prepare(so, pad)
+        if batch.padded_to is not None and self.graphs is not None:
+            if self.graphs.stale(self.inputs.generation):
+                self.graphs.capture_all(self.inputs.generation)
+                batch = self.inputs.prepare(so, pad)  # capturing overwrote the inputs
         if self.trace is not None:
             self.trace.append(_shape(batch))
-        logits = self.model.forward(
-            batch.input_ids, batch.positions, batch.md, self.attention, batch.logit_rows, on_layer
-        )
+        if batch.padded_to is not None and self.graphs is not None:
+            logits = self.graphs.run(batch.padded_to)[: len(batch.samplers)]
+        else:
+            logits = self.model.forward(
+                batch.input_ids, batch.positions, batch.md, self.attention, batch.logit_rows,
+                on_layer,
+            )  # fmt: skip
         samplers = batch.samplers
         if not samplers:
             return ModelRunnerOutput((), ())

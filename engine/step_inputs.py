@@ -42,6 +42,7 @@ class StepBatch(NamedTuple):
     md: AttentionMetadata
     order: list[ScheduledRequest]  # decodes first, then chunks: the row order of the step
     samplers: list[ScheduledRequest]  # the requests sampled this step, in row order
+    padded_to: int | None = None  # rows in the buffers, padding included, when padded
 
 
 class _Regions(NamedTuple):
@@ -84,6 +85,10 @@ class StepInputs:
         self.device = device
         self.block_size = block_size
         self.pinned = device.type == "cuda"
+        # Bumped whenever the buffers are reallocated: captured decode graphs read the old ones.
+        self.generation = 0
+        # A KV block no request holds, where padded decode rows write (engine/cuda_graphs.py).
+        self.scratch_block: int | None = None
         self._allocate(max(1, max_tokens), max(1, max_seqs), max(1, max_blocks_per_seq))
         # Persistent per-request block tables: request id -> row, and blocks written per row.
         self._req_table = np.zeros((max(1, max_seqs), self.width), dtype=np.int64)
@@ -97,6 +102,7 @@ class StepInputs:
 
     # -- buffers ------------------------------------------------------------------------------
     def _allocate(self, max_tokens: int, max_seqs: int, width: int) -> None:
+        self.generation += 1
         self.max_tokens, self.max_seqs, self.width = max_tokens, max_seqs, width
         self.regions = _regions(max_tokens, max_seqs, width)
         n = self.regions.table.stop
@@ -208,8 +214,10 @@ class StepInputs:
         return row
 
     # -- one step -----------------------------------------------------------------------------
-    def prepare(self, so: SchedulerOutput) -> StepBatch:
-        """Fill the step's inputs (decodes first, then chunks) and move them to the device."""
+    def prepare(self, so: SchedulerOutput, pad_to: int | None = None) -> StepBatch:
+        """Fill the step's inputs (decodes first, then chunks) and move them to the device. A
+        decode-only step may be padded with scratch rows up to `pad_to` rows, for a captured
+        graph of that size (the returned views still cover the real rows only)."""
         bs = self.block_size
         decodes: list[ScheduledRequest] = []
         chunks: list[ScheduledRequest] = []
@@ -272,10 +280,63 @@ class StepInputs:
             ends = list(range(nd)) + [f + n - 1 for f, n in zip(firsts, chunk_q)]
             h.logit_rows[:n_samp] = [e for e, s in zip(ends, order) if s.sample]
         h.table[:num_seqs, :nb_max] = self._req_table[rows, :nb_max]
+        used_seqs = num_seqs
+        if pad_to is not None and (chunks or n_samp != nd or pad_to < nd):
+            pad_to = None  # only a step of decodes, all sampled, is padded (for a graph)
+        if pad_to is not None:
+            self._pad(h, nd, pad_to)
+            used_seqs = pad_to
 
-        self._copy_to_device(self.regions.table.start + num_seqs * self.width)
+        self._copy_to_device(self.regions.table.start + used_seqs * self.width)
         nb_dec = -(-max(ctx[:nd]) // bs) if nd else 0
-        return self._views(order, samplers, nd, T, nb_dec, nb_max, chunk_q)
+        batch = self._views(order, samplers, nd, T, nb_dec, nb_max, chunk_q)
+        return batch if pad_to is None else batch._replace(padded_to=pad_to)
+
+    def _pad(self, h: _Regions, start: int, stop: int) -> None:
+        """Decode rows [start, stop) of padding: token 0 at position 0, its K/V written to and
+        read from the scratch block alone."""
+        assert self.scratch_block is not None, "padding needs a scratch block"
+        if len(self._arange) < stop:
+            self._arange = np.arange(2 * stop, dtype=np.int64)
+        p, b, bs = slice(start, stop), self.scratch_block, self.block_size
+        h.ids[p] = 0
+        h.pos[p] = 0
+        h.blocks[p] = b
+        h.offsets[p] = 0
+        h.kv_slots[0, p] = b * 2 * bs
+        h.kv_slots[1, p] = b * 2 * bs + bs
+        h.logit_rows[p] = self._arange[p]
+        h.seq_info[p, 0] = self._arange[p]
+        h.seq_info[p, 1] = 1
+        h.seq_info[p, 2] = 1
+        h.ctx[p] = 1
+        h.table[p, 0] = b
+
+    def padded_decodes(self, size: int) -> StepBatch:
+        """`size` decode rows, all padding, in place; the returned views are the ones a graph of
+        that size is captured over: the same buffer addresses every later decode step fills.
+        Their block table spans the buffer's whole width (a kernel reads a row's first blocks
+        only, up to its context length)."""
+        self._ensure(size, size, 1)
+        for host in self._host_regions:
+            self._pad(host, 0, size)
+        self._copy_to_device(self.regions.table.start + size * self.width)
+        d = self._dev_regions
+        table = d.table[:size]
+        md = AttentionMetadata(
+            slot_blocks=d.blocks[:size],
+            slot_offsets=d.offsets[:size],
+            num_decodes=size,
+            decode_block_table=table,
+            decode_context_lens=d.ctx[:size],
+            decode_mask=None,
+            prefills=(),
+            kv_slots=d.kv_slots[:, :size],
+            seq_info=d.seq_info[:size],
+            block_table=table,
+            context_lens=d.ctx[:size],
+        )
+        return StepBatch(d.ids[:size], d.pos[:size], d.logit_rows[:size], md, [], [])
 
     def _copy_to_device(self, used: int) -> None:
         """The one host-to-device copy of the step (none on CPU)."""

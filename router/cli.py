@@ -38,7 +38,7 @@ def _error(exc: Exception) -> int:
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    from router.serve_options import DTYPE_HELP, DTYPES
+    from router.serve_options import DTYPE_HELP, DTYPES, EAGER_HELP
 
     p = sub.add_parser("generate", help="complete prompts offline with one in-process engine")
     p.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf")
@@ -56,6 +56,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
+    p.add_argument("--enforce-eager", action="store_true", help=EAGER_HELP)
     p.add_argument("prompt", nargs="+")
     p.set_defaults(handler=_generate, passthrough=False)
 
@@ -80,7 +81,12 @@ def _generate(args: argparse.Namespace, _extra: list[str]) -> int:
             seed=args.seed,
             stop=tuple(args.stop),
         )
-        model = ModelConfig(model=args.model, num_threads=args.threads, dtype=args.dtype)
+        model = ModelConfig(
+            model=args.model,
+            num_threads=args.threads,
+            dtype=args.dtype,
+            enforce_eager=args.enforce_eager,
+        )
         config = EngineConfig(model=model)
         engine = LLMEngine(config)
     except ValueError as exc:  # InvalidRequestError and ModelNotFoundError included

@@ -150,12 +150,14 @@ DTYPE_HELP = (
     "of the weights, activations and KV cache; auto: the checkpoint's own dtype on CUDA "
     "(config.json's dtype, or the GGUF file's; bfloat16 for a quantized GGUF), float32 on CPU"
 )
+EAGER_HELP = "no CUDA graphs: every decode step runs eagerly (CPU runs always do)"
 
 OPTIONS: tuple[Option, ...] = (
     # model and pools
     Option("model", text, "smollm2-135m", "built-in name, HF folder or .gguf"),
     Option("dtype", choice(*DTYPES), "auto",
            DTYPE_HELP + " (each worker resolves auto on its own device)"),
+    Option("enforce_eager", flag, False, EAGER_HELP, boolean=True),
     Option("prefill", integer(0), 1, "prefill workers (0: colocated only)"),
     Option("decode", integer(1), 1, "decode workers"),
     Option("threads", integer(1), 1, "torch threads per worker"),
@@ -328,7 +330,8 @@ class ServeOptions:
             cache = replace(cache, cpu_kv_cache_gib=v["kv_cache_gib"])
         step_target = v["step_target_ms"]
         engine = EngineConfig(
-            model=ModelConfig(dtype=v["dtype"]),  # the cluster sets its model name
+            # the cluster sets its model name
+            model=ModelConfig(dtype=v["dtype"], enforce_eager=v["enforce_eager"]),
             cache=cache,
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=v["max_num_batched_tokens"],

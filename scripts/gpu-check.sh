@@ -2,7 +2,7 @@
 # On a machine with CUDA, as one run within 10 minutes, everything landing in ${OUT:-gpu-out}/:
 #   1. the tests marked gpu/multigpu (the Triton paged attention in fp32 and bf16 included) and
 #      the engine tests with CUDA as the default device;
-#   2. bench-engine in bfloat16 on the SmolLM2-135M shape;
+#   2. bench-engine in bfloat16 on the SmolLM2-135M shape, with decode graphs and without;
 #   3. the decode-step sweep on random weights of a Llama-3.1-8B-shaped model (its config written
 #      by engine/decode_sweep.py, no download) at batch 1/16/64/128: ms per step and the fraction
 #      of the HBM roofline (weight + KV bytes read / step time / the measured copy bandwidth).
@@ -52,7 +52,7 @@ EOF
 stamp "pytest -m 'gpu or multigpu'"
 timeout 200 $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" -rs \
     tests/test_gpu.py tests/test_kv_transfer_peers.py tests/test_cluster_gpu.py \
-    tests/test_triton_attention.py tests/test_dtype.py \
+    tests/test_triton_attention.py tests/test_dtype.py tests/test_cuda_graphs.py \
     2>&1 | tee "$out/pytest-gpu.txt"
 check "${PIPESTATUS[0]}"
 
@@ -79,6 +79,12 @@ stamp "bench-engine on CUDA, bfloat16 ($model)"
 timeout 120 $PY -m engine.bench_engine --model "$model" --dtype bfloat16 --requests 64 \
     --skip hf_continuous --hf-sequential-requests 8 --json "$out/bench-engine-cuda.json" 2>&1 \
     | tail -12 | tee "$out/bench-engine.txt"
+check "${PIPESTATUS[0]}"
+
+stamp "bench-engine on CUDA, bfloat16, --enforce-eager (decode steps without graphs)"
+timeout 90 $PY -m engine.bench_engine --model "$model" --dtype bfloat16 --requests 64 \
+    --skip hf_continuous,hf_sequential --enforce-eager --json "$out/bench-engine-eager.json" \
+    2>&1 | tail -6 | tee "$out/bench-engine-eager.txt"
 check "${PIPESTATUS[0]}"
 
 stamp "decode-step sweep, Llama-3.1-8B shape, bfloat16"

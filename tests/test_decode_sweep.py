@@ -17,7 +17,7 @@ def test_a_decode_step_gives_each_request_its_own_blocks():
 def test_the_sweep_reports_every_batch_on_cpu():
     args = Namespace(
         shape="tiny", batches=[1, 4], context=24, dtype="float32", device="cpu",
-        attention_backend="auto", steps=2, warmup=1, copy_bytes=1 << 20,
+        attention_backend="auto", enforce_eager=False, steps=2, warmup=1, copy_bytes=1 << 20,
     )  # fmt: skip
     res = sweep(args)
     shape = SHAPES["tiny"]

@@ -11,9 +11,9 @@ from tests.helpers import assert_pool_free, loaded, random_prompts
 pytestmark = pytest.mark.gpu
 
 
-def cuda_engine(name: str, dtype: str = "float32") -> LLMEngine:
+def cuda_engine(name: str, dtype: str = "float32", eager: bool = False) -> LLMEngine:
     cfg = EngineConfig(
-        model=ModelConfig(model=name, device="cuda", dtype=dtype),
+        model=ModelConfig(model=name, device="cuda", dtype=dtype, enforce_eager=eager),
         cache=CacheConfig(block_size=16, num_blocks=64),
         scheduler=SchedulerConfig(48, 8, True),
     )
@@ -50,3 +50,19 @@ def test_cuda_seeded_sampling_is_batch_invariant():
     )
     assert mixed[0].token_ids == alone.token_ids
     assert_pool_free(engine)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_decode_graphs_replay_the_eager_tokens(dtype):
+    """Decode steps replay captured graphs (padded batches included) and give the tokens the
+    same engine gives with --enforce-eager."""
+    graphed, eager = cuda_engine("tiny-llama", dtype), cuda_engine("tiny-llama", dtype, eager=True)
+    graphs = graphed.runner.graphs
+    assert graphs is not None and graphs.captures == 1 and eager.runner.graphs is None
+    prompts = random_prompts([5, 17, 40, 90, 3, 11, 29], seed=4)
+    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.0) for i in range(7)]
+    got = graphed.generate(prompts, params)
+    want = eager.generate(prompts, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert graphs.replays[8] > 0 and graphs.replays[1] > 0, graphs.replays
+    assert_pool_free(graphed)

@@ -1,0 +1,94 @@
+"""Decode graphs (engine/cuda_graphs.py) on the CPU: the captured function is rerun at each replay
+(EagerReplay), so padding, the scratch block and the static buffers are checked without a GPU.
+Greedy output must stay equal to transformers' while decode steps replay padded batches."""
+
+import pytest
+
+from engine import cuda_graphs
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from tests.helpers import assert_pool_free, hf_greedy, loaded, random_prompts
+
+
+@pytest.fixture
+def replayed(monkeypatch):
+    """Engines built in this test capture decode graphs, replayed eagerly."""
+    monkeypatch.setattr(cuda_graphs, "capturer", lambda device: cuda_graphs.EagerReplay())
+
+
+def engine(
+    name: str = "tiny-llama",
+    budget: int = 64,
+    max_seqs: int = 12,
+    chunked: bool = True,
+    eager: bool = False,
+    backend: str = "auto",
+) -> LLMEngine:
+    cfg = EngineConfig(
+        model=ModelConfig(model=name, enforce_eager=eager, attention_backend=backend),
+        cache=CacheConfig(block_size=4, num_blocks=160),
+        scheduler=SchedulerConfig(budget, max_seqs, chunked),
+    )
+    return LLMEngine(cfg, loaded(name))
+
+
+def test_ladder():
+    assert cuda_graphs.ladder(1) == [1]
+    assert cuda_graphs.ladder(5) == [1, 2, 4, 5]
+    assert cuda_graphs.ladder(12) == [1, 2, 4, 8, 12]
+    assert cuda_graphs.ladder(64) == [1, 2, 4, *range(8, 65, 8)]
+
+
+@pytest.mark.parametrize("backend", ["paged", "sdpa"])
+def test_padded_decode_replays_give_transformers_greedy_tokens(replayed, backend):
+    eng = engine(backend=backend)
+    graphs = eng.runner.graphs
+    assert graphs is not None and graphs.captures == 1 and graphs.sizes == [1, 2, 4, 8, 12]
+    scratch = eng.runner.inputs.scratch_block
+    assert scratch == eng.runner.num_blocks == eng.runner.cache.num_blocks - 1
+    # 7 requests decode as a padded batch of 8, then fewer as they finish (lengths differ).
+    prompts = random_prompts([3, 9, 14, 21, 30, 6, 17], seed=5)
+    params = [SamplingParams(max_tokens=6 + 2 * i, temperature=0.0) for i in range(7)]
+    res = eng.generate(prompts, params)
+    for p, sp, r in zip(prompts, params, res):
+        assert list(r.token_ids) == hf_greedy("tiny-llama", p, sp.max_tokens)
+    assert graphs.replays[8] > 0, graphs.replays  # 5..7 running: padded to 8
+    assert graphs.replays[4] > 0 and graphs.replays[1] > 0, graphs.replays
+    assert graphs.captures == 1
+    assert_pool_free(eng)
+    assert scratch not in eng.kv.pool.free_queue  # never handed to a request
+
+
+def test_mixed_steps_run_eagerly_and_eager_engines_capture_nothing(replayed):
+    eng = engine()
+    eng.runner.trace = []
+    prompts = random_prompts([40, 5], seed=9)
+    res = eng.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    steps = eng.runner.trace
+    decode_only = [s for s in steps if not s.prefills]
+    assert eng.runner.graphs is not None
+    assert sum(eng.runner.graphs.replays.values()) == len(decode_only) < len(steps)
+    plain = engine(eager=True)
+    assert plain.runner.graphs is None
+    assert plain.runner.cache.num_blocks == plain.runner.num_blocks  # no scratch block
+    assert [
+        r.token_ids for r in plain.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    ] == [r.token_ids for r in res]
+
+
+def test_reallocated_buffers_are_captured_again(replayed):
+    """An unchunked prompt longer than the budget grows the step buffers: graphs captured over
+    the old ones must not be replayed (they would read stale inputs)."""
+    eng = engine(budget=16, chunked=False)
+    graphs = eng.runner.graphs
+    assert graphs is not None
+    short, long = random_prompts([5, 40], seed=11)
+    (first,) = eng.generate([short], SamplingParams(max_tokens=5, temperature=0.0))
+    generation = eng.runner.inputs.generation
+    (second,) = eng.generate([long], SamplingParams(max_tokens=5, temperature=0.0))
+    assert eng.runner.inputs.generation > generation
+    assert graphs.captures == 2 and graphs.generation == eng.runner.inputs.generation
+    assert list(first.token_ids) == hf_greedy("tiny-llama", short, 5)
+    assert list(second.token_ids) == hf_greedy("tiny-llama", long, 5)
+    assert_pool_free(eng)
