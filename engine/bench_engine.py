@@ -14,6 +14,7 @@ router detokenizes), unless `--detokenize` asks for text deltas too.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -137,6 +138,9 @@ def run(args: argparse.Namespace) -> int:
                 "output_tokens": toks,
             }
         del paged_model
+        gc.collect()  # the last round's engine (its graphs hold it in a cycle) and KV cache
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # so that the next round's cache is sized as this one's
     rounds = [{name: r["output_tok_s"] for name, r in run.items()} for run in runs]
     for r in rounds:
         if "bare_forward" in r:

@@ -13,8 +13,13 @@ chunk, and a prefill step is long enough for its launches not to matter.
 
 Ladder: 1, 2, 4, then multiples of 8 up to the scheduler's max_num_seqs (and that number itself).
 Graphs are captured largest first, sharing one memory pool, when the runner starts; if the step
-buffers are ever reallocated (a step outgrew them), every graph is captured again before the next
-replay. `--enforce-eager` turns them off.
+buffers are ever reallocated (a step outgrew them: an unchunked prompt longer than the budget),
+every graph is captured again before the next replay, running decodes waiting for it. A capture
+that fails leaves the engine eager, with a logged error. The backend must read a row's blocks only
+up to its context length (Triton on CUDA; the CPU kernel): the SDPA backend runs eagerly. The
+logits of all B rows are a graph output: each size keeps its own [B, vocab] tensor.
+`--enforce-eager` turns graphs off; a prefill worker never captures (its steps stream KV per
+layer).
 
 The capture itself is a strategy: `CudaCapture` on CUDA; `EagerReplay` reruns the captured
 function instead, which lets the CPU test suite check the padding, the scratch block and the
@@ -55,22 +60,26 @@ class _Graph:
 
 
 class CudaCapture:
-    """torch.cuda.CUDAGraph capture: warm up on a side stream, capture into a shared pool."""
+    """torch.cuda.CUDAGraph capture: warm up on a side stream, capture into a shared pool.
+
+    Capture is thread-local: a worker's KV transfer threads keep using CUDA (their own streams,
+    synchronisations, NCCL) while the engine thread captures."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.device(device):
+            self.side = torch.cuda.Stream()  # one: cuBLAS keeps a workspace per stream
 
     def capture(self, fn: Forward) -> Captured:
         with torch.cuda.device(self.device):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            self.side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side):
                 for _ in range(2):  # first calls compile kernels and allocate workspaces
                     fn()
-            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.current_stream().wait_stream(self.side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 out = fn()
             torch.cuda.synchronize(self.device)
         return _Graph(graph, out)
@@ -106,12 +115,19 @@ def ladder(max_seqs: int) -> list[int]:
     return sorted(sizes)
 
 
-def unsupported_reason(model: Any) -> str | None:
+# Backends whose decode reads a row's blocks up to its context length only: a graph's block table
+# spans the buffers' whole width (the SDPA backend would gather every column of it).
+GRAPH_BACKENDS = frozenset({"triton", "paged-cpu"})
+
+
+def unsupported_reason(model: Any, attention: Any) -> str | None:
     """Why this model's forward cannot be captured, or None. RoPE variants that rescale with the
     longest position seen so far ("dynamic", "longrope") read it on the host every step."""
     rope = getattr(model.rotary, "rope_type", "default")
     if rope in ("dynamic", "longrope"):
         return f"rope_type {rope!r} reads the positions on the host"
+    if attention.name not in GRAPH_BACKENDS:
+        return f"the {attention.name} attention backend reads whole block tables"
     return None
 
 
@@ -136,14 +152,23 @@ class DecodeGraphs:
                 return s
         return None
 
-    def capture_all(self, generation: int) -> None:
+    def capture_all(self, generation: int) -> bool:
+        """Capture every size; False (and no graphs: decode steps run eagerly from then on) if a
+        capture failed."""
         self.graphs = {}
-        for size in reversed(self.sizes):  # largest first: later ones reuse its pool memory
-            fn = self.build(size)
-            self.graphs[size] = self.capture_with.capture(fn)
+        try:
+            # Largest first: later ones reuse its pool memory, and any per-batch scratch a
+            # backend keeps (the Triton tile tables) is sized once, before any capture reads it.
+            for size in reversed(self.sizes):
+                self.graphs[size] = self.capture_with.capture(self.build(size))
+        except Exception:
+            log.exception("capturing decode graphs failed; decode steps run eagerly")
+            self.graphs = {}
+            return False
         self.generation = generation
         self.captures += 1
         log.info("captured decode graphs for batch sizes %s", self.sizes)
+        return True
 
     def stale(self, generation: int) -> bool:
         """Whether the step buffers were reallocated since the capture: the graphs read the old

@@ -65,7 +65,8 @@ class ModelRunner:
         )
         self.num_blocks = self._num_blocks()
         capture = self._graph_capture()
-        # With graphs, one block past the pool's is the scratch block padded decode rows use.
+        # With graphs, one block past the pool's is the scratch block padded decode rows use
+        # (kept even if the backend chosen next turns graphs off: one block).
         self.cache = KVCache(self.spec, self.num_blocks + (capture is not None), self.device)
         self.attention = self._attention_backend(config.model.attention_backend)
         sc = config.scheduler
@@ -79,11 +80,19 @@ class ModelRunner:
             ),
         )
         self.graphs: cuda_graphs.DecodeGraphs | None = None
-        if capture is not None:
+        why = (
+            cuda_graphs.unsupported_reason(self.model, self.attention)
+            if capture is not None
+            else None
+        )
+        if why is not None:
+            log.warning("decode steps run eagerly: %s", why)
+        elif capture is not None:
             self.inputs.scratch_block = self.num_blocks
             sizes = cuda_graphs.ladder(min(sc.max_num_seqs, self.inputs.max_tokens))
-            self.graphs = cuda_graphs.DecodeGraphs(capture, sizes, self._padded_forward)
-            self.graphs.capture_all(self.inputs.generation)
+            graphs = cuda_graphs.DecodeGraphs(capture, sizes, self._padded_forward)
+            if graphs.capture_all(self.inputs.generation):
+                self.graphs = graphs
         self.generators: dict[str, torch.Generator] = {}
         # When a list, every executed step's shape is appended (benchmarks replay them).
         self.trace: list[StepShape] | None = None
@@ -92,12 +101,7 @@ class ModelRunner:
     def _graph_capture(self) -> cuda_graphs.Capture | None:
         if self.config.model.enforce_eager:
             return None
-        capture = cuda_graphs.capturer(self.device)
-        why = cuda_graphs.unsupported_reason(self.model) if capture is not None else None
-        if why is not None:
-            log.warning("decode steps run eagerly: %s", why)
-            return None
-        return capture
+        return cuda_graphs.capturer(self.device)
 
     def _padded_forward(self, size: int) -> cuda_graphs.Forward:
         return cuda_graphs.forward_over(
@@ -177,7 +181,8 @@ class ModelRunner:
         batch = self.inputs.prepare(so, pad)
         if batch.padded_to is not None and self.graphs is not None:
             if self.graphs.stale(self.inputs.generation):
-                self.graphs.capture_all(self.inputs.generation)
+                if not self.graphs.capture_all(self.inputs.generation):
+                    self.graphs, pad = None, None
                 batch = self.inputs.prepare(so, pad)  # capturing overwrote the inputs
         if self.trace is not None:
             self.trace.append(_shape(batch))

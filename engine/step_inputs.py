@@ -110,6 +110,10 @@ class StepInputs:
         self._hosts = [
             torch.zeros(n, dtype=torch.long, pin_memory=self.pinned) for _ in range(count)
         ]
+        # On CUDA, one event per host buffer, recorded after its copy went out: a host buffer is
+        # written again only once its last copy has completed (a step that samples nothing does
+        # not synchronise on its own).
+        self._copied = [torch.cuda.Event() for _ in self._hosts] if self.pinned else []
         rg = self.regions
         self._host_regions = []
         for host in self._hosts:
@@ -234,6 +238,8 @@ class StepInputs:
         rows = self._rows_for(order)  # may grow the persistent table: before any view of it
 
         self._turn = (self._turn + 1) % len(self._hosts)
+        if self._copied:
+            self._copied[self._turn].synchronize()
         h = self._host_regions[self._turn]
         if len(self._arange) < num_seqs:
             self._arange = np.arange(2 * num_seqs, dtype=np.int64)
@@ -318,6 +324,8 @@ class StepInputs:
         Their block table spans the buffer's whole width (a kernel reads a row's first blocks
         only, up to its context length)."""
         self._ensure(size, size, 1)
+        for event in self._copied:
+            event.synchronize()
         for host in self._host_regions:
             self._pad(host, 0, size)
         self._copy_to_device(self.regions.table.start + size * self.width)
@@ -342,6 +350,7 @@ class StepInputs:
         """The one host-to-device copy of the step (none on CPU)."""
         if self.pinned:
             self._dev[:used].copy_(self._hosts[self._turn][:used], non_blocking=True)
+            self._copied[self._turn].record()
 
     def _views(
         self,

@@ -10,7 +10,8 @@ steps are those decode-only steps. One step splits into:
   prepare    the runner filling its preallocated step buffers (engine/step_inputs.py);
   forward    the model's forward (on CPU: its compute; on CUDA: the time to launch its kernels);
   sample     the rest of the runner's `execute` (sampling and the copy of the ids back);
-  post       the engine's work after the runner (request state, outputs, detokenizing, stats).
+  post       the engine's work after the runner (request state, outputs, stats; detokenizing
+             too with --detokenize: the workers run without it, the router decodes text).
 
 host = step - forward: everything the device does not need. `lists` is the same step's inputs
 built the way the runner built them before the buffers (Python lists of every token, position and
@@ -98,12 +99,19 @@ def prepare_from_lists(so: SchedulerOutput, block_size: int, device: torch.devic
 
 
 def measure(
-    loaded: Any, model: str, n: int, prompt_len: int, steps: int, block_size: int
+    loaded: Any,
+    model: str,
+    n: int,
+    prompt_len: int,
+    steps: int,
+    block_size: int,
+    detokenize: bool = False,
 ) -> dict[str, Any]:
     cfg = EngineConfig(
         model=ModelConfig(model=model),
         cache=CacheConfig(block_size=block_size, cpu_kv_cache_gib=4.0),
         scheduler=SchedulerConfig(max(1024, n), n, True),
+        detokenize=detokenize,
     )
     engine = LLMEngine(cfg, loaded)
     runner = engine.runner
@@ -133,9 +141,9 @@ def measure(
     lists = _Timer(prepare_from_lists)
     prepare = timers["prepare"].fn
 
-    def both(so: SchedulerOutput) -> Any:
+    def both(so: SchedulerOutput, pad_to: int | None = None) -> Any:
         lists(so, block_size, runner.device)
-        return prepare(so)
+        return prepare(so, pad_to)
 
     timers["prepare"].fn = both
     rows: list[dict[str, float]] = []
@@ -184,7 +192,8 @@ def print_table(result: dict[str, Any]) -> None:
         f"\nhost time per decode step, {result['model']} on {result['device']} "
         f"({result['attention_backend']} attention), "
         f"{result['threads']} threads, prompts of {result['prompt_len']} tokens, "
-        f"block size {result['block_size']}; medians over {result['steps']} steps, ms"
+        f"block size {result['block_size']}, detokenizing {'on' if result['detokenize'] else 'off'}"
+        f"; medians over {result['steps']} steps, ms"
     )
     cols = ["running", *PHASES, "step", "host", "lists"]
     print("".join(f"{c:>10}" for c in cols))
@@ -202,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per batch size")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument(
+        "--detokenize",
+        action="store_true",
+        help="the engine also decodes text at each step (workers don't: the router does)",
+    )
     p.add_argument("--json", default=None, help="write results to this file")
     args = p.parse_args(argv)
     if args.threads:
@@ -209,7 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(ModelConfig(model=args.model))
     sizes = [int(x) for x in args.running.split(",") if x.strip()]
     rows = [
-        measure(loaded, args.model, n, args.prompt_len, args.steps, args.block_size) for n in sizes
+        measure(
+            loaded, args.model, n, args.prompt_len, args.steps, args.block_size, args.detokenize
+        )
+        for n in sizes
     ]
     result = {
         "model": args.model,
@@ -219,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_len": args.prompt_len,
         "block_size": args.block_size,
         "steps": args.steps,
+        "detokenize": args.detokenize,
         "rows": rows,
     }
     print_table(result)

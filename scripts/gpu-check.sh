@@ -52,14 +52,14 @@ EOF
 stamp "pytest -m 'gpu or multigpu'"
 timeout 200 $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" -rs \
     tests/test_gpu.py tests/test_kv_transfer_peers.py tests/test_cluster_gpu.py \
-    tests/test_triton_attention.py tests/test_dtype.py tests/test_cuda_graphs.py \
+    tests/test_triton_attention.py tests/test_dtype.py \
     2>&1 | tee "$out/pytest-gpu.txt"
 check "${PIPESTATUS[0]}"
 
 stamp "engine tests, CUDA as the default device"
 timeout 120 $PY -m pytest -q -p no:cacheprovider --maxfail=5 -rs tests/test_engine_equality.py \
     tests/test_engine_api.py tests/test_sampling.py tests/test_async_engine.py \
-    tests/test_kv_handoff.py 2>&1 | tail -40 | tee "$out/pytest-engine-cuda.txt"
+    tests/test_kv_handoff.py tests/test_cuda_graphs.py 2>&1 | tail -40 | tee "$out/pytest-engine-cuda.txt"
 check "${PIPESTATUS[0]}"
 
 model=smollm2-135m

@@ -21,4 +21,4 @@ fi
 export PATH="$PWD/.venv/bin:$PATH"
 ruff check .
 mypy engine kv_transfer prefill_worker decode_worker router worker_protocol pdserve_client
-python -m pytest -q "$@"
+python -m pytest -q --durations=15 "$@"

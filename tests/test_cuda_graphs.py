@@ -40,9 +40,8 @@ def test_ladder():
     assert cuda_graphs.ladder(64) == [1, 2, 4, *range(8, 65, 8)]
 
 
-@pytest.mark.parametrize("backend", ["paged", "sdpa"])
-def test_padded_decode_replays_give_transformers_greedy_tokens(replayed, backend):
-    eng = engine(backend=backend)
+def test_padded_decode_replays_give_transformers_greedy_tokens(replayed):
+    eng = engine(backend="paged")
     graphs = eng.runner.graphs
     assert graphs is not None and graphs.captures == 1 and graphs.sizes == [1, 2, 4, 8, 12]
     scratch = eng.runner.inputs.scratch_block
@@ -58,6 +57,30 @@ def test_padded_decode_replays_give_transformers_greedy_tokens(replayed, backend
     assert graphs.captures == 1
     assert_pool_free(eng)
     assert scratch not in eng.kv.pool.free_queue  # never handed to a request
+
+
+def test_the_sdpa_backend_runs_eagerly(replayed):
+    """SDPA would gather a graph's whole block-table width: no graphs with it."""
+    eng = engine(backend="sdpa")
+    assert eng.runner.attention.name == "sdpa" and eng.runner.graphs is None
+    (res,) = eng.generate(random_prompts([7], seed=2), SamplingParams(max_tokens=6, temperature=0))
+    assert list(res.token_ids) == hf_greedy("tiny-llama", random_prompts([7], seed=2)[0], 6)
+
+
+def test_steps_streaming_kv_per_layer_run_eagerly(replayed):
+    """A step with a per-layer hook (a prefill worker sending KV as each layer lands) is never a
+    replay: a graph would not call the hook."""
+    eng = engine()
+    graphs = eng.runner.graphs
+    assert graphs is not None
+    eng.add_request(random_prompts([6], seed=3)[0], SamplingParams(max_tokens=5, temperature=0))
+    layers: list[int] = []
+    steps = 0
+    while eng.has_unfinished_requests():
+        eng.step(on_layer=lambda i, so: layers.append(i))
+        steps += 1
+    assert steps == 5 and sum(graphs.replays.values()) == 0
+    assert layers == list(range(eng.runner.model.num_layers)) * steps
 
 
 def test_mixed_steps_run_eagerly_and_eager_engines_capture_nothing(replayed):

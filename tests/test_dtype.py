@@ -250,6 +250,9 @@ def check_bf16_greedy(arch: str, device: str) -> None:
         else:
             assert len(got) == len(ref)  # both stopped at the same EOS, or at max_tokens
     assert matched >= MIN_MATCHED * total, f"{arch}: {matched} of {total} tokens matched"
+    if device == "cuda":  # decode steps replayed CUDA graphs
+        graphs = engine.runner.graphs
+        assert graphs is not None and sum(graphs.replays.values()) > 0
     assert_pool_free(engine)
 
 

@@ -43,8 +43,12 @@ class EngineHost:
         self.node_ip = node_ip()
         self.kv_host = kv_bind_host(self.node_ip, spec.kv_interface, spec.kv_host)
         # The router detokenizes what workers stream: a worker decodes text only to find stop
-        # strings.
-        self.engine = LLMEngine(replace(spec.engine, detokenize=False))
+        # strings. A prefill worker's steps stream KV layer by layer, which a captured decode
+        # graph cannot: it captures none.
+        engine = replace(spec.engine, detokenize=False)
+        if self.role is WorkerRole.PREFILL:
+            engine = replace(engine, model=replace(engine.model, enforce_eager=True))
+        self.engine = LLMEngine(engine)
         self.aeng = AsyncEngine(self.engine, on_layer=on_layer, on_dead=self._engine_died)
         rate = measure_device(self.engine.runner.device, self.engine.runner.dtype)
         self._info = worker_info(
