@@ -1,133 +1,25 @@
-"""DecodeWorker: the full engine in a decode-pool actor.
-
-Colocated request: `generate` streams tokens; the engine prefills it locally in chunks under the
-same token budget as the running decodes.
-Disaggregated request, in order:
-  1. `reserve_kv`: blocks for the prompt are allocated here first and the connector starts
-     receiving into those past the prefix-cache hit (only they travel); the answer (KVTarget)
-     names them for the prefill worker;
-  2. (the prefill worker prefills and streams the KV layer by layer; the router relays its first
-     token)
-  3. `finish_handoff`: waits for the receive to end within its deadline; DONE -> the request joins
-     the running batch with its first token; FAILED -> the prompt is recomputed here. Either way
-     tokens then stream as for a colocated request.
-The engine runs on its own thread (AsyncEngine); the connector's threads write only into blocks
-reserved for a transfer, which the engine does not read until step 3.
-"""
+"""DecodeWorker: the full engine in a decode-pool actor: it decodes, receiving a prompt's KV from
+a prefill worker or prefilling it locally on the colocated path (worker_protocol/kv_receiver.py
+for the steps of one request)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator
-from dataclasses import replace
-
-from engine.llm_engine import LLMEngine
-from engine.outputs import TokenLogprobs
-from kv_transfer import TransferRequest, TransferStatus
 from kv_transfer.endpoint import KVEndpoint
 from worker_protocol.host import EngineHost
-from worker_protocol.messages import KVTarget, TokenChunk, WorkerRole, WorkerSpec, WorkRequest
+from worker_protocol.kv_receiver import KVReceiverSide
+from worker_protocol.messages import WorkerRole, WorkerSpec
 
 
-class DecodeWorker(KVEndpoint, EngineHost):
+class DecodeWorker(KVReceiverSide, KVEndpoint, EngineHost):
     role = WorkerRole.DECODE
 
     def __init__(self, worker_id: str, spec: WorkerSpec, incarnation: int = 0) -> None:
         EngineHost.__init__(self, worker_id, spec, incarnation)
         self.init_endpoint(self.kv_source(), self.kv_host, spec.kv_backend, spec.pair_timeout_s)
 
-    async def generate(self, req: WorkRequest) -> AsyncIterator[TokenChunk]:
-        """Colocated path: prefill here, then decode; one chunk per step."""
-        async for out in self.aeng.generate(req.prompt_token_ids, req.sampling, req.request_id):
-            yield TokenChunk.from_output(out, self.worker_id)
-
-    async def reserve_kv(self, req: WorkRequest, peer_id: str) -> KVTarget | None:
-        """Reserve blocks for `req`'s prompt and start receiving its KV from `peer_id` into those
-        past the prefix-cache hit. None: no free blocks or sequence slot now (nothing reserved).
-        Both happen in one engine call, so an abort (which waits for the engine first) always
-        finds the receive registered."""
-        rid = req.request_id
-        bs = self.engine.config.cache.block_size
-
-        def reserve(e: LLMEngine) -> KVTarget | None:
-            res = e.reserve_for_kv(list(req.prompt_token_ids), req.sampling, rid)
-            if res is None:
-                return None
-            skip = res.num_cached_tokens // bs
-            dst = tuple(res.block_ids[skip:])
-            try:
-                self.connector.start_recv(
-                    TransferRequest(
-                        transfer_id=rid,
-                        peer=peer_id,
-                        src_block_ids=dst,  # the receiver reads none of these
-                        dst_block_ids=dst,
-                        num_layers=self.layout.num_layers,
-                        # Registered before the prefill starts: it covers its queue and compute.
-                        deadline_s=self.spec.prefill_timeout_s + self.spec.kv_transfer_deadline_s,
-                    ),
-                    e.runner.cache,
-                )
-            except BaseException:
-                e.abort(rid)  # frees the reservation
-                raise
-            return KVTarget(rid, dst, skip, res.num_cached_tokens)
-
-        return await self.aeng.call(reserve)
-
-    async def finish_handoff(
-        self,
-        request_id: str,
-        first_token: int | None,
-        first_logprobs: TokenLogprobs | None = None,
-    ) -> AsyncIterator[TokenChunk]:
-        """Join the batch once the KV is in (or recompute if it never came); stream tokens."""
-        if first_token is None:  # the prefill side failed: nothing more will arrive
-            self.connector.abort(request_id)
-            self.connector.release(request_id)
-        ok = first_token is not None and await self._wait_kv(request_id)
-        q = self.aeng.open_stream(request_id)
-        try:
-            if ok:
-                assert first_token is not None
-                first = await self.aeng.call(
-                    lambda e: e.kv_arrived(request_id, first_token, first_logprobs)
-                )
-                yield TokenChunk.from_output(first, self.worker_id)
-                if first.finished:
-                    return
-            else:
-                await self.aeng.call(lambda e: e.kv_failed(request_id))
-            recomputed = first_token is not None and not ok  # the KV was sent, never landed
-            async for out in self.aeng.stream(request_id, q):
-                chunk = TokenChunk.from_output(out, self.worker_id)
-                if recomputed:
-                    chunk, recomputed = replace(chunk, kv_recomputed=True), False
-                yield chunk
-        finally:
-            self.aeng.close_stream(request_id)
-
-    async def _wait_kv(self, request_id: str) -> bool:
-        deadline = time.monotonic() + self.spec.kv_transfer_deadline_s + 1.0
-        # The prefill worker has answered by now: its send has ended, so this wait is short.
-        status = self.connector.poll(request_id)
-        while not status.finished and time.monotonic() < deadline:
-            await asyncio.sleep(0.002)
-            status = self.connector.poll(request_id)
-        if not status.finished:
-            self.connector.abort(request_id)
-        self.connector.release(request_id)
-        return status is TransferStatus.DONE
-
     async def abort(self, request_id: str) -> None:
         """Abort everywhere here: the receive (before its blocks go), the engine, the stream."""
-        # A reserve_kv sent before this abort may still be queued on the engine thread: let it
-        # run first, so that its receive exists to be ended below.
-        await self.aeng.call(lambda e: None)
-        self.connector.abort(request_id)
-        self.connector.release(request_id)  # a no-op when no receive was registered
-        await self.aeng.abort(request_id)
+        await self.abort_receive(request_id)
 
     def shutdown(self) -> None:
         EngineHost.shutdown(self)

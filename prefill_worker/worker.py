@@ -1,194 +1,30 @@
-"""PrefillWorker: the engine in prefill role inside a prefill-pool actor.
-
-One request, in order:
-  1. `prefill(req, peer, dst_block_ids, skip_blocks)`: the request joins the engine's batch with
-     max_tokens 1 and its blocks held past its end; prefills of many requests share steps under
-     the token budget;
-  2. in the step that computes the prompt's last chunk, the engine thread's per-layer hook starts
-     the send and hands each layer to the connector as soon as it is in the cache, so the
-     transfer of layer i overlaps the compute of layers i+1..;
-  3. the first token is sampled; the worker waits for the send to end (DONE or FAILED, within
-     its deadline) and only then frees the blocks (ownership stays here until the send ended);
-  4. it returns the first token and the prefill and transfer times.
-`abort(request_id)` ends a prefill early: no first token, the send FAILED, the blocks freed.
-"""
+"""PrefillWorker: the engine in prefill role inside a prefill-pool actor: it prefills prompts and
+streams their KV to the decode worker that reserved blocks for them (worker_protocol/kv_sender.py
+for the steps of one request). Its steps stream KV layer by layer, so it captures no decode
+graphs."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
-import time
-from dataclasses import dataclass, replace
-from typing import NamedTuple
-
-from engine.outputs import ScheduledRequest, SchedulerOutput
-from kv_transfer import FailureReason, TransferRequest, TransferStatus
 from kv_transfer.endpoint import KVEndpoint
 from worker_protocol.host import EngineHost
-from worker_protocol.messages import PrefillResult, WorkerRole, WorkerSpec, WorkRequest
+from worker_protocol.kv_sender import KVSenderSide
+from worker_protocol.messages import WorkerRole, WorkerSpec
 
 
-class _SendOutcome(NamedTuple):
-    status: TransferStatus
-    bytes: int
-    seconds: float  # the connector's own: send started -> ended
-    reason: str | None  # a FailureReason value when FAILED
-    error: str | None
-
-
-@dataclass(slots=True)
-class _PendingSend:
-    peer: str
-    dst_block_ids: tuple[int, ...]
-    skip_blocks: int  # leading blocks the decode side already holds
-    started: bool = False
-    error: str | None = None  # why the send could not go
-
-
-class PrefillWorker(KVEndpoint, EngineHost):
+class PrefillWorker(KVSenderSide, KVEndpoint, EngineHost):
     role = WorkerRole.PREFILL
 
     def __init__(self, worker_id: str, spec: WorkerSpec, incarnation: int = 0) -> None:
-        self._sends: dict[str, _PendingSend] = {}
-        self._lock = threading.Lock()
-        EngineHost.__init__(self, worker_id, spec, incarnation, on_layer=self._on_layer)
+        self.init_sender()
+        EngineHost.__init__(self, worker_id, spec, incarnation, on_layer=self.on_layer)
         self.init_endpoint(
             self.kv_source(), self.kv_host, spec.kv_backend, spec.pair_timeout_s, spec.kv_faults
-        )
-
-    def _on_layer(self, layer: int, so: SchedulerOutput) -> None:
-        """Engine thread, after layer `layer` of a step is in the cache. Never raises: a send
-        that can't go ends FAILED (the decode side recomputes); the engine keeps serving."""
-        for s in so.scheduled:
-            try:
-                self._send_layer(layer, s)
-            except Exception as exc:
-                with self._lock:
-                    send = self._sends.get(s.request_id)
-                    if send is not None:
-                        send.error = f"{type(exc).__name__}: {exc}"
-                try:
-                    self.connector.abort(s.request_id)
-                except Exception:
-                    pass  # never registered: nothing to end
-
-    def _send_layer(self, layer: int, s: ScheduledRequest) -> None:
-        if not s.sample:
-            return  # the prompt isn't complete yet: its later chunks still write KV
-        with self._lock:
-            send = self._sends.get(s.request_id)
-        if send is None or send.error is not None:
-            return
-        if not send.started:
-            src = s.block_ids[send.skip_blocks : send.skip_blocks + len(send.dst_block_ids)]
-            self.connector.start_send(
-                TransferRequest(
-                    transfer_id=s.request_id,
-                    peer=send.peer,
-                    src_block_ids=tuple(src),
-                    dst_block_ids=send.dst_block_ids,
-                    num_layers=self.layout.num_layers,
-                    deadline_s=self.spec.kv_transfer_deadline_s,
-                ),
-                self.engine.runner.cache,
-            )
-            send.started = True
-        self.connector.send_layer(s.request_id, layer)
-
-    async def prefill(
-        self,
-        req: WorkRequest,
-        peer: str,
-        dst_block_ids: tuple[int, ...],
-        skip_blocks: int,
-    ) -> PrefillResult:
-        rid = req.request_id
-        with self._lock:
-            if rid in self._sends:
-                raise ValueError(f"request_id {rid!r} is already being prefilled here")
-            if dst_block_ids:
-                self._sends[rid] = _PendingSend(peer, dst_block_ids, skip_blocks)
-        first_params = replace(req.sampling, max_tokens=1, ignore_eos=True, stop=())
-        t0 = time.monotonic()
-        first = None
-        first_lp = None
-        queue_s = 0.0
-        try:
-            q = self.aeng.open_stream(rid)
-            await self.aeng.call(
-                lambda e: e.add_request(list(req.prompt_token_ids), first_params, rid, None, True)
-            )
-            async for out in self.aeng.stream(rid, q):
-                if out.new_token_ids:
-                    first = out.new_token_ids[0]
-                    first_lp = out.logprobs[0] if out.logprobs else None
-                    queue_s = out.queue_s
-            t1 = time.monotonic()
-            with self._lock:
-                pending = self._sends.get(rid)
-            if first is None:  # aborted: a started send would never get its last layers
-                outcome = _SendOutcome(
-                    TransferStatus.FAILED,
-                    0,
-                    0.0,
-                    FailureReason.ABORTED.value,
-                    "aborted before the first token",
-                )
-            else:
-                outcome = await self._wait_send(rid, pending)
-        finally:
-            with self._lock:
-                pending = self._sends.pop(rid, None)
-            if pending is not None and pending.started and self._live_send(rid):
-                self.connector.abort(rid)  # returns once the sender no longer reads the blocks
-                self.connector.release(rid)
-            # The send has ended (or never started): only now may the blocks go.
-            await self.aeng.call(lambda e: e.release_blocks(rid))
-        return PrefillResult(
-            request_id=rid,
-            first_token=first,
-            first_logprobs=first_lp,
-            transfer_ok=outcome.status is TransferStatus.DONE,
-            prefill_s=t1 - t0,
-            transfer_s=time.monotonic() - t1,
-            bytes_sent=outcome.bytes,
-            error=outcome.error,
-            send_s=outcome.seconds,
-            failure_reason=outcome.reason,
-            queue_s=queue_s,
         )
 
     async def abort(self, request_id: str) -> None:
         """Stop a prefill (the client left): `prefill` then returns without a first token, its
         send ends FAILED and its blocks are freed."""
-        await self.aeng.abort(request_id)
-
-    def _live_send(self, rid: str) -> bool:
-        try:
-            return not self.connector.poll(rid).finished
-        except KeyError:
-            return False  # already released
-
-    async def _wait_send(self, rid: str, pending: _PendingSend | None) -> _SendOutcome:
-        if pending is None:  # nothing to send: the decode side holds the whole prompt
-            return _SendOutcome(TransferStatus.DONE, 0, 0.0, None, None)
-        if not pending.started:
-            error = pending.error or "the prompt's last chunk never ran"
-            return _SendOutcome(TransferStatus.FAILED, 0, 0.0, FailureReason.ERROR.value, error)
-        deadline = time.monotonic() + self.spec.kv_transfer_deadline_s + 1.0
-        status = self.connector.poll(rid)
-        while not status.finished and time.monotonic() < deadline:
-            await asyncio.sleep(0.002)
-            status = self.connector.poll(rid)
-        if not status.finished:
-            self.connector.abort(rid)
-            status = self.connector.poll(rid)
-        res = self.connector.result(rid)
-        self.connector.release(rid)
-        if res is None:
-            return _SendOutcome(status, 0, 0.0, FailureReason.ERROR.value, "no result")
-        reason = res.reason.value if res.reason is not None else None
-        return _SendOutcome(status, res.bytes, res.seconds, reason, res.error)
+        await self.abort_prefill(request_id)
 
     def shutdown(self) -> None:
         EngineHost.shutdown(self)
