@@ -39,10 +39,12 @@ class AsyncEngine:
         self,
         engine: LLMEngine,
         on_layer: LayerHook | None = None,
+        wants_layers: Callable[[SchedulerOutput], bool] | None = None,
         on_dead: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         self.on_layer = on_layer
+        self.wants_layers = wants_layers  # see LLMEngine.step
         self.on_dead = on_dead  # called on the engine thread when a step raised
         self._commands: deque[tuple[Callable[[LLMEngine], Any], Future[Any]]] = deque()
         self._wake = threading.Event()
@@ -133,7 +135,7 @@ class AsyncEngine:
             while not self._stopped:
                 self._run_commands()
                 if self.engine.has_unfinished_requests():
-                    self._dispatch(self.engine.step(self.on_layer))
+                    self._dispatch(self.engine.step(self.on_layer, self.wants_layers))
                 else:
                     self._wake.wait(0.5)
                     self._wake.clear()

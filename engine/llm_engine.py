@@ -193,12 +193,17 @@ class LLMEngine:
 
     # -- stepping -----------------------------------------------------------------------------
     def step(
-        self, on_layer: Callable[[int, SchedulerOutput], None] | None = None
+        self,
+        on_layer: Callable[[int, SchedulerOutput], None] | None = None,
+        wants_layers: Callable[[SchedulerOutput], bool] | None = None,
     ) -> list[RequestOutput]:
         """One engine step. `on_layer(i, schedule)` fires as each layer's new KV lands in the
-        cache (the prefill worker streams KV layer by layer with it)."""
+        cache (a worker prefilling for a peer streams KV layer by layer with it); with
+        `wants_layers`, only in steps it says need it (the others may replay a decode graph)."""
         so = self.scheduler.schedule()
-        hook = None if on_layer is None else (lambda i: on_layer(i, so))
+        hook = None
+        if on_layer is not None and (wants_layers is None or wants_layers(so)):
+            hook = lambda i: on_layer(i, so)  # noqa: E731
         t0 = time.perf_counter()
         result = self.runner.execute(so, hook)
         if not so.is_empty:

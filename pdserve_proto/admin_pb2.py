@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x61\x64min.proto\x12\npdserve.v1\"\x82\x01\n\x0cScaleRequest\x12\x14\n\x07prefill\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x06\x64\x65\x63ode\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x0f\x64rain_timeout_s\x18\x03 \x01(\x02H\x02\x88\x01\x01\x42\n\n\x08_prefillB\t\n\x07_decodeB\x12\n\x10_drain_timeout_s\"\xa5\x01\n\x06Worker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\x05\x12\x0f\n\x07node_ip\x18\x05 \x01(\t\x12\x0f\n\x07kv_host\x18\x06 \x01(\t\x12\x0b\n\x03pid\x18\x07 \x01(\x05\x12\x17\n\x0f\x61\x63tive_requests\x18\x08 \x01(\x05\x12\r\n\x05\x65rror\x18\t \x01(\t\"4\n\rScaleResponse\x12#\n\x07workers\x18\x01 \x03(\x0b\x32\x12.pdserve.v1.Worker\"\x14\n\x12ListWorkersRequest\"m\n\x13ListWorkersResponse\x12#\n\x07workers\x18\x01 \x03(\x0b\x32\x12.pdserve.v1.Worker\x12\x18\n\x10prefill_restarts\x18\x02 \x01(\x05\x12\x17\n\x0f\x64\x65\x63ode_restarts\x18\x03 \x01(\x05\x32\x95\x01\n\x05\x41\x64min\x12<\n\x05Scale\x12\x18.pdserve.v1.ScaleRequest\x1a\x19.pdserve.v1.ScaleResponse\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x61\x64min.proto\x12\npdserve.v1\"\xa4\x01\n\x0cScaleRequest\x12\x14\n\x07prefill\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x06\x64\x65\x63ode\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x0f\x64rain_timeout_s\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x14\n\x07workers\x18\x04 \x01(\x05H\x03\x88\x01\x01\x42\n\n\x08_prefillB\t\n\x07_decodeB\x12\n\x10_drain_timeout_sB\n\n\x08_workers\"\xa5\x01\n\x06Worker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\x05\x12\x0f\n\x07node_ip\x18\x05 \x01(\t\x12\x0f\n\x07kv_host\x18\x06 \x01(\t\x12\x0b\n\x03pid\x18\x07 \x01(\x05\x12\x17\n\x0f\x61\x63tive_requests\x18\x08 \x01(\x05\x12\r\n\x05\x65rror\x18\t \x01(\t\"4\n\rScaleResponse\x12#\n\x07workers\x18\x01 \x03(\x0b\x32\x12.pdserve.v1.Worker\"\x14\n\x12ListWorkersRequest\"\x84\x01\n\x13ListWorkersResponse\x12#\n\x07workers\x18\x01 \x03(\x0b\x32\x12.pdserve.v1.Worker\x12\x18\n\x10prefill_restarts\x18\x02 \x01(\x05\x12\x17\n\x0f\x64\x65\x63ode_restarts\x18\x03 \x01(\x05\x12\x15\n\rboth_restarts\x18\x04 \x01(\x05\x32\x95\x01\n\x05\x41\x64min\x12<\n\x05Scale\x12\x18.pdserve.v1.ScaleRequest\x1a\x19.pdserve.v1.ScaleResponse\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SCALEREQUEST']._serialized_start=28
-  _globals['_SCALEREQUEST']._serialized_end=158
-  _globals['_WORKER']._serialized_start=161
-  _globals['_WORKER']._serialized_end=326
-  _globals['_SCALERESPONSE']._serialized_start=328
-  _globals['_SCALERESPONSE']._serialized_end=380
-  _globals['_LISTWORKERSREQUEST']._serialized_start=382
-  _globals['_LISTWORKERSREQUEST']._serialized_end=402
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=404
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=513
-  _globals['_ADMIN']._serialized_start=516
-  _globals['_ADMIN']._serialized_end=665
+  _globals['_SCALEREQUEST']._serialized_end=192
+  _globals['_WORKER']._serialized_start=195
+  _globals['_WORKER']._serialized_end=360
+  _globals['_SCALERESPONSE']._serialized_start=362
+  _globals['_SCALERESPONSE']._serialized_end=414
+  _globals['_LISTWORKERSREQUEST']._serialized_start=416
+  _globals['_LISTWORKERSREQUEST']._serialized_end=436
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=439
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=571
+  _globals['_ADMIN']._serialized_start=574
+  _globals['_ADMIN']._serialized_end=723
 # @@protoc_insertion_point(module_scope)

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ScaleRequest(_message.Message):
-    __slots__ = ("prefill", "decode", "drain_timeout_s")
+    __slots__ = ("prefill", "decode", "drain_timeout_s", "workers")
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     prefill: int
     decode: int
     drain_timeout_s: float
-    def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+    workers: int
+    def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ..., drain_timeout_s: _Optional[float] = ..., workers: _Optional[int] = ...) -> None: ...
 
 class Worker(_message.Message):
     __slots__ = ("worker_id", "role", "status", "incarnation", "node_ip", "kv_host", "pid", "active_requests", "error")
@@ -50,11 +52,13 @@ class ListWorkersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListWorkersResponse(_message.Message):
-    __slots__ = ("workers", "prefill_restarts", "decode_restarts")
+    __slots__ = ("workers", "prefill_restarts", "decode_restarts", "both_restarts")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     DECODE_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    BOTH_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[Worker]
     prefill_restarts: int
     decode_restarts: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., prefill_restarts: _Optional[int] = ..., decode_restarts: _Optional[int] = ...) -> None: ...
+    both_restarts: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., prefill_restarts: _Optional[int] = ..., decode_restarts: _Optional[int] = ..., both_restarts: _Optional[int] = ...) -> None: ...

@@ -57,6 +57,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             workers=self._workers(),
             prefill_restarts=restarts.get(WorkerRole.PREFILL, 0),
             decode_restarts=restarts.get(WorkerRole.DECODE, 0),
+            both_restarts=restarts.get(WorkerRole.BOTH, 0),
         )
 
     async def Scale(  # noqa: N802
@@ -69,17 +70,23 @@ class AdminServicer(pb_grpc.AdminServicer):
         assert self.cluster is not None
         prefill = request.prefill if request.HasField("prefill") else None
         decode = request.decode if request.HasField("decode") else None
+        both = request.workers if request.HasField("workers") else None
         drain = request.drain_timeout_s if request.HasField("drain_timeout_s") else None
         bad = grpc.StatusCode.INVALID_ARGUMENT
         if prefill is not None and prefill < 0:
             await context.abort(bad, f"prefill: must be >= 0, got {prefill}")
-        if decode is not None and decode < 1:
-            await context.abort(bad, f"decode: must be >= 1, got {decode}")
+        if decode is not None and decode < 0:
+            await context.abort(bad, f"decode: must be >= 0, got {decode}")
+        if both is not None and both < 0:
+            await context.abort(bad, f"workers: must be >= 0, got {both}")
         if drain is not None and not drain >= 0:
             await context.abort(bad, f"drain_timeout_s: must be >= 0, got {drain}")
-        log.info("scale: prefill %s, decode %s (drain %s s)", prefill, decode, drain)
+        log.info("scale: prefill %s, decode %s, workers %s (drain %s s)", prefill, decode, both,
+                 drain)  # fmt: skip
         try:
-            await self.cluster.scale(prefill, decode, drain)
+            await self.cluster.scale(prefill, decode, drain, both)
+        except ValueError as exc:  # no worker would be left to decode
+            await context.abort(bad, str(exc))
         except RuntimeError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return pb.ScaleResponse(workers=self._workers())

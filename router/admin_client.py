@@ -1,6 +1,7 @@
 """`pdserve scale` and `pdserve workers`: the operator's side of pdserve.v1.Admin.
 
     pdserve scale --address 127.0.0.1:50052 --prefill 2 --decode 2   # resize, wait, list
+    pdserve scale --address 127.0.0.1:50052 --workers 4 --decode 0    # workers doing both
     pdserve workers --address 127.0.0.1:50052                         # list
 """
 
@@ -19,7 +20,13 @@ DEFAULT_ADDRESS = "127.0.0.1:50052"
 def add_scale_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=DEFAULT_ADDRESS, help="the server's admin host:port")
     p.add_argument("--prefill", type=int, default=None, help="prefill workers wanted (>= 0)")
-    p.add_argument("--decode", type=int, default=None, help="decode workers wanted (>= 1)")
+    p.add_argument("--decode", type=int, default=None, help="decode workers wanted (>= 0)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="workers that do both wanted (>= 0); at least one worker must decode",
+    )
     p.add_argument(
         "--drain-timeout",
         type=float,
@@ -69,14 +76,16 @@ def run_scale(args: argparse.Namespace) -> int:
 
     from pdserve_proto import admin_pb2 as pb
 
-    if args.prefill is None and args.decode is None:
-        print("error: give --prefill, --decode or both", file=sys.stderr)
+    if args.prefill is None and args.decode is None and args.workers is None:
+        print("error: give --prefill, --decode or --workers", file=sys.stderr)
         return 2
     req = pb.ScaleRequest()
     if args.prefill is not None:
         req.prefill = args.prefill
     if args.decode is not None:
         req.decode = args.decode
+    if args.workers is not None:
+        req.workers = args.workers
     if args.drain_timeout is not None:
         req.drain_timeout_s = args.drain_timeout
     try:
@@ -97,5 +106,8 @@ def run_workers(args: argparse.Namespace) -> int:
     except grpc.RpcError as exc:
         return _failed(exc, args.address)
     print(_table(res.workers))
-    print(f"restarts: prefill {res.prefill_restarts}, decode {res.decode_restarts}")
+    print(
+        f"restarts: prefill {res.prefill_restarts}, decode {res.decode_restarts}, "
+        f"both {res.both_restarts}"
+    )
     return 0

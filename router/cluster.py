@@ -65,7 +65,13 @@ class Cluster:
         init_ray(config.address)
         self.pools = Pools(config.pool_config(ray.cluster_resources().get("GPU", 0.0)))
         try:
-            self.pools.start(config.num_prefill, config.num_decode)
+            self.pools.start(
+                {
+                    WorkerRole.PREFILL: config.num_prefill,
+                    WorkerRole.DECODE: config.num_decode,
+                    WorkerRole.BOTH: config.num_both,
+                }
+            )
         except BaseException:
             self.pools.shutdown()
             raise
@@ -79,11 +85,15 @@ class Cluster:
     # -- the Backend the request core drives -----------------------------------------------------
     @property
     def prefill_ids(self) -> list[str]:
-        return self.pools.ids[WorkerRole.PREFILL]
+        """Workers that can prefill for a peer: prefill workers, then those that do both."""
+        ids = self.pools.ids
+        return ids[WorkerRole.PREFILL] + ids[WorkerRole.BOTH]
 
     @property
     def decode_ids(self) -> list[str]:
-        return self.pools.ids[WorkerRole.DECODE]
+        """Workers that can decode: decode workers, then those that do both."""
+        ids = self.pools.ids
+        return ids[WorkerRole.DECODE] + ids[WorkerRole.BOTH]
 
     @property
     def dead(self) -> list[str]:
@@ -106,10 +116,12 @@ class Cluster:
     def _pick(self, ids: Sequence[str]) -> str:
         return ids[next(self._rr) % len(ids)]
 
-    def _prefill_handle(self, worker_id: str | None) -> WorkerHandle | None:
-        """The prefill worker to use, or None when it (or, unnamed, every one) is gone."""
+    def _prefill_handle(self, worker_id: str | None, d: WorkerHandle) -> WorkerHandle | None:
+        """The worker to prefill for D, or None when it (or, unnamed, every one but D) is
+        gone."""
         if worker_id is None:
-            return self.pools.workers[self._pick(self.prefill_ids)] if self.prefill_ids else None
+            ids = [w for w in self.prefill_ids if w != d.worker_id]
+            return self.pools.workers[self._pick(ids)] if ids else None
         h = self.pools.workers.get(worker_id)
         if h is None or h.status not in (WorkerStatus.READY, WorkerStatus.DRAINING):
             return None
@@ -139,7 +151,7 @@ class Cluster:
         d = self._handle(placement.decode_worker or self._pick(self.decode_ids))
         listener = on_prefill or _NullListener()
         disaggregated = placement.path is RoutePath.DISAGGREGATED
-        p = self._prefill_handle(placement.prefill_worker) if disaggregated else None
+        p = self._prefill_handle(placement.prefill_worker, d) if disaggregated else None
         if p is not None:
             stream = self._disaggregated(req, p, d, listener)
         else:
@@ -289,7 +301,8 @@ class Cluster:
         """The least busy other prefill worker taking load and paired with D, if any."""
         ready = [
             h for w in self.prefill_ids
-            if w != dead.worker_id and (h := self.pools.workers[w]).status is WorkerStatus.READY
+            if w not in (dead.worker_id, d.worker_id)
+            and (h := self.pools.workers[w]).status is WorkerStatus.READY
             and self.pools.pairs.connected(w, d.worker_id)
         ]  # fmt: skip
         return min(ready, key=lambda h: h.active, default=None)
@@ -376,10 +389,13 @@ class Cluster:
         num_prefill: int | None = None,
         num_decode: int | None = None,
         drain_timeout_s: float | None = None,
+        num_both: int | None = None,
     ) -> None:
         """Resize the pools live (router/pools.py); returns once added workers take load and
         removed ones have stopped."""
-        await self.pools.ops.run(self.pools.scale(num_prefill, num_decode, drain_timeout_s))
+        await self.pools.ops.run(
+            self.pools.scale(num_prefill, num_decode, drain_timeout_s, num_both)
+        )
 
     def shutdown(self) -> None:
         self.pools.shutdown()

@@ -19,6 +19,7 @@ class ClusterConfig:
     model: str = "smollm2-135m"
     num_prefill: int = 1
     num_decode: int = 1
+    num_both: int = 0  # workers that prefill for a peer and decode, request by request
     engine: EngineConfig = field(default_factory=EngineConfig)  # its model name is replaced
     threads_per_worker: int = 1
     kv_transfer_deadline_s: float = 30.0
@@ -29,6 +30,7 @@ class ClusterConfig:
     # Ray resources each worker of a pool asks for, e.g. {"prefill_node": 1}.
     prefill_resources: dict[str, float] = field(default_factory=dict)
     decode_resources: dict[str, float] = field(default_factory=dict)
+    both_resources: dict[str, float] = field(default_factory=dict)
     kv_backend: str = "auto"  # see WorkerSpec.kv_backend
     kv_interface: str | None = None  # see WorkerSpec.kv_interface
     kv_host: str | None = None  # see WorkerSpec.kv_host
@@ -40,11 +42,13 @@ class ClusterConfig:
     # What a disaggregated request whose KV does not come gets: "recompute" (its decode worker
     # prefills it) or "fail" (UNAVAILABLE with the reason). Counted as a fallback either way.
     kv_failure_policy: str = "recompute"
-    kv_faults: FaultPlan | None = None  # faults the prefill workers' sends suffer: tests only
+    kv_faults: FaultPlan | None = None  # faults every worker's KV sends suffer: tests only
 
     def __post_init__(self) -> None:
-        if self.num_prefill < 0 or self.num_decode < 1:
-            raise ValueError("need num_prefill >= 0 and num_decode >= 1")
+        if min(self.num_prefill, self.num_decode, self.num_both) < 0:
+            raise ValueError("need num_prefill, num_decode and num_both >= 0")
+        if self.num_decode + self.num_both < 1:
+            raise ValueError("need at least one worker that decodes (num_decode + num_both >= 1)")
         if self.kv_failure_policy not in KV_FAILURE_POLICIES:
             raise ValueError(
                 f"kv_failure_policy: must be one of {', '.join(KV_FAILURE_POLICIES)}, "
@@ -73,6 +77,7 @@ class ClusterConfig:
             placement={
                 WorkerRole.PREFILL: Placement(gpus, tuple(sorted(self.prefill_resources.items()))),
                 WorkerRole.DECODE: Placement(gpus, tuple(sorted(self.decode_resources.items()))),
+                WorkerRole.BOTH: Placement(gpus, tuple(sorted(self.both_resources.items()))),
             },
             start_timeout_s=self.start_timeout_s,
             control_timeout_s=self.control_timeout_s,

@@ -59,9 +59,11 @@ class FakeBackend:
         fail_handoffs: bool = False,
         replan: bool = False,
         lose_decode_after: int | None = None,
+        num_both: int = 0,
     ) -> None:
-        self.prefill_ids = [f"prefill-{i}" for i in range(num_prefill)]
-        self.decode_ids = [f"decode-{i}" for i in range(num_decode)]
+        both = [f"both-{i}" for i in range(num_both)]  # in both lists, as in the pools
+        self.prefill_ids = [f"prefill-{i}" for i in range(num_prefill)] + both
+        self.decode_ids = [f"decode-{i}" for i in range(num_decode)] + both
         self.dead: list[str] = []
         self.restarts: dict[WorkerRole, int] = {}
         self.vocab_size = vocab_size
@@ -76,16 +78,19 @@ class FakeBackend:
         self.closed: list[str] = []  # request ids whose stream ended, for any reason
 
     def worker_info(self, worker_id: str) -> WorkerInfo:
-        role = WorkerRole.DECODE if worker_id in self.decode_ids else WorkerRole.PREFILL
+        role = WorkerRole(worker_id.rsplit("-", 1)[0])
         return fake_info(worker_id, role, self.vocab_size)
 
+    def _ids(self) -> list[str]:
+        return list(dict.fromkeys([*self.prefill_ids, *self.decode_ids]))
+
     async def infos(self) -> list[WorkerInfo]:
-        return [self.worker_info(w) for w in [*self.prefill_ids, *self.decode_ids]]
+        return [self.worker_info(w) for w in self._ids()]
 
     async def load(self) -> list[WorkerLoad]:
         return [
             WorkerLoad(w, self.worker_info(w).role, 0, 0, 0, 0.0, 1024, 1024, 0)
-            for w in [*self.prefill_ids, *self.decode_ids]
+            for w in self._ids()
         ]
 
     async def generate(

@@ -56,9 +56,10 @@ class Membership:
         # A draining worker still answers polls, but its figures left the metrics already.
         self.sink.loads([ld for ld in loads if (ld.worker_id, ld.incarnation) not in self._gone])
         b = self.backend
-        self.sink.workers(
-            {WorkerRole.PREFILL: len(b.prefill_ids), WorkerRole.DECODE: len(b.decode_ids)}
-        )
+        counts = dict.fromkeys(WorkerRole, 0)
+        for w in dict.fromkeys([*b.prefill_ids, *b.decode_ids]):  # a worker doing both: once
+            counts[self.state(w).info.role] += 1
+        self.sink.workers(counts)
         for role, n in b.restarts.items():
             if n > self._restarts_seen.get(role, 0):
                 self.sink.worker_restarted(role.value, n - self._restarts_seen.get(role, 0))

@@ -1,5 +1,9 @@
-"""The KV pairs between prefill and decode workers: which are connected, which are broken, and
-when a broken one is tried again.
+"""The KV pairs between workers (a prefill-capable one and a decode-capable one): which are
+connected, which are broken, and when a broken one is tried again.
+
+A pair is one connection whichever way its transfers go (a worker that both prefills and decodes
+sends KV to a peer of its kind and receives from it over the same pair): (a, b) and (b, a) name
+the same pair; `connect` is called with its two ids in the order the first call named them.
 
 A pair is made once, when both of its workers are up (before a new worker takes load), and
 requests never wait for one: a request whose pair is not connected prefills on its decode worker
@@ -27,7 +31,12 @@ from dataclasses import dataclass
 
 log = logging.getLogger("pdserve.pairing")
 
-Connect = Callable[[str, str], Awaitable[None]]  # (prefill id, decode id): make the pair
+Connect = Callable[[str, str], Awaitable[None]]  # (worker id, worker id): make the pair
+
+
+def pair_key(a: str, b: str) -> tuple[str, str]:
+    """The one key of the pair of `a` and `b`, whichever order they come in."""
+    return (a, b) if a <= b else (b, a)
 
 
 class PairStatus(enum.Enum):
@@ -39,6 +48,7 @@ class PairStatus(enum.Enum):
 @dataclass(slots=True)
 class PairState:
     status: PairStatus
+    ends: tuple[str, str]  # the two workers, as the first call named them
     failures: int = 0  # failed attempts since it last connected
     retry_at: float = 0.0  # time.monotonic() of the next background attempt (BROKEN)
     error: str = ""  # why the last attempt failed or the pair was lost
@@ -61,15 +71,15 @@ class PairBook:
 
     # -- reading (any thread) --------------------------------------------------------------------
     def connected(self, p: str, d: str) -> bool:
-        st = self._pairs.get((p, d))
+        st = self._pairs.get(pair_key(p, d))
         return st is not None and st.status is PairStatus.CONNECTED
 
     def state(self, p: str, d: str) -> PairState | None:
-        return self._pairs.get((p, d))
+        return self._pairs.get(pair_key(p, d))
 
     def why_not(self, p: str, d: str) -> str:
         """Why (p, d) cannot carry a transfer now, in words."""
-        st = self._pairs.get((p, d))
+        st = self._pairs.get(pair_key(p, d))
         if st is None:
             return f"{p} and {d} have not been paired"
         if st.status is PairStatus.CONNECTING:
@@ -81,7 +91,7 @@ class PairBook:
     async def pair(self, p: str, d: str) -> bool:
         """Make (p, d) now, or join the attempt under way; bounded by `timeout_s`. True when it
         is connected. A failure marks it BROKEN and schedules the next attempt."""
-        st = self._pairs.get((p, d))
+        st = self._pairs.get(pair_key(p, d))
         if st is not None and st.status is PairStatus.CONNECTED:
             return True
         if st is None or st.task is None:
@@ -92,7 +102,7 @@ class PairBook:
 
     def lost(self, p: str, d: str, error: str) -> None:
         """A transfer found the pair gone: BROKEN, tried again at once in the background."""
-        st = self._pairs.get((p, d))
+        st = self._pairs.get(pair_key(p, d))
         if st is None or st.status is not PairStatus.CONNECTED:
             return
         st.status, st.error, st.retry_at = PairStatus.BROKEN, error, time.monotonic()
@@ -108,15 +118,15 @@ class PairBook:
     def retry_due(self) -> None:
         """Start the background attempts whose backoff has passed."""
         now = time.monotonic()
-        for (p, d), st in list(self._pairs.items()):
+        for st in list(self._pairs.values()):
             if st.status is PairStatus.BROKEN and st.task is None and now >= st.retry_at:
-                self._start(p, d, st)
+                self._start(*st.ends, st)
 
     def _start(self, p: str, d: str, st: PairState | None) -> PairState:
         if st is None:
-            st = self._pairs[(p, d)] = PairState(PairStatus.CONNECTING)
+            st = self._pairs[pair_key(p, d)] = PairState(PairStatus.CONNECTING, (p, d))
         st.status = PairStatus.CONNECTING if st.status is not PairStatus.BROKEN else st.status
-        st.task = asyncio.ensure_future(self._attempt(p, d, st))
+        st.task = asyncio.ensure_future(self._attempt(*st.ends, st))
         return st
 
     async def _attempt(self, p: str, d: str, st: PairState) -> None:
@@ -135,8 +145,8 @@ class PairBook:
             st.status, st.retry_at = PairStatus.BROKEN, time.monotonic() + backoff
             log.warning(
                 "pairing %s -> %s failed after %.1f s (%s); requests between them prefill on "
-                "%s until it connects; next attempt in %.0f s",
-                p, d, time.monotonic() - t0, st.error, d, backoff,
+                "their decode worker until it connects; next attempt in %.0f s",
+                p, d, time.monotonic() - t0, st.error, backoff,
             )  # fmt: skip
         else:
             if st.failures:

@@ -104,6 +104,8 @@ class Planner:
         b = self.bias[RoutePath.DISAGGREGATED].offset_s
         for p in prefill:
             for d in decode:
+                if p.worker_id == d.worker_id:
+                    continue  # one worker doing both for a request: the colocated candidate
                 c = predict_disaggregated(req, p, d, self.transfer, b)
                 rate = self.health.failure_rate(p.worker_id, d.worker_id)
                 if rate > 0:
@@ -151,12 +153,13 @@ class Planner:
         why: str,
     ) -> Decision:
         d = pick_decode(req, decode, self.config.affinity_margin).worker_id
+        prefill = [p for p in prefill if p.worker_id != d]
         if path is RoutePath.DISAGGREGATED and not prefill:
             chosen = self._find(cands, RoutePath.COLOCATED, "", d)
             return Decision(
                 chosen,
                 best,
-                "disaggregated asked, but no prefill worker is up",
+                "disaggregated asked, but no worker other than its decode worker can prefill",
                 "no_prefill_workers",
             )
         p = ""
@@ -213,6 +216,7 @@ class Planner:
         best: tuple[PathPrediction, ...],
     ) -> Decision:
         d = pick_decode(req, decode, self.config.affinity_margin)
+        prefill = [p for p in prefill if p.worker_id != d.worker_id]
         uncached = req.prompt_len - d.cached_tokens(req.hashes, req.prompt_len)
         t, q = self.config.threshold_tokens, self.config.threshold_queue
         if prefill:

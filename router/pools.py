@@ -1,5 +1,7 @@
-"""The prefill and decode pools: their worker actors over time (router/workers.py for the
-states), the KV pairs between them (router/pairing.py), and every change of membership.
+"""The pools of workers (prefill, decode, and workers that do both): their actors over time
+(router/workers.py for the states), the KV pairs between them (router/pairing.py), and every
+change of membership. Two workers are paired when one can prefill for the other: a prefill
+worker with every decode-capable one, a worker that does both with every other worker.
 
   start     every worker's actor is created (placed by its pool's Placement), its engine comes
             up, the pairs between the pools are made, each worker runs a warm-up request, and
@@ -31,6 +33,7 @@ from typing import Any
 
 import ray
 
+from both_worker.worker import BothWorker
 from decode_worker.worker import DecodeWorker
 from prefill_worker.worker import PrefillWorker
 from router.pairing import PairBook
@@ -41,8 +44,15 @@ log = logging.getLogger("pdserve.pools")
 ACTOR_CLASSES: dict[WorkerRole, type] = {
     WorkerRole.PREFILL: PrefillWorker,
     WorkerRole.DECODE: DecodeWorker,
+    WorkerRole.BOTH: BothWorker,
 }
-OTHER = {WorkerRole.PREFILL: WorkerRole.DECODE, WorkerRole.DECODE: WorkerRole.PREFILL}
+# The roles a worker of each role is paired with (KV can go between them one way or the other).
+PEERS = {
+    WorkerRole.PREFILL: frozenset({WorkerRole.DECODE, WorkerRole.BOTH}),
+    WorkerRole.DECODE: frozenset({WorkerRole.PREFILL, WorkerRole.BOTH}),
+    WorkerRole.BOTH: frozenset(WorkerRole),
+}
+Counts = dict[WorkerRole, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,20 +105,21 @@ class Pools:
                 )
 
     # -- start ---------------------------------------------------------------------------------
-    def start(self, num_prefill: int, num_decode: int) -> None:
-        """Bring up the pools (blocking); raises PoolsUnavailable when they don't come up."""
+    def start(self, counts: Counts) -> None:
+        """Bring up the pools, `counts` workers of each role (blocking); raises PoolsUnavailable
+        when they don't come up."""
         limit = self.config.start_timeout_s + 3 * self.config.pair_timeout_s + 30
         try:
-            self.ops.call(self._grow(num_prefill, num_decode), limit)
+            self.ops.call(self._grow(counts), limit)
         except concurrent.futures.TimeoutError:
             raise PoolsUnavailable(f"the workers did not come up within {limit:.0f} s") from None
 
-    async def _grow(self, num_prefill: int, num_decode: int) -> list[WorkerHandle]:
+    async def _grow(self, counts: Counts) -> list[WorkerHandle]:
         """Add workers and bring them up together; all or nothing (PoolsUnavailable)."""
         new: list[WorkerHandle] = []
         try:
-            for role, n in ((WorkerRole.PREFILL, num_prefill), (WorkerRole.DECODE, num_decode)):
-                new += [self._spawn(role, self._new_id(role)) for _ in range(n)]
+            for role in WorkerRole:
+                new += [self._spawn(role, self._new_id(role)) for _ in range(counts.get(role, 0))]
             ok = await asyncio.gather(*(self._engine_up(h) for h in new))
             if not all(ok):
                 failed = [f"{h.worker_id}: {h.error}" for h, up in zip(new, ok) if not up]
@@ -174,15 +185,13 @@ class Pools:
         return False
 
     async def _pair_up(self, h: WorkerHandle) -> None:
-        """Pair a new worker with every peer of the other pool whose engine is up."""
+        """Pair a new worker with every peer (PEERS) whose engine is up."""
         peers = [
             p for p in self.handles()
-            if p.role is OTHER[h.role] and p.info is not None
+            if p.role in PEERS[h.role] and p is not h and p.info is not None
             and p.status in (WorkerStatus.STARTING, WorkerStatus.READY)
         ]  # fmt: skip
-        pairs = [(h.worker_id, p.worker_id) if h.role is WorkerRole.PREFILL
-                 else (p.worker_id, h.worker_id) for p in peers]  # fmt: skip
-        await asyncio.gather(*(self.pairs.pair(p, d) for p, d in pairs))
+        await asyncio.gather(*(self.pairs.pair(h.worker_id, p.worker_id) for p in peers))
 
     async def _warm(self, h: WorkerHandle) -> None:
         try:
@@ -190,14 +199,19 @@ class Pools:
         except Exception as exc:  # it still serves; its first request pays for the warm-up
             log.warning("warm-up of %s failed: %s: %s", h.worker_id, type(exc).__name__, exc)
 
-    async def _connect(self, p: str, d: str) -> None:
-        """Make the pair (p, d): both ends first drop what is left of an earlier one (an attempt
-        that timed out may have finished late), then the decode side listens and both connect."""
-        ph, dh = self.workers[p], self.workers[d]
-        await asyncio.gather(ph.actor.disconnect.remote(d), dh.actor.disconnect.remote(p))
-        address = await dh.actor.listen.remote(p)
+    async def _connect(self, a: str, b: str) -> None:
+        """Make the pair of `a` and `b`: both ends first drop what is left of an earlier one (an
+        attempt that timed out may have finished late), then one listens (a dedicated decode
+        worker, else the other end's peer that is not a dedicated prefill worker, else the lower
+        id) and both connect."""
+        ah, bh = self.workers[a], self.workers[b]
+        await asyncio.gather(ah.actor.disconnect.remote(b), bh.actor.disconnect.remote(a))
+        if _listens_first(bh, ah):
+            ah, bh = bh, ah
+        address = await ah.actor.listen.remote(bh.worker_id)
         await asyncio.gather(
-            dh.actor.connect.remote(p, address, True), ph.actor.connect.remote(d, address, False)
+            ah.actor.connect.remote(bh.worker_id, address, True),
+            bh.actor.connect.remote(ah.worker_id, address, False),
         )
 
     # -- death ---------------------------------------------------------------------------------
@@ -205,7 +219,8 @@ class Pools:
         """True when `exc` says that `h`'s actor died (now or before); it then leaves its pool and
         a replacement starts (unless it was being removed). Any thread."""
         if not isinstance(exc, ray.exceptions.RayActorError) or isinstance(
-            exc, ray.exceptions.ActorUnavailableError  # transient: it may answer again
+            exc,
+            ray.exceptions.ActorUnavailableError,  # transient: it may answer again
         ):
             return False
         if not h.is_actor(exc.actor_id):
@@ -267,18 +282,35 @@ class Pools:
 
     # -- resize --------------------------------------------------------------------------------
     async def scale(
-        self, num_prefill: int | None, num_decode: int | None, drain_timeout_s: float | None
+        self,
+        num_prefill: int | None,
+        num_decode: int | None,
+        drain_timeout_s: float | None,
+        num_both: int | None = None,
     ) -> None:
-        """Grow or shrink each pool to the number given (None: as it is). One resize at a time."""
-        if num_decode is not None and num_decode < 1:
-            raise ValueError("decode: need at least 1 decode worker")
-        if num_prefill is not None and num_prefill < 0:
-            raise ValueError("prefill: must be >= 0")
+        """Grow or shrink each pool to the number given (None: as it is). One resize at a time.
+        At least one worker must be able to decode (a decode worker or one that does both)."""
+        for name, n in (("prefill", num_prefill), ("decode", num_decode), ("workers", num_both)):
+            if n is not None and n < 0:
+                raise ValueError(f"{name}: must be >= 0")
         async with self._resize:
-            want = {WorkerRole.PREFILL: num_prefill, WorkerRole.DECODE: num_decode}
+            want = {
+                WorkerRole.PREFILL: num_prefill,
+                WorkerRole.DECODE: num_decode,
+                WorkerRole.BOTH: num_both,
+            }
+            decoders = sum(
+                len(self._members(r)) if want[r] is None else int(want[r] or 0)
+                for r in (WorkerRole.DECODE, WorkerRole.BOTH)
+            )
+            if decoders < 1:
+                raise ValueError(
+                    "decode: need at least 1 worker that decodes (a decode worker, or one of "
+                    "--workers)"
+                )
             add = {r: max(0, n - len(self._members(r))) for r, n in want.items() if n is not None}
             if any(add.values()):
-                await self._grow(add.get(WorkerRole.PREFILL, 0), add.get(WorkerRole.DECODE, 0))
+                await self._grow(add)
             victims: list[WorkerHandle] = []
             with self._lock:
                 for role, n in want.items():
@@ -288,7 +320,9 @@ class Pools:
                         # the newest.
                         members.sort(
                             key=lambda h: (
-                                h.status is not WorkerStatus.DEAD, h.active, -_order(h.worker_id)
+                                h.status is not WorkerStatus.DEAD,
+                                h.active,
+                                -_order(h.worker_id),
                             )
                         )
                         victims += members[: len(members) - n]
@@ -324,7 +358,7 @@ class Pools:
         self._stop_actor(h, WorkerStatus.STOPPED)
         self.pairs.forget(h.worker_id)
         self._drop(h)
-        peers = [p for p in self.live() if p.role is OTHER[h.role]]
+        peers = [p for p in self.live() if p.role in PEERS[h.role]]
         timeout = self.config.control_timeout_s
         await asyncio.gather(
             *(asyncio.wait_for(p.actor.disconnect.remote(h.worker_id), timeout) for p in peers),
@@ -345,10 +379,11 @@ class Pools:
         """Keep every pair of READY workers made or scheduled, and retry broken ones when due."""
         while not self._closing:
             await asyncio.sleep(0.5)
-            for p in self.ids[WorkerRole.PREFILL]:
-                for d in self.ids[WorkerRole.DECODE]:
-                    if self.pairs.state(p, d) is None:
-                        asyncio.ensure_future(self.pairs.pair(p, d))
+            ready = [(w, r) for r in WorkerRole for w in self.ids[r]]
+            for i, (a, ra) in enumerate(ready):
+                for b, rb in ready[i + 1 :]:
+                    if rb in PEERS[ra] and self.pairs.state(a, b) is None:
+                        asyncio.ensure_future(self.pairs.pair(a, b))
             self.pairs.retry_due()
 
     def infos(self) -> list[WorkerInfo]:
@@ -367,8 +402,14 @@ class Pools:
         self.ops.stop()
 
 
+def _listens_first(a: WorkerHandle, b: WorkerHandle) -> bool:
+    """Whether `a`, rather than `b`, listens when the two pair."""
+    if a.role is not b.role:
+        return a.role is WorkerRole.DECODE or b.role is WorkerRole.PREFILL
+    return _order(a.worker_id) < _order(b.worker_id)
+
+
 def _order(worker_id: str) -> int:
     """The number in a worker id ("decode-3" -> 3), for a stable order."""
     tail = worker_id.rsplit("-", 1)[-1]
     return int(tail) if tail.isdigit() else 0
-

@@ -159,7 +159,11 @@ OPTIONS: tuple[Option, ...] = (
            DTYPE_HELP + " (each worker resolves auto on its own device)"),
     Option("enforce_eager", flag, False, EAGER_HELP, boolean=True),
     Option("prefill", integer(0), 1, "prefill workers (0: colocated only)"),
-    Option("decode", integer(1), 1, "decode workers"),
+    Option("decode", integer(0), 1,
+           "decode workers (0 with --workers: every decode on a worker that does both)"),
+    Option("workers", integer(0), 0,
+           "workers that do both, request by request: prefill for a peer (streaming the KV "
+           "out) or decode (receiving it, or prefilling locally); beside the dedicated pools"),
     Option("threads", integer(1), 1, "torch threads per worker"),
     Option("kv_cache_gib", optional(number(0, strict=True)), None, "KV cache per worker (CPU)"),
     # placement on a Ray cluster
@@ -170,6 +174,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("prefill_resources", resources, {},
            "Ray resources each prefill worker asks for, as JSON, e.g. '{\"prefill_node\": 1}'"),
     Option("decode_resources", resources, {}, "Ray resources each decode worker asks for"),
+    Option("workers_resources", resources, {},
+           "Ray resources each worker of --workers asks for"),
     Option("gpus_per_worker", optional(number(0)), None,
            "GPUs per worker (default: 1 where CUDA is present, else 0; fractions share one)"),
     Option("kv_interface", optional(text), None,
@@ -344,12 +350,14 @@ class ServeOptions:
             model=v["model"],
             num_prefill=v["prefill"],
             num_decode=v["decode"],
+            num_both=v["workers"],
             engine=engine,
             threads_per_worker=v["threads"],
             address=v["ray_address"],
             gpus_per_worker=v["gpus_per_worker"],
             prefill_resources=v["prefill_resources"],
             decode_resources=v["decode_resources"],
+            both_resources=v["workers_resources"],
             kv_interface=v["kv_interface"],
             kv_host=v["kv_host"],
             pair_timeout_s=v["pair_timeout"],
@@ -395,6 +403,11 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
     if args.config is not None:
         values.update(read_file(args.config))
     values.update({o.name: getattr(args, o.name) for o in OPTIONS if hasattr(args, o.name)})
+    if values["decode"] + values["workers"] < 1:
+        raise OptionError(
+            "decode (--decode): need at least 1 worker that decodes: a decode worker, or one "
+            "of --workers"
+        )
     if values["step_target_ms"] is not None and not values["chunked_prefill"]:
         raise OptionError(
             "step_target_ms (--step-target-ms): sizes prefill chunks, so it needs chunked_prefill"

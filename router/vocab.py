@@ -64,6 +64,15 @@ class Placement:
     def __post_init__(self) -> None:
         if self.path not in (RoutePath.COLOCATED, RoutePath.DISAGGREGATED):
             raise ValueError(f"a placement's path is colocated or disaggregated, not {self.path}")
+        if (
+            self.path is RoutePath.DISAGGREGATED
+            and self.prefill_worker is not None
+            and self.prefill_worker == self.decode_worker
+        ):
+            raise ValueError(
+                f"{self.prefill_worker} cannot hand a prompt's KV to itself: one worker "
+                "prefilling and decoding a request is the colocated path"
+            )
 
 
 class FailureReason(enum.Enum):

@@ -20,5 +20,5 @@ if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
 fi
 export PATH="$PWD/.venv/bin:$PATH"
 ruff check .
-mypy engine kv_transfer prefill_worker decode_worker router worker_protocol pdserve_client
+mypy engine kv_transfer prefill_worker decode_worker both_worker router worker_protocol pdserve_client
 python -m pytest -q --durations=15 "$@"

@@ -57,6 +57,28 @@ def received(cluster):
     return {w: (s.bytes_received, s.ok, s.failed) for w, s in stats.items()}
 
 
+def leave_after(cluster, prompt, placement, n):
+    """Stream a long greedy request and go away after `n` tokens (the client leaves); then wait,
+    bounded, for the abort to reach every worker it touched and its blocks to be free."""
+    params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        got = 0
+        async for chunk in cluster.generate(prompt, params, placement):
+            got += len(chunk.token_ids)
+            if got >= n:
+                break  # generate's cleanup aborts the request on its workers
+        return got
+
+    got = gather([main()])[0]
+    for _ in range(100):
+        loads = asyncio.run(cluster.load())
+        if all(x.num_free_blocks == x.num_blocks and x.running == 0 for x in loads):
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    return got
+
+
 def assert_pools_full(cluster):
     for load in asyncio.run(cluster.load()):
         assert load.num_free_blocks == load.num_blocks, load
@@ -114,25 +136,7 @@ def test_all_four_pairings_concurrently(cluster):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("path", [COLO, DIS], ids=lambda p: p.value)
 def test_client_leaving_mid_stream_frees_everything(cluster, path):
-    params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
-
-    async def leave_after(n):
-        got = 0
-        async for chunk in cluster.generate(
-            random_prompts([30], seed=60)[0], params, Placement(path=path)
-        ):
-            got += len(chunk.token_ids)
-            if got >= n:
-                break  # the client goes away; generate's cleanup aborts on the worker
-        return got
-
-    assert gather([leave_after(3)])[0] >= 3
-    # The abort reaches the worker asynchronously: wait (bounded) for the pools to fill again.
-    for _ in range(100):
-        loads = asyncio.run(cluster.load())
-        if all(x.num_free_blocks == x.num_blocks and x.running == 0 for x in loads):
-            break
-        asyncio.run(asyncio.sleep(0.05))
+    assert leave_after(cluster, random_prompts([30], seed=60)[0], Placement(path=path), 3) >= 3
     assert_pools_full(cluster)
 
 

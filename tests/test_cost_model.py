@@ -315,3 +315,26 @@ def test_a_failing_pair_is_passed_over_for_a_healthy_one():
         pl.config = PolicyConfig(policy=policy, threshold_tokens=100)
         chosen = pl.decide(req, [p0, p1], [d]).chosen
         assert (chosen.path, chosen.prefill_worker) == (RoutePath.DISAGGREGATED, "prefill-1")
+
+
+def test_a_worker_of_both_kinds_is_never_planned_to_hand_its_kv_to_itself():
+    """Workers that both prefill and decode are in the prefill and the decode list alike: a
+    handoff is planned between two different workers only (P = D is the colocated path)."""
+    a, b = trained("both-0", "both"), trained("both-1", "both", seed=1)
+    for policy in (Policy.AUTO, Policy.DISAGGREGATED, Policy.THRESHOLD):
+        pl = planner(policy, threshold_tokens=10)
+        cands = pl.candidates(shape(500), [a, b], [a, b])
+        handoffs = {
+            (c.prefill_worker, c.decode_worker)
+            for c in cands
+            if c.path is (RoutePath.DISAGGREGATED)
+        }
+        assert handoffs == {("both-0", "both-1"), ("both-1", "both-0")}
+        chosen = pl.decide(shape(500), [a, b], [a, b]).chosen
+        assert chosen.path is RoutePath.COLOCATED or chosen.prefill_worker != chosen.decode_worker
+        # One worker alone: only colocated, whatever is asked.
+        alone = pl.decide(shape(500), [a], [a], RoutePath.DISAGGREGATED)
+        assert alone.chosen.path is RoutePath.COLOCATED
+        assert alone.reason_code == "no_prefill_workers"
+    dis = planner(Policy.DISAGGREGATED).decide(shape(500), [a, b], [a, b]).chosen
+    assert dis.path is RoutePath.DISAGGREGATED and dis.prefill_worker != dis.decode_worker

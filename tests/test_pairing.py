@@ -110,3 +110,23 @@ def test_backoff_doubles_up_to_its_cap(failures, backoff):
     st, wait = run(main())
     assert st.failures == failures
     assert wait == pytest.approx(backoff, abs=0.5)
+
+
+def test_a_pair_is_one_whichever_way_it_is_named():
+    """Workers that both prefill and decode send KV either way over one pair: naming it (a, b)
+    or (b, a) joins one attempt, and each order reads the same state."""
+
+    async def main():
+        connect = FakeConnect(["ok"])
+        book = PairBook(connect)
+        oks = await asyncio.gather(book.pair("both-0", "both-1"), book.pair("both-1", "both-0"))
+        return connect, book, oks
+
+    connect, book, oks = run(main())
+    assert oks == [True, True] and connect.calls == [("both-0", "both-1")]
+    assert book.connected("both-1", "both-0") and book.connected("both-0", "both-1")
+    assert book.state("both-1", "both-0") is book.state("both-0", "both-1")
+    book.lost("both-1", "both-0", "a transfer failed")
+    assert not book.connected("both-0", "both-1")
+    book.forget("both-1")
+    assert book.state("both-0", "both-1") is None

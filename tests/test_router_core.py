@@ -295,3 +295,25 @@ def test_a_placement_takes_a_path_that_is_taken():
     for bad in (RoutePath.AUTO, "colocated"):
         with pytest.raises(ValueError):
             Placement(path=bad)  # type: ignore[arg-type]
+
+
+def test_workers_of_both_kinds_are_counted_once_by_their_role_and_serve_both_paths():
+    from router.metrics import Metrics
+
+    async def main():
+        backend = FakeBackend(num_prefill=0, num_decode=0, num_both=2)
+        metrics = Metrics()
+        core = RequestCore(backend, await backend.infos(), RouterConfig(), TOKENIZER, metrics)
+        await core.refresh()
+        finals = []
+        for path in (RoutePath.COLOCATED, RoutePath.DISAGGREGATED, RoutePath.AUTO):
+            finals.append((await consume(core, replace(request(path.value), path=path)))[-1])
+        return metrics, finals
+
+    metrics, finals = run(main())
+    sample = metrics.registry.get_sample_value
+    got = {r: sample("pdserve_workers", {"role": r}) for r in ("prefill", "decode", "both")}
+    assert got == {"prefill": 0, "decode": 0, "both": 2}
+    colo, dis, _ = (c.final for c in finals)
+    assert colo.path is RoutePath.COLOCATED and dis.path is RoutePath.DISAGGREGATED
+    assert dis.prefill_worker and dis.prefill_worker != dis.decode_worker

@@ -78,7 +78,8 @@ def _parse(argv):
 @pytest.mark.parametrize(
     "text, field",
     [
-        ("decode: 0\n", "decode: must be an integer >= 1"),
+        ("decode: 0\n", "decode (--decode): need at least 1 worker that decodes"),
+        ("decode: 0\nworkers: -1\n", "workers: must be an integer >= 0"),
         ("decod: 2\n", "unknown field 'decod' (did you mean 'decode'?)"),
         ("prefill: two\n", "prefill: must be an integer >= 0"),
         ("policy: fastest\n", "policy: must be one of auto"),
@@ -96,7 +97,8 @@ def test_a_bad_file_is_refused_at_start_naming_the_field(tmp_path, capsys, text,
     path = write(tmp_path, text)
     assert main(["serve", "--config", str(path)]) == 2  # before Ray or a model is touched
     err = capsys.readouterr().err
-    assert err.startswith(f"error: config {path}: ") or "step_target_ms" in err, err
+    cross = "step_target_ms" in err or "--decode" in err  # checked across fields, after the file
+    assert err.startswith(f"error: config {path}: ") or cross, err
     assert field in err, err
 
 
@@ -127,3 +129,11 @@ def test_print_config_as_a_user_runs_it(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert yaml.safe_load(out.stdout)["decode"] == 2
+
+
+def test_workers_that_do_both_may_stand_in_for_the_decode_pool(tmp_path, capsys):
+    got = effective(tmp_path, "decode: 0\nworkers: 2\n", "--prefill", "0", capsys=capsys)
+    assert (got["prefill"], got["decode"], got["workers"]) == (0, 0, 2)
+    config = serve_options.resolve(_parse(["serve", "--decode", "0", "--workers", "3"]))
+    cluster = config.serve_config().cluster
+    assert (cluster.num_decode, cluster.num_both) == (0, 3)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -20,6 +21,7 @@ from engine.async_engine import AsyncEngine, LayerHook
 from engine.device_rate import DeviceRate, measure_device
 from engine.kv_cache import KVCacheSource
 from engine.llm_engine import LLMEngine
+from engine.outputs import SchedulerOutput
 from engine.sampling_params import SamplingParams
 from worker_protocol.address import kv_bind_host, node_ip
 from worker_protocol.messages import WorkerInfo, WorkerLoad, WorkerRole, WorkerSpec
@@ -36,6 +38,7 @@ class EngineHost:
         spec: WorkerSpec,
         incarnation: int = 0,
         on_layer: LayerHook | None = None,
+        wants_layers: Callable[[SchedulerOutput], bool] | None = None,
     ) -> None:
         torch.set_num_threads(spec.num_threads)
         self.worker_id = worker_id
@@ -44,12 +47,15 @@ class EngineHost:
         self.kv_host = kv_bind_host(self.node_ip, spec.kv_interface, spec.kv_host)
         # The router detokenizes what workers stream: a worker decodes text only to find stop
         # strings. A prefill worker's steps stream KV layer by layer, which a captured decode
-        # graph cannot: it captures none.
+        # graph cannot: it captures none (a worker that does both replays graphs in the steps
+        # that send nothing: `wants_layers`).
         engine = replace(spec.engine, detokenize=False)
         if self.role is WorkerRole.PREFILL:
             engine = replace(engine, model=replace(engine.model, enforce_eager=True))
         self.engine = LLMEngine(engine)
-        self.aeng = AsyncEngine(self.engine, on_layer=on_layer, on_dead=self._engine_died)
+        self.aeng = AsyncEngine(
+            self.engine, on_layer=on_layer, wants_layers=wants_layers, on_dead=self._engine_died
+        )
         rate = measure_device(self.engine.runner.device, self.engine.runner.dtype)
         self._info = worker_info(
             self.engine,

@@ -69,6 +69,12 @@ class KVSenderSide:
         with self._lock:
             return request_id in self._sends
 
+    def wants_layers(self, so: SchedulerOutput) -> bool:
+        """Engine thread: whether a step completes a prompt whose KV goes to a peer (only such a
+        step needs the per-layer hook)."""
+        sends = self._sends
+        return any(s.sample and s.request_id in sends for s in so.scheduled)
+
     def on_layer(self, layer: int, so: SchedulerOutput) -> None:
         """Engine thread, after layer `layer` of a step is in the cache. Never raises: a send
         that can't go ends FAILED (the decode side recomputes); the engine keeps serving."""

@@ -23,6 +23,7 @@ class WorkerRole(str, enum.Enum):
 
     PREFILL = "prefill"  # computes a prompt's KV and streams it to a decode worker
     DECODE = "decode"  # receives KV (or prefills locally) and decodes
+    BOTH = "both"  # either, request by request: prefills for a peer, or receives KV and decodes
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,102 @@
+"""Workers that both prefill and decode (`--workers`), beside dedicated pools, through Ray actors
+on 127.0.0.1 (1 prefill, 1 decode, 2 of both; tiny model): every placement a request can get
+gives transformers' greedy tokens, KV moves over one pair either way, and nothing leaks."""
+
+import asyncio
+
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from router.cluster import Cluster, ClusterConfig
+from router.vocab import Placement, RoutePath
+from tests.helpers import hf_greedy, random_prompts
+from tests.test_cluster import assert_pools_full, gather, leave_after, received, run_one
+from worker_protocol.messages import WorkerRole
+
+MAX_NEW = 10
+COLO, DIS = RoutePath.COLOCATED, RoutePath.DISAGGREGATED
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    engine = EngineConfig(
+        cache=CacheConfig(block_size=4, num_blocks=256),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=16),
+    )
+    cfg = ClusterConfig(
+        model="tiny-llama",
+        num_prefill=1,
+        num_decode=1,
+        num_both=2,
+        engine=engine,
+        kv_transfer_deadline_s=10,
+    )
+    c = Cluster(cfg)
+    yield c
+    c.shutdown()
+
+
+def test_workers_of_both_kinds_take_either_role(cluster):
+    assert cluster.prefill_ids == ["prefill-0", "both-0", "both-1"]
+    assert cluster.decode_ids == ["decode-0", "both-0", "both-1"]
+    assert cluster.worker_info("both-1").role is WorkerRole.BOTH
+    pairs = cluster.pools.pairs
+    for a, b in [("both-0", "both-1"), ("prefill-0", "both-0"), ("both-1", "decode-0")]:
+        assert pairs.connected(a, b) and pairs.connected(b, a), (a, b)
+    assert pairs.state("prefill-0", "decode-0") is not None
+    with pytest.raises(ValueError, match="colocated"):
+        Placement(path=DIS, prefill_worker="both-0", decode_worker="both-0")
+
+
+@pytest.mark.timeout(150)
+def test_every_placement_gives_transformers_tokens_and_moves_kv_either_way(cluster):
+    """P = D on each worker of both kinds (colocated), and every P != D among all workers able
+    to take each role, both directions between the two workers of both kinds at once, while
+    those also decode their own colocated requests."""
+    handoffs = [(p, d) for p in cluster.prefill_ids for d in cluster.decode_ids if p != d]
+    assert (
+        len(handoffs) == 7 and ("both-0", "both-1") in handoffs and ("both-1", "both-0") in handoffs
+    )
+    local = ["both-0", "both-1", "both-0"]
+    prompts = random_prompts([5 + 4 * i for i in range(len(handoffs) + len(local))], seed=71)
+    jobs = [
+        run_one(cluster, prompt, DIS, f"flex-dis-{i}", prefill_worker=p, decode_worker=d)
+        for i, ((p, d), prompt) in enumerate(zip(handoffs, prompts))
+    ]
+    jobs += [
+        run_one(cluster, prompt, COLO, f"flex-colo-{i}", decode_worker=w)
+        for i, (w, prompt) in enumerate(zip(local, prompts[len(handoffs) :]))
+    ]
+    before = received(cluster)
+    got = gather(jobs, timeout=120)
+    after = received(cluster)
+    assert not cluster.fallbacks
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == hf_greedy("tiny-llama", prompt, MAX_NEW), f"prompt of {len(prompt)}"
+    # Every worker ended each transfer it took part in well (a worker of both kinds counts its
+    # sends and its receives), none failed; each decode-capable one received KV.
+    for w in after:
+        want = sum(1 for p, d in handoffs if w in (p, d))
+        ok, failed = after[w][1] - before[w][1], after[w][2] - before[w][2]
+        assert (ok, failed) == (want, 0), w
+    for d in cluster.decode_ids:
+        assert after[d][0] > before[d][0], d
+    stats = asyncio.run(cluster.kv_stats())
+    for p in cluster.prefill_ids:
+        assert stats[p].bytes_sent > 0, p
+    assert_pools_full(cluster)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "where",
+    [
+        {"path": DIS, "prefill_worker": "both-0", "decode_worker": "both-1"},
+        {"path": DIS, "prefill_worker": "prefill-0", "decode_worker": "both-0"},
+        {"path": COLO, "decode_worker": "both-1"},
+    ],
+    ids=["both-to-both", "prefill-to-both", "colocated-on-both"],
+)
+def test_a_client_leaving_frees_both_sides(cluster, where):
+    assert leave_after(cluster, random_prompts([30], seed=72)[0], Placement(**where), 3) >= 3
+    assert_pools_full(cluster)
