@@ -115,3 +115,22 @@ def test_reallocated_buffers_are_captured_again(replayed):
     assert list(first.token_ids) == hf_greedy("tiny-llama", short, 5)
     assert list(second.token_ids) == hf_greedy("tiny-llama", long, 5)
     assert_pool_free(eng)
+
+
+def test_a_hook_asked_for_only_where_wanted_leaves_the_other_steps_to_graphs(replayed):
+    """A worker that both prefills for peers and decodes passes its per-layer hook only to the
+    steps that send KV (`wants_layers`): its other decode steps still replay graphs."""
+    eng = engine()
+    graphs = eng.runner.graphs
+    assert graphs is not None
+    eng.add_request(random_prompts([6], seed=3)[0], SamplingParams(max_tokens=6, temperature=0))
+    layers: list[int] = []
+    wanted = [True, False, False, True, False, False]  # prefill step, then decodes
+    for want in wanted:
+        before = sum(graphs.replays.values())
+        eng.step(on_layer=lambda i, so: layers.append(i), wants_layers=lambda so, w=want: w)
+        replayed_now = sum(graphs.replays.values()) - before
+        assert replayed_now == (0 if want else 1)
+    assert not eng.has_unfinished_requests()
+    assert layers == list(range(eng.runner.model.num_layers)) * wanted.count(True)
+    assert sum(graphs.replays.values()) == wanted.count(False)
