@@ -35,6 +35,12 @@ class RequestResult:
     router_ttft_s: float | None = None
     retry_after_ms: int | None = None  # RESOURCE_EXHAUSTED: the server's hint, when it gave one
     reject_reason: str = ""  # RESOURCE_EXHAUSTED: pdserve-reject-reason
+    # Where the router placed it and why (its summary): the prefill worker ("" when colocated),
+    # the decode worker, the decision's reason, and why its KV never came, if it did not.
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    decision_reason: str = ""
+    kv_fallback: str = ""
 
     @property
     def ok(self) -> bool:
@@ -59,6 +65,10 @@ class RequestResult:
             "router_ttft_s": self.router_ttft_s,
             "retry_after_ms": self.retry_after_ms,
             "reject_reason": self.reject_reason,
+            "prefill_worker": self.prefill_worker,
+            "decode_worker": self.decode_worker,
+            "decision_reason": self.decision_reason,
+            "kv_fallback": self.kv_fallback,
             "itl_s": self.itl_s,
         }
 
@@ -82,8 +92,11 @@ async def _one(
                 res.token_times_s.extend([now - t0] * len(msg.token_ids))
                 res.tokens += len(msg.token_ids)
             if msg.HasField("final"):
-                res.path = PATHS.get(msg.final.path, "")
-                res.router_ttft_s = msg.final.ttft_ms / 1000
+                final = msg.final
+                res.path = PATHS.get(final.path, "")
+                res.router_ttft_s = final.ttft_ms / 1000
+                res.prefill_worker, res.decode_worker = final.prefill_worker, final.decode_worker
+                res.decision_reason, res.kv_fallback = final.decision_reason, final.kv_fallback
         res.e2e_s = time.monotonic() - sent
     except grpc.aio.AioRpcError as exc:
         res.status = exc.code().name

@@ -17,13 +17,16 @@ import grpc
 from pdserve_proto import generation_pb2 as pb
 from pdserve_proto import generation_pb2_grpc as pb_grpc
 
-# The study's policies: how each maps onto `pdserve serve`.
+# The study's policies: how each maps onto `pdserve serve` (its --policy, extra flags, and how
+# the deployment's workers are laid out: "split" into prefill and decode pools, every worker a
+# decode worker ("decode"), or every worker one that does both ("both")).
 POLICIES = {
-    "colocated-nochunk": ("colocated", ["--no-chunked-prefill"]),
-    "colocated": ("colocated", []),
-    "disaggregated": ("disaggregated", []),
-    "threshold": ("threshold", []),
-    "auto": ("auto", []),
+    "colocated-nochunk": ("colocated", ["--no-chunked-prefill"], "decode"),
+    "colocated": ("colocated", [], "decode"),
+    "disaggregated": ("disaggregated", [], "split"),
+    "threshold": ("threshold", [], "split"),
+    "auto": ("auto", [], "split"),
+    "flex": ("auto", [], "both"),
 }
 
 
@@ -40,17 +43,24 @@ class Deployment:
     max_pending: int | None = None  # `pdserve serve --max-pending` (None: the server's default)
 
     def args(self, policy: str) -> list[str]:
-        """Colocated policies get every worker as a decode worker: the same total resources."""
-        name, extra = POLICIES[policy]
-        colocated = name == "colocated"
+        """Every policy gets the same total workers: split into the two pools, all decode
+        workers (colocated policies), or all workers that do both (flex)."""
+        name, extra, layout = POLICIES[policy]
+        total = self.num_prefill + self.num_decode
+        prefill, decode, both = {
+            "split": (self.num_prefill, self.num_decode, 0),
+            "decode": (0, total, 0),
+            "both": (0, 0, total),
+        }[layout]
         if self.step_target_ms is not None and "--no-chunked-prefill" not in extra:
             extra = [*extra, "--step-target-ms", f"{self.step_target_ms:g}"]
         if self.max_pending is not None:
             extra = [*extra, "--max-pending", str(self.max_pending)]
         return [
             "--model", self.model,
-            "--prefill", "0" if colocated else str(self.num_prefill),
-            "--decode", str(self.num_decode + (self.num_prefill if colocated else 0)),
+            "--prefill", str(prefill),
+            "--decode", str(decode),
+            "--workers", str(both),
             "--policy", name,
             "--threads", str(self.threads),
             "--kv-cache-gib", str(self.kv_cache_gib),

@@ -94,7 +94,7 @@ def test_two_policies_end_to_end(tmp_path):
     args = parser.parse_args(
         [
             "--model", "tiny-llama", "--trace", "mixed", "--num-requests", "10",
-            "--scale", "0.2", "--rate", "20", "--policy", "colocated-nochunk,disaggregated",
+            "--scale", "0.2", "--rate", "20", "--policy", "colocated-nochunk,disaggregated,flex",
             "--kv-cache-gib", "0.05", "--long-prompt", "150",
             # Without the SLO hint: milliseconds-long SLOs of a tiny model would let admission
             # refuse requests that queue, which this test is not about.
@@ -104,17 +104,29 @@ def test_two_policies_end_to_end(tmp_path):
     )  # fmt: skip
     assert cli.run(args) == 0
     doc = json.loads(out.read_text())
-    assert set(doc["policies"]) == {"colocated-nochunk", "disaggregated"}
+    assert set(doc["policies"]) == {"colocated-nochunk", "disaggregated", "flex"}
     assert doc["slo"]["ttft_s"] > 0 and doc["slo"]["itl_s"] > 0
     for fig in doc["policies"].values():
         assert fig["completed"] == 10 and fig["failed"] == fig["rejected"] == 0
         for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
             assert set(fig[key]) == {"p50", "p90", "p99", "mean"}
         assert 0 <= fig["attainment"] <= 1 and fig["throughput_rps"] > 0
-    assert len(doc["requests"]) == 20
+    assert len(doc["requests"]) == 30
     paths = {r["policy"]: {x["path"] for x in doc["requests"] if x["policy"] == r["policy"]}
              for r in doc["requests"]}  # fmt: skip
-    assert paths == {"colocated-nochunk": {"colocated"}, "disaggregated": {"disaggregated"}}
+    assert paths["colocated-nochunk"] == {"colocated"} and paths["disaggregated"] == {
+        "disaggregated"
+    }
+    # flex: two workers that do both, each request placed on them by auto (P != D when handed
+    # off), every handoff's KV delivered.
+    flex = [x for x in doc["requests"] if x["policy"] == "flex"]
+    assert {x["decode_worker"] for x in flex} <= {"both-0", "both-1"}
+    for x in flex:
+        assert x["decision_reason"] and not x["kv_fallback"], x
+        if x["path"] == "disaggregated":
+            assert x["prefill_worker"] in {"both-0", "both-1"} - {x["decode_worker"]}, x
+        else:
+            assert x["prefill_worker"] == "", x
     assert doc["baseline"]["itl_s"]["p99"] is not None
     assert (tmp_path / "plots" / "itl_over_time.png").stat().st_size > 0
     assert (tmp_path / "plots" / "cdf.png").stat().st_size > 0
@@ -156,3 +168,19 @@ def test_sweep_finds_the_highest_rate_that_attains_90_percent(monkeypatch):
     assert all(lo >= 0.1 - 1e-9 and lo <= 1.6 + 1e-9 for lo, _ in points)
     assert 0.4 <= best <= 0.5  # the binary search closes in on the edge from below
     assert all((g > 0) == (r <= 0.5) for r, g in points)  # goodput only where it attains
+
+
+def test_every_policy_gets_the_same_total_workers_laid_out_its_own_way():
+    from bench.server import POLICIES, Deployment
+
+    dep = Deployment("tiny-llama", 1, 2, 1, 0.5, 512, 4)
+
+    def layout(policy: str) -> tuple[str, ...]:
+        a = dep.args(policy)
+        return tuple(a[a.index(f) + 1] for f in ("--prefill", "--decode", "--workers", "--policy"))
+
+    assert layout("auto") == ("1", "2", "0", "auto")
+    assert layout("threshold") == ("1", "2", "0", "threshold")
+    assert layout("colocated") == ("0", "3", "0", "colocated")
+    assert layout("flex") == ("0", "0", "3", "auto")  # all workers do both, placed by auto
+    assert "flex" in POLICIES
