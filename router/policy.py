@@ -1,14 +1,17 @@
 """Where a request runs: predictions for every (path, prefill worker, decode worker) and the
 policies that choose among them.
 
-  - auto: the cost model. Disaggregated candidates whose pair keeps falling back to a local
-    prefill (failure rate over MAX_FAILURE_RATE, router/cost_model.py HandoffHealth) are dropped
-    while any other remains, and every disaggregated prediction carries its pair's failure risk.
-    Candidates that would push a running request's predicted ITL past its
-    SLO are dropped while any other remains (if none remains, the one that pushes least wins);
-    a request whose first token came after its TTFT SLO cannot attain and guards nothing;
-    of the rest, the one with the least predicted SLO violation wins, then the earliest
-    predicted second token (TTFT + ITL).
+  - auto: the cost model, over every (P, D) among the workers able to take each role (P = D:
+    colocated). Disaggregated candidates whose pair keeps falling back to a local prefill
+    (failure rate over MAX_FAILURE_RATE, router/cost_model.py HandoffHealth) are dropped while
+    any other remains, and every disaggregated prediction carries its pair's failure risk. Of
+    the rest, the one with the fewest expected SLO misses wins: the new request's own chance of
+    missing (its TTFT or ITL), plus the misses it would cause among the requests already
+    decoding on D and on P (their steps with it, against without it; a request whose first
+    token came after its TTFT SLO cannot attain and counts for nothing). No single guard vetoes
+    a choice: pushing one running request past its ITL SLO can be worth it when every other
+    choice makes the new request miss, and is not when it would push many. Ties go to the least
+    predicted SLO violation, then the earliest predicted second token (TTFT + ITL).
   - colocated / disaggregated: always that path, workers from the balancer.
   - threshold (Dynamo's rule): disaggregated iff uncached prompt tokens > T and the prefill
     worker's queue holds fewer than Q requests.
@@ -82,6 +85,15 @@ def pick_prefill(
 
 def _ms(s: float) -> str:
     return f"{s * 1000:.0f} ms"
+
+
+def _misses(c: PathPrediction, req: RequestShape) -> str:
+    """A candidate's expected SLO misses, in words."""
+    where = f" on {c.prefill_worker}->{c.decode_worker}" if c.prefill_worker else ""
+    return (
+        f"expected SLO misses {c.expected_misses(req):.2f}{where} (its own {c.new_miss(req):.2f}, "
+        f"running requests' {c.caused_misses:.2f})"
+    )
 
 
 class Planner:
@@ -173,14 +185,13 @@ class Planner:
         self, req: RequestShape, cands: list[PathPrediction], best: tuple[PathPrediction, ...]
     ) -> Decision:
         usable = [c for c in cands if not c.failing] or cands
-        safe = [c for c in usable if not c.pushes_running]
-        if safe:
-            chosen = min(safe, key=lambda c: c.rank(req))
-        else:  # every choice pushes: the one that pushes least
-            chosen = min(usable, key=lambda c: (c.overshoot_s, *c.rank(req)))
+        chosen = min(usable, key=lambda c: c.rank(req))
         others = [c for c in best if c.path is not chosen.path]
-        parts = [f"{chosen.path.value}: predicted TTFT {_ms(chosen.ttft_s)}"]
+        parts = [
+            f"{chosen.path.value}: {_misses(chosen, req)}, predicted TTFT {_ms(chosen.ttft_s)}"
+        ]
         code = "cost_ttft"
+        mine = chosen.rank(req)[0]
         for o in others:
             if o.failing and len(usable) < len(cands):
                 parts.append(
@@ -188,23 +199,12 @@ class Planner:
                     f"falling back (failure rate {o.failure_rate:.2f})"
                 )
                 code = "handoff_failing"
-            elif o.pushes_running and safe:
-                parts.append(
-                    f"{o.path.value} would raise {o.decode_worker}'s ITL to "
-                    f"{_ms(o.running_itl_s)}, past its SLO {_ms(o.running_itl_slo_s)}"
-                )
-                code = "itl_guard"
-            else:
-                parts.append(f"vs {_ms(o.ttft_s)} {o.path.value}")
+                continue
+            parts.append(f"vs {o.path.value} {_misses(o, req)}, TTFT {_ms(o.ttft_s)}")
+            if o.rank(req)[0] > mine and code == "cost_ttft":
+                code = "cost_misses"  # fewer misses decided, not the TTFT
         if code == "cost_ttft" and chosen.violation(req) > 0:
             code = "cost_slo_miss"  # nothing meets the SLO: least violation
-        elif code == "cost_ttft" and any(o.violation(req) > 0 for o in others):
-            code = "cost_slo"
-        if not safe:
-            parts.append(
-                "every choice pushes a running request past its ITL SLO; this one least "
-                f"(+{_ms(chosen.overshoot_s)})"
-            )
         return Decision(chosen, best, "; ".join(parts), code)
 
     def _threshold(

@@ -118,6 +118,10 @@ class WorkerState:
     def context(self) -> int:
         return sum(d.context for d in self._decodes.values())
 
+    def itl_slos(self) -> list[float]:
+        """The ITL SLOs of the requests decoding here that can still attain."""
+        return [d.itl_slo_s for d in self._decodes.values() if d.itl_slo_s != float("inf")]
+
     @property
     def min_itl_slo_s(self) -> float:
         """The tightest ITL SLO among the requests decoding here that can still attain (inf when

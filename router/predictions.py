@@ -1,10 +1,13 @@
 """What one placement of a request would cost: for the colocated path on a decode worker D, and
 for the disaggregated path over a pair (P, D), the predicted TTFT (queue + prefill + exposed
-transfer, with the path's bias), the request's own ITL, and the ITL that D's running requests
-see meanwhile. The policies (router/policy.py) choose among these."""
+transfer, with the path's bias), the request's own ITL, the ITL that the requests already
+decoding on D (and on P, when P decodes too) see meanwhile, and from these the SLO misses to
+expect: the new request's own, and those it causes among the running requests. The policies
+(router/policy.py) choose among these."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from router.cost_model import TransferTimeModel, prefill_pairs
@@ -14,6 +17,27 @@ from router.vocab import RoutePath
 # A pair whose recent handoffs fell back more often than this is not chosen while another
 # choice remains.
 MAX_FAILURE_RATE = 0.5
+# How sharp a predicted value turns into a miss, relative to its SLO: the chance of a miss is
+# 0.5 at the SLO and 0.12 / 0.88 at 10% under / over it (predictions are off by about that).
+MISS_WIDTH = 0.05
+
+
+def miss_chance(predicted_s: float, slo_s: float) -> float:
+    """The chance that what is predicted to take `predicted_s` ends past `slo_s`."""
+    if not math.isfinite(slo_s) or slo_s <= 0:
+        return 0.0
+    x = (predicted_s / slo_s - 1.0) / MISS_WIDTH
+    return 1.0 / (1.0 + math.exp(-max(-50.0, min(50.0, x))))
+
+
+def caused_misses(w: WorkerState, during_s: float, before_s: float) -> float:
+    """The misses that new work on `w` causes among the requests decoding there that can still
+    attain: for each, its chance of missing its ITL SLO at the step `during_s` it would see, less
+    its chance at the step it sees anyway (`before_s`: work already there is not the new
+    request's doing)."""
+    return sum(
+        max(0.0, miss_chance(during_s, slo) - miss_chance(before_s, slo)) for slo in w.itl_slos()
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +66,10 @@ class PathPrediction:
     uncached_tokens: int
     transfer_bytes: int
     failure_rate: float = 0.0  # of this pair's recent handoffs (disaggregated)
+    # Expected misses among the requests already decoding on D, and on P (when P decodes too).
+    caused_misses: float = 0.0
+    # The step P's own running requests see while it prefills for D (0: P decodes nothing).
+    p_running_itl_s: float = 0.0
 
     @property
     def failing(self) -> bool:
@@ -62,16 +90,25 @@ class PathPrediction:
         floor = max(self.running_itl_slo_s, self.running_itl_before_s)
         return max(0.0, self.running_itl_s - floor)
 
-    @property
-    def pushes_running(self) -> bool:
-        """Past the SLO by more than a tenth of it (one more sequence in a batch that already
-        runs at its SLO is not a push; a prefill chunk in its steps is)."""
-        return self.overshoot_s > 0.1 * self.running_itl_slo_s
+    def new_miss(self, req: RequestShape) -> float:
+        """The chance that this request itself misses its SLO: its TTFT or its ITL."""
+        ok = (1 - miss_chance(self.ttft_s, req.slo_ttft_s)) * (
+            1 - miss_chance(self.itl_s, req.slo_itl_s)
+        )
+        return 1.0 - ok
 
-    def rank(self, req: RequestShape) -> tuple[float, float]:
-        """Least SLO violation first, then the earliest predicted second token (TTFT + ITL:
-        of two equally fast prefills, the less busy decode worker wins)."""
-        return self.violation(req), self.ttft_s + self.itl_s
+    def expected_misses(self, req: RequestShape) -> float:
+        """SLO misses to expect from this choice: the new request's, and those it causes."""
+        return self.new_miss(req) + self.caused_misses
+
+    def rank(self, req: RequestShape) -> tuple[float, float, float]:
+        """Fewest expected SLO misses first (the new request's and the running ones' alike:
+        no single guard vetoes a choice), then the least SLO violation, then the earliest
+        predicted second token (TTFT + ITL: of two equally fast prefills, the less busy decode
+        worker wins). Misses count in whole tenths of a request: less than a tenth expected is
+        no reason to take a slower first token."""
+        tenths = math.floor(10 * self.expected_misses(req) + 1e-9) / 10
+        return tenths, self.violation(req), self.ttft_s + self.itl_s
 
     def violation(self, req: RequestShape) -> float:
         return max(0.0, self.ttft_s / req.slo_ttft_s - 1) + max(0.0, self.itl_s / req.slo_itl_s - 1)
@@ -101,6 +138,7 @@ def predict_colocated(req: RequestShape, d: WorkerState, bias_s: float) -> PathP
         transfer_s=0.0,
         uncached_tokens=n,
         transfer_bytes=0,
+        caused_misses=caused_misses(d, during, before) if d.batch else 0.0,
     )
 
 
@@ -119,25 +157,49 @@ def predict_disaggregated(
     n_blocks = -(-req.prompt_len // bs) - cached_d // bs
     nbytes = n_blocks * bs * d.info.kv_bytes_per_token
     own = p.model.prefill_s(n_p, cached_p)
-    total, _ = p.model.chunked_s(
-        p.queued_tokens + n_p, p.queued_pairs + prefill_pairs(n_p, cached_p), 0, 0
+    # P's own running decodes (a worker that does both) share its steps with the prefill: it
+    # takes longer in chunks, and they see slower steps meanwhile.
+    total, p_during = p.model.chunked_s(
+        p.queued_tokens + n_p, p.queued_pairs + prefill_pairs(n_p, cached_p), p.batch, p.context
     )
     exposed = transfer.seconds(nbytes)
     raw = total + exposed
     ctx = d.context + req.prompt_len
+    caused = 0.0
+    if p.batch:
+        _, p_before = p.model.chunked_s(p.queued_tokens, p.queued_pairs, p.batch, p.context)
+        caused += caused_misses(p, p_during, p_before)
+    # On D, prefills queued there (local ones, or a worker that does both prefilling for a peer)
+    # share the steps of the request once it decodes, and of those already decoding.
+    itl = _decode_step(d, d.batch + 1, ctx + req.max_tokens // 2)
+    running = before = 0.0
+    if d.batch:
+        running = _decode_step(d, d.batch + 1, ctx)
+        before = _decode_step(d, d.batch, d.context)
+        caused += caused_misses(d, running, before)
     return PathPrediction(
         path=RoutePath.DISAGGREGATED,
         prefill_worker=p.worker_id,
         decode_worker=d.worker_id,
         ttft_s=raw + bias_s,
         raw_ttft_s=raw,
-        itl_s=d.model.decode_step_s(d.batch + 1, ctx + req.max_tokens // 2),
-        running_itl_s=d.model.decode_step_s(d.batch + 1, ctx) if d.batch else 0.0,
-        running_itl_before_s=d.model.decode_step_s(d.batch, d.context) if d.batch else 0.0,
+        itl_s=itl,
+        running_itl_s=running,
+        running_itl_before_s=before,
         running_itl_slo_s=d.min_itl_slo_s,
         queue_s=total - own,
         prefill_s=own,
         transfer_s=exposed,
         uncached_tokens=req.prompt_len - cached_d,
         transfer_bytes=nbytes,
+        caused_misses=caused,
+        p_running_itl_s=p_during if p.batch else 0.0,
     )
+
+
+def _decode_step(w: WorkerState, batch: int, context: int) -> float:
+    """The step `batch` decodes of total `context` see on `w`, next to the prefills queued
+    there."""
+    if w.queued_tokens:
+        return w.model.chunked_s(w.queued_tokens, w.queued_pairs, batch, context)[1]
+    return w.model.decode_step_s(batch, context)

@@ -106,7 +106,8 @@ def test_short_prompts_stay_colocated_and_say_why():
     p, d = trained("prefill-0", "prefill"), trained("decode-0", "decode", seed=1)
     decision = pl.decide(shape(16), [p], [d])
     assert decision.chosen.path is RoutePath.COLOCATED
-    assert decision.reason.startswith("colocated: predicted TTFT")
+    assert decision.reason.startswith("colocated: expected SLO misses 0.00")
+    assert "predicted TTFT" in decision.reason
     best = {b.path: b for b in decision.best}
     assert best[RoutePath.COLOCATED].ttft_s < best[RoutePath.DISAGGREGATED].ttft_s
 
@@ -146,22 +147,44 @@ def test_a_drop_in_measured_bandwidth_moves_the_choice_to_colocated():
     assert disagg.transfer_s > 10 * before.chosen.transfer_s
 
 
-def test_colocated_never_pushes_a_running_request_past_its_itl_slo_when_another_choice_exists():
+def test_misses_caused_among_running_requests_count_against_a_faster_first_token():
     pl = planner()
     p = trained("prefill-0", "prefill")
     d = with_decodes(trained("decode-0", "decode", seed=1), 4, 200, itl_slo_s=0.15)
     # A long prompt next to a loose TTFT SLO: colocated has the lower TTFT (no transfer), but
-    # its 512-token chunks would stretch the running requests' ITL to over a second.
+    # its 512-token chunks would stretch the 4 running requests' ITL to over a second.
     decision = pl.decide(shape(1500, seed=9), [p], [d])
     assert decision.chosen.path is RoutePath.DISAGGREGATED
-    assert decision.reason_code == "itl_guard"
-    assert "past its SLO" in decision.reason
+    assert decision.reason_code == "cost_misses"
     colo = {b.path: b for b in decision.best}[RoutePath.COLOCATED]
-    assert colo.pushes_running and colo.running_itl_s > 0.15
-    # With no prefill worker there is no other choice: colocated, and said so.
+    assert colo.running_itl_s > 0.15 and colo.caused_misses == pytest.approx(4.0, abs=0.01)
+    assert colo.ttft_s < decision.chosen.ttft_s
+    assert "running requests' 4.00" in decision.reason
+    # With no prefill worker there is no other choice: colocated, its misses said.
     alone = pl.decide(shape(1500, seed=9), [], [d])
     assert alone.chosen.path is RoutePath.COLOCATED
-    assert "every choice pushes" in alone.reason
+    assert "expected SLO misses 4.00" in alone.reason
+
+
+def test_violations_are_counted_not_vetoed():
+    """Pushing one running request past its ITL SLO is worth it when the other choice makes the
+    new request miss its TTFT (a tie in misses; the new request's SLO decides), and is not when
+    it pushes many: no single guard decides alone."""
+    pl = planner()
+    p = trained("prefill-0", "prefill")
+    for i in range(6):  # the prefill worker is saturated: a handoff would miss its TTFT SLO
+        p.add_prefill(f"queued-{i}", 2000, prefill_pairs(2000, 0))
+    req = shape(1500, seed=9, slo_ttft=6.0)
+    one = with_decodes(trained("decode-0", "decode", seed=1), 1, 200, itl_slo_s=0.15)
+    decision = pl.decide(req, [p], [one])
+    best = {b.path: b for b in decision.best}
+    colo, dis = best[RoutePath.COLOCATED], best[RoutePath.DISAGGREGATED]
+    assert colo.overshoot_s > 0.1 * 0.15  # the guard of old would have vetoed it
+    assert colo.caused_misses == pytest.approx(1.0, abs=0.01) and colo.new_miss(req) < 0.01
+    assert dis.new_miss(req) > 0.99 and dis.caused_misses < 0.01
+    assert decision.chosen.path is RoutePath.COLOCATED, decision.reason
+    many = with_decodes(trained("decode-0", "decode", seed=1), 8, 200, itl_slo_s=0.15)
+    assert pl.decide(req, [p], [many]).chosen.path is RoutePath.DISAGGREGATED
 
 
 def test_threshold_policy_is_dynamos_rule():
@@ -257,9 +280,9 @@ def test_a_step_target_makes_colocated_safe_for_running_requests_at_a_longer_ttf
     colo_before = {b.path: b for b in before.best}[RoutePath.COLOCATED]
     colo_after = {b.path: b for b in after.best}[RoutePath.COLOCATED]
     # 512-token chunks next to the decodes: over a second a step; sized: about the target.
-    assert colo_before.running_itl_s > 1.0 and colo_before.pushes_running
+    assert colo_before.running_itl_s > 1.0 and colo_before.caused_misses > 3.9
     assert colo_after.running_itl_s == pytest.approx(0.12, rel=0.1)
-    assert not colo_after.pushes_running
+    assert colo_after.caused_misses < 0.1
     assert colo_after.ttft_s > colo_before.ttft_s  # smaller chunks: more steps
     # Behind the queued prompts the prefill worker is slower still: auto prefills locally now.
     assert before.chosen.path is RoutePath.DISAGGREGATED
@@ -276,7 +299,7 @@ def test_a_step_target_the_decodes_alone_nearly_fill_is_not_trusted():
     )
     decision = pl.decide(shape(1500, seed=5), [p], [d])
     colo = {b.path: b for b in decision.best}[RoutePath.COLOCATED]
-    assert colo.running_itl_s > 0.13 and colo.pushes_running
+    assert colo.running_itl_s > 0.13 and colo.caused_misses > 30  # of 40
     assert decision.chosen.path is RoutePath.DISAGGREGATED
 
 
