@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -68,9 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold-queue", type=int, default=4)
     p.add_argument(
         "--step-target-ms",
-        type=_positive_float,
+        type=lambda v: v if v == "auto" else _positive_float(v),
         default=None,
-        help="--step-target-ms for the servers of chunked policies (chunk sizing next to decodes)",
+        help="--step-target-ms for the servers of chunked policies (chunk sizing next to "
+        "decodes); auto: each worker's tuned from the ITL p99 its requests see",
     )
     p.add_argument("--slo-ttft", type=float, default=None, help="seconds")
     p.add_argument("--slo-itl", type=float, default=None, help="seconds")
@@ -87,6 +89,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--sweep-rate", action="store_true", help="per policy: highest rate at >= 90%% attainment"
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the policies this many times (each round in another order), and report each "
+        "one's goodput and ratio to the best fixed policy of the same round, per round",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="per request, seconds")
@@ -144,8 +153,16 @@ def run(args: argparse.Namespace) -> int:
     objective: slo.Slo | None = None
     runs: dict[str, list[loadgen.RequestResult]] = {}
     sweeps: dict[str, list[tuple[float, float]]] = {}
-    for policy in policies:
-        server = None if args.address else ServerProcess(deployment, policy, logs / f"{policy}.log")
+    rounds = max(1, args.repeat)
+    if rounds > 1:
+        out["rounds"] = [{} for _ in range(rounds)]
+    # Each round in another order, so that no policy always runs first (or last) on the machine.
+    schedule = [
+        (r, policies[(i + r) % len(policies)]) for r in range(rounds) for i in range(len(policies))
+    ]
+    for rnd, policy in schedule:
+        log = logs / (f"{policy}.log" if rnd == 0 else f"{policy}-{rnd + 1}.log")
+        server = None if args.address else ServerProcess(deployment, policy, log)
         try:
             address = args.address or server.address  # type: ignore[union-attr]
             info = (
@@ -160,11 +177,18 @@ def run(args: argparse.Namespace) -> int:
             session.run_trace(
                 address, warm, 1.0, vocab, args, "warm-up", seed=2_000_000 + args.seed
             )
+            label = policy if rounds == 1 else f"{policy} (round {rnd + 1}/{rounds})"
             results, wall = session.run_trace(
-                address, reqs, args.rate, vocab, args, policy, objective
+                address, reqs, args.rate, vocab, args, label, objective
             )
-            runs[policy] = results
             fig = slo.figures(results, objective, wall)
+            if rounds > 1:
+                out["rounds"][rnd][policy] = fig
+            if rnd > 0:  # the table and the plots show the first round; the spread, all
+                if args.json:
+                    Path(args.json).write_text(json.dumps(out, indent=1))
+                continue
+            runs[policy] = results
             if args.sweep_rate:
                 fig["max_rate_at_90pct"], sweeps[policy] = _sweep(
                     address, reqs, vocab, objective, args, policy
@@ -179,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
             if server is not None:
                 server.stop()
     _report(out, runs, args)
+    if rounds > 1:
+        _report_rounds(out)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     if args.plot:
@@ -218,6 +244,27 @@ def _baseline(
     return {"policy": "disaggregated, short requests alone",
             "itl_s": slo.summary([g for r in base if r.ok for g in r.itl_s]),
             "requests": len(short)}  # fmt: skip
+
+
+def _report_rounds(out: dict) -> None:
+    """Each policy's goodput over the rounds, and its ratio to the best fixed policy of the same
+    round: the spread a single run hides."""
+    print("goodput per round (req/s), and over the best fixed policy of the same round")
+    out["spread"] = {}
+    for policy in out["policies"]:
+        goods, ratios = [], []
+        for rnd in out["rounds"]:
+            if policy not in rnd:
+                continue
+            goods.append(rnd[policy]["goodput_rps"])
+            best = max((rnd[p]["goodput_rps"] for p in FIXED if p in rnd), default=0.0)
+            if best > 0:
+                ratios.append(rnd[policy]["goodput_rps"] / best)
+        out["spread"][policy] = {"goodput_rps": goods, "vs_best_fixed": ratios}
+        each = ", ".join(f"{g:.3f}" for g in goods)
+        rs = ", ".join(f"{r:.2f}x" for r in ratios) or "-"
+        med = f"median {statistics.median(ratios):.2f}x" if ratios else ""
+        print(f"  {policy:<18} {each}   vs best fixed: {rs} {med}")
 
 
 def _ms(v: float | None) -> str:

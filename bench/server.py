@@ -39,7 +39,8 @@ class Deployment:
     kv_cache_gib: float
     threshold_tokens: int
     threshold_queue: int
-    step_target_ms: float | None = None  # `pdserve serve --step-target-ms`, chunked policies
+    # `pdserve serve --step-target-ms` (a number, or "auto"), for the chunked policies
+    step_target_ms: float | str | None = None
     max_pending: int | None = None  # `pdserve serve --max-pending` (None: the server's default)
 
     def args(self, policy: str) -> list[str]:
@@ -53,7 +54,7 @@ class Deployment:
             "both": (0, 0, total),
         }[layout]
         if self.step_target_ms is not None and "--no-chunked-prefill" not in extra:
-            extra = [*extra, "--step-target-ms", f"{self.step_target_ms:g}"]
+            extra = [*extra, "--step-target-ms", str(self.step_target_ms)]
         if self.max_pending is not None:
             extra = [*extra, "--max-pending", str(self.max_pending)]
         return [

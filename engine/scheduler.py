@@ -183,6 +183,21 @@ class Scheduler:
         self._check_invariants(out)
         return out
 
+    def set_step_target(self, target_s: float | None) -> None:
+        """Change the step target while serving (the router tunes it from the inter-token gaps
+        its requests see here): the chunk sizer is made, retargeted (keeping the chunk it
+        learned) or dropped (None: a chunk is the whole budget again)."""
+        if target_s is not None and not target_s > 0:
+            raise ValueError(f"step_target_s must be > 0, got {target_s}")
+        if target_s is not None and not self.config.enable_chunked_prefill:
+            raise ValueError("step_target_s sizes prefill chunks: it needs chunked prefill")
+        if target_s is None:
+            self.sizer = None
+        elif self.sizer is None:
+            self.sizer = ChunkSizer(target_s, self.config.max_num_batched_tokens)
+        else:
+            self.sizer.target_s = target_s
+
     def observe_step(self, prefill_tokens: int, decodes: int, seconds: float) -> None:
         """What the step just run cost: teaches the chunk sizer (a no-op without a target)."""
         if self.sizer is not None:

@@ -100,6 +100,7 @@ class RequestBooks:
         hit = p.cached_tokens(shape.hashes, shape.prompt_len)
         n_prefill = shape.prompt_len - hit
         p.add_prefill(self.wid, n_prefill, prefill_pairs(n_prefill, hit))
+        self.sink.prefill_placed(p.worker_id, p.info.role.value, for_peer=p is not d)
         if p is not d:
             d.add_decode(self.wid, shape.prompt_len, shape.slo_itl_s)
         p.prefix.insert(shape.hashes)
@@ -118,6 +119,7 @@ class RequestBooks:
         gaps = self.track.chunk(chunk)
         if n:
             self.sink.streamed(self.track.path, n, gaps)
+            self.d.observe_gaps(gaps)
         first = was_first and self.track.first_at is not None
         if first:
             self.counts.pending -= 1

@@ -353,6 +353,12 @@ class Cluster:
         )  # fmt: skip
 
     # -- reading -----------------------------------------------------------------------------
+    async def set_step_target(self, worker_id: str, target_s: float | None) -> None:
+        h = self._handle(worker_id)
+        await asyncio.wait_for(
+            h.actor.set_step_target.remote(target_s), self.config.control_timeout_s
+        )
+
     async def kv_stats(self) -> dict[str, TransferStats]:
         """Each live worker's KV transfer totals, by worker id."""
         items = self.pools.live()

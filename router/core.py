@@ -46,6 +46,7 @@ from router.membership import Membership
 from router.policy import Decision, PathPrediction, Planner, RequestShape
 from router.request import ParsedRequest
 from router.stats import NullSink, StatsSink
+from router.step_target import StepTargets
 from router.tracker import Tracker
 from router.vocab import FinishReason, Frontend, Placement, RejectReason, RoutePath
 from worker_protocol.messages import TokenChunk, WorkerInfo
@@ -73,6 +74,7 @@ class RequestCore:
         self.members = Membership(backend, infos, self.health, self.sink)
         self.states = self.members.states  # the books, by worker id (current incarnations)
         self.planner = Planner(config.policy, self.transfer, self.health)
+        self.step_targets = StepTargets(config.slo_itl_s) if config.tune_step_target else None
         self.records: deque[DecisionRecord] = deque(maxlen=2048)
         self.counts = RequestCounts()
         self.ttft_margin = 1.0  # admission's factor on predicted TTFT (see ttft_margin())
@@ -116,6 +118,22 @@ class RequestCore:
 
     async def refresh(self) -> None:
         self.members.absorb(await self.backend.load())
+        if self.step_targets is not None and self.step_targets.due():
+            await self._retarget()
+
+    async def _retarget(self) -> None:
+        """Tune each worker's step target from the tail of the gaps its requests see."""
+        assert self.step_targets is not None
+        _, decode = self.members.pools()
+        for state in decode:
+            target = self.step_targets.retarget(state)
+            if target is None:
+                continue
+            log.info("step target of %s: %.0f -> %.0f ms (ITL p99 at the router)",
+                     state.worker_id, (state.model.step_target_s or 0) * 1000,
+                     target * 1000)  # fmt: skip
+            await self.backend.set_step_target(state.worker_id, target)
+            state.model.step_target_s = target
 
     # -- one request -------------------------------------------------------------------------
     def plan(self, req: ParsedRequest) -> tuple[RequestShape, Decision]:

@@ -71,6 +71,9 @@ class Backend(Protocol):
 
     async def infos(self) -> list[WorkerInfo]: ...
 
+    async def set_step_target(self, worker_id: str, target_s: float | None) -> None:
+        """Retarget a worker's prefill chunks next to its decodes (engine.Scheduler)."""
+
 
 class Overloaded(Exception):
     """Admission refused; the client may retry after `retry_after_s`."""
@@ -93,6 +96,9 @@ class RouterConfig:
     max_pending: int = 256  # admitted requests still waiting for their first token
     max_active: int = 4096  # admitted requests not yet finished
     poll_interval_s: float = 0.1
+    # Tune each worker's step target from the ITL its requests see (router/step_target.py);
+    # the workers must start with chunked prefill and a step target.
+    tune_step_target: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,6 +76,7 @@ class FakeBackend:
         self.lost: list[str] = []  # request ids whose decode worker "died" under them
         self.started: list[str] = []  # request ids, in the order they reached the backend
         self.closed: list[str] = []  # request ids whose stream ended, for any reason
+        self.step_targets: dict[str, float | None] = {}  # as set by the router, by worker
 
     def worker_info(self, worker_id: str) -> WorkerInfo:
         role = WorkerRole(worker_id.rsplit("-", 1)[0])
@@ -83,6 +84,9 @@ class FakeBackend:
 
     def _ids(self) -> list[str]:
         return list(dict.fromkeys([*self.prefill_ids, *self.decode_ids]))
+
+    async def set_step_target(self, worker_id: str, target_s: float | None) -> None:
+        self.step_targets[worker_id] = target_s
 
     async def infos(self) -> list[WorkerInfo]:
         return [self.worker_info(w) for w in self._ids()]

@@ -57,9 +57,13 @@ class Membership:
         self.sink.loads([ld for ld in loads if (ld.worker_id, ld.incarnation) not in self._gone])
         b = self.backend
         counts = dict.fromkeys(WorkerRole, 0)
+        decoding: dict[tuple[str, str], int] = {}
         for w in dict.fromkeys([*b.prefill_ids, *b.decode_ids]):  # a worker doing both: once
-            counts[self.state(w).info.role] += 1
+            state = self.state(w)
+            counts[state.info.role] += 1
+            decoding[(w, state.info.role.value)] = state.batch
         self.sink.workers(counts)
+        self.sink.decoding(decoding)
         for role, n in b.restarts.items():
             if n > self._restarts_seen.get(role, 0):
                 self.sink.worker_restarted(role.value, n - self._restarts_seen.get(role, 0))

@@ -183,6 +183,19 @@ class Metrics:
         self.live_workers = Gauge(
             "pdserve_workers", "Workers taking new requests, by role.", ("role",), registry=r
         )
+        self.prefills = Counter(
+            "pdserve_worker_prefills",
+            "Prefills placed on a worker: for a peer (its KV handed to another worker's decode), "
+            "or local (it decodes the request itself).",
+            (*WORKER, "kind"),
+            registry=r,
+        )
+        self.decodes = Gauge(
+            "pdserve_worker_decodes_running",
+            "Requests decoding on a worker, as the router placed them.",
+            WORKER,
+            registry=r,
+        )
         self.fallbacks = Counter(
             "pdserve_local_prefill_fallbacks",
             "Disaggregated requests whose prompt was prefilled on their decode worker after "
@@ -215,6 +228,7 @@ class Metrics:
             self.worker_restarts.labels(role.value)
             self.live_workers.labels(role.value)
         self._last: dict[str, WorkerLoad] = {}
+        self._kinds_seen: set[tuple[str, str, str]] = set()
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def _c(self, metric: Any, *labels: str) -> Any:
@@ -305,12 +319,24 @@ class Metrics:
         for role, n in ready.items():
             self.live_workers.labels(role.value).set(n)
 
+    def prefill_placed(self, worker_id: str, role: str, for_peer: bool) -> None:
+        kind = "for_peer" if for_peer else "local"
+        self._c(self.prefills, worker_id, role, kind).inc()
+        if (worker_id, role, "local" if for_peer else "for_peer") not in self._kinds_seen:
+            # Both kinds exist once either does, so that the first of the other is an increase.
+            self.prefills.labels(worker_id, role, "local" if for_peer else "for_peer")
+        self._kinds_seen.add((worker_id, role, kind))
+
+    def decoding(self, running: dict[tuple[str, str], int]) -> None:
+        for (worker_id, role), n in running.items():
+            self.decodes.labels(worker_id, role).set(n)
+
     def worker_lost(self, worker_id: str, role: str) -> None:
         self.worker_failures.labels(worker_id, role).inc()
         self.worker_removed(worker_id, role)
 
     def worker_removed(self, worker_id: str, role: str) -> None:
-        for g in (self.running, self.waiting, self.kv_usage, self.queued_tokens):
+        for g in (self.running, self.waiting, self.kv_usage, self.queued_tokens, self.decodes):
             try:
                 g.remove(worker_id, role)
             except KeyError:

@@ -9,7 +9,8 @@ what it placed (a poll would be a step late); the polled load adds what only the
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,6 +65,8 @@ class WorkerState:
         self._prefills: dict[str, _Prefill] = {}
         self._decodes: dict[str, _Decode] = {}
         self.load: WorkerLoad | None = None
+        # (time.monotonic(), gap) of the latest inter-token gaps its requests saw at the router.
+        self._gaps: deque[tuple[float, float]] = deque(maxlen=4096)
 
     # -- what the router placed here -----------------------------------------------------------
     def add_prefill(self, rid: str, tokens: int, pairs: float) -> None:
@@ -127,6 +130,14 @@ class WorkerState:
         """The tightest ITL SLO among the requests decoding here that can still attain (inf when
         none)."""
         return min((d.itl_slo_s for d in self._decodes.values()), default=float("inf"))
+
+    def observe_gaps(self, gaps: Sequence[float], now: float | None = None) -> None:
+        """Inter-token gaps a request decoding here just saw (measured at the router)."""
+        t = time.monotonic() if now is None else now
+        self._gaps.extend((t, g) for g in gaps)
+
+    def recent_gaps(self, since: float) -> list[float]:
+        return [g for t, g in self._gaps if t >= since]
 
     # -- what the worker knows ------------------------------------------------------------------
     def cached_tokens(self, hashes: Sequence[bytes], prompt_len: int) -> int:

@@ -77,6 +77,20 @@ def optional(parse: Parse) -> Parse:
     return wrapped
 
 
+def auto_or(parse: Parse) -> Parse:
+    """The word `auto`, or what `parse` takes."""
+
+    def wrapped(v: Any) -> Any:
+        if isinstance(v, str) and v.lower() == "auto":
+            return "auto"
+        try:
+            return parse(v)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (or auto)") from None
+
+    return wrapped
+
+
 def text(v: Any) -> str:
     if not isinstance(v, str) or not v:
         raise ValueError(f"must be a non-empty string, got {v!r}")
@@ -201,9 +215,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("chunked_prefill", flag, True,
            "split long prompts into chunks under the token budget (--no-chunked-prefill: a "
            "prompt runs whole in one step, the interference baseline)", boolean=True),
-    Option("step_target_ms", optional(number(0, strict=True)), None,
+    Option("step_target_ms", optional(auto_or(number(0, strict=True))), None,
            "while requests decode, size prefill chunks so a step takes about this long "
-           "(chunked prefill only; default: the token budget alone)"),
+           "(chunked prefill only; default: the token budget alone); auto: start at 0.8 x "
+           "the ITL SLO and tune each worker's from the ITL p99 its requests see"),
     # policy and SLOs
     Option("policy", choice(*POLICIES), "auto",
            "how each request's path is chosen (auto: the cost model)"),
@@ -335,6 +350,9 @@ class ServeOptions:
         if v["kv_cache_gib"] is not None:
             cache = replace(cache, cpu_kv_cache_gib=v["kv_cache_gib"])
         step_target = v["step_target_ms"]
+        tune = step_target == "auto"
+        if tune:
+            step_target = 0.8 * v["slo_itl_ms"]  # a first guess, tuned from the measured ITL
         engine = EngineConfig(
             # the cluster sets its model name
             model=ModelConfig(dtype=v["dtype"], enforce_eager=v["enforce_eager"]),
@@ -379,6 +397,7 @@ class ServeOptions:
                 slo_ttft_s=v["slo_ttft_ms"] / 1000,
                 slo_itl_s=v["slo_itl_ms"] / 1000,
                 max_pending=v["max_pending"],
+                tune_step_target=tune,
             ),
             host=v["host"],
             port=v["port"],

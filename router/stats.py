@@ -77,6 +77,10 @@ class StatsSink(Protocol):
 
     def workers(self, ready: dict[WorkerRole, int]) -> None: ...
 
+    def prefill_placed(self, worker_id: str, role: str, for_peer: bool) -> None: ...
+
+    def decoding(self, running: dict[tuple[str, str], int]) -> None: ...
+
     def fell_back(self, reason: str) -> None: ...
 
     def replanned(self) -> None: ...
@@ -116,6 +120,12 @@ class NullSink:
         pass
 
     def workers(self, ready: dict[WorkerRole, int]) -> None:
+        pass
+
+    def prefill_placed(self, worker_id: str, role: str, for_peer: bool) -> None:
+        pass
+
+    def decoding(self, running: dict[tuple[str, str], int]) -> None:
         pass
 
     def fell_back(self, reason: str) -> None:

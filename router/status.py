@@ -87,7 +87,8 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
     )
     lines.append(
         f"{'worker':<12} {'role':<8} {'running':>7} {'waiting':>7} {'KV used':>8} "
-        f"{'queued prefill tok':>18} {'prefix hits':>11} {'preempted':>9}"
+        f"{'queued prefill tok':>18} {'prefix hits':>11} {'preempted':>9} "
+        f"{'prefills for peers':>18} {'local':>6} {'decoding':>8}"
     )
     running = by_labels(after, "pdserve_worker_requests_running", "worker", "role")
     waiting = by_labels(after, "pdserve_worker_requests_waiting", "worker", "role")
@@ -96,12 +97,15 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
     hits = by_labels(after, "pdserve_worker_prefix_cache_hits_tokens_total", "worker", "role")
     queries = by_labels(after, "pdserve_worker_prefix_cache_queries_tokens_total", "worker", "role")
     preempt = by_labels(after, "pdserve_worker_preemptions_total", "worker", "role")
+    prefills = by_labels(after, "pdserve_worker_prefills_total", "worker", "role", "kind")
+    decoding = by_labels(after, "pdserve_worker_decodes_running", "worker", "role")
     for key in sorted(running, key=lambda k: (k[1], k[0])):
         hit = hits.get(key, 0) / queries[key] if queries.get(key) else 0.0
         lines.append(
             f"{key[0]:<12} {key[1]:<8} {running[key]:>7.0f} {waiting.get(key, 0):>7.0f} "
             f"{kv.get(key, 0):>8.1%} {queued.get(key, 0):>18.0f} {hit:>11.1%} "
-            f"{preempt.get(key, 0):>9.0f}"
+            f"{preempt.get(key, 0):>9.0f} {prefills.get((*key, 'for_peer'), 0):>18.0f} "
+            f"{prefills.get((*key, 'local'), 0):>6.0f} {decoding.get(key, 0):>8.0f}"
         )
     reqs = by_labels(after, "pdserve_requests_total", "path")
     reqs0 = by_labels(before, "pdserve_requests_total", "path")

@@ -184,3 +184,35 @@ def test_every_policy_gets_the_same_total_workers_laid_out_its_own_way():
     assert layout("colocated") == ("0", "3", "0", "colocated")
     assert layout("flex") == ("0", "0", "3", "auto")  # all workers do both, placed by auto
     assert "flex" in POLICIES
+
+
+def test_repeated_rounds_report_each_rounds_goodput_and_ratio(monkeypatch, tmp_path, capsys):
+    calls = []
+
+    def fake_run(address, reqs, rate, vocab, args, label, objective=None, seed=None):
+        calls.append(label)
+        ttft = 5.0 if "round 2" in label else 0.1  # round 2: none attains
+        return [_result(ttft, [0.01] * 4) for _ in reqs], 10.0
+
+    class Info:
+        vocab_size = 100
+
+    monkeypatch.setattr(session, "run_trace", fake_run)
+    monkeypatch.setattr(session, "server_info", lambda address, auth: Info())
+    monkeypatch.setattr(session, "objective", lambda *a: slo.Slo(1.0, 0.1))
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    out = tmp_path / "out.json"
+    args = parser.parse_args(
+        ["--address", "x", "--policy", "colocated", "--num-requests", "5", "--repeat", "3",
+         "--json", str(out)]
+    )  # fmt: skip
+    assert cli.run(args) == 0
+    doc = json.loads(out.read_text())
+    assert [label for label in calls if label != "warm-up"] == [
+        f"colocated (round {i}/3)" for i in (1, 2, 3)
+    ]
+    goods = doc["spread"]["colocated"]["goodput_rps"]
+    assert len(doc["rounds"]) == 3 and goods[0] == goods[2] > 0 == goods[1]
+    assert doc["spread"]["colocated"]["vs_best_fixed"] == [1.0, 1.0]  # round 2: no goodput
+    assert "goodput per round" in capsys.readouterr().out

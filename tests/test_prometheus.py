@@ -171,6 +171,12 @@ def test_metrics_through_a_real_prometheus(srv, prometheus):
     assert f"requests: {n} (colocated {len(lengths)}, disaggregated {len(lengths)})" in text
     assert "decode-0" in text and "prefill-0" in text
     assert f"KV transfers: {len(lengths)} done" in text
+    # Per worker: the prefills placed on it, for a peer or to decode itself.
+    placed = status.by_labels(samples, "pdserve_worker_prefills_total", "worker", "kind")
+    assert placed[("prefill-0", "for_peer")] == len(lengths)
+    assert placed[("decode-0", "local")] == len(lengths)
+    assert placed[("decode-0", "for_peer")] == placed[("prefill-0", "local")] == 0
+    assert "prefills for peers" in text
 
 
 def test_every_metric_the_dashboard_alerts_and_status_use_exists():

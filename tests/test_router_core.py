@@ -314,6 +314,21 @@ def test_workers_of_both_kinds_are_counted_once_by_their_role_and_serve_both_pat
     sample = metrics.registry.get_sample_value
     got = {r: sample("pdserve_workers", {"role": r}) for r in ("prefill", "decode", "both")}
     assert got == {"prefill": 0, "decode": 0, "both": 2}
-    colo, dis, _ = (c.final for c in finals)
+    colo, dis, auto = (c.final for c in finals)
     assert colo.path is RoutePath.COLOCATED and dis.path is RoutePath.DISAGGREGATED
     assert dis.prefill_worker and dis.prefill_worker != dis.decode_worker
+    # Each worker counts the prefills placed on it, for a peer or local; and its decodes.
+    placed = {
+        (w, kind): sample(
+            "pdserve_worker_prefills_total", {"worker": w, "role": "both", "kind": kind}
+        )
+        or 0
+        for w in ("both-0", "both-1")
+        for kind in ("for_peer", "local")
+    }
+    local = 1 + (auto.path is RoutePath.COLOCATED)
+    assert sum(v for (w, k), v in placed.items() if k == "local") == local
+    assert sum(v for (w, k), v in placed.items() if k == "for_peer") == 3 - local
+    assert placed[(dis.prefill_worker, "for_peer")] >= 1
+    for w in ("both-0", "both-1"):
+        assert sample("pdserve_worker_decodes_running", {"worker": w, "role": "both"}) == 0

@@ -1,5 +1,7 @@
 """Scheduler tests driven by fake runner outputs: no model, no tensors."""
 
+import pytest
+
 from engine import kv_handoff
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
@@ -223,6 +225,27 @@ def test_step_target_sizes_prefill_chunks_next_to_decodes():
 def test_step_target_is_ignored_without_chunking():
     s = Scheduler(SchedulerConfig(16, 8, False, step_target_s=0.1), KVCacheManager(64, 4, True))
     assert s.sizer is None
+
+
+def test_the_step_target_can_change_while_serving():
+    """The router tunes a worker's target from the gaps its requests see: set, retargeted
+    (keeping the chunk learned), dropped; refused without chunking or when not positive."""
+    s = Scheduler(SchedulerConfig(512, 8, True), KVCacheManager(64, 4, True))
+    assert s.sizer is None
+    s.set_step_target(0.1)
+    assert s.sizer is not None and s.sizer.target_s == 0.1
+    s.sizer.chunk = 200
+    s.set_step_target(0.05)
+    assert s.sizer.target_s == 0.05 and s.sizer.chunk == 200
+    s.observe_step(200, 1, 0.1)  # twice the new target: the chunk halves
+    assert s.sizer.chunk == 100
+    s.set_step_target(None)
+    assert s.sizer is None
+    with pytest.raises(ValueError, match="step_target_s"):
+        s.set_step_target(0.0)
+    plain = Scheduler(SchedulerConfig(16, 8, False), KVCacheManager(64, 4, True))
+    with pytest.raises(ValueError, match="chunked prefill"):
+        plain.set_step_target(0.1)
 
 
 def test_chunk_sizer_grows_at_most_twice_and_learns_only_from_full_chunks():

@@ -137,3 +137,15 @@ def test_workers_that_do_both_may_stand_in_for_the_decode_pool(tmp_path, capsys)
     config = serve_options.resolve(_parse(["serve", "--decode", "0", "--workers", "3"]))
     cluster = config.serve_config().cluster
     assert (cluster.num_decode, cluster.num_both) == (0, 3)
+
+
+def test_an_auto_step_target_starts_under_the_itl_slo_and_is_tuned_by_the_router():
+    config = serve_options.resolve(
+        _parse(["serve", "--step-target-ms", "auto", "--slo-itl-ms", "150"])
+    ).serve_config()
+    assert config.cluster.engine.scheduler.step_target_s == pytest.approx(0.12)
+    assert config.router.tune_step_target
+    fixed = serve_options.resolve(_parse(["serve", "--step-target-ms", "100"])).serve_config()
+    assert not fixed.router.tune_step_target
+    with pytest.raises(serve_options.OptionError, match="chunked_prefill"):
+        serve_options.resolve(_parse(["serve", "--step-target-ms", "auto", "--no-chunked-prefill"]))

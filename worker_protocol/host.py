@@ -101,6 +101,11 @@ class EngineHost:
             n += len(out.new_token_ids)
         return n
 
+    async def set_step_target(self, target_s: float | None) -> None:
+        """The step target the router tunes from the gaps this worker's requests see (see
+        Scheduler.set_step_target)."""
+        await self.aeng.call(lambda e: e.scheduler.set_step_target(target_s))
+
     def open_transfers(self) -> int:
         """KV transfers still tracked for this worker; a transfer side overrides it."""
         return 0

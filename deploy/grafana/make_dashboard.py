@@ -163,6 +163,21 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         ],
     ),
     (
+        "Prefills per worker: for a peer, or local",
+        "short",
+        [
+            q(
+                "{{worker}} {{kind}}",
+                "sum by (worker, kind) (increase(pdserve_worker_prefills_total[$__range]))",
+            ),
+        ],
+    ),
+    (
+        "Decodes running per worker",
+        "short",
+        [q("{{worker}} ({{role}})", "sum by (worker, role) (pdserve_worker_decodes_running)")],
+    ),
+    (
         "Prefix cache hit rate per worker",
         "percentunit",
         [

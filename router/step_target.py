@@ -1,0 +1,81 @@
+"""Each worker's step target, tuned from the tail of the inter-token gaps its requests see.
+
+A worker with a step target cuts the prefill chunks it runs beside its decodes so that a step
+takes about that long (engine/scheduler.py, ChunkSizer). The right target is not a fixed number:
+what a request sees between two tokens is more than one step (the chunk's way to the router, the
+slowest step at a prompt's end, two prefills' tails in one step), and what it must see is its ITL
+SLO at the 99th percentile. So the router, which takes every chunk, measures the gaps per worker
+(`WorkerState.observe_gaps`), and every `interval_s`, for a worker whose last `window_s` hold at
+least `min_gaps` gaps:
+
+    ratio  = p99 of those gaps / the ITL SLO (the tightest among the requests decoding there
+             that can still attain, else the default)
+    target = clip(target * clip(goal / ratio, 0.7, 1.25), floor * SLO, SLO)
+
+that is, a p99 above `goal` of the SLO shrinks the target, one below lets it grow back (cheaper
+prefills: fewer, larger chunks), by at most 30% down and 25% up at a time. A worker is retargeted
+at most once per half window (the gaps measured under the old target must age out first), and
+only by more than 5%. A target above the SLO of the requests decoding there (the server's
+default SLO may be far looser than what its clients ask for) drops to `start` x that SLO at once.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from router.pool_state import WorkerState
+
+
+@dataclass(frozen=True, slots=True)
+class StepTargetConfig:
+    interval_s: float = 2.0
+    window_s: float = 20.0
+    min_gaps: int = 50
+    goal: float = 0.9  # the p99 gap aimed at, as a fraction of the ITL SLO
+    floor: float = 0.2  # the least target, as a fraction of the ITL SLO
+    start: float = 0.8  # where a target above the SLO starts again, as a fraction of it
+
+
+class StepTargets:
+    def __init__(self, default_slo_itl_s: float, config: StepTargetConfig | None = None) -> None:
+        self.default_slo_itl_s = default_slo_itl_s
+        self.config = config or StepTargetConfig()
+        self._next = 0.0
+        self._changed: dict[str, float] = {}  # worker -> when it was last retargeted
+
+    def due(self, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        if now < self._next:
+            return False
+        self._next = now + self.config.interval_s
+        return True
+
+    def retarget(self, state: WorkerState, now: float | None = None) -> float | None:
+        """The worker's new step target, or None to leave it as it is."""
+        c = self.config
+        now = time.monotonic() if now is None else now
+        target = state.model.step_target_s
+        if target is None:
+            return None
+        slo = state.min_itl_slo_s
+        if not math.isfinite(slo):
+            slo = self.default_slo_itl_s
+        if target > slo:
+            self._changed[state.worker_id] = now
+            return c.start * slo
+        if now - self._changed.get(state.worker_id, -math.inf) < c.window_s / 2:
+            return None
+        gaps = state.recent_gaps(now - c.window_s)
+        if len(gaps) < c.min_gaps:
+            return None
+        p99 = float(np.percentile(gaps, 99))
+        factor = min(1.25, max(0.7, c.goal * slo / p99)) if p99 > 0 else 1.25
+        new = min(slo, max(c.floor * slo, target * factor))
+        if abs(new / target - 1) <= 0.05:
+            return None
+        self._changed[state.worker_id] = now
+        return new

@@ -1,0 +1,70 @@
+"""The router's tuning of each worker's step target from the tail of its requests' gaps."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+
+from router.core import RequestCore
+from router.core_types import RouterConfig
+from router.fake_backend import FakeBackend, fake_info
+from router.pool_state import WorkerState
+from router.step_target import StepTargetConfig, StepTargets
+from tests.test_router_core import TOKENIZER
+
+
+def worker(target_s: float | None, slo_s: float | None = None, wid: str = "both-0") -> WorkerState:
+    state = WorkerState(replace(fake_info(wid, "both"), step_target_s=target_s))
+    if slo_s is not None:
+        state.add_decode("r", 100, slo_s)
+    return state
+
+
+def test_a_tail_past_the_slo_shrinks_the_target_and_one_well_under_it_grows_it_back():
+    tune = StepTargets(1.0, StepTargetConfig(window_s=20.0, min_gaps=50))
+    w = worker(0.100, slo_s=0.150)
+    w.observe_gaps([0.05] * 50 + [0.30] * 10, now=100.0)  # p99 0.30 s, twice the SLO
+    assert tune.retarget(w, now=101.0) == pytest.approx(0.070)  # by 30% at most
+    w.model.step_target_s = 0.070
+    assert tune.retarget(w, now=105.0) is None  # once per half window
+    w.observe_gaps([0.05] * 100, now=115.0)  # p99 0.05 s, a third of the SLO
+    assert tune.retarget(w, now=125.0) == pytest.approx(0.0875)  # by 25% at most
+    w.model.step_target_s = 0.0875
+    w.observe_gaps([0.131] * 100, now=140.0)  # p99 at 87% of the SLO: near the goal of 90%
+    assert tune.retarget(w, now=140.0) is None
+
+
+def test_the_target_stays_within_the_slo_and_needs_enough_gaps():
+    tune = StepTargets(1.0)
+    few = worker(0.100, slo_s=0.150, wid="both-1")
+    few.observe_gaps([1.0] * 10, now=10.0)
+    assert tune.retarget(few, now=11.0) is None  # 10 gaps say too little
+    loose = worker(
+        0.800, slo_s=0.150, wid="both-2"
+    )  # started from a default SLO far looser than asked
+    assert tune.retarget(loose, now=0.0) == pytest.approx(0.8 * 0.150)
+    floor = worker(0.035, slo_s=0.150, wid="both-3")
+    floor.observe_gaps([3.0] * 100, now=50.0)
+    assert tune.retarget(floor, now=50.0) == pytest.approx(0.2 * 0.150)  # no lower than 20%
+    assert tune.retarget(worker(None, slo_s=0.15), now=0.0) is None  # no target: untouched
+    idle = worker(0.5, wid="both-4")  # nothing decodes there: the default SLO, 1 s
+    idle.observe_gaps([2.0] * 100, now=0.0)
+    assert tune.retarget(idle, now=1.0) == pytest.approx(0.35)
+
+
+def test_the_core_sends_a_retargeted_worker_its_new_step_target():
+    async def main():
+        backend = FakeBackend(num_prefill=0, num_decode=0, num_both=1)
+        infos = [replace(i, step_target_s=0.1) for i in await backend.infos()]
+        core = RequestCore(
+            backend, infos, RouterConfig(slo_itl_s=0.15, tune_step_target=True), TOKENIZER
+        )
+        core.states["both-0"].observe_gaps([0.3] * 100)
+        await core.refresh()
+        return backend, core
+
+    backend, core = asyncio.run(main())
+    assert backend.step_targets == {"both-0": pytest.approx(0.07)}
+    assert core.states["both-0"].model.step_target_s == pytest.approx(0.07)
