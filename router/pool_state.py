@@ -14,6 +14,8 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from engine.prefix_hash import max_cacheable_tokens
 from router.cost_model import StepTimeModel
 from worker_protocol.messages import WorkerInfo, WorkerLoad
@@ -138,6 +140,16 @@ class WorkerState:
 
     def recent_gaps(self, since: float) -> list[float]:
         return [g for t, g in self._gaps if t >= since]
+
+    def gap_tail(self, window_s: float = 30.0, min_gaps: int = 50) -> float:
+        """How much longer the slow gaps its requests see are than the typical one: the p99 of
+        the last `window_s` of gaps over their median, in [1, 4] (1 with fewer than `min_gaps`).
+        A request's ITL SLO holds its p99 gap; the step-time model predicts the typical step."""
+        gaps = self.recent_gaps(time.monotonic() - window_s)
+        if len(gaps) < min_gaps:
+            return 1.0
+        p50, p99 = np.percentile(gaps, [50, 99])
+        return float(min(4.0, max(1.0, p99 / p50))) if p50 > 0 else 1.0
 
     # -- what the worker knows ------------------------------------------------------------------
     def cached_tokens(self, hashes: Sequence[bytes], prompt_len: int) -> int:

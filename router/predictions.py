@@ -32,11 +32,15 @@ def miss_chance(predicted_s: float, slo_s: float) -> float:
 
 def caused_misses(w: WorkerState, during_s: float, before_s: float) -> float:
     """The misses that new work on `w` causes among the requests decoding there that can still
-    attain: for each, its chance of missing its ITL SLO at the step `during_s` it would see, less
-    its chance at the step it sees anyway (`before_s`: work already there is not the new
-    request's doing)."""
+    attain: for each, its chance of missing its ITL SLO with the steps `during_s` the new work
+    brings, less its chance without them (work already there is not the new request's doing).
+    An ITL SLO holds a request's p99 gap: without the new work that is the typical step times
+    the worker's measured tail (`gap_tail`); with it, the longer of that and `during_s`."""
+    tail = w.gap_tail()
+    without = before_s * tail
+    with_it = max(during_s, without)
     return sum(
-        max(0.0, miss_chance(during_s, slo) - miss_chance(before_s, slo)) for slo in w.itl_slos()
+        max(0.0, miss_chance(with_it, slo) - miss_chance(without, slo)) for slo in w.itl_slos()
     )
 
 
@@ -70,6 +74,9 @@ class PathPrediction:
     caused_misses: float = 0.0
     # The step P's own running requests see while it prefills for D (0: P decodes nothing).
     p_running_itl_s: float = 0.0
+    # The decode worker's measured p99 gap over its median (WorkerState.gap_tail): what this
+    # request's ITL p99 will be, over the typical step `itl_s`.
+    itl_tail: float = 1.0
 
     @property
     def failing(self) -> bool:
@@ -93,7 +100,7 @@ class PathPrediction:
     def new_miss(self, req: RequestShape) -> float:
         """The chance that this request itself misses its SLO: its TTFT or its ITL."""
         ok = (1 - miss_chance(self.ttft_s, req.slo_ttft_s)) * (
-            1 - miss_chance(self.itl_s, req.slo_itl_s)
+            1 - miss_chance(self.itl_s * self.itl_tail, req.slo_itl_s)
         )
         return 1.0 - ok
 
@@ -139,6 +146,7 @@ def predict_colocated(req: RequestShape, d: WorkerState, bias_s: float) -> PathP
         uncached_tokens=n,
         transfer_bytes=0,
         caused_misses=caused_misses(d, during, before) if d.batch else 0.0,
+        itl_tail=d.gap_tail(),
     )
 
 
@@ -194,6 +202,7 @@ def predict_disaggregated(
         transfer_bytes=nbytes,
         caused_misses=caused,
         p_running_itl_s=p_during if p.batch else 0.0,
+        itl_tail=d.gap_tail(),
     )
 
 

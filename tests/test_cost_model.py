@@ -361,3 +361,21 @@ def test_a_worker_of_both_kinds_is_never_planned_to_hand_its_kv_to_itself():
         assert alone.reason_code == "no_prefill_workers"
     dis = planner(Policy.DISAGGREGATED).decide(shape(500), [a, b], [a, b]).chosen
     assert dis.path is RoutePath.DISAGGREGATED and dis.prefill_worker != dis.decode_worker
+
+
+def test_the_measured_gap_tail_counts_in_the_itl_a_request_will_see():
+    """An ITL SLO holds a request's p99 gap, which on a busy machine is a few typical steps: the
+    decode worker's measured tail (p99 gap over the median) multiplies the predicted step."""
+    pl = planner()
+    d = trained("decode-0", "decode", seed=1)
+    req = shape(16, slo_itl=0.06)
+    calm = pl.candidates(req, [], [d])[0]
+    assert calm.itl_tail == 1.0 and calm.new_miss(req) < 0.01  # a ~30 ms step, well under
+    d.observe_gaps([0.03] * 95 + [0.09] * 5)  # p99 gap three times the median
+    tailed = pl.candidates(req, [], [d])[0]
+    assert tailed.itl_tail == pytest.approx(3.0, rel=0.05)
+    assert tailed.new_miss(req) > 0.99
+    # The running requests' p99 counts the tail too: work that adds a step under it causes
+    # nothing new, one past it does.
+    with_decodes(d, 4, 200, itl_slo_s=0.06)
+    assert pl.candidates(shape(16, seed=2), [], [d])[0].caused_misses < 0.1
