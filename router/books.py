@@ -62,6 +62,7 @@ class RequestBooks:
         self.emitted: list[int] = []  # tokens streamed so far, over every placement
         self.placed: list[WorkerState] = []
         self.ended = False  # its last chunk is out
+        self._resumed_gap = False  # the next gap spans a resume (not charged to a worker)
         self.shape: RequestShape | None = None  # of the current placement
         self.p: WorkerState | None = None  # the worker that prefills it now
         self.d: WorkerState | None = None  # its decode worker now
@@ -119,7 +120,10 @@ class RequestBooks:
         gaps = self.track.chunk(chunk)
         if n:
             self.sink.streamed(self.track.path, n, gaps)
-            self.d.observe_gaps(gaps)
+            if self._resumed_gap:  # death, detection and re-prefill: not the new worker's step
+                self._resumed_gap = False
+            else:
+                self.d.observe_gaps(gaps)
         first = was_first and self.track.first_at is not None
         if first:
             self.counts.pending -= 1
@@ -154,6 +158,7 @@ class RequestBooks:
                 w.finish(self.wid)
         self.track.resumed += 1
         self.counts.resumed += 1
+        self._resumed_gap = True
 
     @property
     def late(self) -> bool:

@@ -123,8 +123,8 @@ class Cluster:
             ids = [w for w in self.prefill_ids if w != d.worker_id]
             return self.pools.workers[self._pick(ids)] if ids else None
         h = self.pools.workers.get(worker_id)
-        if h is None or h.status not in (WorkerStatus.READY, WorkerStatus.DRAINING):
-            return None
+        if h is None or h.status not in (WorkerStatus.READY, WorkerStatus.DRAINING) or h is d:
+            return None  # gone, or D itself (a worker does not hand KV to itself)
         return h
 
     def _handle(self, worker_id: str) -> WorkerHandle:

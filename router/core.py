@@ -125,15 +125,22 @@ class RequestCore:
         """Tune each worker's step target from the tail of the gaps its requests see."""
         assert self.step_targets is not None
         _, decode = self.members.pools()
-        for state in decode:
-            target = self.step_targets.retarget(state)
-            if target is None:
+        moves = [(s, t) for s in decode if (t := self.step_targets.retarget(s)) is not None]
+        done = await asyncio.gather(
+            *(asyncio.wait_for(self.backend.set_step_target(s.worker_id, t), 5.0)
+              for s, t in moves),
+            return_exceptions=True,
+        )  # fmt: skip
+        for (state, target), res in zip(moves, done):
+            if isinstance(res, BaseException):  # a worker mid-restart: tried again later
+                log.warning("step target of %s not set: %s: %s", state.worker_id,
+                            type(res).__name__, res)  # fmt: skip
                 continue
             log.info("step target of %s: %.0f -> %.0f ms (ITL p99 at the router)",
                      state.worker_id, (state.model.step_target_s or 0) * 1000,
                      target * 1000)  # fmt: skip
-            await self.backend.set_step_target(state.worker_id, target)
             state.model.step_target_s = target
+            self.step_targets.changed(state.worker_id)
 
     # -- one request -------------------------------------------------------------------------
     def plan(self, req: ParsedRequest) -> tuple[RequestShape, Decision]:

@@ -53,6 +53,7 @@ class Membership:
             state = self.states.get(load.worker_id)
             if state is not None and state.info.incarnation == load.incarnation:
                 state.absorb(load)
+                state.update_tail()
         # A draining worker still answers polls, but its figures left the metrics already.
         self.sink.loads([ld for ld in loads if (ld.worker_id, ld.incarnation) not in self._gone])
         b = self.backend

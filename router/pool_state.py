@@ -69,6 +69,7 @@ class WorkerState:
         self.load: WorkerLoad | None = None
         # (time.monotonic(), gap) of the latest inter-token gaps its requests saw at the router.
         self._gaps: deque[tuple[float, float]] = deque(maxlen=4096)
+        self._tail = 1.0  # gap_tail(), as of the last update_tail()
 
     # -- what the router placed here -----------------------------------------------------------
     def add_prefill(self, rid: str, tokens: int, pairs: float) -> None:
@@ -141,15 +142,21 @@ class WorkerState:
     def recent_gaps(self, since: float) -> list[float]:
         return [g for t, g in self._gaps if t >= since]
 
-    def gap_tail(self, window_s: float = 30.0, min_gaps: int = 50) -> float:
-        """How much longer the slow gaps its requests see are than the typical one: the p99 of
-        the last `window_s` of gaps over their median, in [1, 4] (1 with fewer than `min_gaps`).
-        A request's ITL SLO holds its p99 gap; the step-time model predicts the typical step."""
+    def gap_tail(self) -> float:
+        """How much longer the slow gaps its requests see are than the typical one (see
+        update_tail): a request's ITL SLO holds its p99 gap, while the step-time model predicts
+        the typical step."""
+        return self._tail
+
+    def update_tail(self, window_s: float = 30.0, min_gaps: int = 50) -> None:
+        """The p99 of the last `window_s` of gaps over their median, in [1, 4] (1 with fewer
+        than `min_gaps`). Once per load poll: every candidate of every decision reads it."""
         gaps = self.recent_gaps(time.monotonic() - window_s)
-        if len(gaps) < min_gaps:
-            return 1.0
-        p50, p99 = np.percentile(gaps, [50, 99])
-        return float(min(4.0, max(1.0, p99 / p50))) if p50 > 0 else 1.0
+        tail = 1.0
+        if len(gaps) >= min_gaps:
+            p50, p99 = np.percentile(gaps, [50, 99])
+            tail = float(min(4.0, max(1.0, p99 / p50))) if p50 > 0 else 1.0
+        self._tail = tail
 
     # -- what the worker knows ------------------------------------------------------------------
     def cached_tokens(self, hashes: Sequence[bytes], prompt_len: int) -> int:

@@ -14,9 +14,10 @@ least `min_gaps` gaps:
 
 that is, a p99 above `goal` of the SLO shrinks the target, one below lets it grow back (cheaper
 prefills: fewer, larger chunks), by at most 30% down and 25% up at a time. A worker is retargeted
-at most once per half window (the gaps measured under the old target must age out first), and
-only by more than 5%. A target above the SLO of the requests decoding there (the server's
-default SLO may be far looser than what its clients ask for) drops to `start` x that SLO at once.
+at most once per half window, only by more than 5%, and from the gaps measured since its last
+change alone (those under the old target say nothing of the new one). A target above the SLO of
+the requests decoding there (the server's default SLO may be far looser than what its clients
+ask for) drops to `start` x that SLO at once.
 """
 
 from __future__ import annotations
@@ -65,11 +66,11 @@ class StepTargets:
         if not math.isfinite(slo):
             slo = self.default_slo_itl_s
         if target > slo:
-            self._changed[state.worker_id] = now
             return c.start * slo
-        if now - self._changed.get(state.worker_id, -math.inf) < c.window_s / 2:
+        changed = self._changed.get(state.worker_id, -math.inf)
+        if now - changed < c.window_s / 2:
             return None
-        gaps = state.recent_gaps(now - c.window_s)
+        gaps = state.recent_gaps(max(now - c.window_s, changed))  # under the current target
         if len(gaps) < c.min_gaps:
             return None
         p99 = float(np.percentile(gaps, 99))
@@ -77,5 +78,8 @@ class StepTargets:
         new = min(slo, max(c.floor * slo, target * factor))
         if abs(new / target - 1) <= 0.05:
             return None
-        self._changed[state.worker_id] = now
         return new
+
+    def changed(self, worker_id: str, now: float | None = None) -> None:
+        """The worker took its new target (call once it did)."""
+        self._changed[worker_id] = time.monotonic() if now is None else now

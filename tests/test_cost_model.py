@@ -372,6 +372,7 @@ def test_the_measured_gap_tail_counts_in_the_itl_a_request_will_see():
     calm = pl.candidates(req, [], [d])[0]
     assert calm.itl_tail == 1.0 and calm.new_miss(req) < 0.01  # a ~30 ms step, well under
     d.observe_gaps([0.03] * 95 + [0.09] * 5)  # p99 gap three times the median
+    d.update_tail()  # (the router does at each load poll)
     tailed = pl.candidates(req, [], [d])[0]
     assert tailed.itl_tail == pytest.approx(3.0, rel=0.05)
     assert tailed.new_miss(req) > 0.99

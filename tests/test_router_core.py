@@ -231,6 +231,8 @@ def test_a_request_whose_decode_worker_dies_resumes_and_its_books_settle_once():
     assert len(backend.lost) == 1 and len(backend.started) == 2  # placed twice
     assert core.resumed == 1 and core.pending == core.active == 0
     assert all(s.batch == 0 and s.queued_tokens == 0 for s in core.states.values())
+    # 8 tokens, 7 gaps; the one across the resume is charged to no worker's gap tail.
+    assert sum(len(s.recent_gaps(0.0)) for s in core.states.values()) == 6
     sample = metrics.registry.get_sample_value
     assert sample("pdserve_requests_resumed_total") == 1
     done = {"path": final.path.value, "finish_reason": "length", "frontend": "grpc"}

@@ -28,10 +28,15 @@ def test_a_tail_past_the_slo_shrinks_the_target_and_one_well_under_it_grows_it_b
     w.observe_gaps([0.05] * 50 + [0.30] * 10, now=100.0)  # p99 0.30 s, twice the SLO
     assert tune.retarget(w, now=101.0) == pytest.approx(0.070)  # by 30% at most
     w.model.step_target_s = 0.070
+    tune.changed(w.worker_id, now=101.0)
     assert tune.retarget(w, now=105.0) is None  # once per half window
-    w.observe_gaps([0.05] * 100, now=115.0)  # p99 0.05 s, a third of the SLO
+    w.observe_gaps([0.05] * 40, now=112.0)  # p99 0.05 s, a third of the SLO
+    # Only the gaps since the change count: 40 are too few, the slow ones before it are out.
+    assert tune.retarget(w, now=113.0) is None
+    w.observe_gaps([0.05] * 60, now=115.0)
     assert tune.retarget(w, now=125.0) == pytest.approx(0.0875)  # by 25% at most
     w.model.step_target_s = 0.0875
+    tune.changed(w.worker_id, now=125.0)
     w.observe_gaps([0.131] * 100, now=140.0)  # p99 at 87% of the SLO: near the goal of 90%
     assert tune.retarget(w, now=140.0) is None
 
@@ -54,17 +59,34 @@ def test_the_target_stays_within_the_slo_and_needs_enough_gaps():
     assert tune.retarget(idle, now=1.0) == pytest.approx(0.35)
 
 
-def test_the_core_sends_a_retargeted_worker_its_new_step_target():
+def tuned_core(backend: FakeBackend) -> RequestCore:
+    """A core tuning step targets over one worker that does both (target 100 ms, ITL SLO 150 ms)
+    whose requests saw 100 gaps of 300 ms; after one load poll."""
+
     async def main():
-        backend = FakeBackend(num_prefill=0, num_decode=0, num_both=1)
         infos = [replace(i, step_target_s=0.1) for i in await backend.infos()]
-        core = RequestCore(
-            backend, infos, RouterConfig(slo_itl_s=0.15, tune_step_target=True), TOKENIZER
-        )
+        config = RouterConfig(slo_itl_s=0.15, tune_step_target=True)
+        core = RequestCore(backend, infos, config, TOKENIZER)
         core.states["both-0"].observe_gaps([0.3] * 100)
         await core.refresh()
-        return backend, core
+        return core
 
-    backend, core = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_the_core_sends_a_retargeted_worker_its_new_step_target():
+    backend = FakeBackend(num_prefill=0, num_decode=0, num_both=1)
+    core = tuned_core(backend)
     assert backend.step_targets == {"both-0": pytest.approx(0.07)}
     assert core.states["both-0"].model.step_target_s == pytest.approx(0.07)
+
+
+def test_a_worker_that_does_not_take_its_new_target_keeps_its_old_one():
+    class Refusing(FakeBackend):
+        async def set_step_target(self, worker_id: str, target_s: float | None) -> None:
+            raise RuntimeError("mid-restart")
+
+    # The call fails: logged, nothing recorded, polling goes on.
+    core = tuned_core(Refusing(num_prefill=0, num_decode=0, num_both=1))
+    assert core.states["both-0"].model.step_target_s == pytest.approx(0.1)
+    assert core.step_targets is not None and "both-0" not in core.step_targets._changed

@@ -162,7 +162,7 @@ def test_counters_move_by_what_was_injected_and_the_alerts_fire(tmp_path, ledger
             for gauge in ("pdserve_requests_pending", "pdserve_requests_active"):
                 assert counters(srv, gauge, "") == {"": 0.0}, gauge  # every request settled
             restarts = counters(srv, "pdserve_worker_restarts_total", "role")
-            assert restarts == {"decode": 1, "prefill": 0}, restarts
+            assert restarts == {"decode": 1, "prefill": 0, "both": 0}, restarts
 
             # Prometheus: the matching alerts fire, the others stay quiet.
             want = {
