@@ -17,8 +17,6 @@ reserved for a transfer, which the engine does not read until step 3.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -29,6 +27,7 @@ from kv_transfer import TransferRequest, TransferStatus
 from kv_transfer.layout import KVLayout
 from kv_transfer.torch_dist import TorchDistConnector
 from worker_protocol.messages import KVTarget, TokenChunk, WorkerSpec, WorkRequest
+from worker_protocol.transfer_wait import wait_transfer
 
 
 class KVReceiverSide:
@@ -111,14 +110,9 @@ class KVReceiverSide:
             self.aeng.close_stream(request_id)
 
     async def _wait_kv(self, request_id: str) -> bool:
-        deadline = time.monotonic() + self.spec.kv_transfer_deadline_s + 1.0
         # The prefill worker has answered by now: its send has ended, so this wait is short.
-        status = self.connector.poll(request_id)
-        while not status.finished and time.monotonic() < deadline:
-            await asyncio.sleep(0.002)
-            status = self.connector.poll(request_id)
-        if not status.finished:
-            self.connector.abort(request_id)
+        timeout = self.spec.kv_transfer_deadline_s + 1.0
+        status = await wait_transfer(self.connector, request_id, timeout)
         self.connector.release(request_id)
         return status is TransferStatus.DONE
 

@@ -21,7 +21,6 @@ constructor, since the engine thread may call the hook as soon as it exists.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -34,6 +33,7 @@ from kv_transfer import FailureReason, TransferRequest, TransferStatus
 from kv_transfer.layout import KVLayout
 from kv_transfer.torch_dist import TorchDistConnector
 from worker_protocol.messages import PrefillResult, WorkerSpec, WorkRequest
+from worker_protocol.transfer_wait import wait_transfer
 
 
 class _SendOutcome(NamedTuple):
@@ -189,14 +189,7 @@ class KVSenderSide:
         if not pending.started:
             error = pending.error or "the prompt's last chunk never ran"
             return _SendOutcome(TransferStatus.FAILED, 0, 0.0, FailureReason.ERROR.value, error)
-        deadline = time.monotonic() + self.spec.kv_transfer_deadline_s + 1.0
-        status = self.connector.poll(rid)
-        while not status.finished and time.monotonic() < deadline:
-            await asyncio.sleep(0.002)
-            status = self.connector.poll(rid)
-        if not status.finished:
-            self.connector.abort(rid)
-            status = self.connector.poll(rid)
+        status = await wait_transfer(self.connector, rid, self.spec.kv_transfer_deadline_s + 1.0)
         res = self.connector.result(rid)
         self.connector.release(rid)
         if res is None:
