@@ -15,6 +15,11 @@ from worker_protocol.messages import WorkerRole, WorkerSpec
 
 class BothWorker(KVSenderSide, KVReceiverSide, KVEndpoint, EngineHost):
     role = WorkerRole.BOTH
+    # Reservations for KV from peers may hold at most half the slots and blocks: the rest stays
+    # for prefills, its peers' among them. Two workers each full of reservations for KV the
+    # other has yet to prefill would otherwise stall until the prefills time out; past the
+    # share, the router's handoff falls back to a prefill on this worker (no_reservation).
+    reserve_share = 0.5
 
     def __init__(self, worker_id: str, spec: WorkerSpec, incarnation: int = 0) -> None:
         self.init_sender()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from engine.kv_cache_manager import cdiv
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 
@@ -32,13 +33,25 @@ class KVReservation(NamedTuple):
     num_cached_tokens: int  # blocks [0, num_cached_tokens / block_size) need no transfer
 
 
-def reserve(sched: Scheduler, req: Request) -> KVReservation | None:
-    """Allocate blocks for `req`'s prompt; None (nothing changed) when slots or blocks lack."""
+def reserve(sched: Scheduler, req: Request, share: float = 1.0) -> KVReservation | None:
+    """Allocate blocks for `req`'s prompt; None (nothing changed) when slots or blocks lack.
+
+    `share`: the most of the engine's sequence slots and blocks that requests waiting for KV
+    may hold together, this one included. An engine that also prefills for peers keeps the
+    rest for its own prefills: two such engines, each full of reservations for KV that the
+    other has yet to prefill, would otherwise wait on each other until the prefills time out.
+    """
     if req.request_id in sched.requests:
         raise ValueError(f"request_id {req.request_id!r} is already in use")
     if sched.num_seq_slots_used >= sched.config.max_num_seqs:
         return None
     kv = sched.kv
+    if share < 1.0:
+        if len(sched.waiting_for_kv) + 1 > share * sched.config.max_num_seqs:
+            return None
+        held = sum(len(r.block_ids) for r in sched.waiting_for_kv.values())
+        if held + cdiv(req.num_tokens, kv.block_size) > share * kv.pool.num_blocks:
+            return None
     computed = kv.get_computed_blocks(req)
     if not kv.allocate_slots(req, req.num_tokens - computed.num_tokens, computed):
         return None

@@ -151,10 +151,12 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        share: float = 1.0,
     ) -> kv_handoff.KVReservation | None:
-        """Decode side: reserve blocks for a prompt whose KV will arrive; None if full now."""
+        """Decode side: reserve blocks for a prompt whose KV will arrive; None if full now, or
+        if reservations would hold more than `share` of the slots or blocks (kv_handoff)."""
         req = self._new_request(prompt, params, request_id, arrival_time)
-        res = kv_handoff.reserve(self.scheduler, req)
+        res = kv_handoff.reserve(self.scheduler, req, share)
         if res is not None:
             self.outputs.open(req)
         return res

@@ -135,3 +135,38 @@ def test_first_token_eos_finishes_at_once():
     out = d_engine.kv_arrived(res.request_id, eos)
     assert out.finished and out.finish_reason is FinishReason.STOP
     assert_pool_free(d_engine)
+
+
+def test_reservations_past_their_share_are_refused_and_prefills_keep_the_rest():
+    """A worker that also prefills for peers lets reservations hold at most `share` of its slots
+    and blocks; the rest stays for prefills (else two such workers, each full of reservations
+    for KV the other has yet to prefill, stall each other)."""
+    eng = make_engine(num_blocks=40, max_num_seqs=8)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    small = random_prompts([8] * 5, seed=34)  # two blocks each
+    # Slots: 4 of 8.
+    got = [eng.reserve_for_kv(p, params, share=0.5) for p in small]
+    assert [r is not None for r in got] == [True] * 4 + [False]
+    eng.abort([r.request_id for r in got if r is not None])
+    # Blocks: 4 held, and a prompt of 17 blocks would make 21 of 40, past half.
+    held = [eng.reserve_for_kv(p, params, share=0.5) for p in small[:2]]
+    big = random_prompts([66], seed=35)[0]
+    assert eng.reserve_for_kv(big, params, share=0.5) is None
+    assert len(eng.scheduler.waiting_for_kv) == 2  # the refusal reserved nothing
+    whole = eng.reserve_for_kv(big, params, share=1.0)  # a worker that only decodes
+    assert whole is not None
+    eng.abort(whole.request_id)
+    # With reservations at their share, a prefill here still runs to the end, token for token.
+    held += [eng.reserve_for_kv(p, params, share=0.5) for p in small[2:4]]
+    assert all(h is not None for h in held) and len(eng.scheduler.waiting_for_kv) == 4
+    local = random_prompts([21], seed=36)[0]
+    rid = eng.add_request(local, params)
+    toks: list[int] = []
+    for _ in range(100):  # the reservations never finish: step until this request has
+        for out in eng.step():
+            toks.extend(out.new_token_ids)
+        if rid not in eng.scheduler.requests:
+            break
+    assert toks == hf_greedy("tiny-llama", local, MAX_NEW)
+    eng.abort([h.request_id for h in held if h is not None])
+    assert_pool_free(eng)

@@ -37,6 +37,9 @@ class KVReceiverSide:
     aeng: AsyncEngine
     connector: TorchDistConnector
     layout: KVLayout
+    # The most of the engine's slots and blocks that reservations may hold (kv_handoff.reserve):
+    # all of them on a worker that only decodes.
+    reserve_share: float = 1.0
 
     async def generate(self, req: WorkRequest) -> AsyncIterator[TokenChunk]:
         """Colocated path: prefill here, then decode; one chunk per step."""
@@ -45,14 +48,17 @@ class KVReceiverSide:
 
     async def reserve_kv(self, req: WorkRequest, peer_id: str) -> KVTarget | None:
         """Reserve blocks for `req`'s prompt and start receiving its KV from `peer_id` into those
-        past the prefix-cache hit. None: no free blocks or sequence slot now (nothing reserved).
+        past the prefix-cache hit. None: no free blocks or sequence slot now, or reservations
+        would hold more than `reserve_share` of them (nothing reserved).
         Both happen in one engine call, so an abort (which waits for the engine first) always
         finds the receive registered."""
         rid = req.request_id
         bs = self.engine.config.cache.block_size
 
         def reserve(e: LLMEngine) -> KVTarget | None:
-            res = e.reserve_for_kv(list(req.prompt_token_ids), req.sampling, rid)
+            res = e.reserve_for_kv(
+                list(req.prompt_token_ids), req.sampling, rid, share=self.reserve_share
+            )
             if res is None:
                 return None
             skip = res.num_cached_tokens // bs
