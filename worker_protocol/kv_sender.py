@@ -199,5 +199,17 @@ class KVSenderSide:
 
     async def abort_prefill(self, request_id: str) -> None:
         """Stop a prefill (the client left): `prefill` then returns without a first token, its
-        send ends FAILED and its blocks are freed."""
+        send ends FAILED and its blocks are freed. A send under way is ended first: the engine's
+        abort frees the blocks it holds, which the sender must no longer read."""
+
+        def end_send(e: LLMEngine) -> None:
+            # On the engine thread, between steps: no step can start the send after this.
+            with self._lock:
+                send = self._sends.get(request_id)
+                if send is not None and send.error is None:
+                    send.error = "aborted"
+            if send is not None and send.started and self._live_send(request_id):
+                self.connector.abort(request_id)
+
+        await self.aeng.call(end_send)
         await self.aeng.abort(request_id)
