@@ -184,7 +184,9 @@ def run(args: argparse.Namespace) -> int:
             fig = slo.figures(results, objective, wall)
             if rounds > 1:
                 out["rounds"][rnd][policy] = fig
-            if rnd > 0:  # the table and the plots show the first round; the spread, all
+            tag = {"policy": policy} if rounds == 1 else {"policy": policy, "round": rnd + 1}
+            out["requests"] += [dict(r.to_json(), **tag) for r in results]
+            if rnd > 0:  # the table and the plots show the first round; the spread and records, all
                 if args.json:
                     Path(args.json).write_text(json.dumps(out, indent=1))
                 continue
@@ -194,7 +196,6 @@ def run(args: argparse.Namespace) -> int:
                     address, reqs, vocab, objective, args, policy
                 )
             out["policies"][policy] = fig
-            out["requests"] += [dict(r.to_json(), policy=policy) for r in results]
             if policy == "disaggregated" and not args.no_baseline:
                 out["baseline"] = _baseline(address, reqs, vocab, args, objective)
             if args.json:  # after every policy: a later failure keeps what was measured

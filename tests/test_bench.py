@@ -216,3 +216,5 @@ def test_repeated_rounds_report_each_rounds_goodput_and_ratio(monkeypatch, tmp_p
     assert len(doc["rounds"]) == 3 and goods[0] == goods[2] > 0 == goods[1]
     assert doc["spread"]["colocated"]["vs_best_fixed"] == [1.0, 1.0]  # round 2: no goodput
     assert "goodput per round" in capsys.readouterr().out
+    # Every round's request records are kept, each with its round.
+    assert [x["round"] for x in doc["requests"]] == [1] * 5 + [2] * 5 + [3] * 5
