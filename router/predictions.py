@@ -34,11 +34,14 @@ def caused_misses(w: WorkerState, during_s: float, before_s: float) -> float:
     """The misses that new work on `w` causes among the requests decoding there that can still
     attain: for each, its chance of missing its ITL SLO with the steps `during_s` the new work
     brings, less its chance without them (work already there is not the new request's doing).
-    An ITL SLO holds a request's p99 gap: without the new work that is the typical step times
-    the worker's measured tail (`gap_tail`); with it, the longer of that and `during_s`."""
+    An ITL SLO holds a request's p99 gap: the typical step times the worker's measured tail
+    (`gap_tail`), without the new work and with it (the longer of its steps and the typical
+    one). The tail multiplies both: what lengthens the slow gaps (a busy host, other work in
+    the step) lengthens a prefill's steps as much; unscaled, a worker whose tail already put
+    its requests near their SLO would be seen to lose nothing to one more prefill."""
     tail = w.gap_tail()
     without = before_s * tail
-    with_it = max(during_s, without)
+    with_it = max(during_s, before_s) * tail
     return sum(
         max(0.0, miss_chance(with_it, slo) - miss_chance(without, slo)) for slo in w.itl_slos()
     )
