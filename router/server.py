@@ -148,14 +148,16 @@ class Server:
                 self.http_port,
             )
         self._watch = asyncio.ensure_future(self._watch_health(backend))
+        both = set(backend.prefill_ids) & set(backend.decode_ids)  # each role once
         log.info(
-            "pdserve listening on %s:%d (%s%s; %d prefill, %d decode workers, policy %s)",
+            "pdserve listening on %s:%d (%s%s; %d prefill, %d decode, %d both workers, policy %s)",
             c.host,
             self.port,
             _transport(c.security),
             ", bearer token" if interceptors else "",
-            len(backend.prefill_ids),
-            len(backend.decode_ids),
+            len(backend.prefill_ids) - len(both),
+            len(backend.decode_ids) - len(both),
+            len(both),
             c.router.policy.policy.value,
         )
 
