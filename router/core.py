@@ -44,6 +44,7 @@ from router.errors import WorkerLost
 from router.handoff import Handoff
 from router.membership import Membership
 from router.policy import Decision, PathPrediction, Planner, RequestShape
+from router.pool_state import WorkerState
 from router.request import ParsedRequest
 from router.stats import NullSink, StatsSink
 from router.step_target import StepTargets
@@ -126,6 +127,21 @@ class RequestCore:
         assert self.step_targets is not None
         _, decode = self.members.pools()
         moves = [(s, t) for s in decode if (t := self.step_targets.retarget(s)) is not None]
+        await self._set_targets(moves, "ITL p99 at the router")
+
+    async def _tighten(self, chosen: PathPrediction, slo_itl_s: float) -> None:
+        """Bring the step targets of the workers a request is placed on down to its ITL SLO
+        before its prefill runs (StepTargets.for_request)."""
+        if self.step_targets is None:
+            return
+        ids = {chosen.prefill_worker, chosen.decode_worker} - {""}
+        states = [self.members.state(w) for w in sorted(ids)]
+        moves = [(s, t) for s in states if (t := self.step_targets.for_request(s, slo_itl_s))]
+        if moves:
+            await self._set_targets(moves, f"a request's ITL SLO {slo_itl_s * 1000:.0f} ms")
+
+    async def _set_targets(self, moves: list[tuple[WorkerState, float]], why: str) -> None:
+        assert self.step_targets is not None
         done = await asyncio.gather(
             *(asyncio.wait_for(self.backend.set_step_target(s.worker_id, t), 5.0)
               for s, t in moves),
@@ -136,9 +152,9 @@ class RequestCore:
                 log.warning("step target of %s not set: %s: %s", state.worker_id,
                             type(res).__name__, res)  # fmt: skip
                 continue
-            log.info("step target of %s: %.0f -> %.0f ms (ITL p99 at the router)",
+            log.info("step target of %s: %.0f -> %.0f ms (%s)",
                      state.worker_id, (state.model.step_target_s or 0) * 1000,
-                     target * 1000)  # fmt: skip
+                     target * 1000, why)  # fmt: skip
             state.model.step_target_s = target
             self.step_targets.changed(state.worker_id)
 
@@ -208,6 +224,7 @@ class RequestCore:
         """One placement's chunks, booked and detokenized, up to the last (with its summary)."""
         chosen = decision.chosen
         self._log_decision(req.request_id, shape, decision)
+        await self._tighten(chosen, shape.slo_itl_s)
         p, d = books.place(shape, chosen)
         handoff = Handoff(
             books.track, books.wid, chosen, p, d, self.transfer, self.health, self.sink

@@ -80,6 +80,17 @@ class StepTargets:
             return None
         return new
 
+    def for_request(self, state: WorkerState, slo_itl_s: float) -> float | None:
+        """The worker's new step target now that a request with ITL SLO `slo_itl_s` is placed
+        on it (None: leave it). A target past that SLO drops to `start` x it at once, before
+        the request's prefill runs there: the tuning above sees a request only once it decodes,
+        and its first chunks, and those of the prompts queued with it, would run at the old
+        target (a server's default SLO may be far looser than what its clients ask for)."""
+        target = state.model.step_target_s
+        if target is None or not math.isfinite(slo_itl_s) or target <= slo_itl_s:
+            return None
+        return self.config.start * slo_itl_s
+
     def changed(self, worker_id: str, now: float | None = None) -> None:
         """The worker took its new target (call once it did)."""
         self._changed[worker_id] = time.monotonic() if now is None else now

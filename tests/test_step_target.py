@@ -90,3 +90,30 @@ def test_a_worker_that_does_not_take_its_new_target_keeps_its_old_one():
     core = tuned_core(Refusing(num_prefill=0, num_decode=0, num_both=1))
     assert core.states["both-0"].model.step_target_s == pytest.approx(0.1)
     assert core.step_targets is not None and "both-0" not in core.step_targets._changed
+
+
+def test_a_request_tighter_than_a_workers_target_brings_it_down_before_its_prefill_runs():
+    """The server's default ITL SLO (1 s) set the target at 800 ms; a request asking for 100 ms
+    is placed there: the target drops to 80 ms before the backend runs its prefill (the tuning
+    from gaps would only act once it decodes). A looser request leaves it."""
+    from tests.test_router_core import consume, request
+
+    class Watching(FakeBackend):
+        def generate(self, prompt_token_ids, params, placement, on_prefill=None):
+            self.seen.append(dict(self.step_targets))  # the targets when the work starts
+            return super().generate(prompt_token_ids, params, placement, on_prefill)
+
+    async def main():
+        backend = Watching(num_prefill=0, num_decode=0, num_both=1)
+        backend.seen = []
+        infos = [replace(i, step_target_s=0.8) for i in await backend.infos()]
+        core = RequestCore(backend, infos, RouterConfig(slo_itl_s=1.0, tune_step_target=True),
+                           TOKENIZER)  # fmt: skip
+        await core.refresh()
+        await consume(core, replace(request("tight"), slo_itl_ms=100.0))
+        await consume(core, replace(request("loose"), slo_itl_ms=500.0))
+        return backend, core
+
+    backend, core = asyncio.run(asyncio.wait_for(main(), 30))
+    assert backend.seen == [{"both-0": pytest.approx(0.08)}] * 2
+    assert core.states["both-0"].model.step_target_s == pytest.approx(0.08)
