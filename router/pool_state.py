@@ -70,6 +70,7 @@ class WorkerState:
         # (time.monotonic(), gap) of the latest inter-token gaps its requests saw at the router.
         self._gaps: deque[tuple[float, float]] = deque(maxlen=4096)
         self._tail = 1.0  # gap_tail(), as of the last update_tail()
+        self._typical_gap = 0.0  # typical_gap(), likewise
 
     # -- what the router placed here -----------------------------------------------------------
     def add_prefill(self, rid: str, tokens: int, pairs: float) -> None:
@@ -148,15 +149,25 @@ class WorkerState:
         the typical step."""
         return self._tail
 
+    def typical_gap(self) -> float:
+        """The median of the recent gaps its requests saw (0 with too few; see update_tail): a
+        floor under the predicted step of a request decoding here. The step-time model knows
+        the decode batch; what else runs in the worker's steps (prefill chunks, its own or a
+        peer's, at up to its step target, one after another while prompts keep coming) shows
+        here."""
+        return self._typical_gap
+
     def update_tail(self, window_s: float = 30.0, min_gaps: int = 50) -> None:
-        """The p99 of the last `window_s` of gaps over their median, in [1, 4] (1 with fewer
-        than `min_gaps`). Once per load poll: every candidate of every decision reads it."""
+        """The p99 of the last `window_s` of gaps over their median, in [1, 4], and the median
+        (1 and 0 with fewer than `min_gaps`). Once per load poll: every candidate of every
+        decision reads them."""
         gaps = self.recent_gaps(time.monotonic() - window_s)
-        tail = 1.0
+        tail, typical = 1.0, 0.0
         if len(gaps) >= min_gaps:
             p50, p99 = np.percentile(gaps, [50, 99])
             tail = float(min(4.0, max(1.0, p99 / p50))) if p50 > 0 else 1.0
-        self._tail = tail
+            typical = float(p50)
+        self._tail, self._typical_gap = tail, typical
 
     # -- what the worker knows ------------------------------------------------------------------
     def cached_tokens(self, hashes: Sequence[bytes], prompt_len: int) -> int:

@@ -34,14 +34,16 @@ def caused_misses(w: WorkerState, during_s: float, before_s: float) -> float:
     """The misses that new work on `w` causes among the requests decoding there that can still
     attain: for each, its chance of missing its ITL SLO with the steps `during_s` the new work
     brings, less its chance without them (work already there is not the new request's doing).
-    An ITL SLO holds a request's p99 gap: the typical step times the worker's measured tail
-    (`gap_tail`), without the new work and with it (the longer of its steps and the typical
-    one). The tail multiplies both: what lengthens the slow gaps (a busy host, other work in
-    the step) lengthens a prefill's steps as much; unscaled, a worker whose tail already put
-    its requests near their SLO would be seen to lose nothing to one more prefill."""
+    An ITL SLO holds a request's p99 gap: the typical step (the predicted one, or the measured
+    median gap when longer: `typical_gap`) times the worker's measured tail (`gap_tail`),
+    without the new work and with it (the longer of its steps and the typical one). The tail
+    multiplies both: what lengthens the slow gaps (a busy host, other work in the step)
+    lengthens a prefill's steps as much; unscaled, a worker whose tail already put its requests
+    near their SLO would be seen to lose nothing to one more prefill."""
     tail = w.gap_tail()
-    without = before_s * tail
-    with_it = max(during_s, before_s) * tail
+    typical = max(before_s, w.typical_gap())  # what its steps take now, as measured too
+    without = typical * tail
+    with_it = max(during_s, typical) * tail
     return sum(
         max(0.0, miss_chance(with_it, slo) - miss_chance(without, slo)) for slo in w.itl_slos()
     )
@@ -80,6 +82,9 @@ class PathPrediction:
     # The decode worker's measured p99 gap over its median (WorkerState.gap_tail): what this
     # request's ITL p99 will be, over the typical step `itl_s`.
     itl_tail: float = 1.0
+    # The decode worker's measured median gap (WorkerState.typical_gap): a floor under `itl_s`
+    # where other work fills its steps.
+    itl_floor_s: float = 0.0
 
     @property
     def failing(self) -> bool:
@@ -100,10 +105,16 @@ class PathPrediction:
         floor = max(self.running_itl_slo_s, self.running_itl_before_s)
         return max(0.0, self.running_itl_s - floor)
 
+    @property
+    def itl_p99_s(self) -> float:
+        """This request's predicted p99 gap: its step (no shorter than the gaps requests see
+        there now) times the worker's tail."""
+        return max(self.itl_s, self.itl_floor_s) * self.itl_tail
+
     def new_miss(self, req: RequestShape) -> float:
         """The chance that this request itself misses its SLO: its TTFT or its ITL."""
         ok = (1 - miss_chance(self.ttft_s, req.slo_ttft_s)) * (
-            1 - miss_chance(self.itl_s * self.itl_tail, req.slo_itl_s)
+            1 - miss_chance(self.itl_p99_s, req.slo_itl_s)
         )
         return 1.0 - ok
 
@@ -150,6 +161,7 @@ def predict_colocated(req: RequestShape, d: WorkerState, bias_s: float) -> PathP
         transfer_bytes=0,
         caused_misses=caused_misses(d, during, before) if d.batch else 0.0,
         itl_tail=d.gap_tail(),
+        itl_floor_s=d.typical_gap(),
     )
 
 
@@ -206,6 +218,7 @@ def predict_disaggregated(
         caused_misses=caused,
         p_running_itl_s=p_during if p.batch else 0.0,
         itl_tail=d.gap_tail(),
+        itl_floor_s=d.typical_gap(),
     )
 
 

@@ -390,7 +390,7 @@ def test_the_gap_tail_lengthens_a_prefills_steps_as_it_does_the_typical_step():
     not none (4 x (0.98 - 0.12) by the miss chances at 1.2 and 0.9 of the SLO). Work that
     already fails them is not the new request's doing."""
     d = trained("both-0", "both", seed=1)
-    d.observe_gaps([0.1] * 90 + [0.15] * 10)  # p99 1.5 x the median
+    d.observe_gaps([0.06] * 90 + [0.09] * 10)  # p99 1.5 x the median
     d.update_tail()
     assert d.gap_tail() == pytest.approx(1.5, rel=0.02)
     with_decodes(d, 4, 200, itl_slo_s=0.1)
@@ -398,3 +398,23 @@ def test_the_gap_tail_lengthens_a_prefills_steps_as_it_does_the_typical_step():
     assert caused_misses(d, 0.08, before) == pytest.approx(4 * (0.982 - 0.119), abs=0.02)
     assert caused_misses(d, 0.05, before) == pytest.approx(0.0, abs=1e-9)  # no longer than before
     assert caused_misses(d, 0.5, 0.08) < 0.1  # they are at 1.2 x their SLO already
+
+
+def test_the_gaps_requests_see_now_floor_a_new_requests_predicted_step():
+    """A worker whose steps are filled with prefill chunks (its own or a peer's, at its step
+    target) shows gaps far longer than the decode step the model predicts for its batch: a new
+    request decoding there is predicted to see those, and so to miss an SLO under them."""
+    pl = planner()
+    d = trained("both-0", "both", seed=1)
+    req = shape(16, slo_itl=0.24)
+    assert pl.candidates(req, [], [d])[0].new_miss(req) < 0.01  # a ~30 ms step alone
+    d.observe_gaps([0.2] * 90 + [0.26] * 10)  # chunk steps: median 200 ms, p99 260 ms
+    d.update_tail()
+    assert d.typical_gap() == pytest.approx(0.2)
+    busy = pl.candidates(req, [], [d])[0]
+    assert busy.itl_p99_s == pytest.approx(0.26, rel=0.02)
+    assert busy.new_miss(req) > 0.6
+    # The requests decoding there see those gaps without new work: a short prefill's steps,
+    # under them, cause no new misses.
+    with_decodes(d, 4, 200, itl_slo_s=0.3)
+    assert pl.candidates(shape(16, seed=2), [], [d])[0].caused_misses < 0.05
