@@ -20,7 +20,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import ray
@@ -353,11 +353,9 @@ class Cluster:
         )  # fmt: skip
 
     # -- reading -----------------------------------------------------------------------------
-    async def set_step_target(self, worker_id: str, target_s: float | None) -> None:
-        h = self._handle(worker_id)
-        await asyncio.wait_for(
-            h.actor.set_step_target.remote(target_s), self.config.control_timeout_s
-        )
+    def set_step_target(self, worker_id: str, target_s: float | None) -> Awaitable[None]:
+        ref: Any = self._handle(worker_id).actor.set_step_target.remote(target_s)  # sent now
+        return asyncio.wait_for(ref, self.config.control_timeout_s)
 
     async def kv_stats(self) -> dict[str, TransferStats]:
         """Each live worker's KV transfer totals, by worker id."""

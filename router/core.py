@@ -22,7 +22,7 @@ import itertools
 import logging
 import statistics
 from collections import deque
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
@@ -76,6 +76,8 @@ class RequestCore:
         self.states = self.members.states  # the books, by worker id (current incarnations)
         self.planner = Planner(config.policy, self.transfer, self.health)
         self.step_targets = StepTargets(config.slo_itl_s) if config.tune_step_target else None
+        self._tightening: set[str] = set()  # workers with a step target call in flight
+        self._tasks: set[asyncio.Future[None]] = set()
         self.records: deque[DecisionRecord] = deque(maxlen=2048)
         self.counts = RequestCounts()
         self.ttft_margin = 1.0  # admission's factor on predicted TTFT (see ttft_margin())
@@ -129,24 +131,54 @@ class RequestCore:
         moves = [(s, t) for s in decode if (t := self.step_targets.retarget(s)) is not None]
         await self._set_targets(moves, "ITL p99 at the router")
 
-    async def _tighten(self, chosen: PathPrediction, slo_itl_s: float) -> None:
-        """Bring the step targets of the workers a request is placed on down to its ITL SLO
-        before its prefill runs (StepTargets.for_request)."""
-        if self.step_targets is None:
+    def _tighten(self, decode_worker: str, slo_itl_s: float) -> None:
+        """Bring the step target of the worker a request will decode on down to its ITL SLO
+        (StepTargets.for_request). Not awaited: the call goes ahead of the request's own calls
+        to that worker, and the request waits for no engine step; one call per worker at a
+        time (a failed one is logged, and the next request placed there tries again)."""
+        if self.step_targets is None or decode_worker in self._tightening:
             return
-        ids = {chosen.prefill_worker, chosen.decode_worker} - {""}
-        states = [self.members.state(w) for w in sorted(ids)]
-        moves = [(s, t) for s in states if (t := self.step_targets.for_request(s, slo_itl_s))]
-        if moves:
-            await self._set_targets(moves, f"a request's ITL SLO {slo_itl_s * 1000:.0f} ms")
+        state = self.members.state(decode_worker)
+        target = self.step_targets.for_request(state, slo_itl_s)
+        if target is None:
+            return
+        self._tightening.add(decode_worker)
+        why = f"a request's ITL SLO {slo_itl_s * 1000:.0f} ms"
+        call = self._send_target(decode_worker, target)  # sent now
 
-    async def _set_targets(self, moves: list[tuple[WorkerState, float]], why: str) -> None:
+        async def send() -> None:
+            try:
+                await self._set_targets([(state, target)], why, [call])
+            finally:
+                self._tightening.discard(decode_worker)
+
+        task = asyncio.ensure_future(send())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _send_target(self, worker_id: str, target_s: float) -> Awaitable[None]:
+        """The backend's call, or its failure to leave (a worker just gone), to be awaited."""
+        try:
+            return self.backend.set_step_target(worker_id, target_s)
+        except Exception as exc:
+            failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            failed.set_exception(exc)
+            return failed
+
+    async def _set_targets(
+        self,
+        moves: list[tuple[WorkerState, float]],
+        why: str,
+        calls: list[Awaitable[None]] | None = None,
+    ) -> None:
+        """Send each worker its new target (unless `calls` already did) and record those that
+        took it within 5 s."""
         assert self.step_targets is not None
+        if calls is None:
+            calls = [self._send_target(s.worker_id, t) for s, t in moves]
         done = await asyncio.gather(
-            *(asyncio.wait_for(self.backend.set_step_target(s.worker_id, t), 5.0)
-              for s, t in moves),
-            return_exceptions=True,
-        )  # fmt: skip
+            *(asyncio.wait_for(c, 5.0) for c in calls), return_exceptions=True
+        )
         for (state, target), res in zip(moves, done):
             if isinstance(res, BaseException):  # a worker mid-restart: tried again later
                 log.warning("step target of %s not set: %s: %s", state.worker_id,
@@ -224,8 +256,8 @@ class RequestCore:
         """One placement's chunks, booked and detokenized, up to the last (with its summary)."""
         chosen = decision.chosen
         self._log_decision(req.request_id, shape, decision)
-        await self._tighten(chosen, shape.slo_itl_s)
         p, d = books.place(shape, chosen)
+        self._tighten(chosen.decode_worker, shape.slo_itl_s)
         handoff = Handoff(
             books.track, books.wid, chosen, p, d, self.transfer, self.health, self.sink
         )

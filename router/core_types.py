@@ -3,7 +3,7 @@ and how it refuses work."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -71,8 +71,10 @@ class Backend(Protocol):
 
     async def infos(self) -> list[WorkerInfo]: ...
 
-    async def set_step_target(self, worker_id: str, target_s: float | None) -> None:
-        """Retarget a worker's prefill chunks next to its decodes (engine.Scheduler)."""
+    def set_step_target(self, worker_id: str, target_s: float | None) -> Awaitable[None]:
+        """Retarget a worker's prefill chunks next to its decodes (engine.Scheduler). The call
+        leaves when this is called, ahead of any later call to that worker; the awaitable ends
+        once the worker took the target."""
 
 
 class Overloaded(Exception):

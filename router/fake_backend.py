@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 
 from engine.device_rate import DeviceRate
 from engine.sampling_params import SamplingParams
@@ -85,8 +85,9 @@ class FakeBackend:
     def _ids(self) -> list[str]:
         return list(dict.fromkeys([*self.prefill_ids, *self.decode_ids]))
 
-    async def set_step_target(self, worker_id: str, target_s: float | None) -> None:
+    def set_step_target(self, worker_id: str, target_s: float | None) -> Awaitable[None]:
         self.step_targets[worker_id] = target_s
+        return asyncio.sleep(0)
 
     async def infos(self) -> list[WorkerInfo]:
         return [self.worker_info(w) for w in self._ids()]

@@ -57,7 +57,8 @@ class Handoff:
 
     def fell_back(self, reason: FallbackReason, detail: str, wasted_s: float) -> None:
         """The decode worker prefills the request itself: its prefill moves to the decode
-        worker's books (until its first token), the pair's health learns the failure, and the
+        worker's books (until its first token), the pair's health learns the failure (not when
+        the decode worker only had no room to reserve: that says nothing of the pair), and the
         fallback is counted."""
         if self.track.kv_fallback is None:
             self.track.kv_fallback = reason
@@ -69,7 +70,8 @@ class Handoff:
         n = self.track.prompt_tokens
         if not self.d.prefilling(self.wid):
             self.d.add_prefill(self.wid, n, prefill_pairs(n, 0))
-        self.health.observe(self.prefill_worker, self.chosen.decode_worker, False, wasted_s)
+        if reason is not FallbackReason.NO_RESERVATION:  # a full decode worker, not the pair
+            self.health.observe(self.prefill_worker, self.chosen.decode_worker, False, wasted_s)
         self.sink.fell_back(reason.value)
 
     def replanned(self, dead: str, to: str, detail: str, wasted_s: float) -> None:

@@ -34,16 +34,17 @@ def caused_misses(w: WorkerState, during_s: float, before_s: float) -> float:
     """The misses that new work on `w` causes among the requests decoding there that can still
     attain: for each, its chance of missing its ITL SLO with the steps `during_s` the new work
     brings, less its chance without them (work already there is not the new request's doing).
-    An ITL SLO holds a request's p99 gap: the typical step (the predicted one, or the measured
-    median gap when longer: `typical_gap`) times the worker's measured tail (`gap_tail`),
-    without the new work and with it (the longer of its steps and the typical one). The tail
-    multiplies both: what lengthens the slow gaps (a busy host, other work in the step)
-    lengthens a prefill's steps as much; unscaled, a worker whose tail already put its requests
-    near their SLO would be seen to lose nothing to one more prefill."""
+    An ITL SLO holds a request's p99 gap. Without the new work: the typical step (the predicted
+    one, or the measured median gap when longer: `typical_gap`) times the worker's measured
+    tail (`gap_tail`). With it: the new work's steps plus the time the tail adds to a typical
+    step (a busy host, other work in the step delays them as much), or the former if longer.
+    Taking `during_s` alone, a worker whose tail already put its requests near their SLO would
+    be seen to lose nothing to one more prefill; multiplying it by the tail would count twice
+    a tail that comes from prefill chunks cut to the step target."""
     tail = w.gap_tail()
     typical = max(before_s, w.typical_gap())  # what its steps take now, as measured too
     without = typical * tail
-    with_it = max(during_s, typical) * tail
+    with_it = max(during_s + typical * (tail - 1.0), without)
     return sum(
         max(0.0, miss_chance(with_it, slo) - miss_chance(without, slo)) for slo in w.itl_slos()
     )

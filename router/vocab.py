@@ -25,7 +25,9 @@ class FallbackReason(enum.Enum):
 
     PAIRING_FAILED = "pairing_failed"  # the pair could not be made; retried after a backoff
     PAIR_NOT_READY = "pair_not_ready"  # the pair is being made (a worker just started)
-    NO_RESERVATION = "no_reservation"  # the decode worker had no free blocks or sequence slot
+    # the decode worker had no free blocks or sequence slot (or, a worker that does both, none
+    # within the share reservations may hold)
+    NO_RESERVATION = "no_reservation"
     TRANSFER_FAILED = "transfer_failed"  # the KV send failed or passed its deadline
     PREFILL_FAILED = "prefill_failed"  # the prefill worker died, timed out or was stopped
     NO_PREFILL_WORKER = "no_prefill_worker"  # none was up when the request reached the pools

@@ -40,11 +40,16 @@ def srv():
 
 
 def decoding(srv, rid: str) -> str | None:
-    """The worker the router's books say is decoding `rid`."""
-    for w, state in srv.server.core.states.items():
-        if any(k.startswith(rid + "#") for k in state._decodes):
-            return w
-    return None
+    """The worker the router's books say is decoding `rid` (read on the server's loop, which
+    changes them)."""
+
+    async def find() -> str | None:
+        for w, state in srv.server.core.states.items():
+            if any(k.startswith(rid + "#") for k in state._decodes):
+                return w
+        return None
+
+    return srv.run(find())
 
 
 @pytest.mark.timeout(150)

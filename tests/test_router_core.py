@@ -170,6 +170,21 @@ def test_a_fallback_is_counted_by_reason_and_said_in_the_summary():
     assert core.health.failure_rate("prefill-0", "decode-0") == pytest.approx(0.5, abs=0.01)
 
 
+def test_a_decode_worker_without_room_to_reserve_does_not_count_against_its_pair():
+    """A handoff that falls back because the decode worker had no blocks or slot to reserve (or,
+    a worker that does both, none within its share) says nothing of the pair's health."""
+    from router.vocab import FallbackReason
+
+    async def main():
+        core = await make_core(FakeBackend(fallback=FallbackReason.NO_RESERVATION))
+        final = (await consume(core, replace(request("dis"), path=RoutePath.DISAGGREGATED)))[-1]
+        return core, final.final
+
+    core, final = run(main())
+    assert final.kv_fallback is FallbackReason.NO_RESERVATION  # it did fall back
+    assert core.health.failure_rate("prefill-0", "decode-0") == 0.0
+
+
 def test_admission_judges_a_prediction_by_how_late_first_tokens_have_come():
     async def main():
         gate = asyncio.Event()

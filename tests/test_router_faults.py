@@ -40,11 +40,16 @@ def srv():
 
 
 def holder(srv, rid: str) -> str | None:
-    """The decode worker the router's books say is decoding `rid`."""
-    for w, state in srv.server.core.states.items():
-        if w.startswith("decode") and any(k.startswith(rid + "#") for k in state._decodes):
-            return w
-    return None
+    """The decode worker the router's books say is decoding `rid` (read on the server's loop,
+    which changes them)."""
+
+    async def find() -> str | None:
+        for w, state in srv.server.core.states.items():
+            if w.startswith("decode") and any(k.startswith(rid + "#") for k in state._decodes):
+                return w
+        return None
+
+    return srv.run(find())
 
 
 @pytest.mark.timeout(120)
@@ -132,7 +137,7 @@ def test_a_worker_whose_engine_step_fails_is_replaced_and_its_request_resumes(sr
                 inject = cluster.actor(broken).__ray_call__.remote(break_engine_step)
                 try:
                     ray.get(inject, timeout=30)
-                except ray.exceptions.ActorDiedError:
+                except ray.exceptions.RayActorError:
                     # Its engine thread took the broken step and ended the
                     # process before this call's reply left: the fault struck.
                     pass

@@ -111,7 +111,9 @@ def test_a_request_tighter_than_a_workers_target_brings_it_down_before_its_prefi
                            TOKENIZER)  # fmt: skip
         await core.refresh()
         await consume(core, replace(request("tight"), slo_itl_ms=100.0))
+        await asyncio.sleep(0.05)  # the call is not awaited by the request: let it end
         await consume(core, replace(request("loose"), slo_itl_ms=500.0))
+        await asyncio.sleep(0.05)
         return backend, core
 
     backend, core = asyncio.run(asyncio.wait_for(main(), 30))

@@ -11,8 +11,8 @@ One request, in order:
   3. the first token is sampled; the worker waits for the send to end (DONE or FAILED, within
      its deadline) and only then frees the blocks (ownership stays here until the send ended);
   4. it returns the first token and the prefill and transfer times.
-`abort_prefill(request_id)` ends a prefill early: no first token, the send FAILED, the blocks
-freed.
+`abort_prefill(request_id)` ends a prefill early: no first token (or, when it came first, the
+send FAILED), the blocks freed once the send has ended.
 
 A worker class combines this side with EngineHost (its engine, built with `on_layer` =
 `self.on_layer`) and KVEndpoint (its connector); `init_sender` runs before EngineHost's
@@ -21,6 +21,7 @@ constructor, since the engine thread may call the hook as soon as it exists.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -198,18 +199,23 @@ class KVSenderSide:
         return _SendOutcome(status, res.bytes, res.seconds, reason, res.error)
 
     async def abort_prefill(self, request_id: str) -> None:
-        """Stop a prefill (the client left): `prefill` then returns without a first token, its
-        send ends FAILED and its blocks are freed. A send under way is ended first: the engine's
-        abort frees the blocks it holds, which the sender must no longer read."""
+        """Stop a prefill (the client left): `prefill` then returns without a first token (or
+        with one and its send FAILED, when the token came first) and its blocks are freed. A
+        send under way is ended first: the engine's abort frees the blocks it holds, which the
+        sender must no longer read."""
 
-        def end_send(e: LLMEngine) -> None:
+        def stop_send(e: LLMEngine) -> bool:
             # On the engine thread, between steps: no step can start the send after this.
             with self._lock:
                 send = self._sends.get(request_id)
                 if send is not None and send.error is None:
                     send.error = "aborted"
-            if send is not None and send.started and self._live_send(request_id):
-                self.connector.abort(request_id)
+            return send is not None and send.started
 
-        await self.aeng.call(end_send)
-        await self.aeng.abort(request_id)
+        try:
+            if await self.aeng.call(stop_send) and self._live_send(request_id):
+                # Off the engine thread: ending a send waits for its lane (up to its I/O
+                # timeout on a stuck link), and the engine's other requests keep stepping.
+                await asyncio.to_thread(self.connector.abort, request_id)
+        finally:
+            await self.aeng.abort(request_id)
