@@ -146,9 +146,12 @@ class RequestBooks:
             d.done(wid)  # a disaggregated request prefilled here after a fallback
 
     def finished(self, reason: FinishReason | None, cached_prompt_tokens: int) -> None:
-        """Its last chunk is about to go out."""
+        """Its last chunk is about to go out; a request that decoded on one worker throughout
+        tells that worker's tail what its gaps were."""
         self.track.ended(reason, cached_prompt_tokens)
         self.ended = True
+        if self.d is not None and not self.track.resumed:
+            self.d.observe_request(self.track.itl_s)
 
     def moved(self) -> None:
         """Its decode worker died: the placement leaves the books (so that the next decision

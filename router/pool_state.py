@@ -69,6 +69,8 @@ class WorkerState:
         self.load: WorkerLoad | None = None
         # (time.monotonic(), gap) of the latest inter-token gaps its requests saw at the router.
         self._gaps: deque[tuple[float, float]] = deque(maxlen=4096)
+        # (time.monotonic(), p99 gap / median gap) of the latest requests that ended here.
+        self._request_tails: deque[tuple[float, float]] = deque(maxlen=256)
         self._tail = 1.0  # gap_tail(), as of the last update_tail()
         self._typical_gap = 0.0  # typical_gap(), likewise
 
@@ -143,10 +145,18 @@ class WorkerState:
     def recent_gaps(self, since: float) -> list[float]:
         return [g for t, g in self._gaps if t >= since]
 
+    def observe_request(self, gaps: Sequence[float], now: float | None = None) -> None:
+        """The gaps of a request that decoded here, all of them, as it ends (at least 10)."""
+        if len(gaps) >= 10:
+            p50, p99 = np.percentile(gaps, [50, 99])
+            if p50 > 0:
+                t = time.monotonic() if now is None else now
+                self._request_tails.append((t, float(p99 / p50)))
+
     def gap_tail(self) -> float:
-        """How much longer the slow gaps its requests see are than the typical one (see
-        update_tail): a request's ITL SLO holds its p99 gap, while the step-time model predicts
-        the typical step."""
+        """How much longer a request's slow gaps are than its typical one (see update_tail): a
+        request's ITL SLO holds its p99 gap, while the step-time model predicts the typical
+        step."""
         return self._tail
 
     def typical_gap(self) -> float:
@@ -157,17 +167,30 @@ class WorkerState:
         here."""
         return self._typical_gap
 
-    def update_tail(self, window_s: float = 30.0, min_gaps: int = 50) -> None:
-        """The p99 of the last `window_s` of gaps over their median, in [1, 4], and the median
-        (1 and 0 with fewer than `min_gaps`). Once per load poll: every candidate of every
-        decision reads them."""
-        gaps = self.recent_gaps(time.monotonic() - window_s)
+    def update_tail(
+        self,
+        window_s: float = 30.0,
+        min_gaps: int = 50,
+        requests_window_s: float = 120.0,
+        min_requests: int = 8,
+    ) -> None:
+        """The tail, in [1, 4]: the median over the requests that ended here in the last
+        `requests_window_s` of each one's p99 gap over its median gap; until `min_requests`
+        have, the p99 of the last `window_s` of all gaps over their median (which overstates
+        it: slow moments of the worker fall on a few requests, not on each one's p99); 1 with
+        fewer than `min_gaps` gaps. And the median gap of that window (0 with too few). Once per
+        load poll: every candidate of every decision reads them."""
+        now = time.monotonic()
+        gaps = self.recent_gaps(now - window_s)
         tail, typical = 1.0, 0.0
         if len(gaps) >= min_gaps:
             p50, p99 = np.percentile(gaps, [50, 99])
-            tail = float(min(4.0, max(1.0, p99 / p50))) if p50 > 0 else 1.0
+            tail = float(p99 / p50) if p50 > 0 else 1.0
             typical = float(p50)
-        self._tail, self._typical_gap = tail, typical
+        ratios = [r for t, r in self._request_tails if t >= now - requests_window_s]
+        if len(ratios) >= min_requests:
+            tail = float(np.median(ratios))
+        self._tail, self._typical_gap = min(4.0, max(1.0, tail)), typical
 
     # -- what the worker knows ------------------------------------------------------------------
     def cached_tokens(self, hashes: Sequence[bytes], prompt_len: int) -> int:

@@ -418,3 +418,19 @@ def test_the_gaps_requests_see_now_floor_a_new_requests_predicted_step():
     # under them, cause no new misses.
     with_decodes(d, 4, 200, itl_slo_s=0.3)
     assert pl.candidates(shape(16, seed=2), [], [d])[0].caused_misses < 0.05
+
+
+def test_the_tail_is_each_requests_own_once_enough_requests_ended():
+    """A worker's slow moments fall on a few requests: pooled, its gaps' p99 is three times
+    their median, while each request that ended saw its own p99 at 1.2 x its median. Once 8
+    have ended, the tail (what a new request's p99 is predicted to be over its step) is theirs."""
+    d = trained("both-0", "both", seed=1)
+    d.observe_gaps([0.05] * 95 + [0.15] * 5)
+    d.update_tail()
+    assert d.gap_tail() == pytest.approx(3.0, rel=0.02)  # too few requests ended: pooled
+    for i in range(8):
+        d.observe_request([0.05] * 98 + [0.06] * 2)  # p99 1.2 x the median
+        d.update_tail()
+        assert d.gap_tail() == pytest.approx(1.2 if i == 7 else 3.0, rel=0.02), i
+    d.observe_request([0.05] * 5)  # under 10 gaps: says too little
+    assert len(d._request_tails) == 8

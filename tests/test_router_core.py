@@ -349,3 +349,15 @@ def test_workers_of_both_kinds_are_counted_once_by_their_role_and_serve_both_pat
     assert placed[(dis.prefill_worker, "for_peer")] >= 1
     for w in ("both-0", "both-1"):
         assert sample("pdserve_worker_decodes_running", {"worker": w, "role": "both"}) == 0
+
+
+def test_a_request_that_ends_tells_its_decode_worker_its_own_tail():
+    async def main():
+        core = await make_core(FakeBackend(chunk_tokens=1))
+        await consume(core, replace(request("long", max_tokens=20), path=RoutePath.COLOCATED))
+        await consume(core, replace(request("short", max_tokens=5), path=RoutePath.COLOCATED))
+        return core
+
+    core = run(main())
+    tails = [r for w in core.states.values() for _, r in w._request_tails]
+    assert len(tails) == 1 and tails[0] >= 1.0  # 19 gaps; the 4 of the short one say too little
