@@ -76,8 +76,8 @@ class RequestCore:
         self.states = self.members.states  # the books, by worker id (current incarnations)
         self.planner = Planner(config.policy, self.transfer, self.health)
         self.step_targets = StepTargets(config.slo_itl_s) if config.tune_step_target else None
-        self._tightening: set[str] = set()  # workers with a step target call in flight
-        self._tasks: set[asyncio.Future[None]] = set()
+        # Step target calls made at placement, in flight, by worker (one each; see _tighten).
+        self._tightening: dict[str, asyncio.Future[None]] = {}
         self.records: deque[DecisionRecord] = deque(maxlen=2048)
         self.counts = RequestCounts()
         self.ttft_margin = 1.0  # admission's factor on predicted TTFT (see ttft_margin())
@@ -142,19 +142,11 @@ class RequestCore:
         target = self.step_targets.for_request(state, slo_itl_s)
         if target is None:
             return
-        self._tightening.add(decode_worker)
         why = f"a request's ITL SLO {slo_itl_s * 1000:.0f} ms"
         call = self._send_target(decode_worker, target)  # sent now
-
-        async def send() -> None:
-            try:
-                await self._set_targets([(state, target)], why, [call])
-            finally:
-                self._tightening.discard(decode_worker)
-
-        task = asyncio.ensure_future(send())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task = asyncio.ensure_future(self._set_targets([(state, target)], why, [call]))
+        self._tightening[decode_worker] = task
+        task.add_done_callback(lambda _: self._tightening.pop(decode_worker, None))
 
     def _send_target(self, worker_id: str, target_s: float) -> Awaitable[None]:
         """The backend's call, or its failure to leave (a worker just gone), to be awaited."""

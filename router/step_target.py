@@ -65,8 +65,9 @@ class StepTargets:
         slo = state.min_itl_slo_s
         if not math.isfinite(slo):
             slo = self.default_slo_itl_s
-        if target > slo:
-            return c.start * slo
+        drop = self.for_request(state, slo)
+        if drop is not None:
+            return drop
         changed = self._changed.get(state.worker_id, -math.inf)
         if now - changed < c.window_s / 2:
             return None
@@ -81,11 +82,12 @@ class StepTargets:
         return new
 
     def for_request(self, state: WorkerState, slo_itl_s: float) -> float | None:
-        """The worker's new step target now that a request with ITL SLO `slo_itl_s` is placed
-        on it (None: leave it). A target past that SLO drops to `start` x it at once, before
-        the request's prefill runs there: the tuning above sees a request only once it decodes,
-        and its first chunks, and those of the prompts queued with it, would run at the old
-        target (a server's default SLO may be far looser than what its clients ask for)."""
+        """The worker's new step target for a request with ITL SLO `slo_itl_s` that decodes
+        there or is placed there (None: leave it): a target past that SLO drops to `start` x
+        it at once. The router calls it at placement too, before the request's prefill runs:
+        the tuning above sees a request only once it decodes, and its first chunks, and those
+        of the prompts queued with it, would run at the old target (a server's default SLO may
+        be far looser than what its clients ask for)."""
         target = state.model.step_target_s
         if target is None or not math.isfinite(slo_itl_s) or target <= slo_itl_s:
             return None
