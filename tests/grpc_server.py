@@ -8,6 +8,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from router.cluster import ClusterConfig
 from router.ray_runtime import init_ray
 from router.server import ServeConfig, Server
 
@@ -61,3 +63,15 @@ def tiny_config(
         kv_transfer_deadline_s=10,
     )
     return ServeConfig(**{"cluster": cluster, "port": 0, "drain_timeout_s": 5, **serve})
+
+
+# A tiny model's engine as the Ray-backed server tests run it: 4-token blocks, 32-token steps.
+TINY_ENGINE = EngineConfig(
+    cache=CacheConfig(block_size=4, num_blocks=512),
+    scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=16),
+)
+
+
+def tiny_server(cluster: ClusterConfig) -> ServerThread:
+    """A server over `cluster` on ephemeral gRPC and metrics ports, draining for 5 s."""
+    return ServerThread(ServeConfig(cluster=cluster, port=0, metrics_port=0, drain_timeout_s=5))

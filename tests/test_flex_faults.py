@@ -10,13 +10,12 @@ import grpc
 import pytest
 import ray
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve_proto import generation_pb2 as pb
 from pdserve_proto import generation_pb2_grpc as pb_grpc
 from router.cluster import ClusterConfig
-from router.server import ServeConfig
-from tests.grpc_server import ServerThread
+from tests.grpc_server import TINY_ENGINE, tiny_server
 from tests.helpers import hf_greedy, random_prompts
+from tests.test_router_grpc import assert_pools_full
 
 MODEL = "tiny-llama"
 MAX_NEW = 600
@@ -24,17 +23,9 @@ MAX_NEW = 600
 
 @pytest.fixture(scope="module")
 def srv():
-    engine = EngineConfig(
-        cache=CacheConfig(block_size=4, num_blocks=512),
-        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=16),
+    s = tiny_server(
+        ClusterConfig(model=MODEL, num_prefill=0, num_decode=0, num_both=2, engine=TINY_ENGINE)
     )
-    config = ServeConfig(
-        cluster=ClusterConfig(model=MODEL, num_prefill=0, num_decode=0, num_both=2, engine=engine),
-        port=0,
-        metrics_port=0,
-        drain_timeout_s=5,
-    )
-    s = ServerThread(config)
     yield s
     s.close()
 
@@ -95,11 +86,4 @@ def test_a_dead_decoding_worker_of_both_kinds_resumes_its_handoff_on_the_other(s
     srv.run(srv.server.core.refresh())
     assert metric("pdserve_worker_restarts_total", {"role": "both"}) == restarts + 1
     # Every pool is full and the router's books are empty.
-    deadline = time.monotonic() + 10
-    while True:
-        loads = srv.run(cluster.load())
-        if all(ld.num_free_blocks == ld.num_blocks and not ld.running for ld in loads):
-            break
-        assert time.monotonic() < deadline, loads
-        time.sleep(0.1)
-    assert srv.server.core.pending == srv.server.core.active == 0
+    assert_pools_full(srv, within_s=10)

@@ -9,12 +9,10 @@ import grpc
 import pytest
 import ray
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve_proto import generation_pb2 as pb
 from pdserve_proto import generation_pb2_grpc as pb_grpc
 from router.cluster import ClusterConfig
-from router.server import ServeConfig
-from tests.grpc_server import ServerThread
+from tests.grpc_server import TINY_ENGINE, tiny_server
 from tests.helpers import hf_greedy, random_prompts
 
 MODEL = "tiny-llama"
@@ -23,18 +21,8 @@ MAX_NEW = 600
 
 @pytest.fixture(scope="module")
 def srv():
-    engine = EngineConfig(
-        cache=CacheConfig(block_size=4, num_blocks=512),
-        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=16),
-    )
-    config = ServeConfig(
-        # Three decode workers: each case kills one and still leaves a choice.
-        cluster=ClusterConfig(model=MODEL, num_prefill=1, num_decode=3, engine=engine),
-        port=0,
-        metrics_port=0,
-        drain_timeout_s=5,
-    )
-    s = ServerThread(config)
+    # Three decode workers: each case kills one and still leaves a choice.
+    s = tiny_server(ClusterConfig(model=MODEL, num_prefill=1, num_decode=3, engine=TINY_ENGINE))
     yield s
     s.close()
 
