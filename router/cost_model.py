@@ -147,6 +147,25 @@ class StepTimeModel:
         """A prompt's prefill alone on an idle worker (chunked under the token budget)."""
         return self.chunked_s(n, prefill_pairs(n, cached), 0, 0)[0]
 
+    def _chunk(self, tokens: int, pairs: float, batch: int, fixed: float) -> int:
+        """The prefill chunk next to `batch` decodes whose step costs `fixed` without it."""
+        chunk = max(1, self.budget - batch)
+        if batch > 0 and self.step_target_s is not None:
+            # The worker sizes chunks next to decodes (and handoffs whose KV is on its way, which
+            # `batch` counts too) so that a step takes its target.
+            w1, w2 = self.coefficients.per_token_s, self.coefficients.per_prefill_pair_s
+            per_token = w1 + w2 * pairs / tokens
+            fit = (self.step_target_s - fixed) / per_token if per_token > 0 else chunk
+            chunk = int(min(chunk, max(MIN_CHUNK, fit)))
+        return chunk
+
+    def chunk_steps(self, tokens: int, pairs: float, batch: int, context: int) -> int:
+        """How many steps `tokens` prefill tokens take in chunks next to `batch` decodes."""
+        if tokens <= 0:
+            return 0
+        w0, w1, _, w3 = self.coefficients
+        return math.ceil(tokens / self._chunk(tokens, pairs, batch, w0 + w1 * batch + w3 * context))
+
     def chunked_s(self, tokens: int, pairs: float, batch: int, context: int) -> tuple[float, float]:
         """(time to compute `tokens` prefill tokens in chunks next to `batch` decodes of total
         context `context`, the step time those decodes see meanwhile)."""
@@ -154,18 +173,11 @@ class StepTimeModel:
             return 0.0, self.decode_step_s(batch, context)
         w0, w1, w2, w3 = self.coefficients
         fixed = w0 + w1 * batch + w3 * context
-        chunk = max(1, self.budget - batch)
-        target = self.step_target_s if batch > 0 else None
-        if target is not None:
-            # The worker sizes chunks next to decodes (and handoffs whose KV is on its way, which
-            # `batch` counts too) so that a step takes its target.
-            per_token = w1 + w2 * pairs / tokens
-            fit = (target - fixed) / per_token if per_token > 0 else chunk
-            chunk = int(min(chunk, max(MIN_CHUNK, fit)))
+        chunk = self._chunk(tokens, pairs, batch, fixed)
         steps = math.ceil(tokens / chunk)
         total = steps * fixed + w1 * tokens + w2 * pairs
         during = fixed + w1 * min(chunk, tokens) + w2 * pairs / steps
-        if target is not None:
+        if batch > 0 and self.step_target_s is not None:
             # What the decodes see is the slowest step, at a prompt's end, where a token's
             # attention costs about twice the average; there the worker shrinks the chunk to hold
             # the target, down to MIN_CHUNK tokens, past which the target gives way.

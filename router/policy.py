@@ -11,7 +11,10 @@ policies that choose among them.
     token came after its TTFT SLO cannot attain and counts for nothing). No single guard vetoes
     a choice: pushing one running request past its ITL SLO can be worth it when every other
     choice makes the new request miss, and is not when it would push many. Ties go to the least
-    predicted SLO violation, then the earliest predicted second token (TTFT + ITL).
+    predicted SLO violation, then the quicker TTFT in quarters of its SLO, then the prefill
+    beside the fewest running decodes (a prompt of more than one chunk only), then a decode
+    worker that takes no free prefiller (a worker of both kinds decoding nothing), then the
+    earliest predicted second token (TTFT + ITL): see PathPrediction.rank.
   - colocated / disaggregated: always that path, workers from the balancer.
   - threshold (Dynamo's rule): disaggregated iff uncached prompt tokens > T and the prefill
     worker's queue holds fewer than Q requests.

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from router.cost_model import TransferTimeModel, prefill_pairs
 from router.pool_state import WorkerState
 from router.vocab import RoutePath
+from worker_protocol.messages import WorkerRole
 
 # A pair whose recent handoffs fell back more often than this is not chosen while another
 # choice remains.
@@ -20,6 +21,9 @@ MAX_FAILURE_RATE = 0.5
 # How sharp a predicted value turns into a miss, relative to its SLO: the chance of a miss is
 # 0.5 at the SLO and 0.12 / 0.88 at 10% under / over it (predictions are off by about that).
 MISS_WIDTH = 0.05
+# The rank's tie-breaks weigh a predicted TTFT in this many bands of its SLO: a first token
+# quicker by less than a band is not worth a prefill beside running decodes (see rank).
+TTFT_BANDS = 4
 
 
 def miss_chance(predicted_s: float, slo_s: float) -> float:
@@ -86,6 +90,12 @@ class PathPrediction:
     # The decode worker's measured median gap (WorkerState.typical_gap): a floor under `itl_s`
     # where other work fills its steps.
     itl_floor_s: float = 0.0
+    # The requests decoding on the worker that prefills this prompt, when the prefill takes more
+    # than one of its steps there (0 otherwise): what the rank's tie-break keeps low.
+    prefill_beside: int = 0
+    # The decode worker can prefill for peers and decodes nothing yet: decoding there takes a
+    # free prefiller away.
+    takes_free_prefiller: bool = False
 
     @property
     def failing(self) -> bool:
@@ -123,14 +133,32 @@ class PathPrediction:
         """SLO misses to expect from this choice: the new request's, and those it causes."""
         return self.new_miss(req) + self.caused_misses
 
-    def rank(self, req: RequestShape) -> tuple[float, float, float]:
+    def rank(self, req: RequestShape) -> tuple[float, float, int, int, bool, float]:
         """Fewest expected SLO misses first (the new request's and the running ones' alike:
-        no single guard vetoes a choice), then the least SLO violation, then the earliest
-        predicted second token (TTFT + ITL: of two equally fast prefills, the less busy decode
-        worker wins). Misses count in whole tenths of a request: less than a tenth expected is
-        no reason to take a slower first token."""
+        no single guard vetoes a choice), then the least SLO violation. Misses count in whole
+        tenths of a request: less than a tenth expected is no reason to take a slower first
+        token. Then the prefill beside the fewest running decodes (`prefill_beside`: a prompt
+        that takes several chunks next to decodes slows many of their steps, and their p99 gaps
+        pass the SLO more often than the step model predicts), then a decode worker that keeps
+        a free prefiller free (`takes_free_prefiller`: decodes gather where decodes run, and
+        workers that do both stay free to prefill, as a disaggregated split would), then the
+        earliest predicted second token (TTFT + ITL: of two equally fast prefills, the less
+        busy decode worker wins)."""
         tenths = math.floor(10 * self.expected_misses(req) + 1e-9) / 10
-        return tenths, self.violation(req), self.ttft_s + self.itl_s
+        return (
+            tenths,
+            self.violation(req),
+            self.ttft_band(req),
+            self.prefill_beside,
+            self.takes_free_prefiller,
+            self.ttft_s + self.itl_s,
+        )
+
+    def ttft_band(self, req: RequestShape) -> int:
+        """The predicted TTFT in whole quarters of its SLO."""
+        if not math.isfinite(req.slo_ttft_s) or req.slo_ttft_s <= 0:
+            return 0
+        return min(TTFT_BANDS, math.floor(TTFT_BANDS * self.ttft_s / req.slo_ttft_s))
 
     def violation(self, req: RequestShape) -> float:
         return max(0.0, self.ttft_s / req.slo_ttft_s - 1) + max(0.0, self.itl_s / req.slo_itl_s - 1)
@@ -163,6 +191,8 @@ def predict_colocated(req: RequestShape, d: WorkerState, bias_s: float) -> PathP
         caused_misses=caused_misses(d, during, before) if d.batch else 0.0,
         itl_tail=d.gap_tail(),
         itl_floor_s=d.typical_gap(),
+        prefill_beside=_beside(d, n, prefill_pairs(n, cached)),
+        takes_free_prefiller=_free_prefiller(d),
     )
 
 
@@ -220,6 +250,8 @@ def predict_disaggregated(
         p_running_itl_s=p_during if p.batch else 0.0,
         itl_tail=d.gap_tail(),
         itl_floor_s=d.typical_gap(),
+        prefill_beside=_beside(p, n_p, prefill_pairs(n_p, cached_p)),
+        takes_free_prefiller=_free_prefiller(d),
     )
 
 
@@ -229,3 +261,16 @@ def _decode_step(w: WorkerState, batch: int, context: int) -> float:
     if w.queued_tokens:
         return w.model.chunked_s(w.queued_tokens, w.queued_pairs, batch, context)[1]
     return w.model.decode_step_s(batch, context)
+
+
+def _beside(w: WorkerState, tokens: int, pairs: float) -> int:
+    """The decodes running on `w` beside a prefill of `tokens` there, when it takes more than
+    one step (one step's worth of tokens slows one gap of each, which no p99 over many gaps
+    notices)."""
+    if not w.batch or w.model.chunk_steps(tokens, pairs, w.batch, w.context) <= 1:
+        return 0
+    return w.batch
+
+
+def _free_prefiller(d: WorkerState) -> bool:
+    return d.info.role == WorkerRole.BOTH and d.batch == 0

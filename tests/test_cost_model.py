@@ -138,13 +138,18 @@ def test_a_drop_in_measured_bandwidth_moves_the_choice_to_colocated():
     p = trained("prefill-0", "prefill")
     d = with_decodes(trained("decode-0", "decode", seed=1), 32, 300, itl_slo_s=10.0)
     before = _disaggregated_wins(pl, p, d)
-    for _ in range(15):  # the link slows to 2 MB/s
+    for _ in range(15):  # the link slows to 0.5 MB/s
         for nbytes in (1e5, 1e6, 4e6):
-            pl.transfer.observe(int(nbytes), 0.030 + nbytes / 2e6)
-    assert pl.transfer.bandwidth_bytes_s < 4e6
+            pl.transfer.observe(int(nbytes), 0.030 + nbytes / 5e5)
+    assert pl.transfer.bandwidth_bytes_s < 1e6
     after = pl.decide(shape(2000, seed=5), [p], [d])
     assert after.chosen.path is RoutePath.COLOCATED, after.reason
     disagg = {b.path: b for b in after.best}[RoutePath.DISAGGREGATED]
+    # The handoff's first token now comes a quarter of the TTFT SLO later or more: worth the
+    # prefill beside 32 decodes (a smaller difference is not: see the tie-break tests).
+    req = shape(2000, seed=5)
+    assert after.chosen.ttft_band(req) < disagg.ttft_band(req)
+    assert after.chosen.prefill_beside == 32 and disagg.prefill_beside == 0
     assert disagg.transfer_s > 10 * before.chosen.transfer_s
 
 
@@ -434,3 +439,58 @@ def test_the_tail_is_each_requests_own_once_enough_requests_ended():
         assert d.gap_tail() == pytest.approx(1.2 if i == 7 else 3.0, rel=0.02), i
     d.observe_request([0.05] * 5)  # under 10 gaps: says too little
     assert len(d._request_tails) == 8
+
+
+def test_a_prompt_of_several_chunks_goes_where_no_decodes_run_when_its_first_token_can_wait():
+    """Expected misses tied (none predicted either way), a prompt that takes several chunks next
+    to running decodes is prefilled where none run, though its first token comes later there,
+    as long as it comes within the same quarter of its TTFT SLO: its chunks would slow many of
+    their steps, and such steps pass SLOs more often than the model predicts. A prompt of one
+    chunk slows one step of each and stays on the quicker path."""
+    pl = planner()
+    p = trained("prefill-0", "prefill")
+    p.add_prefill("queued", 1000, prefill_pairs(1000, 0))  # the prefill worker is the slower
+    d = with_decodes(trained("decode-0", "decode", seed=1), 8, 400, itl_slo_s=10.0)
+    long_req = shape(1500, seed=3, slo_ttft=30.0)
+    decision = pl.decide(long_req, [p], [d])
+    best = {b.path: b for b in decision.best}
+    colo, dis = best[RoutePath.COLOCATED], best[RoutePath.DISAGGREGATED]
+    assert colo.ttft_s < dis.ttft_s and colo.expected_misses(long_req) < 0.1
+    assert (colo.prefill_beside, dis.prefill_beside) == (8, 0)
+    assert decision.chosen.path is RoutePath.DISAGGREGATED, decision.reason
+    # A tighter TTFT SLO puts the handoff's first token a band later: the quicker one wins.
+    tight = replace(long_req, slo_ttft_s=1.2 * dis.ttft_s)
+    assert colo.ttft_band(tight) < dis.ttft_band(tight)
+    assert pl.decide(tight, [p], [d]).chosen.path is RoutePath.COLOCATED
+    short = pl.decide(shape(64, seed=4, slo_ttft=20.0), [p], [d])
+    assert short.chosen.path is RoutePath.COLOCATED
+    assert short.chosen.prefill_beside == 0  # one chunk
+
+
+def test_workers_of_both_kinds_gather_decodes_and_keep_a_free_one_prefilling():
+    """Two workers of both kinds, one decoding: a long prompt prefills on the free one and
+    decodes where decodes run, a disaggregated split the rule reaches by itself; once the
+    decoding worker's steps would make the new request miss its ITL SLO, it decodes on the
+    free one."""
+    pl = planner()
+    a = with_decodes(trained("both-0", "both", seed=1), 4, 400, itl_slo_s=0.2)
+    b = trained("both-1", "both", seed=2)
+    req = shape(1500, seed=3, slo_ttft=20.0, slo_itl=0.2)
+    chosen = pl.decide(req, [a, b], [a, b]).chosen
+    assert (chosen.path, chosen.prefill_worker, chosen.decode_worker) == (
+        RoutePath.DISAGGREGATED,
+        "both-1",
+        "both-0",
+    ), chosen
+    colocated_b = next(
+        c
+        for c in pl.candidates(req, [a, b], [a, b])
+        if c.path is RoutePath.COLOCATED and c.decode_worker == "both-1"
+    )
+    assert colocated_b.takes_free_prefiller and not chosen.takes_free_prefiller
+    assert colocated_b.ttft_s < chosen.ttft_s  # the quicker first token, not taken
+    # both-0's gaps now near the SLO: a new request decoding there would miss.
+    a.observe_gaps([0.19] * 95 + [0.25] * 5)
+    a.update_tail()
+    crowded = pl.decide(req, [a, b], [a, b]).chosen
+    assert crowded.decode_worker == "both-1", crowded
