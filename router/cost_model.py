@@ -159,22 +159,25 @@ class StepTimeModel:
             chunk = int(min(chunk, max(MIN_CHUNK, fit)))
         return chunk
 
+    def _plan(self, tokens: int, pairs: float, batch: int, context: int) -> tuple[float, int, int]:
+        """(the step's cost without the prefill, the chunk, the steps) for `tokens` prefill
+        tokens (> 0) in chunks next to `batch` decodes of total context `context`."""
+        w0, w1, _, w3 = self.coefficients
+        fixed = w0 + w1 * batch + w3 * context
+        chunk = self._chunk(tokens, pairs, batch, fixed)
+        return fixed, chunk, math.ceil(tokens / chunk)
+
     def chunk_steps(self, tokens: int, pairs: float, batch: int, context: int) -> int:
         """How many steps `tokens` prefill tokens take in chunks next to `batch` decodes."""
-        if tokens <= 0:
-            return 0
-        w0, w1, _, w3 = self.coefficients
-        return math.ceil(tokens / self._chunk(tokens, pairs, batch, w0 + w1 * batch + w3 * context))
+        return self._plan(tokens, pairs, batch, context)[2] if tokens > 0 else 0
 
     def chunked_s(self, tokens: int, pairs: float, batch: int, context: int) -> tuple[float, float]:
         """(time to compute `tokens` prefill tokens in chunks next to `batch` decodes of total
         context `context`, the step time those decodes see meanwhile)."""
         if tokens <= 0:
             return 0.0, self.decode_step_s(batch, context)
-        w0, w1, w2, w3 = self.coefficients
-        fixed = w0 + w1 * batch + w3 * context
-        chunk = self._chunk(tokens, pairs, batch, fixed)
-        steps = math.ceil(tokens / chunk)
+        _, w1, w2, _ = self.coefficients
+        fixed, chunk, steps = self._plan(tokens, pairs, batch, context)
         total = steps * fixed + w1 * tokens + w2 * pairs
         during = fixed + w1 * min(chunk, tokens) + w2 * pairs / steps
         if batch > 0 and self.step_target_s is not None:

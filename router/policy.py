@@ -11,10 +11,12 @@ policies that choose among them.
     token came after its TTFT SLO cannot attain and counts for nothing). No single guard vetoes
     a choice: pushing one running request past its ITL SLO can be worth it when every other
     choice makes the new request miss, and is not when it would push many. Ties go to the least
-    predicted SLO violation, then the quicker TTFT in quarters of its SLO, then the prefill
-    beside the fewest running decodes (a prompt of more than one chunk only), then a decode
-    worker that takes no free prefiller (a worker of both kinds decoding nothing), then the
-    earliest predicted second token (TTFT + ITL): see PathPrediction.rank.
+    predicted SLO violation; of those still tied, the ones whose first token comes within a
+    quarter of its TTFT SLO of the quickest (and within twice the quickest) count as equally
+    quick, and among them the prefill beside the fewest running decodes (a prompt of more than
+    one chunk only) wins, then a decode worker that takes no free prefiller (a worker of both
+    kinds decoding nothing), then the earliest predicted second token (TTFT + ITL): see
+    router/predictions.py choose. The decision's reason code says which of these decided.
   - colocated / disaggregated: always that path, workers from the balancer.
   - threshold (Dynamo's rule): disaggregated iff uncached prompt tokens > T and the prefill
     worker's queue holds fewer than Q requests.
@@ -36,6 +38,7 @@ from router.predictions import (
     MAX_FAILURE_RATE,
     PathPrediction,
     RequestShape,
+    choose,
     predict_colocated,
     predict_disaggregated,
 )
@@ -99,6 +102,30 @@ def _misses(c: PathPrediction, req: RequestShape) -> str:
     )
 
 
+def _tie_broken(
+    req: RequestShape, chosen: PathPrediction, usable: list[PathPrediction], parts: list[str]
+) -> str:
+    """The reason code of a choice among candidates of equal rank, and its reason in words when
+    the tie-break, not the quickest second token, decided."""
+    quickest = min(
+        (c for c in usable if c.rank(req) == chosen.rank(req)), key=lambda c: c.ttft_s + c.itl_s
+    )
+    if quickest is chosen or quickest.tie_break() == chosen.tie_break():
+        return "cost_ttft"
+    where = f"{quickest.prefill_worker or quickest.decode_worker}->{quickest.decode_worker}"
+    if chosen.prefill_beside < quickest.prefill_beside:
+        parts.append(
+            f"prefilled beside {chosen.prefill_beside} running decodes, not "
+            f"{quickest.prefill_beside} ({where}, TTFT {_ms(quickest.ttft_s)})"
+        )
+        return "cost_prefill_beside"
+    parts.append(
+        f"a free worker of both kinds stays free to prefill ({where} would decode there, "
+        f"TTFT {_ms(quickest.ttft_s)})"
+    )
+    return "cost_free_prefiller"
+
+
 class Planner:
     def __init__(
         self,
@@ -138,7 +165,7 @@ class Planner:
     ) -> Decision:
         cands = self.candidates(req, prefill, decode)
         best = tuple(
-            min(group, key=lambda c: c.rank(req))
+            choose(group, req)
             for path in (RoutePath.COLOCATED, RoutePath.DISAGGREGATED)
             if (group := [c for c in cands if c.path is path])
         )
@@ -188,7 +215,7 @@ class Planner:
         self, req: RequestShape, cands: list[PathPrediction], best: tuple[PathPrediction, ...]
     ) -> Decision:
         usable = [c for c in cands if not c.failing] or cands
-        chosen = min(usable, key=lambda c: c.rank(req))
+        chosen = choose(usable, req)
         others = [c for c in best if c.path is not chosen.path]
         parts = [
             f"{chosen.path.value}: {_misses(chosen, req)}, predicted TTFT {_ms(chosen.ttft_s)}"
@@ -208,6 +235,8 @@ class Planner:
                 code = "cost_misses"  # fewer misses decided, not the TTFT
         if code == "cost_ttft" and chosen.violation(req) > 0:
             code = "cost_slo_miss"  # nothing meets the SLO: least violation
+        if code == "cost_ttft":
+            code = _tie_broken(req, chosen, usable, parts)
         return Decision(chosen, best, "; ".join(parts), code)
 
     def _threshold(

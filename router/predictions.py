@@ -8,6 +8,7 @@ expect: the new request's own, and those it causes among the running requests. T
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from router.cost_model import TransferTimeModel, prefill_pairs
@@ -21,9 +22,13 @@ MAX_FAILURE_RATE = 0.5
 # How sharp a predicted value turns into a miss, relative to its SLO: the chance of a miss is
 # 0.5 at the SLO and 0.12 / 0.88 at 10% under / over it (predictions are off by about that).
 MISS_WIDTH = 0.05
-# The rank's tie-breaks weigh a predicted TTFT in this many bands of its SLO: a first token
-# quicker by less than a band is not worth a prefill beside running decodes (see rank).
-TTFT_BANDS = 4
+# Of the candidates tied on expected misses, those whose first token comes at most this share
+# of its SLO after the quickest's (and no later than twice the quickest's) count as equally
+# quick: the prefill beside the fewest running decodes among them wins (see choose).
+TTFT_TOLERANCE = 0.25
+# A running request's ITL SLO is at risk from chunks beside it when its steps beside them, times
+# the worker's tail, come within this factor of it (see _beside).
+BESIDE_MARGIN = 2.0
 
 
 def miss_chance(predicted_s: float, slo_s: float) -> float:
@@ -133,32 +138,24 @@ class PathPrediction:
         """SLO misses to expect from this choice: the new request's, and those it causes."""
         return self.new_miss(req) + self.caused_misses
 
-    def rank(self, req: RequestShape) -> tuple[float, float, int, int, bool, float]:
+    def rank(self, req: RequestShape) -> tuple[float, float]:
         """Fewest expected SLO misses first (the new request's and the running ones' alike:
         no single guard vetoes a choice), then the least SLO violation. Misses count in whole
         tenths of a request: less than a tenth expected is no reason to take a slower first
-        token. Then the prefill beside the fewest running decodes (`prefill_beside`: a prompt
-        that takes several chunks next to decodes slows many of their steps, and their p99 gaps
-        pass the SLO more often than the step model predicts), then a decode worker that keeps
-        a free prefiller free (`takes_free_prefiller`: decodes gather where decodes run, and
-        workers that do both stay free to prefill, as a disaggregated split would), then the
-        earliest predicted second token (TTFT + ITL: of two equally fast prefills, the less
-        busy decode worker wins)."""
+        token. Candidates of equal rank are told apart by `choose`."""
         tenths = math.floor(10 * self.expected_misses(req) + 1e-9) / 10
-        return (
-            tenths,
-            self.violation(req),
-            self.ttft_band(req),
-            self.prefill_beside,
-            self.takes_free_prefiller,
-            self.ttft_s + self.itl_s,
-        )
+        return tenths, self.violation(req)
 
-    def ttft_band(self, req: RequestShape) -> int:
-        """The predicted TTFT in whole quarters of its SLO."""
-        if not math.isfinite(req.slo_ttft_s) or req.slo_ttft_s <= 0:
-            return 0
-        return min(TTFT_BANDS, math.floor(TTFT_BANDS * self.ttft_s / req.slo_ttft_s))
+    def tie_break(self) -> tuple[int, bool, float]:
+        """Among candidates of equal rank and about as quick a first token (see `choose`): the
+        prefill beside the fewest running decodes (`prefill_beside`: a prompt that takes several
+        chunks next to decodes slows many of their steps, and their p99 gaps pass the SLO more
+        often than the step model predicts), then a decode worker that keeps a free prefiller
+        free (`takes_free_prefiller`: decodes gather where decodes run, and workers that do both
+        stay free to prefill, as a disaggregated split would), then the earliest predicted
+        second token (TTFT + ITL: of two equally fast prefills, the less busy decode worker
+        wins)."""
+        return self.prefill_beside, self.takes_free_prefiller, self.ttft_s + self.itl_s
 
     def violation(self, req: RequestShape) -> float:
         return max(0.0, self.ttft_s / req.slo_ttft_s - 1) + max(0.0, self.itl_s / req.slo_itl_s - 1)
@@ -191,7 +188,7 @@ def predict_colocated(req: RequestShape, d: WorkerState, bias_s: float) -> PathP
         caused_misses=caused_misses(d, during, before) if d.batch else 0.0,
         itl_tail=d.gap_tail(),
         itl_floor_s=d.typical_gap(),
-        prefill_beside=_beside(d, n, prefill_pairs(n, cached)),
+        prefill_beside=_beside(d, n, prefill_pairs(n, cached), during),
         takes_free_prefiller=_free_prefiller(d),
     )
 
@@ -250,9 +247,29 @@ def predict_disaggregated(
         p_running_itl_s=p_during if p.batch else 0.0,
         itl_tail=d.gap_tail(),
         itl_floor_s=d.typical_gap(),
-        prefill_beside=_beside(p, n_p, prefill_pairs(n_p, cached_p)),
+        prefill_beside=_beside(p, n_p, prefill_pairs(n_p, cached_p), p_during),
         takes_free_prefiller=_free_prefiller(d),
     )
+
+
+def ttft_tolerance(quickest_s: float, req: RequestShape) -> float:
+    """How much later than `quickest_s` a first token counts as about as quick: a quarter of the
+    TTFT SLO (TTFT_TOLERANCE), and no more than `quickest_s` itself (under a loose SLO, or none,
+    a first token seconds sooner still counts)."""
+    slo = req.slo_ttft_s
+    share = TTFT_TOLERANCE * slo if math.isfinite(slo) and slo > 0 else math.inf
+    return max(0.0, min(share, quickest_s))
+
+
+def choose(cands: Sequence[PathPrediction], req: RequestShape) -> PathPrediction:
+    """The candidate to take: the best `rank`; among those of equal rank whose first token comes
+    within `ttft_tolerance` of the quickest's, the best `tie_break`."""
+    ranked = [(c.rank(req), c) for c in cands]
+    best = min(r for r, _ in ranked)
+    tied = [c for r, c in ranked if r == best]
+    quickest = min(c.ttft_s for c in tied)
+    limit = quickest + ttft_tolerance(quickest, req)
+    return min((c for c in tied if c.ttft_s <= limit), key=PathPrediction.tie_break)
 
 
 def _decode_step(w: WorkerState, batch: int, context: int) -> float:
@@ -263,13 +280,16 @@ def _decode_step(w: WorkerState, batch: int, context: int) -> float:
     return w.model.decode_step_s(batch, context)
 
 
-def _beside(w: WorkerState, tokens: int, pairs: float) -> int:
-    """The decodes running on `w` beside a prefill of `tokens` there, when it takes more than
-    one step (one step's worth of tokens slows one gap of each, which no p99 over many gaps
-    notices)."""
+def _beside(w: WorkerState, tokens: int, pairs: float, during_s: float) -> int:
+    """The decodes running on `w` whose ITL SLO is at risk (within twice the step `during_s`
+    they see beside the prefill, times the worker's tail) beside a prefill of `tokens` there,
+    when it takes more than one step (one step's worth of tokens slows one gap of each, which
+    no p99 over many gaps notices). A loose SLO is not at risk, and a request that can no
+    longer attain has none."""
     if not w.batch or w.model.chunk_steps(tokens, pairs, w.batch, w.context) <= 1:
         return 0
-    return w.batch
+    slowest = BESIDE_MARGIN * during_s * w.gap_tail()
+    return sum(1 for slo in w.itl_slos() if slo < slowest)
 
 
 def _free_prefiller(d: WorkerState) -> bool:

@@ -14,7 +14,7 @@ from router.cost_model import StepTimeModel, TransferTimeModel, prefill_pairs
 from router.fake_backend import fake_info
 from router.policy import Planner, Policy, PolicyConfig, RequestShape, pick_decode
 from router.pool_state import WorkerState
-from router.predictions import caused_misses
+from router.predictions import caused_misses, choose, ttft_tolerance
 from router.vocab import RoutePath
 
 # The "true" step time of the injected workers: 20 ms + 2 ms/token + attention terms.
@@ -138,18 +138,17 @@ def test_a_drop_in_measured_bandwidth_moves_the_choice_to_colocated():
     p = trained("prefill-0", "prefill")
     d = with_decodes(trained("decode-0", "decode", seed=1), 32, 300, itl_slo_s=10.0)
     before = _disaggregated_wins(pl, p, d)
-    for _ in range(15):  # the link slows to 0.5 MB/s
+    for _ in range(15):  # the link slows to 2 MB/s
         for nbytes in (1e5, 1e6, 4e6):
-            pl.transfer.observe(int(nbytes), 0.030 + nbytes / 5e5)
-    assert pl.transfer.bandwidth_bytes_s < 1e6
+            pl.transfer.observe(int(nbytes), 0.030 + nbytes / 2e6)
+    assert pl.transfer.bandwidth_bytes_s < 4e6
     after = pl.decide(shape(2000, seed=5), [p], [d])
     assert after.chosen.path is RoutePath.COLOCATED, after.reason
     disagg = {b.path: b for b in after.best}[RoutePath.DISAGGREGATED]
-    # The handoff's first token now comes a quarter of the TTFT SLO later or more: worth the
-    # prefill beside 32 decodes (a smaller difference is not: see the tie-break tests).
-    req = shape(2000, seed=5)
-    assert after.chosen.ttft_band(req) < disagg.ttft_band(req)
-    assert after.chosen.prefill_beside == 32 and disagg.prefill_beside == 0
+    # The 32 running decodes' ITL SLO (10 s) is far from any step a prefill beside them makes:
+    # none is at risk, and the quicker first token decides.
+    assert after.chosen.prefill_beside == 0 and disagg.prefill_beside == 0
+    assert after.reason_code == "cost_ttft"
     assert disagg.transfer_s > 10 * before.chosen.transfer_s
 
 
@@ -443,25 +442,39 @@ def test_the_tail_is_each_requests_own_once_enough_requests_ended():
 
 def test_a_prompt_of_several_chunks_goes_where_no_decodes_run_when_its_first_token_can_wait():
     """Expected misses tied (none predicted either way), a prompt that takes several chunks next
-    to running decodes is prefilled where none run, though its first token comes later there,
-    as long as it comes within the same quarter of its TTFT SLO: its chunks would slow many of
-    their steps, and such steps pass SLOs more often than the model predicts. A prompt of one
-    chunk slows one step of each and stays on the quicker path."""
+    to running decodes whose ITL SLO is within twice the steps it makes is prefilled where none
+    run, though its first token comes later there, as long as it comes within a quarter of its
+    TTFT SLO (and twice the quicker one): its chunks would slow many of their steps, and such
+    steps pass SLOs more often than the model predicts. A prompt of one chunk slows one step of
+    each and stays on the quicker path; so does one beside decodes whose SLO is loose."""
     pl = planner()
     p = trained("prefill-0", "prefill")
     p.add_prefill("queued", 1000, prefill_pairs(1000, 0))  # the prefill worker is the slower
-    d = with_decodes(trained("decode-0", "decode", seed=1), 8, 400, itl_slo_s=10.0)
+    loose_d = with_decodes(trained("decode-0", "decode", seed=1), 8, 400, itl_slo_s=10.0)
     long_req = shape(1500, seed=3, slo_ttft=30.0)
+    loose_decision = pl.decide(long_req, [p], [loose_d])
+    assert loose_decision.chosen.path is RoutePath.COLOCATED, loose_decision.reason
+    step_beside = loose_decision.chosen.running_itl_s
+    # SLOs at 1/0.6 of the step beside the prefill: at risk, no miss predicted.
+    d = with_decodes(trained("decode-0", "decode", seed=1), 8, 400, itl_slo_s=step_beside / 0.6)
     decision = pl.decide(long_req, [p], [d])
     best = {b.path: b for b in decision.best}
     colo, dis = best[RoutePath.COLOCATED], best[RoutePath.DISAGGREGATED]
     assert colo.ttft_s < dis.ttft_s and colo.expected_misses(long_req) < 0.1
     assert (colo.prefill_beside, dis.prefill_beside) == (8, 0)
     assert decision.chosen.path is RoutePath.DISAGGREGATED, decision.reason
-    # A tighter TTFT SLO puts the handoff's first token a band later: the quicker one wins.
+    assert decision.reason_code == "cost_prefill_beside"
+    assert "prefilled beside 0 running decodes, not 8" in decision.reason
+    # A tighter TTFT SLO: the handoff's first token comes more than a quarter of it later, and
+    # the quicker one wins.
     tight = replace(long_req, slo_ttft_s=1.2 * dis.ttft_s)
-    assert colo.ttft_band(tight) < dis.ttft_band(tight)
+    assert dis.ttft_s - colo.ttft_s > ttft_tolerance(colo.ttft_s, tight)
     assert pl.decide(tight, [p], [d]).chosen.path is RoutePath.COLOCATED
+    # No TTFT SLO at all: a first token more than twice as late is not as quick.
+    slow = replace(colo, ttft_s=2.5 * colo.ttft_s, prefill_beside=0)
+    loose = replace(long_req, slo_ttft_s=float("inf"))
+    assert choose([colo, slow], loose) is colo
+    assert choose([colo, replace(slow, ttft_s=1.9 * colo.ttft_s)], loose).prefill_beside == 0
     short = pl.decide(shape(64, seed=4, slo_ttft=20.0), [p], [d])
     assert short.chosen.path is RoutePath.COLOCATED
     assert short.chosen.prefill_beside == 0  # one chunk
@@ -489,6 +502,8 @@ def test_workers_of_both_kinds_gather_decodes_and_keep_a_free_one_prefilling():
     )
     assert colocated_b.takes_free_prefiller and not chosen.takes_free_prefiller
     assert colocated_b.ttft_s < chosen.ttft_s  # the quicker first token, not taken
+    decision = pl.decide(req, [a, b], [a, b])
+    assert decision.reason_code == "cost_free_prefiller", decision.reason
     # both-0's gaps now near the SLO: a new request decoding there would miss.
     a.observe_gaps([0.19] * 95 + [0.25] * 5)
     a.update_tail()
