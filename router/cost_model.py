@@ -22,8 +22,9 @@ The exposed KV transfer time (first token sampled -> send ended; layer-wise stre
 rest behind the prefill) is a second linear model, `latency + bytes / bandwidth`, fitted from the
 prefill worker's latest transfer measurements and seeded from a nominal bandwidth.
 
-TTFT predictions also carry a per-path bias (an average of measured - predicted), which absorbs
-what neither model sees: RPC hops, token delivery, the engine thread's wake-up.
+TTFT predictions also carry a per-path correction (`Bias`: measured = fixed + scale x predicted,
+fitted over the path's latest first tokens), which absorbs what neither model sees: RPC hops,
+token delivery, the engine thread's wake-up, queues over- or under-estimated.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import numpy as np
@@ -212,20 +214,7 @@ class TransferTimeModel:
         return self._fit
 
     def _solve(self) -> tuple[float, float]:
-        if not self._obs:
-            return self.seed
-        x = np.array([b for b, _ in self._obs])
-        y = np.array([t for _, t in self._obs])
-        if x.max() < 1.5 * x.min():  # one size: latency can't be told from bandwidth
-            lat = min(self.seed[0], float(y.min()) / 2)
-            return lat, float(np.mean((y - lat) / x))
-        a = np.stack([np.ones_like(x), x], axis=1) / y[:, None]  # rows scaled: relative error
-        lat, per_byte = np.linalg.lstsq(a, np.ones_like(y), rcond=None)[0]
-        if per_byte <= 0:  # no visible size effect: all latency
-            return float(np.mean(y)), 0.0
-        if lat < 0:  # no visible fixed cost: all bandwidth
-            return 0.0, float(np.mean(y / x))
-        return float(lat), float(per_byte)
+        return affine_fit(self._obs, self.seed)
 
     @property
     def bandwidth_bytes_s(self) -> float:
@@ -244,18 +233,64 @@ class TransferTimeModel:
 
 
 class Bias:
-    """The running mean of (measured - predicted) TTFT for one path, and its relative error."""
+    """What one path's TTFT predictions miss: measured = fixed + scale x predicted, fitted over its
+    latest `window` first tokens (weighing relative errors, as the transfer model does), the
+    scale within [MIN_SCALE, MAX_SCALE], the fixed part never negative. An error that grows with
+    the prediction (a queue over- or under-estimated) scales, one that does not (RPC hops, token
+    delivery) adds; a plain mean of measured - predicted learnt from long prompts drove short
+    prompts' predictions below zero. Identity until `min_samples` first tokens were seen (a cold
+    first request says little)."""
 
-    def __init__(self, alpha: float = 0.1) -> None:
-        self.alpha = alpha
-        self.offset_s = 0.0
-        self.n = 0
+    MIN_SCALE, MAX_SCALE = 0.25, 4.0
+
+    def __init__(self, window: int = 64, min_samples: int = 4) -> None:
+        self.min_samples = min_samples
+        self._obs: deque[tuple[float, float]] = deque(maxlen=window)
+        self._fit: tuple[float, float] | None = (0.0, 1.0)
 
     def observe(self, predicted_s: float, measured_s: float) -> None:
-        err = measured_s - predicted_s
-        self.n += 1
-        # A fixed small step: one outlier (a cold first request) moves it by a tenth only.
-        self.offset_s += self.alpha * (err - self.offset_s)
+        if predicted_s > 0 and measured_s > 0:
+            self._obs.append((predicted_s, measured_s))
+            self._fit = None
+
+    @property
+    def coefficients(self) -> tuple[float, float]:
+        """(fixed seconds, scale)."""
+        if self._fit is None:
+            if len(self._obs) < self.min_samples:
+                self._fit = (0.0, 1.0)
+            else:
+                fixed, scale = affine_fit(self._obs, (0.0, 1.0), min_slope=self.MIN_SCALE)
+                self._fit = (fixed, min(scale, self.MAX_SCALE))
+        return self._fit
+
+    def apply(self, predicted_s: float) -> float:
+        fixed, scale = self.coefficients
+        return fixed + scale * predicted_s
+
+
+def affine_fit(
+    obs: Iterable[tuple[float, float]], seed: tuple[float, float], min_slope: float = 0.0
+) -> tuple[float, float]:
+    """(intercept >= 0, slope >= min_slope) of y = intercept + slope * x over (x > 0, y > 0)
+    pairs, by least relative error. With one size of x (within 1.5x), the intercept can't be told
+    from the slope: the seed's intercept (at most half the least y), the slope from it; without a
+    pair, the seed."""
+    pairs = list(obs)
+    if not pairs:
+        return seed
+    x = np.array([a for a, _ in pairs])
+    y = np.array([b for _, b in pairs])
+    if x.max() < 1.5 * x.min():
+        fixed = min(seed[0], float(y.min()) / 2)
+        return fixed, max(min_slope, float(np.mean((y - fixed) / x)))
+    a = np.stack([np.ones_like(x), x], axis=1) / y[:, None]  # rows scaled: relative error
+    fixed, slope = np.linalg.lstsq(a, np.ones_like(y), rcond=None)[0]
+    if slope <= min_slope:  # no visible (or too little) size effect: the rest is fixed
+        return max(0.0, float(np.mean(y - min_slope * x))), min_slope
+    if fixed < 0:  # no visible fixed part: all slope
+        return 0.0, max(min_slope, float(np.mean(y / x)))
+    return float(fixed), float(slope)
 
 
 class HandoffHealth:

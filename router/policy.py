@@ -141,9 +141,9 @@ class Planner:
     def candidates(
         self, req: RequestShape, prefill: Sequence[WorkerState], decode: Sequence[WorkerState]
     ) -> list[PathPrediction]:
-        out = [predict_colocated(req, d, self.bias[RoutePath.COLOCATED].offset_s) for d in decode]
+        out = [predict_colocated(req, d, self.bias[RoutePath.COLOCATED]) for d in decode]
         local = {c.decode_worker: c.ttft_s for c in out}
-        b = self.bias[RoutePath.DISAGGREGATED].offset_s
+        b = self.bias[RoutePath.DISAGGREGATED]
         for p in prefill:
             for d in decode:
                 if p.worker_id == d.worker_id:

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from router.cost_model import TransferTimeModel, prefill_pairs
+from router.cost_model import Bias, TransferTimeModel, prefill_pairs
 from router.pool_state import WorkerState
 from router.vocab import RoutePath
 from worker_protocol.messages import WorkerRole
@@ -161,7 +161,7 @@ class PathPrediction:
         return max(0.0, self.ttft_s / req.slo_ttft_s - 1) + max(0.0, self.itl_s / req.slo_itl_s - 1)
 
 
-def predict_colocated(req: RequestShape, d: WorkerState, bias_s: float) -> PathPrediction:
+def predict_colocated(req: RequestShape, d: WorkerState, bias: Bias) -> PathPrediction:
     cached = d.cached_tokens(req.hashes, req.prompt_len)
     n = req.prompt_len - cached
     tokens = d.queued_tokens + n
@@ -174,7 +174,7 @@ def predict_colocated(req: RequestShape, d: WorkerState, bias_s: float) -> PathP
         path=RoutePath.COLOCATED,
         prefill_worker="",
         decode_worker=d.worker_id,
-        ttft_s=total + bias_s,
+        ttft_s=bias.apply(total),
         raw_ttft_s=total,
         itl_s=itl,
         running_itl_s=during if d.batch else 0.0,
@@ -198,7 +198,7 @@ def predict_disaggregated(
     p: WorkerState,
     d: WorkerState,
     transfer: TransferTimeModel,
-    bias_s: float,
+    bias: Bias,
 ) -> PathPrediction:
     cached_p = p.cached_tokens(req.hashes, req.prompt_len)
     n_p = req.prompt_len - cached_p
@@ -232,7 +232,7 @@ def predict_disaggregated(
         path=RoutePath.DISAGGREGATED,
         prefill_worker=p.worker_id,
         decode_worker=d.worker_id,
-        ttft_s=raw + bias_s,
+        ttft_s=bias.apply(raw),
         raw_ttft_s=raw,
         itl_s=itl,
         running_itl_s=running,

@@ -10,7 +10,7 @@ import pytest
 
 from engine.prefix_hash import block_hashes
 from engine.step_stats import StepStat
-from router.cost_model import StepTimeModel, TransferTimeModel, prefill_pairs
+from router.cost_model import Bias, StepTimeModel, TransferTimeModel, prefill_pairs
 from router.fake_backend import fake_info
 from router.policy import Planner, Policy, PolicyConfig, RequestShape, pick_decode
 from router.pool_state import WorkerState
@@ -255,6 +255,28 @@ def test_measured_ttft_trains_the_bias_of_its_path():
     again = pl.decide(shape(16, seed=3), [p], [d])
     same = next(b for b in again.best if b.path is first.path)
     assert same.ttft_s - same.raw_ttft_s == pytest.approx(0.040, rel=0.01)
+
+
+def test_the_bias_scales_an_error_that_grows_with_the_prediction_and_adds_one_that_does_not():
+    """Long prompts' first tokens came at half their prediction, short ones' 40 ms late (the
+    RPC hop): a mean of measured - predicted would put a short prompt's TTFT below zero; the
+    fitted correction gives each its own."""
+    bias = Bias()
+    assert bias.apply(1.0) == 1.0  # nothing seen: as predicted
+    for raw in np.linspace(0.1, 8.0, 40):
+        bias.observe(float(raw), 0.040 + 0.5 * float(raw))
+    assert bias.apply(0.2) == pytest.approx(0.140, rel=0.02)
+    assert bias.apply(6.0) == pytest.approx(3.040, rel=0.02)
+    old = 0.0  # what the mean would have made of it
+    for raw in np.linspace(0.1, 8.0, 40):
+        old += (0.040 + 0.5 * raw) - raw
+    assert 0.2 + old / 40 < 0 < bias.apply(0.2)
+    bias.observe(0.2, 2.0)  # one cold first token, 10x its prediction, moves it a little
+    assert bias.apply(0.2) < 0.2
+    for _ in range(64):  # all first tokens 3x later than predicted, whatever the size
+        for raw in (0.5, 5.0):
+            bias.observe(raw, 3 * raw)
+    assert bias.apply(1.0) == pytest.approx(3.0, rel=0.02)
 
 
 def test_a_batch_already_at_its_itl_slo_still_steers_long_prompts_away():
