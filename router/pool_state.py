@@ -71,12 +71,21 @@ class WorkerState:
         self._gaps: deque[tuple[float, float]] = deque(maxlen=4096)
         # (time.monotonic(), p99 gap / median gap) of the latest requests that ended here.
         self._request_tails: deque[tuple[float, float]] = deque(maxlen=256)
+        # (time.monotonic(), tokens, pairs) of the latest prefills placed here.
+        self._placed: deque[tuple[float, int, float]] = deque(maxlen=256)
         self._tail = 1.0  # gap_tail(), as of the last update_tail()
         self._typical_gap = 0.0  # typical_gap(), likewise
 
     # -- what the router placed here -----------------------------------------------------------
-    def add_prefill(self, rid: str, tokens: int, pairs: float) -> None:
+    def add_prefill(self, rid: str, tokens: int, pairs: float, now: float | None = None) -> None:
         self._prefills[rid] = _Prefill(tokens, pairs)
+        t = time.monotonic() if now is None else now
+        self._placed.append((t, tokens, pairs))
+
+    def recent_prefills(self, window_s: float, now: float | None = None) -> list[tuple[int, float]]:
+        """(tokens, pairs) of the prefills placed here in the last `window_s`."""
+        t = time.monotonic() if now is None else now
+        return [(n, pairs) for at, n, pairs in self._placed if at >= t - window_s and n > 0]
 
     def add_decode(self, rid: str, context: int, itl_slo_s: float) -> None:
         self._decodes[rid] = _Decode(context, itl_slo_s)

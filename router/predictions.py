@@ -26,6 +26,11 @@ MISS_WIDTH = 0.05
 # of its SLO after the quickest's (and no later than twice the quickest's) count as equally
 # quick: the prefill beside the fewest running decodes among them wins (see choose).
 TTFT_TOLERANCE = 0.25
+# A worker's prefills of the last PREFILL_WINDOW_S show how often a request decoding there will
+# have one beside it; when they would slow more than BESIDE_SHARE of its gaps, its p99 gap is
+# the step beside one (see beside_floor).
+PREFILL_WINDOW_S = 30.0
+BESIDE_SHARE = 0.01
 # A running request's ITL SLO is at risk from chunks beside it when its steps beside them, times
 # the worker's tail, come within this factor of it (see _beside).
 BESIDE_MARGIN = 2.0
@@ -95,6 +100,9 @@ class PathPrediction:
     # The decode worker's measured median gap (WorkerState.typical_gap): a floor under `itl_s`
     # where other work fills its steps.
     itl_floor_s: float = 0.0
+    # The step this request will see beside the prefills its decode worker runs, when they come
+    # often enough to set its p99 gap (beside_floor; 0: they do not).
+    itl_beside_s: float = 0.0
     # The requests decoding on the worker that prefills this prompt, when the prefill takes more
     # than one of its steps there (0 otherwise): what the rank's tie-break keeps low.
     prefill_beside: int = 0
@@ -124,8 +132,10 @@ class PathPrediction:
     @property
     def itl_p99_s(self) -> float:
         """This request's predicted p99 gap: its step (no shorter than the gaps requests see
-        there now) times the worker's tail."""
-        return max(self.itl_s, self.itl_floor_s) * self.itl_tail
+        there now) times the worker's tail, and no shorter than the step beside the prefills
+        its decode worker runs, when these come often (a worker that prefills for its peers
+        with few requests of its own decoding has no measured tail to show them)."""
+        return max(max(self.itl_s, self.itl_floor_s) * self.itl_tail, self.itl_beside_s)
 
     def new_miss(self, req: RequestShape) -> float:
         """The chance that this request itself misses its SLO: its TTFT or its ITL."""
@@ -188,6 +198,7 @@ def predict_colocated(req: RequestShape, d: WorkerState, bias: Bias) -> PathPred
         caused_misses=caused_misses(d, during, before) if d.batch else 0.0,
         itl_tail=d.gap_tail(),
         itl_floor_s=d.typical_gap(),
+        itl_beside_s=beside_floor(d, d.batch + 1, d.context + req.prompt_len, itl),
         prefill_beside=_beside(d, n, prefill_pairs(n, cached), during),
         takes_free_prefiller=_free_prefiller(d),
     )
@@ -247,6 +258,7 @@ def predict_disaggregated(
         p_running_itl_s=p_during if p.batch else 0.0,
         itl_tail=d.gap_tail(),
         itl_floor_s=d.typical_gap(),
+        itl_beside_s=beside_floor(d, d.batch + 1, ctx, itl),
         prefill_beside=_beside(p, n_p, prefill_pairs(n_p, cached_p), p_during),
         takes_free_prefiller=_free_prefiller(d),
     )
@@ -278,6 +290,23 @@ def _decode_step(w: WorkerState, batch: int, context: int) -> float:
     if w.queued_tokens:
         return w.model.chunked_s(w.queued_tokens, w.queued_pairs, batch, context)[1]
     return w.model.decode_step_s(batch, context)
+
+
+def beside_floor(w: WorkerState, batch: int, context: int, step_s: float) -> float:
+    """The step `batch` decodes of total `context` see on `w` beside a prefill of the median
+    size of those placed there lately (or queued), when such prefills would slow more than
+    BESIDE_SHARE of a decoding request's gaps (their rate x the steps each takes x the step
+    `step_s`: the share of its time spent beside one); else 0. A request's ITL SLO holds its
+    p99 gap, which one slow step in a hundred sets."""
+    recent = w.recent_prefills(PREFILL_WINDOW_S)
+    if not recent:
+        return 0.0
+    tokens, pairs = sorted(recent)[len(recent) // 2]
+    steps = w.model.chunk_steps(tokens, pairs, batch, context)
+    rate = len(recent) / PREFILL_WINDOW_S
+    if w.queued_tokens == 0 and rate * steps * step_s < BESIDE_SHARE:
+        return 0.0
+    return w.model.chunked_s(tokens, pairs, batch, context)[1]
 
 
 def _beside(w: WorkerState, tokens: int, pairs: float, during_s: float) -> int:

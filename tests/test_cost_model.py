@@ -531,3 +531,33 @@ def test_workers_of_both_kinds_gather_decodes_and_keep_a_free_one_prefilling():
     a.update_tail()
     crowded = pl.decide(req, [a, b], [a, b]).chosen
     assert crowded.decode_worker == "both-1", crowded
+
+
+def test_a_request_does_not_decode_beside_the_prefills_a_worker_keeps_running_for_its_peers():
+    """both-1 prefills for both-0 (four 1500-token prompts in the last half minute) and decodes
+    two requests of its own, too few to have measured a tail: a request decoding there would see
+    the steps beside those prefills as its p99 gap. The rule predicts that step, past the new
+    request's ITL SLO, and decodes it on both-0, which runs decodes only; a both-1 that has not
+    been prefilling would have taken it (a smaller batch)."""
+    pl = planner()
+
+    def worker_pair(prefilling: bool) -> tuple[WorkerState, WorkerState]:
+        a = with_decodes(trained("both-0", "both", seed=1), 6, 400, itl_slo_s=10.0)
+        b = with_decodes(trained("both-1", "both", seed=2), 2, 400, itl_slo_s=10.0)
+        if prefilling:
+            for i in range(4):
+                b.add_prefill(f"for-peer-{i}", 1500, prefill_pairs(1500, 0))
+                b.done(f"for-peer-{i}")
+        return a, b
+
+    a, b = worker_pair(prefilling=True)
+    step_a = a.model.decode_step_s(7, 7 * 400)
+    req = shape(64, seed=9, slo_itl=1.5 * step_a)
+    decision = pl.decide(req, [a, b], [a, b])
+    assert decision.chosen.decode_worker == "both-0", decision.reason
+    on_b = [c for c in pl.candidates(req, [a, b], [a, b]) if c.decode_worker == "both-1"]
+    assert all(c.itl_beside_s > req.slo_itl_s and c.new_miss(req) > 0.9 for c in on_b)
+    a, b = worker_pair(prefilling=False)
+    calm = pl.decide(req, [a, b], [a, b])
+    assert calm.chosen.decode_worker == "both-1", calm.reason
+    assert calm.chosen.itl_beside_s == 0.0
