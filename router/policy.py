@@ -13,9 +13,10 @@ policies that choose among them.
     choice makes the new request miss, and is not when it would push many. Ties go to the least
     predicted SLO violation; of those still tied, the ones whose first token comes within a
     quarter of its TTFT SLO of the quickest (and within twice the quickest) count as equally
-    quick, and among them the prefill beside the fewest running decodes (a prompt of more than
-    one chunk only) wins, then a decode worker that takes no free prefiller (a worker of both
-    kinds decoding nothing), then the earliest predicted second token (TTFT + ITL): see
+    quick, and among them the prefill beside the fewest running decodes whose ITL SLO it puts
+    at risk wins, then a dedicated decode worker, then the worker of both kinds running the most
+    decodes (decodes gather, prefills go where none run: a disaggregated split, until the
+    expected misses say otherwise), then the earliest predicted second token (TTFT + ITL): see
     router/predictions.py choose. The decision's reason code says which of these decided.
   - colocated / disaggregated: always that path, workers from the balancer.
   - threshold (Dynamo's rule): disaggregated iff uncached prompt tokens > T and the prefill
@@ -119,11 +120,13 @@ def _tie_broken(
             f"{quickest.prefill_beside} ({where}, TTFT {_ms(quickest.ttft_s)})"
         )
         return "cost_prefill_beside"
+    both, lean = chosen.decode_lean
+    there = f"{-lean} decodes running there" if both else "a dedicated decode worker"
     parts.append(
-        f"a free worker of both kinds stays free to prefill ({where} would decode there, "
-        f"TTFT {_ms(quickest.ttft_s)})"
+        f"decodes gather on {chosen.decode_worker} ({there}), not {quickest.decode_worker} "
+        f"({where}, TTFT {_ms(quickest.ttft_s)})"
     )
-    return "cost_free_prefiller"
+    return "cost_gather_decodes"
 
 
 class Planner:

@@ -103,12 +103,13 @@ class PathPrediction:
     # The step this request will see beside the prefills its decode worker runs, when they come
     # often enough to set its p99 gap (beside_floor; 0: they do not).
     itl_beside_s: float = 0.0
-    # The requests decoding on the worker that prefills this prompt, when the prefill takes more
-    # than one of its steps there (0 otherwise): what the rank's tie-break keeps low.
+    # The requests decoding on the worker that prefills this prompt whose ITL SLO its steps put
+    # at risk: what the tie-break keeps low.
     prefill_beside: int = 0
-    # The decode worker can prefill for peers and decodes nothing yet: decoding there takes a
-    # free prefiller away.
-    takes_free_prefiller: bool = False
+    # Where the decode worker stands among those the tie-break prefers for decoding: a dedicated
+    # decode worker (False, 0) first, then workers of both kinds, the one running the most
+    # decodes first (True, -decodes): decodes gather, and the others stay free to prefill.
+    decode_lean: tuple[bool, int] = (False, 0)
 
     @property
     def failing(self) -> bool:
@@ -156,16 +157,16 @@ class PathPrediction:
         tenths = math.floor(10 * self.expected_misses(req) + 1e-9) / 10
         return tenths, self.violation(req)
 
-    def tie_break(self) -> tuple[int, bool, float]:
+    def tie_break(self) -> tuple[int, tuple[bool, int], float]:
         """Among candidates of equal rank and about as quick a first token (see `choose`): the
-        prefill beside the fewest running decodes (`prefill_beside`: a prompt that takes several
-        chunks next to decodes slows many of their steps, and their p99 gaps pass the SLO more
-        often than the step model predicts), then a decode worker that keeps a free prefiller
-        free (`takes_free_prefiller`: decodes gather where decodes run, and workers that do both
-        stay free to prefill, as a disaggregated split would), then the earliest predicted
-        second token (TTFT + ITL: of two equally fast prefills, the less busy decode worker
-        wins)."""
-        return self.prefill_beside, self.takes_free_prefiller, self.ttft_s + self.itl_s
+        prefill beside the fewest running decodes whose SLO it puts at risk (`prefill_beside`:
+        prefills placed beside decodes come again and again, and their p99 gaps pass the SLO
+        more often than the step model predicts), then a dedicated decode worker, then the worker
+        of both kinds running the most decodes (`decode_lean`: decodes gather where decodes run
+        and prefills go where none do, the split a disaggregated deployment makes, until the
+        expected misses say otherwise), then the earliest predicted second token (TTFT + ITL: of
+        two equally fast prefills, the less busy decode worker wins)."""
+        return self.prefill_beside, self.decode_lean, self.ttft_s + self.itl_s
 
     def violation(self, req: RequestShape) -> float:
         return max(0.0, self.ttft_s / req.slo_ttft_s - 1) + max(0.0, self.itl_s / req.slo_itl_s - 1)
@@ -199,8 +200,8 @@ def predict_colocated(req: RequestShape, d: WorkerState, bias: Bias) -> PathPred
         itl_tail=d.gap_tail(),
         itl_floor_s=d.typical_gap(),
         itl_beside_s=beside_floor(d, d.batch + 1, d.context + req.prompt_len, itl),
-        prefill_beside=_beside(d, n, prefill_pairs(n, cached), during),
-        takes_free_prefiller=_free_prefiller(d),
+        prefill_beside=_beside(d, during),
+        decode_lean=_lean(d),
     )
 
 
@@ -259,8 +260,8 @@ def predict_disaggregated(
         itl_tail=d.gap_tail(),
         itl_floor_s=d.typical_gap(),
         itl_beside_s=beside_floor(d, d.batch + 1, ctx, itl),
-        prefill_beside=_beside(p, n_p, prefill_pairs(n_p, cached_p), p_during),
-        takes_free_prefiller=_free_prefiller(d),
+        prefill_beside=_beside(p, p_during),
+        decode_lean=_lean(d),
     )
 
 
@@ -309,17 +310,16 @@ def beside_floor(w: WorkerState, batch: int, context: int, step_s: float) -> flo
     return w.model.chunked_s(tokens, pairs, batch, context)[1]
 
 
-def _beside(w: WorkerState, tokens: int, pairs: float, during_s: float) -> int:
+def _beside(w: WorkerState, during_s: float) -> int:
     """The decodes running on `w` whose ITL SLO is at risk (within twice the step `during_s`
-    they see beside the prefill, times the worker's tail) beside a prefill of `tokens` there,
-    when it takes more than one step (one step's worth of tokens slows one gap of each, which
-    no p99 over many gaps notices). A loose SLO is not at risk, and a request that can no
-    longer attain has none."""
-    if not w.batch or w.model.chunk_steps(tokens, pairs, w.batch, w.context) <= 1:
+    they see beside a prefill there, times the worker's tail). A loose SLO is not at risk, and
+    a request that can no longer attain has none."""
+    if not w.batch:
         return 0
     slowest = BESIDE_MARGIN * during_s * w.gap_tail()
     return sum(1 for slo in w.itl_slos() if slo < slowest)
 
 
-def _free_prefiller(d: WorkerState) -> bool:
-    return d.info.role == WorkerRole.BOTH and d.batch == 0
+def _lean(d: WorkerState) -> tuple[bool, int]:
+    both = d.info.role == WorkerRole.BOTH
+    return both, -d.batch if both else 0

@@ -467,8 +467,9 @@ def test_a_prompt_of_several_chunks_goes_where_no_decodes_run_when_its_first_tok
     to running decodes whose ITL SLO is within twice the steps it makes is prefilled where none
     run, though its first token comes later there, as long as it comes within a quarter of its
     TTFT SLO (and twice the quicker one): its chunks would slow many of their steps, and such
-    steps pass SLOs more often than the model predicts. A prompt of one chunk slows one step of
-    each and stays on the quicker path; so does one beside decodes whose SLO is loose."""
+    steps pass SLOs more often than the model predicts. A short prompt's step beside them stays
+    well under their SLO (none at risk) and it stays on the quicker path; so does a long one
+    beside decodes whose SLO is loose."""
     pl = planner()
     p = trained("prefill-0", "prefill")
     p.add_prefill("queued", 1000, prefill_pairs(1000, 0))  # the prefill worker is the slower
@@ -522,10 +523,11 @@ def test_workers_of_both_kinds_gather_decodes_and_keep_a_free_one_prefilling():
         for c in pl.candidates(req, [a, b], [a, b])
         if c.path is RoutePath.COLOCATED and c.decode_worker == "both-1"
     )
-    assert colocated_b.takes_free_prefiller and not chosen.takes_free_prefiller
+    assert colocated_b.decode_lean == (True, 0) and chosen.decode_lean == (True, -4)
     assert colocated_b.ttft_s < chosen.ttft_s  # the quicker first token, not taken
     decision = pl.decide(req, [a, b], [a, b])
-    assert decision.reason_code == "cost_free_prefiller", decision.reason
+    assert decision.reason_code == "cost_gather_decodes", decision.reason
+    assert "decodes gather on both-0 (4 decodes running there)" in decision.reason
     # both-0's gaps now near the SLO: a new request decoding there would miss.
     a.observe_gaps([0.19] * 95 + [0.25] * 5)
     a.update_tail()
@@ -537,8 +539,9 @@ def test_a_request_does_not_decode_beside_the_prefills_a_worker_keeps_running_fo
     """both-1 prefills for both-0 (four 1500-token prompts in the last half minute) and decodes
     two requests of its own, too few to have measured a tail: a request decoding there would see
     the steps beside those prefills as its p99 gap. The rule predicts that step, past the new
-    request's ITL SLO, and decodes it on both-0, which runs decodes only; a both-1 that has not
-    been prefilling would have taken it (a smaller batch)."""
+    request's ITL SLO, and decodes it on both-0, which runs decodes only, though its batch puts
+    the request near its SLO there; a both-1 that has not been prefilling would have taken it
+    (no miss expected there)."""
     pl = planner()
 
     def worker_pair(prefilling: bool) -> tuple[WorkerState, WorkerState]:
@@ -552,12 +555,24 @@ def test_a_request_does_not_decode_beside_the_prefills_a_worker_keeps_running_fo
 
     a, b = worker_pair(prefilling=True)
     step_a = a.model.decode_step_s(7, 7 * 400)
-    req = shape(64, seed=9, slo_itl=1.5 * step_a)
+    req = shape(64, seed=9, slo_itl=step_a / 0.97)  # on both-0: a miss of about a third
     decision = pl.decide(req, [a, b], [a, b])
     assert decision.chosen.decode_worker == "both-0", decision.reason
     on_b = [c for c in pl.candidates(req, [a, b], [a, b]) if c.decode_worker == "both-1"]
     assert all(c.itl_beside_s > req.slo_itl_s and c.new_miss(req) > 0.9 for c in on_b)
+    assert 0.1 < decision.chosen.new_miss(req) < 0.9
     a, b = worker_pair(prefilling=False)
     calm = pl.decide(req, [a, b], [a, b])
     assert calm.chosen.decode_worker == "both-1", calm.reason
     assert calm.chosen.itl_beside_s == 0.0
+
+
+def test_decodes_go_to_a_dedicated_decode_worker_before_one_of_both_kinds():
+    """A dedicated decode worker, idle, and a worker of both kinds already decoding five: the
+    decode gathers on the dedicated one (the worker of both kinds stays free to prefill)."""
+    pl = planner()
+    p = trained("prefill-0", "prefill")
+    d = trained("decode-0", "decode", seed=1)
+    b = with_decodes(trained("both-0", "both", seed=2), 5, 300, itl_slo_s=10.0)
+    chosen = pl.decide(shape(600, seed=4), [p, b], [d, b]).chosen
+    assert chosen.decode_worker == "decode-0" and chosen.decode_lean == (False, 0), chosen
