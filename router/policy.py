@@ -40,6 +40,7 @@ from router.predictions import (
     PathPrediction,
     RequestShape,
     choose,
+    eligible,
     predict_colocated,
     predict_disaggregated,
 )
@@ -108,9 +109,7 @@ def _tie_broken(
 ) -> str:
     """The reason code of a choice among candidates of equal rank, and its reason in words when
     the tie-break, not the quickest second token, decided."""
-    quickest = min(
-        (c for c in usable if c.rank(req) == chosen.rank(req)), key=lambda c: c.ttft_s + c.itl_s
-    )
+    quickest = min(eligible(usable, req), key=lambda c: c.ttft_s + c.itl_s)
     if quickest is chosen or quickest.tie_break() == chosen.tie_break():
         return "cost_ttft"
     where = f"{quickest.prefill_worker or quickest.decode_worker}->{quickest.decode_worker}"
@@ -219,6 +218,9 @@ class Planner:
     ) -> Decision:
         usable = [c for c in cands if not c.failing] or cands
         chosen = choose(usable, req)
+        # The chosen placement stands for its path (a path's best alone may differ: the TTFT
+        # tolerance is taken among all candidates).
+        best = tuple(chosen if b.path is chosen.path else b for b in best)
         others = [c for c in best if c.path is not chosen.path]
         parts = [
             f"{chosen.path.value}: {_misses(chosen, req)}, predicted TTFT {_ms(chosen.ttft_s)}"

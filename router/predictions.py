@@ -30,6 +30,8 @@ TTFT_TOLERANCE = 0.25
 # have one beside it; when they would slow more than BESIDE_SHARE of its gaps, its p99 gap is
 # the step beside one (see beside_floor).
 PREFILL_WINDOW_S = 30.0
+# Decodes gather on a worker of both kinds while its KV is under this share of its capacity.
+GATHER_MAX_LOAD = 0.8
 BESIDE_SHARE = 0.01
 # A running request's ITL SLO is at risk from chunks beside it when its steps beside them, times
 # the worker's tail, come within this factor of it (see _beside).
@@ -274,15 +276,20 @@ def ttft_tolerance(quickest_s: float, req: RequestShape) -> float:
     return max(0.0, min(share, quickest_s))
 
 
-def choose(cands: Sequence[PathPrediction], req: RequestShape) -> PathPrediction:
-    """The candidate to take: the best `rank`; among those of equal rank whose first token comes
-    within `ttft_tolerance` of the quickest's, the best `tie_break`."""
+def eligible(cands: Sequence[PathPrediction], req: RequestShape) -> list[PathPrediction]:
+    """The candidates of the best `rank` whose first token comes within `ttft_tolerance` of the
+    quickest of them: those the tie-break chooses among."""
     ranked = [(c.rank(req), c) for c in cands]
     best = min(r for r, _ in ranked)
     tied = [c for r, c in ranked if r == best]
     quickest = min(c.ttft_s for c in tied)
     limit = quickest + ttft_tolerance(quickest, req)
-    return min((c for c in tied if c.ttft_s <= limit), key=PathPrediction.tie_break)
+    return [c for c in tied if c.ttft_s <= limit]
+
+
+def choose(cands: Sequence[PathPrediction], req: RequestShape) -> PathPrediction:
+    """The candidate to take: the best `tie_break` among the `eligible`."""
+    return min(eligible(cands, req), key=PathPrediction.tie_break)
 
 
 def _decode_step(w: WorkerState, batch: int, context: int) -> float:
@@ -295,10 +302,10 @@ def _decode_step(w: WorkerState, batch: int, context: int) -> float:
 
 def beside_floor(w: WorkerState, batch: int, context: int, step_s: float) -> float:
     """The step `batch` decodes of total `context` see on `w` beside a prefill of the median
-    size of those placed there lately (or queued), when such prefills would slow more than
-    BESIDE_SHARE of a decoding request's gaps (their rate x the steps each takes x the step
-    `step_s`: the share of its time spent beside one); else 0. A request's ITL SLO holds its
-    p99 gap, which one slow step in a hundred sets."""
+    size of those placed there lately, when such prefills would slow more than BESIDE_SHARE of
+    a decoding request's gaps (their rate x the steps each takes x the step `step_s`: the share
+    of its time spent beside one), or some are queued there now; else 0. A request's ITL SLO
+    holds its p99 gap, which one slow step in a hundred sets."""
     recent = w.recent_prefills(PREFILL_WINDOW_S)
     if not recent:
         return 0.0
@@ -321,5 +328,10 @@ def _beside(w: WorkerState, during_s: float) -> int:
 
 
 def _lean(d: WorkerState) -> tuple[bool, int]:
-    both = d.info.role == WorkerRole.BOTH
-    return both, -d.batch if both else 0
+    """See PathPrediction.decode_lean: a worker of both kinds gathers decodes while it has room
+    (a free sequence slot, KV under GATHER_MAX_LOAD); past that it comes last, the fullest
+    last."""
+    if d.info.role != WorkerRole.BOTH:
+        return False, 0
+    room = d.batch + 1 <= d.info.max_num_seqs and d.load_score < GATHER_MAX_LOAD
+    return True, -d.batch if room else d.batch

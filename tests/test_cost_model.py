@@ -14,7 +14,7 @@ from router.cost_model import Bias, StepTimeModel, TransferTimeModel, prefill_pa
 from router.fake_backend import fake_info
 from router.policy import Planner, Policy, PolicyConfig, RequestShape, pick_decode
 from router.pool_state import WorkerState
-from router.predictions import caused_misses, choose, ttft_tolerance
+from router.predictions import beside_floor, caused_misses, choose, ttft_tolerance
 from router.vocab import RoutePath
 
 # The "true" step time of the injected workers: 20 ms + 2 ms/token + attention terms.
@@ -500,7 +500,7 @@ def test_a_prompt_of_several_chunks_goes_where_no_decodes_run_when_its_first_tok
     assert choose([colo, replace(slow, ttft_s=1.9 * colo.ttft_s)], loose).prefill_beside == 0
     short = pl.decide(shape(64, seed=4, slo_ttft=20.0), [p], [d])
     assert short.chosen.path is RoutePath.COLOCATED
-    assert short.chosen.prefill_beside == 0  # one chunk
+    assert short.chosen.prefill_beside == 0  # its step beside them: far under their SLO
 
 
 def test_workers_of_both_kinds_gather_decodes_and_keep_a_free_one_prefilling():
@@ -576,3 +576,54 @@ def test_decodes_go_to_a_dedicated_decode_worker_before_one_of_both_kinds():
     b = with_decodes(trained("both-0", "both", seed=2), 5, 300, itl_slo_s=10.0)
     chosen = pl.decide(shape(600, seed=4), [p, b], [d, b]).chosen
     assert chosen.decode_worker == "decode-0" and chosen.decode_lean == (False, 0), chosen
+
+
+def test_the_bias_of_one_prompt_size_adds_and_stops_scaling_past_what_it_saw():
+    """A path that saw short prompts only, each 40 ms late: the error adds (a 2 s prediction
+    becomes 2.04 s, not 2 s times the short prompts' ratio); one that saw predictions up to 1 s
+    at half their length scales them to 1 s, and adds beyond."""
+    short = Bias()
+    for _ in range(7):
+        short.observe(0.05, 0.09)
+    assert short.apply(2.0) == 2.0  # 7 first tokens: too few to say anything
+    short.observe(0.05, 0.09)
+    assert short.apply(0.05) == pytest.approx(0.09)
+    assert short.apply(2.0) == pytest.approx(2.04)
+    halved = Bias()
+    for raw in np.linspace(0.2, 1.0, 20):
+        halved.observe(float(raw), 0.5 * float(raw))
+    assert halved.apply(0.6) == pytest.approx(0.3, rel=0.02)
+    assert halved.apply(3.0) == pytest.approx(0.5 + 2.0, rel=0.02)
+
+
+def test_decodes_gather_on_the_busiest_worker_of_both_kinds_that_has_room():
+    """Three workers of both kinds decoding 3, 6 and 9 requests (loose SLOs: no miss expected
+    anywhere): a new decode goes to the one running 9; once that one has no free sequence
+    slot, to the one running 6."""
+    pl = planner()
+    ws = [
+        with_decodes(trained(f"both-{i}", "both", seed=i), n, 300, itl_slo_s=10.0)
+        for i, n in enumerate((3, 6, 9))
+    ]
+    req = shape(100, seed=6)
+    assert pl.decide(req, ws, ws).chosen.decode_worker == "both-2"
+    full = replace(ws[2].info, max_num_seqs=9)
+    ws[2].info = full
+    chosen = pl.decide(req, ws, ws).chosen
+    assert chosen.decode_worker == "both-1", chosen
+    on_full = [c for c in pl.candidates(req, ws, ws) if c.decode_worker == "both-2"]
+    assert all(c.decode_lean == (True, 9) for c in on_full)
+
+
+def test_a_worker_prefilling_now_and_then_sets_no_floor_under_a_decode_there():
+    """One short prompt prefilled in the last half minute slows well under 1% of a decoding
+    request's gaps: no floor. Twenty do."""
+    d = with_decodes(trained("both-0", "both", seed=1), 4, 300, itl_slo_s=10.0)
+    step = d.model.decode_step_s(5, 5 * 300)
+    d.add_prefill("once", 200, prefill_pairs(200, 0))
+    d.done("once")
+    assert beside_floor(d, 5, 5 * 300, step) == 0.0
+    for i in range(20):
+        d.add_prefill(f"often-{i}", 200, prefill_pairs(200, 0))
+        d.done(f"often-{i}")
+    assert beside_floor(d, 5, 5 * 300, step) > step
