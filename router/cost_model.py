@@ -255,11 +255,6 @@ class Bias:
             self._obs.append((predicted_s, measured_s))
             self._fit = None
 
-    @property
-    def coefficients(self) -> tuple[float, float]:
-        """(fixed seconds, scale)."""
-        return self._coefficients()[:2]
-
     def _coefficients(self) -> tuple[float, float, float]:
         """(fixed, scale, the largest prediction they hold for)."""
         if self._fit is None:

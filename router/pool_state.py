@@ -77,15 +77,14 @@ class WorkerState:
         self._typical_gap = 0.0  # typical_gap(), likewise
 
     # -- what the router placed here -----------------------------------------------------------
-    def add_prefill(self, rid: str, tokens: int, pairs: float, now: float | None = None) -> None:
+    def add_prefill(self, rid: str, tokens: int, pairs: float) -> None:
         self._prefills[rid] = _Prefill(tokens, pairs)
-        t = time.monotonic() if now is None else now
-        self._placed.append((t, tokens, pairs))
+        self._placed.append((time.monotonic(), tokens, pairs))
 
-    def recent_prefills(self, window_s: float, now: float | None = None) -> list[tuple[int, float]]:
+    def recent_prefills(self, window_s: float) -> list[tuple[int, float]]:
         """(tokens, pairs) of the prefills placed here in the last `window_s`."""
-        t = time.monotonic() if now is None else now
-        return [(n, pairs) for at, n, pairs in self._placed if at >= t - window_s and n > 0]
+        since = time.monotonic() - window_s
+        return [(n, pairs) for at, n, pairs in self._placed if at >= since and n > 0]
 
     def add_decode(self, rid: str, context: int, itl_slo_s: float) -> None:
         self._decodes[rid] = _Decode(context, itl_slo_s)

@@ -30,9 +30,9 @@ TTFT_TOLERANCE = 0.25
 # have one beside it; when they would slow more than BESIDE_SHARE of its gaps, its p99 gap is
 # the step beside one (see beside_floor).
 PREFILL_WINDOW_S = 30.0
+BESIDE_SHARE = 0.01
 # Decodes gather on a worker of both kinds while its KV is under this share of its capacity.
 GATHER_MAX_LOAD = 0.8
-BESIDE_SHARE = 0.01
 # A running request's ITL SLO is at risk from chunks beside it when its steps beside them, times
 # the worker's tail, come within this factor of it (see _beside).
 BESIDE_MARGIN = 2.0
@@ -321,8 +321,6 @@ def _beside(w: WorkerState, during_s: float) -> int:
     """The decodes running on `w` whose ITL SLO is at risk (within twice the step `during_s`
     they see beside a prefill there, times the worker's tail). A loose SLO is not at risk, and
     a request that can no longer attain has none."""
-    if not w.batch:
-        return 0
     slowest = BESIDE_MARGIN * during_s * w.gap_tail()
     return sum(1 for slo in w.itl_slos() if slo < slowest)
 
