@@ -22,6 +22,12 @@ The exposed KV transfer time (first token sampled -> send ended; layer-wise stre
 rest behind the prefill) is a second linear model, `latency + bytes / bandwidth`, fitted from the
 prefill worker's latest transfer measurements and seeded from a nominal bandwidth.
 
+Workers on one node share more than their own devices (its cores and memory bandwidth where they
+run on CPUs, the host threads that drive GPUs): a worker's steps run slower while a peer on its node
+is busy. `HostShare` measures by how much, per node; each worker's model is fitted on its steps
+with that share divided out, and predicts them with it multiplied in while a peer is busy
+(`StepTimeModel.scale`), so that a choice which sets an idle peer decoding can be priced.
+
 TTFT predictions also carry a per-path correction (`Bias`: measured = fixed + scale x predicted,
 fitted over the path's latest first tokens), which absorbs what neither model sees: RPC hops,
 token delivery, the engine thread's wake-up, queues over- or under-estimated.
@@ -42,6 +48,8 @@ from engine.step_stats import StepStat
 from worker_protocol.messages import WorkerInfo
 
 NUM_FEATURES = 4
+# Steps a worker's model has seen before HostShare compares its predictions with measured steps.
+SETTLED_STEPS = 100
 
 
 def prefill_pairs(n: int, cached: int) -> float:
@@ -120,17 +128,35 @@ class StepTimeModel:
         self.fit = OnlineRidge(seed, typical, prior_steps, decay)
         self.budget = info.max_num_batched_tokens
         self.step_target_s = info.step_target_s
+        # How much slower than alone its steps run now (a busy peer on its node: HostShare); the
+        # fit holds its steps alone, predictions are multiplied by this.
+        self.scale = 1.0
         self._w: StepCoefficients | None = None  # the fit as plain floats (predictions are hot)
 
-    def observe(self, s: StepStat) -> None:
+    def observe(self, s: StepStat, scale: float = 1.0) -> None:
+        """A step the worker measured while its steps ran `scale` times slower than alone."""
         x = np.array([1.0, s.tokens, s.prefill_pairs, s.decode_context])
-        self.fit.observe(x, s.seconds)
+        self.fit.observe(x, s.seconds / scale)
         self._w = None
+
+    @property
+    def settled(self) -> bool:
+        """Whether it has seen enough steps that its predictions are measured, not the seed."""
+        return self.fit.n >= SETTLED_STEPS
+
+    def alone_s(self, s: StepStat) -> float:
+        """What the fit predicts for the shape of step `s`, taken alone on its node."""
+        return float(self.fit.w @ np.array([1.0, s.tokens, s.prefill_pairs, s.decode_context]))
+
+    def set_scale(self, scale: float) -> None:
+        if scale != self.scale:
+            self.scale = scale
+            self._w = None
 
     @property
     def coefficients(self) -> StepCoefficients:
         if self._w is None:
-            self._w = StepCoefficients(*(float(v) for v in self.fit.w))
+            self._w = StepCoefficients(*(float(v) * self.scale for v in self.fit.w))
         return self._w
 
     def step_s(self, tokens: float, pairs: float, decode_context: float) -> float:
@@ -189,6 +215,37 @@ class StepTimeModel:
             at_end = fixed + min(MIN_CHUNK, tokens) * (w1 + 2.0 * w2 * pairs / tokens)
             during = max(during, at_end)
         return total, during
+
+
+class HostShare:
+    """How much slower the steps of the workers on one node run while another worker there is
+    busy than while none is: the median of measured over predicted steps (the model of each
+    step's worker, fitted alone) with a peer busy, over that without, each over its latest
+    `window` steps. 1 (no share) until `min_samples` of each kind were seen, and within [1,
+    MAX_FACTOR]. Workers on separate GPUs of a node measure about 1; CPU workers sharing a
+    node's cores and memory bandwidth measure more."""
+
+    MAX_FACTOR = 4.0
+
+    def __init__(self, window: int = 128, min_samples: int = 32) -> None:
+        self.min_samples = min_samples
+        self._logs: dict[bool, deque[float]] = {b: deque(maxlen=window) for b in (False, True)}
+        self._factor: float | None = 1.0
+
+    def observe(self, predicted_s: float, measured_s: float, peer_busy: bool) -> None:
+        if predicted_s > 0 and measured_s > 0:
+            self._logs[peer_busy].append(math.log(measured_s / predicted_s))
+            self._factor = None
+
+    @property
+    def factor(self) -> float:
+        if self._factor is None:
+            alone, shared = self._logs[False], self._logs[True]
+            f = 1.0
+            if min(len(alone), len(shared)) >= self.min_samples:
+                f = math.exp(float(np.median(shared)) - float(np.median(alone)))
+            self._factor = min(self.MAX_FACTOR, max(1.0, f))
+        return self._factor
 
 
 class TransferTimeModel:

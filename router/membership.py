@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from router.core_types import Backend
-from router.cost_model import HandoffHealth
+from router.cost_model import HandoffHealth, HostShare
 from router.pool_state import WorkerState
 from router.stats import StatsSink
 from worker_protocol.messages import WorkerInfo, WorkerLoad, WorkerRole
@@ -25,6 +25,10 @@ class Membership:
         self.health = health
         self.sink = sink
         self.states = {i.worker_id: WorkerState(i) for i in infos}
+        # One HostShare per node, shared by the books of the workers on it.
+        self._hosts: dict[str, HostShare] = {}
+        for state in self.states.values():
+            state.host = self._hosts.setdefault(state.info.node_ip, state.host)
         self._gone: set[tuple[str, int]] = set()  # (worker, incarnation) out of the pools
         self._deaths_seen = 0  # of backend.dead, already reported
         self._restarts_seen: dict[WorkerRole, int] = {}  # backend.restarts, already reported
@@ -38,6 +42,7 @@ class Membership:
             if state is not None:
                 self.health.forget(worker_id)
             state = self.states[worker_id] = WorkerState(info)
+            state.host = self._hosts.setdefault(info.node_ip, state.host)
         return state
 
     def pools(self) -> tuple[list[WorkerState], list[WorkerState]]:
@@ -49,14 +54,19 @@ class Membership:
         """The workers' polled load, into the books of the incarnation that reported it; then
         what changed in the pools since the last call, to the sink."""
         self.pools()  # books for workers that joined since
+        b = self.backend
+        members = [self.state(w) for w in dict.fromkeys([*b.prefill_ids, *b.decode_ids])]
         for load in loads:
             state = self.states.get(load.worker_id)
             if state is not None and state.info.incarnation == load.incarnation:
-                state.absorb(load)
+                node = state.info.node_ip
+                peer_busy = any(
+                    o.busy for o in members if o is not state and o.info.node_ip == node
+                )
+                state.absorb(load, peer_busy)
                 state.update_tail()
         # A draining worker still answers polls, but its figures left the metrics already.
         self.sink.loads([ld for ld in loads if (ld.worker_id, ld.incarnation) not in self._gone])
-        b = self.backend
         counts = dict.fromkeys(WorkerRole, 0)
         decoding: dict[tuple[str, str], int] = {}
         for w in dict.fromkeys([*b.prefill_ids, *b.decode_ids]):  # a worker doing both: once

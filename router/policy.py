@@ -143,14 +143,15 @@ class Planner:
     def candidates(
         self, req: RequestShape, prefill: Sequence[WorkerState], decode: Sequence[WorkerState]
     ) -> list[PathPrediction]:
-        out = [predict_colocated(req, d, self.bias[RoutePath.COLOCATED]) for d in decode]
+        workers = list({id(w): w for w in [*prefill, *decode]}.values())
+        out = [predict_colocated(req, d, self.bias[RoutePath.COLOCATED], workers) for d in decode]
         local = {c.decode_worker: c.ttft_s for c in out}
         b = self.bias[RoutePath.DISAGGREGATED]
         for p in prefill:
             for d in decode:
                 if p.worker_id == d.worker_id:
                     continue  # one worker doing both for a request: the colocated candidate
-                c = predict_disaggregated(req, p, d, self.transfer, b)
+                c = predict_disaggregated(req, p, d, self.transfer, b, workers)
                 rate = self.health.failure_rate(p.worker_id, d.worker_id)
                 if rate > 0:
                     wasted = self.health.wasted_s(p.worker_id, d.worker_id)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.prefix_hash import max_cacheable_tokens
-from router.cost_model import StepTimeModel
+from router.cost_model import HostShare, StepTimeModel
 from worker_protocol.messages import WorkerInfo, WorkerLoad
 
 
@@ -63,6 +63,10 @@ class WorkerState:
         self.info = info
         self.worker_id = info.worker_id
         self.model = StepTimeModel(info)
+        # How much slower steps run on its node while a peer there is busy: one per node, shared
+        # by its workers (router/membership.py); and whether one was, at the last poll.
+        self.host = HostShare()
+        self.peer_busy = False
         self.prefix = PrefixIndex(info.num_blocks)
         self._prefills: dict[str, _Prefill] = {}
         self._decodes: dict[str, _Decode] = {}
@@ -126,6 +130,11 @@ class WorkerState:
     @property
     def queued_pairs(self) -> float:
         return sum(p.pairs for p in self._prefills.values())
+
+    @property
+    def busy(self) -> bool:
+        """Whether it prefills or decodes anything the router placed there."""
+        return bool(self._prefills or self._decodes)
 
     @property
     def batch(self) -> int:
@@ -205,10 +214,21 @@ class WorkerState:
         held = self.prefix.match(hashes) * self.info.block_size
         return min(held, max_cacheable_tokens(prompt_len, self.info.block_size))
 
-    def absorb(self, load: WorkerLoad) -> None:
+    def absorb(self, load: WorkerLoad, peer_busy: bool = False) -> None:
+        """Its polled load; `peer_busy`: whether another worker on its node was busy meanwhile
+        (its steps then ran HostShare.factor times slower: the model learns them without it)."""
         self.load = load
+        self.peer_busy = peer_busy
+        scale = self.host.factor if peer_busy else 1.0
         for s in load.steps:
-            self.model.observe(s)
+            if self.model.settled:
+                self.host.observe(self.model.alone_s(s), s.seconds, peer_busy)
+            self.model.observe(s, scale)
+        self.model.set_scale(self.host.factor if peer_busy else 1.0)
+
+    def shared_slowdown(self) -> float:
+        """How much slower its steps would run with a peer on its node busy than they run now."""
+        return self.host.factor / self.model.scale
 
     @property
     def kv_usage(self) -> float:

@@ -2,8 +2,9 @@
 for the disaggregated path over a pair (P, D), the predicted TTFT (queue + prefill + exposed
 transfer, with the path's bias), the request's own ITL, the ITL that the requests already
 decoding on D (and on P, when P decodes too) see meanwhile, and from these the SLO misses to
-expect: the new request's own, and those it causes among the running requests. The policies
-(router/policy.py) choose among these."""
+expect: the new request's own, and those it causes among the running requests (on D and P, and
+on their node's other workers, which a worker set decoding slows where they share the node). The
+policies (router/policy.py) choose among these."""
 
 from __future__ import annotations
 
@@ -64,6 +65,26 @@ def caused_misses(w: WorkerState, during_s: float, before_s: float) -> float:
     return sum(
         max(0.0, miss_chance(with_it, slo) - miss_chance(without, slo)) for slo in w.itl_slos()
     )
+
+
+def shared_misses(d: WorkerState, workers: Sequence[WorkerState]) -> float:
+    """The misses that setting `d` decoding causes among the requests decoding on the other
+    workers of its node (`workers`: every worker the router knows): where no peer of theirs is
+    busy now, their steps run alone, and while `d` decodes they run HostShare.factor times slower
+    (`shared_slowdown`; about 1 where workers share little, as on separate GPUs). A prefill there
+    passes in a few steps, which the measured gaps and tail see when they come often; a decode
+    lasts for all of a request's output. 0 when `d` decodes already."""
+    if d.batch:
+        return 0.0
+    total = 0.0
+    for o in workers:
+        if o is d or not o.batch or o.info.node_ip != d.info.node_ip:
+            continue
+        slower = o.shared_slowdown()
+        if slower > 1.0:
+            before = _decode_step(o, o.batch, o.context)
+            total += caused_misses(o, before * slower, before)
+    return total
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +195,9 @@ class PathPrediction:
         return max(0.0, self.ttft_s / req.slo_ttft_s - 1) + max(0.0, self.itl_s / req.slo_itl_s - 1)
 
 
-def predict_colocated(req: RequestShape, d: WorkerState, bias: Bias) -> PathPrediction:
+def predict_colocated(
+    req: RequestShape, d: WorkerState, bias: Bias, workers: Sequence[WorkerState] = ()
+) -> PathPrediction:
     cached = d.cached_tokens(req.hashes, req.prompt_len)
     n = req.prompt_len - cached
     tokens = d.queued_tokens + n
@@ -198,7 +221,8 @@ def predict_colocated(req: RequestShape, d: WorkerState, bias: Bias) -> PathPred
         transfer_s=0.0,
         uncached_tokens=n,
         transfer_bytes=0,
-        caused_misses=caused_misses(d, during, before) if d.batch else 0.0,
+        caused_misses=(caused_misses(d, during, before) if d.batch else 0.0)
+        + shared_misses(d, workers),
         itl_tail=d.gap_tail(),
         itl_floor_s=d.typical_gap(),
         itl_beside_s=beside_floor(d, d.batch + 1, d.context + req.prompt_len, itl),
@@ -213,6 +237,7 @@ def predict_disaggregated(
     d: WorkerState,
     transfer: TransferTimeModel,
     bias: Bias,
+    workers: Sequence[WorkerState] = (),
 ) -> PathPrediction:
     cached_p = p.cached_tokens(req.hashes, req.prompt_len)
     n_p = req.prompt_len - cached_p
@@ -242,6 +267,7 @@ def predict_disaggregated(
         running = _decode_step(d, d.batch + 1, ctx)
         before = _decode_step(d, d.batch, d.context)
         caused += caused_misses(d, running, before)
+    caused += shared_misses(d, workers)
     return PathPrediction(
         path=RoutePath.DISAGGREGATED,
         prefill_worker=p.worker_id,

@@ -10,12 +10,22 @@ import pytest
 
 from engine.prefix_hash import block_hashes
 from engine.step_stats import StepStat
-from router.cost_model import Bias, StepTimeModel, TransferTimeModel, prefill_pairs
-from router.fake_backend import fake_info
+from router.cost_model import (
+    Bias,
+    HandoffHealth,
+    HostShare,
+    StepTimeModel,
+    TransferTimeModel,
+    prefill_pairs,
+)
+from router.fake_backend import FakeBackend, fake_info
+from router.membership import Membership
 from router.policy import Planner, Policy, PolicyConfig, RequestShape, pick_decode
 from router.pool_state import WorkerState
 from router.predictions import beside_floor, caused_misses, choose, ttft_tolerance
+from router.stats import NullSink
 from router.vocab import RoutePath
+from worker_protocol.messages import WorkerInfo, WorkerLoad
 
 # The "true" step time of the injected workers: 20 ms + 2 ms/token + attention terms.
 TRUE = np.array([0.020, 0.002, 2e-7, 1e-7])
@@ -627,3 +637,104 @@ def test_a_worker_prefilling_now_and_then_sets_no_floor_under_a_decode_there():
         d.add_prefill(f"often-{i}", 200, prefill_pairs(200, 0))
         d.done(f"often-{i}")
     assert beside_floor(d, 5, 5 * 300, step) > step
+
+
+def _shape_steps(rng: np.random.Generator, n: int, slower: float) -> tuple[StepStat, ...]:
+    """`n` steps of mixed shapes timed by TRUE, `slower` times over."""
+    out = []
+    for _ in range(n):
+        batch = int(rng.integers(1, 16))
+        ctx = batch * int(rng.integers(16, 512))
+        chunk = int(rng.choice([0, 0, 64, 256]))
+        pairs = prefill_pairs(chunk, 0)
+        out.append(
+            StepStat(
+                batch + chunk,
+                chunk,
+                pairs,
+                batch,
+                ctx,
+                slower * true_step(batch + chunk, pairs, ctx),
+            )
+        )
+    return tuple(out)
+
+
+def test_workers_on_one_node_measure_how_much_slower_their_steps_run_beside_a_busy_peer():
+    """both-0 and both-1 share a node; both-2 is on another. both-1's steps run 1.3x slower while
+    both-0 has work: the node's share says 1.3 (both-2's, 1), both-1's model learns its steps
+    alone and predicts them 1.3x slower while both-0 is busy."""
+
+    class TwoNodes(FakeBackend):
+        def worker_info(self, worker_id: str) -> WorkerInfo:
+            node = "10.0.0.2" if worker_id == "both-2" else "10.0.0.1"
+            return replace(super().worker_info(worker_id), node_ip=node)
+
+    backend = TwoNodes(num_prefill=0, num_decode=0, num_both=3)
+    infos = [backend.worker_info(w) for w in ("both-0", "both-1", "both-2")]
+    m = Membership(backend, infos, HandoffHealth(), NullSink())
+    a, b, c = (m.state(f"both-{i}") for i in range(3))
+    assert a.host is b.host and c.host is not a.host
+    rng = np.random.default_rng(7)
+
+    def poll(busy_a: bool) -> None:
+        if busy_a:
+            a.add_decode("r", 100, 1.0)
+        else:
+            a.finish("r")
+        slower = 1.3 if busy_a else 1.0
+        m.absorb(
+            [
+                WorkerLoad(w.worker_id, w.info.role, 0, 0, 0, 0.0, 1024, 1024, 0, steps=steps)
+                for w, steps in ((b, _shape_steps(rng, 4, slower)), (c, _shape_steps(rng, 4, 1.0)))
+            ]
+        )
+
+    for _ in range(250):  # both-1 learns its steps alone first
+        poll(busy_a=False)
+    assert a.host.factor == 1.0
+    for i in range(60):
+        poll(busy_a=i % 2 == 0)
+    assert a.host.factor == pytest.approx(1.3, rel=0.03)
+    assert c.host.factor == 1.0
+    assert not b.peer_busy and b.model.scale == 1.0  # the last poll: both-0 idle
+    alone = b.model.decode_step_s(8, 8 * 200)
+    assert alone == pytest.approx(true_step(8, 0, 8 * 200), rel=0.05)
+    assert b.shared_slowdown() == pytest.approx(1.3, rel=0.03)
+    poll(busy_a=True)
+    assert b.peer_busy and b.shared_slowdown() == 1.0
+    assert b.model.decode_step_s(8, 8 * 200) == pytest.approx(1.3 * alone, rel=0.05)
+
+
+def test_a_decode_set_going_beside_a_peers_decodes_counts_the_misses_their_slower_steps_make():
+    """both-0 decodes four requests 15% under their ITL SLO; both-1 is idle. Where they share a
+    node whose steps run 1.3x slower beside a busy peer, a short prompt colocated on both-1 would
+    push both-0's requests past their SLO: it decodes on both-0. On nodes of their own (or a
+    share of 1), colocating on both-1 costs nothing."""
+    pl = planner()
+    a = with_decodes(trained("both-0", "both", seed=1), 4, 400, itl_slo_s=0.0)
+    b = trained("both-1", "both", seed=2)
+    step = a.model.decode_step_s(4, 4 * 400)
+    for rid in list(a._decodes):
+        a._decodes[rid].itl_slo_s = step / 0.85
+    req = shape(64, seed=8, slo_ttft=20.0, slo_itl=0.2)
+    apart = pl.decide(req, [a, b], [a, b]).chosen
+    assert (apart.path, apart.decode_worker) == (RoutePath.COLOCATED, "both-1"), apart
+    assert apart.caused_misses == 0.0
+    share = HostShare()
+    for _ in range(64):
+        share.observe(1.0, 1.0, peer_busy=False)
+        share.observe(1.0, 1.3, peer_busy=True)
+    a.host = b.host = share
+    b.absorb(WorkerLoad("both-1", b.info.role, 0, 0, 0, 0.0, 1024, 1024, 0), peer_busy=True)
+    colocated_b = next(
+        c
+        for c in pl.candidates(req, [a, b], [a, b])
+        if c.path is RoutePath.COLOCATED and c.decode_worker == "both-1"
+    )
+    assert colocated_b.caused_misses > 3.0, colocated_b
+    shared = pl.decide(req, [a, b], [a, b]).chosen
+    assert shared.decode_worker == "both-0", shared
+    # Another node: its decodes slow nothing on both-0's.
+    b.info = replace(b.info, node_ip="10.0.0.9")
+    assert pl.decide(req, [a, b], [a, b]).chosen.decode_worker == "both-1"
