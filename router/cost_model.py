@@ -23,10 +23,9 @@ rest behind the prefill) is a second linear model, `latency + bytes / bandwidth`
 prefill worker's latest transfer measurements and seeded from a nominal bandwidth.
 
 Workers on one node share more than their own devices (its cores and memory bandwidth where they
-run on CPUs, the host threads that drive GPUs): a worker's steps run slower while a peer on its node
-is busy. `HostShare` measures by how much, per node; each worker's model is fitted on its steps
-with that share divided out, and predicts them with it multiplied in while a peer is busy
-(`StepTimeModel.scale`), so that a choice which sets an idle peer decoding can be priced.
+run on CPUs): a worker's steps run slower while a peer on its node is busy. router/host_share.py
+measures by how much; each worker's model is fitted on its steps with that share divided out, and
+its predictions carry it (`StepTimeModel.scale`) while a peer is busy.
 
 TTFT predictions also carry a per-path correction (`Bias`: measured = fixed + scale x predicted,
 fitted over the path's latest first tokens), which absorbs what neither model sees: RPC hops,
@@ -38,7 +37,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -48,7 +47,8 @@ from engine.step_stats import StepStat
 from worker_protocol.messages import WorkerInfo
 
 NUM_FEATURES = 4
-# Steps a worker's model has seen before HostShare compares its predictions with measured steps.
+# Steps a worker's model has seen before its predictions are compared with measured steps
+# (router/host_share.py).
 SETTLED_STEPS = 100
 
 
@@ -144,9 +144,10 @@ class StepTimeModel:
         """Whether it has seen enough steps that its predictions are measured, not the seed."""
         return self.fit.n >= SETTLED_STEPS
 
-    def alone_s(self, s: StepStat) -> float:
-        """What the fit predicts for the shape of step `s`, taken alone on its node."""
-        return float(self.fit.w @ np.array([1.0, s.tokens, s.prefill_pairs, s.decode_context]))
+    def alone_s(self, steps: Sequence[StepStat]) -> np.ndarray:
+        """What the fit predicts for the shapes of `steps`, each taken alone on its node."""
+        x = np.array([[1.0, s.tokens, s.prefill_pairs, s.decode_context] for s in steps])
+        return x @ self.fit.w
 
     def set_scale(self, scale: float) -> None:
         if scale != self.scale:
@@ -155,6 +156,7 @@ class StepTimeModel:
 
     @property
     def coefficients(self) -> StepCoefficients:
+        """The fit's coefficients times `scale`: its steps as they run now."""
         if self._w is None:
             self._w = StepCoefficients(*(float(v) * self.scale for v in self.fit.w))
         return self._w
@@ -215,37 +217,6 @@ class StepTimeModel:
             at_end = fixed + min(MIN_CHUNK, tokens) * (w1 + 2.0 * w2 * pairs / tokens)
             during = max(during, at_end)
         return total, during
-
-
-class HostShare:
-    """How much slower the steps of the workers on one node run while another worker there is
-    busy than while none is: the median of measured over predicted steps (the model of each
-    step's worker, fitted alone) with a peer busy, over that without, each over its latest
-    `window` steps. 1 (no share) until `min_samples` of each kind were seen, and within [1,
-    MAX_FACTOR]. Workers on separate GPUs of a node measure about 1; CPU workers sharing a
-    node's cores and memory bandwidth measure more."""
-
-    MAX_FACTOR = 4.0
-
-    def __init__(self, window: int = 128, min_samples: int = 32) -> None:
-        self.min_samples = min_samples
-        self._logs: dict[bool, deque[float]] = {b: deque(maxlen=window) for b in (False, True)}
-        self._factor: float | None = 1.0
-
-    def observe(self, predicted_s: float, measured_s: float, peer_busy: bool) -> None:
-        if predicted_s > 0 and measured_s > 0:
-            self._logs[peer_busy].append(math.log(measured_s / predicted_s))
-            self._factor = None
-
-    @property
-    def factor(self) -> float:
-        if self._factor is None:
-            alone, shared = self._logs[False], self._logs[True]
-            f = 1.0
-            if min(len(alone), len(shared)) >= self.min_samples:
-                f = math.exp(float(np.median(shared)) - float(np.median(alone)))
-            self._factor = min(self.MAX_FACTOR, max(1.0, f))
-        return self._factor
 
 
 class TransferTimeModel:

@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from router.core_types import Backend
-from router.cost_model import HandoffHealth, HostShare
-from router.pool_state import WorkerState
+from router.cost_model import HandoffHealth
+from router.host_share import HostShare
+from router.pool_state import WorkerState, peer_busy
 from router.stats import StatsSink
 from worker_protocol.messages import WorkerInfo, WorkerLoad, WorkerRole
 
@@ -28,7 +29,7 @@ class Membership:
         # One HostShare per node, shared by the books of the workers on it.
         self._hosts: dict[str, HostShare] = {}
         for state in self.states.values():
-            state.host = self._hosts.setdefault(state.info.node_ip, state.host)
+            self._share_node(state)
         self._gone: set[tuple[str, int]] = set()  # (worker, incarnation) out of the pools
         self._deaths_seen = 0  # of backend.dead, already reported
         self._restarts_seen: dict[WorkerRole, int] = {}  # backend.restarts, already reported
@@ -42,8 +43,13 @@ class Membership:
             if state is not None:
                 self.health.forget(worker_id)
             state = self.states[worker_id] = WorkerState(info)
-            state.host = self._hosts.setdefault(info.node_ip, state.host)
+            self._share_node(state)
         return state
+
+    def _share_node(self, state: WorkerState) -> None:
+        """Give `state` its node's HostShare (a worker whose node is unknown keeps its own)."""
+        if state.info.node_ip:
+            state.host = self._hosts.setdefault(state.info.node_ip, state.host)
 
     def pools(self) -> tuple[list[WorkerState], list[WorkerState]]:
         """The books of the workers that take requests now: (prefill, decode)."""
@@ -59,11 +65,7 @@ class Membership:
         for load in loads:
             state = self.states.get(load.worker_id)
             if state is not None and state.info.incarnation == load.incarnation:
-                node = state.info.node_ip
-                peer_busy = any(
-                    o.busy for o in members if o is not state and o.info.node_ip == node
-                )
-                state.absorb(load, peer_busy)
+                state.absorb(load, peer_busy(state, members))
                 state.update_tail()
         # A draining worker still answers polls, but its figures left the metrics already.
         self.sink.loads([ld for ld in loads if (ld.worker_id, ld.incarnation) not in self._gone])

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.cost_model import Bias, HandoffHealth, TransferTimeModel
-from router.pool_state import WorkerState
+from router.pool_state import WorkerState, peer_busy
 from router.predictions import (
     MAX_FAILURE_RATE,
     PathPrediction,
@@ -43,6 +43,7 @@ from router.predictions import (
     eligible,
     predict_colocated,
     predict_disaggregated,
+    shared_misses,
 )
 from router.vocab import RoutePath
 
@@ -144,14 +145,20 @@ class Planner:
         self, req: RequestShape, prefill: Sequence[WorkerState], decode: Sequence[WorkerState]
     ) -> list[PathPrediction]:
         workers = list({id(w): w for w in [*prefill, *decode]}.values())
-        out = [predict_colocated(req, d, self.bias[RoutePath.COLOCATED], workers) for d in decode]
+        for w in workers:  # the node's share, as the books stand now (the poll is older)
+            w.set_peer_busy(peer_busy(w, workers))
+        shared = {d.worker_id: shared_misses(d, workers) for d in decode}
+        out = [
+            predict_colocated(req, d, self.bias[RoutePath.COLOCATED], shared[d.worker_id])
+            for d in decode
+        ]
         local = {c.decode_worker: c.ttft_s for c in out}
         b = self.bias[RoutePath.DISAGGREGATED]
         for p in prefill:
             for d in decode:
                 if p.worker_id == d.worker_id:
                     continue  # one worker doing both for a request: the colocated candidate
-                c = predict_disaggregated(req, p, d, self.transfer, b, workers)
+                c = predict_disaggregated(req, p, d, self.transfer, b, shared[d.worker_id])
                 rate = self.health.failure_rate(p.worker_id, d.worker_id)
                 if rate > 0:
                     wasted = self.health.wasted_s(p.worker_id, d.worker_id)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.prefix_hash import max_cacheable_tokens
-from router.cost_model import HostShare, StepTimeModel
+from router.cost_model import StepTimeModel
+from router.host_share import HostShare
 from worker_protocol.messages import WorkerInfo, WorkerLoad
 
 
@@ -64,9 +65,8 @@ class WorkerState:
         self.worker_id = info.worker_id
         self.model = StepTimeModel(info)
         # How much slower steps run on its node while a peer there is busy: one per node, shared
-        # by its workers (router/membership.py); and whether one was, at the last poll.
+        # by its workers (router/membership.py).
         self.host = HostShare()
-        self.peer_busy = False
         self.prefix = PrefixIndex(info.num_blocks)
         self._prefills: dict[str, _Prefill] = {}
         self._decodes: dict[str, _Decode] = {}
@@ -133,7 +133,8 @@ class WorkerState:
 
     @property
     def busy(self) -> bool:
-        """Whether it prefills or decodes anything the router placed there."""
+        """Whether it has anything the router placed there: prefills, decodes (a handoff's from
+        its placement on: its blocks are reserved and its KV on its way)."""
         return bool(self._prefills or self._decodes)
 
     @property
@@ -215,16 +216,24 @@ class WorkerState:
         return min(held, max_cacheable_tokens(prompt_len, self.info.block_size))
 
     def absorb(self, load: WorkerLoad, peer_busy: bool = False) -> None:
-        """Its polled load; `peer_busy`: whether another worker on its node was busy meanwhile
-        (its steps then ran HostShare.factor times slower: the model learns them without it)."""
+        """Its polled load; `peer_busy`: whether another worker on its node was busy at the poll
+        (its steps since the last one then ran HostShare.factor times slower, which the model
+        learns them without)."""
         self.load = load
-        self.peer_busy = peer_busy
+        if load.steps and self.model.settled:
+            for s, alone in zip(load.steps, self.model.alone_s(load.steps), strict=True):
+                self.host.observe(
+                    self.worker_id, self.info.incarnation, float(alone), s.seconds, peer_busy
+                )
         scale = self.host.factor if peer_busy else 1.0
         for s in load.steps:
-            if self.model.settled:
-                self.host.observe(self.model.alone_s(s), s.seconds, peer_busy)
             self.model.observe(s, scale)
-        self.model.set_scale(self.host.factor if peer_busy else 1.0)
+        self.set_peer_busy(peer_busy)
+
+    def set_peer_busy(self, busy: bool) -> None:
+        """Whether another worker on its node is busy now: its predicted steps carry the
+        node's share then."""
+        self.model.set_scale(self.host.factor if busy else 1.0)
 
     def shared_slowdown(self) -> float:
         """How much slower its steps would run with a peer on its node busy than they run now."""
@@ -240,3 +249,10 @@ class WorkerState:
         (the same tokens seen twice: the books are current, the poll sees everything)."""
         capacity = self.info.num_blocks * self.info.block_size
         return max((self.context + self.queued_tokens) / capacity, self.kv_usage)
+
+
+def peer_busy(w: WorkerState, workers: Sequence[WorkerState]) -> bool:
+    """Whether a worker other than `w` on its node (among `workers`) is busy. A worker whose
+    node is unknown ("") shares it with none."""
+    node = w.info.node_ip
+    return bool(node) and any(o.busy for o in workers if o is not w and o.info.node_ip == node)

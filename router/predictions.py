@@ -69,12 +69,13 @@ def caused_misses(w: WorkerState, during_s: float, before_s: float) -> float:
 
 def shared_misses(d: WorkerState, workers: Sequence[WorkerState]) -> float:
     """The misses that setting `d` decoding causes among the requests decoding on the other
-    workers of its node (`workers`: every worker the router knows): where no peer of theirs is
-    busy now, their steps run alone, and while `d` decodes they run HostShare.factor times slower
-    (`shared_slowdown`; about 1 where workers share little, as on separate GPUs). A prefill there
-    passes in a few steps, which the measured gaps and tail see when they come often; a decode
-    lasts for all of a request's output. 0 when `d` decodes already."""
-    if d.batch:
+    workers of its node (`workers`: every worker the router knows, their scales current: see
+    Planner.candidates). Where no peer of one is busy, its steps run alone, and while `d`
+    decodes they run HostShare.factor times slower (`shared_slowdown`; 1 where workers share
+    little, as on separate GPUs), for as long as `d` decodes: all of a request's output, where
+    a peer's short prefill slows a few steps. 0 when `d` is busy already (its peers' steps carry
+    the share then) or its node is unknown."""
+    if d.busy or not d.info.node_ip:
         return 0.0
     total = 0.0
     for o in workers:
@@ -82,8 +83,9 @@ def shared_misses(d: WorkerState, workers: Sequence[WorkerState]) -> float:
             continue
         slower = o.shared_slowdown()
         if slower > 1.0:
-            before = _decode_step(o, o.batch, o.context)
-            total += caused_misses(o, before * slower, before)
+            # What its steps take now: the predicted step, or the gaps measured there when longer.
+            now = max(_decode_step(o, o.batch, o.context), o.typical_gap())
+            total += caused_misses(o, now * slower, now)
     return total
 
 
@@ -196,8 +198,10 @@ class PathPrediction:
 
 
 def predict_colocated(
-    req: RequestShape, d: WorkerState, bias: Bias, workers: Sequence[WorkerState] = ()
+    req: RequestShape, d: WorkerState, bias: Bias, shared: float = 0.0
 ) -> PathPrediction:
+    """`shared`: the misses setting `d` decoding causes on its node's other workers
+    (shared_misses)."""
     cached = d.cached_tokens(req.hashes, req.prompt_len)
     n = req.prompt_len - cached
     tokens = d.queued_tokens + n
@@ -221,8 +225,7 @@ def predict_colocated(
         transfer_s=0.0,
         uncached_tokens=n,
         transfer_bytes=0,
-        caused_misses=(caused_misses(d, during, before) if d.batch else 0.0)
-        + shared_misses(d, workers),
+        caused_misses=(caused_misses(d, during, before) if d.batch else 0.0) + shared,
         itl_tail=d.gap_tail(),
         itl_floor_s=d.typical_gap(),
         itl_beside_s=beside_floor(d, d.batch + 1, d.context + req.prompt_len, itl),
@@ -237,8 +240,9 @@ def predict_disaggregated(
     d: WorkerState,
     transfer: TransferTimeModel,
     bias: Bias,
-    workers: Sequence[WorkerState] = (),
+    shared: float = 0.0,
 ) -> PathPrediction:
+    """`shared`: as for predict_colocated."""
     cached_p = p.cached_tokens(req.hashes, req.prompt_len)
     n_p = req.prompt_len - cached_p
     cached_d = d.cached_tokens(req.hashes, req.prompt_len)
@@ -267,7 +271,7 @@ def predict_disaggregated(
         running = _decode_step(d, d.batch + 1, ctx)
         before = _decode_step(d, d.batch, d.context)
         caused += caused_misses(d, running, before)
-    caused += shared_misses(d, workers)
+    caused += shared
     return PathPrediction(
         path=RoutePath.DISAGGREGATED,
         prefill_worker=p.worker_id,

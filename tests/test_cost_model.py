@@ -13,16 +13,22 @@ from engine.step_stats import StepStat
 from router.cost_model import (
     Bias,
     HandoffHealth,
-    HostShare,
     StepTimeModel,
     TransferTimeModel,
     prefill_pairs,
 )
 from router.fake_backend import FakeBackend, fake_info
+from router.host_share import HostShare
 from router.membership import Membership
 from router.policy import Planner, Policy, PolicyConfig, RequestShape, pick_decode
 from router.pool_state import WorkerState
-from router.predictions import beside_floor, caused_misses, choose, ttft_tolerance
+from router.predictions import (
+    PathPrediction,
+    beside_floor,
+    caused_misses,
+    choose,
+    ttft_tolerance,
+)
 from router.stats import NullSink
 from router.vocab import RoutePath
 from worker_protocol.messages import WorkerInfo, WorkerLoad
@@ -697,20 +703,51 @@ def test_workers_on_one_node_measure_how_much_slower_their_steps_run_beside_a_bu
         poll(busy_a=i % 2 == 0)
     assert a.host.factor == pytest.approx(1.3, rel=0.03)
     assert c.host.factor == 1.0
-    assert not b.peer_busy and b.model.scale == 1.0  # the last poll: both-0 idle
+    assert b.model.scale == 1.0  # the last poll: both-0 idle
     alone = b.model.decode_step_s(8, 8 * 200)
     assert alone == pytest.approx(true_step(8, 0, 8 * 200), rel=0.05)
     assert b.shared_slowdown() == pytest.approx(1.3, rel=0.03)
     poll(busy_a=True)
-    assert b.peer_busy and b.shared_slowdown() == 1.0
+    assert b.shared_slowdown() == 1.0
     assert b.model.decode_step_s(8, 8 * 200) == pytest.approx(1.3 * alone, rel=0.05)
+
+
+def _sharing(factor: float, *workers: WorkerState) -> HostShare:
+    """One node's share, measured at `factor` by a worker that ran both ways, given to
+    `workers` (on node 10.0.0.1)."""
+    share = HostShare()
+    for _ in range(64):
+        share.observe("other", 0, 1.0, 1.0, busy=False)
+        share.observe("other", 0, 1.0, factor, busy=True)
+    for w in workers:
+        w.info = replace(w.info, node_ip="10.0.0.1")
+        w.host = share
+    return share
+
+
+def test_a_nodes_share_counts_only_workers_that_ran_both_ways_and_reads_1_under_5_percent():
+    share = HostShare()
+    for _ in range(64):  # a prefill worker whose decode worker always waits: busy steps only
+        share.observe("prefill-0", 0, 1.0, 1.5, busy=True)
+        share.observe("decode-0", 0, 1.0, 1.0, busy=False)
+    assert share.factor == 1.0
+    for _ in range(64):
+        share.observe("decode-0", 0, 1.0, 1.03, busy=True)
+    assert share.factor == 1.0  # 3%: noise, or separate GPUs
+    for _ in range(128):  # the window's worth
+        share.observe("decode-0", 0, 1.0, 1.3, busy=True)
+    assert share.factor == pytest.approx(1.3)
+    for _ in range(64):  # a replacement: its model, and its steps, start afresh
+        share.observe("decode-0", 1, 1.0, 1.0, busy=False)
+    assert share.factor == 1.0
 
 
 def test_a_decode_set_going_beside_a_peers_decodes_counts_the_misses_their_slower_steps_make():
     """both-0 decodes four requests 15% under their ITL SLO; both-1 is idle. Where they share a
     node whose steps run 1.3x slower beside a busy peer, a short prompt colocated on both-1 would
     push both-0's requests past their SLO: it decodes on both-0. On nodes of their own (or a
-    share of 1), colocating on both-1 costs nothing."""
+    share under 5%), colocating on both-1 costs nothing; nor does it once a third worker on the
+    node is busy (both-0's steps carry the share already)."""
     pl = planner()
     a = with_decodes(trained("both-0", "both", seed=1), 4, 400, itl_slo_s=0.0)
     b = trained("both-1", "both", seed=2)
@@ -718,23 +755,38 @@ def test_a_decode_set_going_beside_a_peers_decodes_counts_the_misses_their_slowe
     for rid in list(a._decodes):
         a._decodes[rid].itl_slo_s = step / 0.85
     req = shape(64, seed=8, slo_ttft=20.0, slo_itl=0.2)
+
+    def colocated_b() -> PathPrediction:
+        return next(
+            c
+            for c in pl.candidates(req, [a, b], [a, b])
+            if c.path is RoutePath.COLOCATED and c.decode_worker == "both-1"
+        )
+
+    _sharing(1.03, a, b)
     apart = pl.decide(req, [a, b], [a, b]).chosen
     assert (apart.path, apart.decode_worker) == (RoutePath.COLOCATED, "both-1"), apart
     assert apart.caused_misses == 0.0
-    share = HostShare()
-    for _ in range(64):
-        share.observe(1.0, 1.0, peer_busy=False)
-        share.observe(1.0, 1.3, peer_busy=True)
-    a.host = b.host = share
-    b.absorb(WorkerLoad("both-1", b.info.role, 0, 0, 0, 0.0, 1024, 1024, 0), peer_busy=True)
-    colocated_b = next(
-        c
-        for c in pl.candidates(req, [a, b], [a, b])
-        if c.path is RoutePath.COLOCATED and c.decode_worker == "both-1"
-    )
-    assert colocated_b.caused_misses > 3.0, colocated_b
+    _sharing(1.3, a, b)
+    assert colocated_b().caused_misses > 3.0
     shared = pl.decide(req, [a, b], [a, b]).chosen
     assert shared.decode_worker == "both-0", shared
+    # The gaps measured on both-0 run 20% over its predicted step: they set what slows.
+    a.observe_gaps([step * 1.2] * 100)
+    a.update_tail()
+    for rid in list(a._decodes):
+        a._decodes[rid].itl_slo_s = step * 1.2 / 0.85
+    assert colocated_b().caused_misses > 3.0
+    # A third worker on the node is busy: both-0's steps already run beside a busy peer.
+    c = trained("both-2", "both", seed=3)
+    c.add_prefill("p", 500, prefill_pairs(500, 0))
+    c.info, c.host = replace(c.info, node_ip="10.0.0.1"), a.host
+    busy_peer = next(
+        x
+        for x in pl.candidates(req, [a, b, c], [a, b])
+        if x.path is RoutePath.COLOCATED and x.decode_worker == "both-1"
+    )
+    assert busy_peer.caused_misses == 0.0
     # Another node: its decodes slow nothing on both-0's.
     b.info = replace(b.info, node_ip="10.0.0.9")
-    assert pl.decide(req, [a, b], [a, b]).chosen.decode_worker == "both-1"
+    assert colocated_b().caused_misses == 0.0

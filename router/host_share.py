@@ -1,0 +1,72 @@
+"""How much workers on one node slow each other's steps.
+
+Workers on one node share more than their own devices: the node's cores and memory bandwidth
+where they run on CPUs, its host threads and PCIe where they drive GPUs. A worker's steps then
+run slower while a peer on its node is busy, and a choice that sets an idle worker decoding slows
+the requests already decoding beside it (router/predictions.py shared_misses).
+
+`HostShare` measures it per node from the steps the workers report: each worker's step-time
+model predicts its steps as they would run alone (router/cost_model.py StepTimeModel: fitted on
+steps with the share divided out), and the share is how much further the measured steps run over
+those predictions while a peer is busy than while none is. Each worker is compared with itself
+(its busy steps against its own steps alone: the offsets of different workers' models cancel),
+and only workers that have run both ways count: a dedicated prefill worker whose every prefill
+has its decode worker waiting tells nothing. Workers on separate GPUs measure about 1, which
+reads as 1 (MIN_FACTOR); CPU workers sharing a node's cores measure more.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+
+class HostShare:
+    """One node's share (see the module docstring): 1 until a worker there has `min_samples`
+    steps of each kind among its latest `window` of each, and within [1, MAX_FACTOR]; under
+    MIN_FACTOR, 1."""
+
+    MIN_FACTOR, MAX_FACTOR = 1.05, 4.0
+
+    def __init__(self, window: int = 128, min_samples: int = 32) -> None:
+        self.window = window
+        self.min_samples = min_samples
+        # worker id -> (its incarnation, log(measured / predicted) of its latest steps alone,
+        # and of those beside a busy peer)
+        self._logs: dict[str, tuple[int, deque[float], deque[float]]] = {}
+        self._factor: float | None = 1.0
+
+    def observe(
+        self, worker_id: str, incarnation: int, predicted_s: float, measured_s: float, busy: bool
+    ) -> None:
+        """A step of `worker_id` that ran in `measured_s`, predicted alone at `predicted_s`,
+        with a peer on the node `busy` or not. A new incarnation starts afresh (its model too)."""
+        if predicted_s <= 0 or measured_s <= 0:
+            return
+        logs = self._logs.get(worker_id)
+        if logs is None or logs[0] != incarnation:
+            logs = self._logs[worker_id] = (
+                incarnation,
+                deque(maxlen=self.window),
+                deque(maxlen=self.window),
+            )
+        (logs[2] if busy else logs[1]).append(math.log(measured_s / predicted_s))
+        self._factor = None
+
+    @property
+    def factor(self) -> float:
+        """How many times slower steps run beside a busy peer: over the workers that ran both
+        ways, the mean of each one's median busy log-ratio less its median alone one, weighted
+        by the fewer of its two counts."""
+        if self._factor is None:
+            diffs, weights = [], []
+            for _, alone, shared in self._logs.values():
+                n = min(len(alone), len(shared))
+                if n >= self.min_samples:
+                    diffs.append(float(np.median(shared)) - float(np.median(alone)))
+                    weights.append(n)
+            f = math.exp(float(np.average(diffs, weights=weights))) if diffs else 1.0
+            self._factor = 1.0 if f < self.MIN_FACTOR else min(self.MAX_FACTOR, f)
+        return self._factor
