@@ -77,6 +77,7 @@ class Membership:
             decoding[(w, state.info.role.value)] = state.batch
         self.sink.workers(counts)
         self.sink.decoding(decoding)
+        self.sink.node_shares({node: share.factor for node, share in self._hosts.items()})
         for role, n in b.restarts.items():
             if n > self._restarts_seen.get(role, 0):
                 self.sink.worker_restarted(role.value, n - self._restarts_seen.get(role, 0))

@@ -190,6 +190,14 @@ class Metrics:
             (*WORKER, "kind"),
             registry=r,
         )
+        self.node_share = Gauge(
+            "pdserve_node_step_share",
+            "How many times slower a worker's steps run while another worker on its node is "
+            "busy, as the router measures it (1: nothing measurable shared); the cost model "
+            "counts it where a decode would set an idle worker going.",
+            ("node",),
+            registry=r,
+        )
         self.decodes = Gauge(
             "pdserve_worker_decodes_running",
             "Requests decoding on a worker, as the router placed them.",
@@ -330,6 +338,10 @@ class Metrics:
     def decoding(self, running: dict[tuple[str, str], int]) -> None:
         for (worker_id, role), n in running.items():
             self.decodes.labels(worker_id, role).set(n)
+
+    def node_shares(self, shares: dict[str, float]) -> None:
+        for node, factor in shares.items():
+            self.node_share.labels(node).set(factor)
 
     def worker_lost(self, worker_id: str, role: str) -> None:
         self.worker_failures.labels(worker_id, role).inc()

@@ -81,6 +81,8 @@ class StatsSink(Protocol):
 
     def decoding(self, running: dict[tuple[str, str], int]) -> None: ...
 
+    def node_shares(self, shares: dict[str, float]) -> None: ...
+
     def fell_back(self, reason: str) -> None: ...
 
     def replanned(self) -> None: ...
@@ -126,6 +128,9 @@ class NullSink:
         pass
 
     def decoding(self, running: dict[tuple[str, str], int]) -> None:
+        pass
+
+    def node_shares(self, shares: dict[str, float]) -> None:
         pass
 
     def fell_back(self, reason: str) -> None:

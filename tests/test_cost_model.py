@@ -20,6 +20,7 @@ from router.cost_model import (
 from router.fake_backend import FakeBackend, fake_info
 from router.host_share import HostShare
 from router.membership import Membership
+from router.metrics import Metrics
 from router.policy import Planner, Policy, PolicyConfig, RequestShape, pick_decode
 from router.pool_state import WorkerState
 from router.predictions import (
@@ -29,7 +30,6 @@ from router.predictions import (
     choose,
     ttft_tolerance,
 )
-from router.stats import NullSink
 from router.vocab import RoutePath
 from worker_protocol.messages import WorkerInfo, WorkerLoad
 
@@ -678,7 +678,8 @@ def test_workers_on_one_node_measure_how_much_slower_their_steps_run_beside_a_bu
 
     backend = TwoNodes(num_prefill=0, num_decode=0, num_both=3)
     infos = [backend.worker_info(w) for w in ("both-0", "both-1", "both-2")]
-    m = Membership(backend, infos, HandoffHealth(), NullSink())
+    metrics = Metrics()
+    m = Membership(backend, infos, HandoffHealth(), metrics)
     a, b, c = (m.state(f"both-{i}") for i in range(3))
     assert a.host is b.host and c.host is not a.host
     rng = np.random.default_rng(7)
@@ -703,6 +704,9 @@ def test_workers_on_one_node_measure_how_much_slower_their_steps_run_beside_a_bu
         poll(busy_a=i % 2 == 0)
     assert a.host.factor == pytest.approx(1.3, rel=0.03)
     assert c.host.factor == 1.0
+    share = metrics.registry.get_sample_value
+    assert share("pdserve_node_step_share", {"node": "10.0.0.1"}) == a.host.factor
+    assert share("pdserve_node_step_share", {"node": "10.0.0.2"}) == 1.0
     assert b.model.scale == 1.0  # the last poll: both-0 idle
     alone = b.model.decode_step_s(8, 8 * 200)
     assert alone == pytest.approx(true_step(8, 0, 8 * 200), rel=0.05)

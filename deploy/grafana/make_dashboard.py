@@ -103,8 +103,7 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         [
             q(
                 "{{reason}}",
-                "sum by (reason) (rate(pdserve_local_prefill_fallbacks_total"
-                "[$__rate_interval]))",
+                "sum by (reason) (rate(pdserve_local_prefill_fallbacks_total[$__rate_interval]))",
             ),
             q("re-planned", "sum(rate(pdserve_prefill_replans_total[$__rate_interval]))"),
         ],
@@ -176,6 +175,11 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         "Decodes running per worker",
         "short",
         [q("{{worker}} ({{role}})", "sum by (worker, role) (pdserve_worker_decodes_running)")],
+    ),
+    (
+        "Step slowdown beside a busy peer, per node",
+        "short",
+        [q("{{node}}", "max by (node) (pdserve_node_step_share)")],
     ),
     (
         "Prefix cache hit rate per worker",
