@@ -10,13 +10,14 @@ policies that choose among them.
     decoding on D and on P (their steps with it, against without it; a request whose first
     token came after its TTFT SLO cannot attain and counts for nothing). No single guard vetoes
     a choice: pushing one running request past its ITL SLO can be worth it when every other
-    choice makes the new request miss, and is not when it would push many. Ties go to the least
-    predicted SLO violation; of those still tied, the ones whose first token comes within a
-    quarter of its TTFT SLO of the quickest (and within twice the quickest) count as equally
-    quick, and among them the prefill beside the fewest running decodes whose ITL SLO it puts
-    at risk wins, then a dedicated decode worker, then the worker of both kinds running the most
-    decodes (decodes gather, prefills go where none run: a disaggregated split, until the
-    expected misses say otherwise), then the earliest predicted second token (TTFT + ITL): see
+    choice makes the new request miss, and is not when it would push many. Of those tied on
+    expected misses, the ones whose first token comes within a quarter of its TTFT SLO of the
+    quickest (and within twice the quickest) count as equally quick, and among them the prefill
+    beside the fewest running decodes whose ITL SLO it puts at risk wins, then a dedicated
+    decode worker, then the worker of both kinds with the most decodes running or to come
+    (decodes gather, prefills go where none run: a disaggregated split, until the expected
+    misses say otherwise), then the least predicted SLO violation (where every choice misses),
+    then the earliest predicted second token (TTFT + ITL): see
     router/predictions.py choose. The decision's reason code says which of these decided.
   - colocated / disaggregated: always that path, workers from the balancer.
   - threshold (Dynamo's rule): disaggregated iff uncached prompt tokens > T and the prefill
@@ -111,7 +112,7 @@ def _tie_broken(
     """The reason code of a choice among candidates of equal rank, and its reason in words when
     the tie-break, not the quickest second token, decided."""
     quickest = min(eligible(usable, req), key=lambda c: c.ttft_s + c.itl_s)
-    if quickest is chosen or quickest.tie_break() == chosen.tie_break():
+    if quickest is chosen or quickest.tie_break(req) == chosen.tie_break(req):
         return "cost_ttft"
     where = f"{quickest.prefill_worker or quickest.decode_worker}->{quickest.decode_worker}"
     if chosen.prefill_beside < quickest.prefill_beside:
@@ -234,7 +235,7 @@ class Planner:
             f"{chosen.path.value}: {_misses(chosen, req)}, predicted TTFT {_ms(chosen.ttft_s)}"
         ]
         code = "cost_ttft"
-        mine = chosen.rank(req)[0]
+        mine = chosen.rank(req)
         for o in others:
             if o.failing and len(usable) < len(cands):
                 parts.append(
@@ -244,12 +245,12 @@ class Planner:
                 code = "handoff_failing"
                 continue
             parts.append(f"vs {o.path.value} {_misses(o, req)}, TTFT {_ms(o.ttft_s)}")
-            if o.rank(req)[0] > mine and code == "cost_ttft":
+            if o.rank(req) > mine and code == "cost_ttft":
                 code = "cost_misses"  # fewer misses decided, not the TTFT
-        if code == "cost_ttft" and chosen.violation(req) > 0:
-            code = "cost_slo_miss"  # nothing meets the SLO: least violation
         if code == "cost_ttft":
             code = _tie_broken(req, chosen, usable, parts)
+        if code == "cost_ttft" and chosen.violation(req) > 0:
+            code = "cost_slo_miss"  # nothing meets the SLO: least violation
         return Decision(chosen, best, "; ".join(parts), code)
 
     def _threshold(

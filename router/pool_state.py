@@ -51,6 +51,7 @@ class PrefixIndex:
 class _Prefill:
     tokens: int
     pairs: float
+    local: bool = False  # the request decodes here too
 
 
 @dataclass(slots=True)
@@ -81,8 +82,9 @@ class WorkerState:
         self._typical_gap = 0.0  # typical_gap(), likewise
 
     # -- what the router placed here -----------------------------------------------------------
-    def add_prefill(self, rid: str, tokens: int, pairs: float) -> None:
-        self._prefills[rid] = _Prefill(tokens, pairs)
+    def add_prefill(self, rid: str, tokens: int, pairs: float, local: bool = False) -> None:
+        """`local`: the request decodes here too (colocated)."""
+        self._prefills[rid] = _Prefill(tokens, pairs, local)
         self._placed.append((time.monotonic(), tokens, pairs))
 
     def recent_prefills(self, window_s: float) -> list[tuple[int, float]]:
@@ -122,6 +124,11 @@ class WorkerState:
     @property
     def queued_prefills(self) -> int:
         return len(self._prefills)
+
+    @property
+    def local_prefills(self) -> int:
+        """Prefills queued here for requests that decode here too: decodes to come."""
+        return sum(1 for p in self._prefills.values() if p.local)
 
     @property
     def queued_tokens(self) -> int:

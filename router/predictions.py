@@ -132,8 +132,8 @@ class PathPrediction:
     # at risk: what the tie-break keeps low.
     prefill_beside: int = 0
     # Where the decode worker stands among those the tie-break prefers for decoding: a dedicated
-    # decode worker (False, 0) first, then workers of both kinds, the one running the most
-    # decodes first (True, -decodes): decodes gather, and the others stay free to prefill.
+    # decode worker (False, 0) first, then workers of both kinds, the one with the most decodes
+    # running or to come first (True, -decodes): decodes gather, the others stay free to prefill.
     decode_lean: tuple[bool, int] = (False, 0)
 
     @property
@@ -174,24 +174,25 @@ class PathPrediction:
         """SLO misses to expect from this choice: the new request's, and those it causes."""
         return self.new_miss(req) + self.caused_misses
 
-    def rank(self, req: RequestShape) -> tuple[float, float]:
+    def rank(self, req: RequestShape) -> float:
         """Fewest expected SLO misses first (the new request's and the running ones' alike:
-        no single guard vetoes a choice), then the least SLO violation. Misses count in whole
-        tenths of a request: less than a tenth expected is no reason to take a slower first
-        token. Candidates of equal rank are told apart by `choose`."""
-        tenths = math.floor(10 * self.expected_misses(req) + 1e-9) / 10
-        return tenths, self.violation(req)
+        no single guard vetoes a choice), counted in whole tenths of a request: less than a
+        tenth expected is no reason to take a slower first token. Candidates of equal rank are
+        told apart by `choose`."""
+        return math.floor(10 * self.expected_misses(req) + 1e-9) / 10
 
-    def tie_break(self) -> tuple[int, tuple[bool, int], float]:
+    def tie_break(self, req: RequestShape) -> tuple[int, tuple[bool, int], float, float]:
         """Among candidates of equal rank and about as quick a first token (see `choose`): the
         prefill beside the fewest running decodes whose SLO it puts at risk (`prefill_beside`:
         prefills placed beside decodes come again and again, and their p99 gaps pass the SLO
         more often than the step model predicts), then a dedicated decode worker, then the worker
-        of both kinds running the most decodes (`decode_lean`: decodes gather where decodes run
-        and prefills go where none do, the split a disaggregated deployment makes, until the
-        expected misses say otherwise), then the earliest predicted second token (TTFT + ITL: of
-        two equally fast prefills, the less busy decode worker wins)."""
-        return self.prefill_beside, self.decode_lean, self.ttft_s + self.itl_s
+        of both kinds with the most decodes running or to come (`decode_lean`: decodes gather
+        where decodes run and prefills go where none do, the split a disaggregated deployment
+        makes, until the expected misses say otherwise), then the least predicted SLO violation
+        (where every choice is predicted to miss, how far: a miss is a miss to the goodput, and
+        the split is kept for the requests to come), then the earliest predicted second token
+        (TTFT + ITL: of two equally fast prefills, the less busy decode worker wins)."""
+        return self.prefill_beside, self.decode_lean, self.violation(req), self.ttft_s + self.itl_s
 
     def violation(self, req: RequestShape) -> float:
         return max(0.0, self.ttft_s / req.slo_ttft_s - 1) + max(0.0, self.itl_s / req.slo_itl_s - 1)
@@ -264,8 +265,11 @@ def predict_disaggregated(
         _, p_before = p.model.chunked_s(p.queued_tokens, p.queued_pairs, p.batch, p.context)
         caused += caused_misses(p, p_during, p_before)
     # On D, prefills queued there (local ones, or a worker that does both prefilling for a peer)
-    # share the steps of the request once it decodes, and of those already decoding.
-    itl = _decode_step(d, d.batch + 1, ctx + req.max_tokens // 2)
+    # share the steps of those already decoding, and of the request once it decodes if they
+    # outlast its prefill and transfer.
+    d_queue_s = d.model.chunked_s(d.queued_tokens, d.queued_pairs, d.batch, d.context)[0]
+    step = _decode_step if d_queue_s > raw else _plain_step
+    itl = step(d, d.batch + 1, ctx + req.max_tokens // 2)
     running = before = 0.0
     if d.batch:
         running = _decode_step(d, d.batch + 1, ctx)
@@ -319,7 +323,7 @@ def eligible(cands: Sequence[PathPrediction], req: RequestShape) -> list[PathPre
 
 def choose(cands: Sequence[PathPrediction], req: RequestShape) -> PathPrediction:
     """The candidate to take: the best `tie_break` among the `eligible`."""
-    return min(eligible(cands, req), key=PathPrediction.tie_break)
+    return min(eligible(cands, req), key=lambda c: c.tie_break(req))
 
 
 def _decode_step(w: WorkerState, batch: int, context: int) -> float:
@@ -327,6 +331,11 @@ def _decode_step(w: WorkerState, batch: int, context: int) -> float:
     there."""
     if w.queued_tokens:
         return w.model.chunked_s(w.queued_tokens, w.queued_pairs, batch, context)[1]
+    return w.model.decode_step_s(batch, context)
+
+
+def _plain_step(w: WorkerState, batch: int, context: int) -> float:
+    """The step `batch` decodes of total `context` see on `w` once its queued prefills are done."""
     return w.model.decode_step_s(batch, context)
 
 
@@ -358,8 +367,10 @@ def _beside(w: WorkerState, during_s: float) -> int:
 def _lean(d: WorkerState) -> tuple[bool, int]:
     """See PathPrediction.decode_lean: a worker of both kinds gathers decodes while it has room
     (a free sequence slot, KV under GATHER_MAX_LOAD); past that it comes last, the fullest
-    last."""
+    last. Its decodes count those running and those to come: the requests it prefills to decode
+    itself (from the first requests on, before any has a first token, the split forms)."""
     if d.info.role != WorkerRole.BOTH:
         return False, 0
-    room = d.batch + 1 <= d.info.max_num_seqs and d.load_score < GATHER_MAX_LOAD
-    return True, -d.batch if room else d.batch
+    n = d.batch + d.local_prefills
+    room = n + 1 <= d.info.max_num_seqs and d.load_score < GATHER_MAX_LOAD
+    return True, -n if room else n

@@ -794,3 +794,46 @@ def test_a_decode_set_going_beside_a_peers_decodes_counts_the_misses_their_slowe
     # Another node: its decodes slow nothing on both-0's.
     b.info = replace(b.info, node_ip="10.0.0.9")
     assert colocated_b().caused_misses == 0.0
+
+
+def test_where_every_choice_misses_the_split_is_kept():
+    """both-0 decodes four requests; both-1 decodes none. A 1500-token prompt under a 2 s TTFT
+    SLO misses wherever it goes. Colocating on both-1 would miss by the least (no transfer), and
+    set both-1 decoding too; the tie-break keeps the split: it decodes on both-0."""
+    pl = planner()
+    a = with_decodes(trained("both-0", "both", seed=1), 4, 400, itl_slo_s=10.0)
+    b = trained("both-1", "both", seed=2)
+    req = shape(1500, seed=9, slo_ttft=2.0, slo_itl=10.0)
+    cands = pl.candidates(req, [a, b], [a, b])
+    assert all(c.new_miss(req) > 0.99 for c in cands)
+    colocated_b = next(
+        c for c in cands if c.path is RoutePath.COLOCATED and c.decode_worker == "both-1"
+    )
+    decision = pl.decide(req, [a, b], [a, b])
+    assert decision.chosen.decode_worker == "both-0", decision.reason
+    assert colocated_b.violation(req) < decision.chosen.violation(req)
+    assert decision.reason_code == "cost_gather_decodes", decision.reason
+
+
+def test_the_first_requests_on_idle_workers_of_both_kinds_form_the_split():
+    """Two idle workers of both kinds: the first request prefills on both-0 to decode there.
+    Before its first token, the second comes: its decode goes where one is to come (both-0), its
+    prefill to the free worker (both-1), not colocated on both-1."""
+    pl = planner()
+    a, b = trained("both-0", "both", seed=1), trained("both-1", "both", seed=2)
+    first = shape(300, seed=10, slo_ttft=20.0, slo_itl=10.0)
+    chosen = pl.decide(first, [a, b], [a, b]).chosen
+    assert chosen.path is RoutePath.COLOCATED
+    on = a if chosen.decode_worker == "both-0" else b
+    other = b if on is a else a
+    on.add_prefill("first", 300, prefill_pairs(300, 0), local=True)
+    assert on.local_prefills == 1 and other.local_prefills == 0
+    second = pl.decide(shape(300, seed=11, slo_ttft=20.0, slo_itl=10.0), [a, b], [a, b])
+    assert (second.chosen.prefill_worker, second.chosen.decode_worker) == (
+        other.worker_id,
+        on.worker_id,
+    ), second.reason
+    assert second.reason_code == "cost_gather_decodes"
+    # A prefill for a peer is no decode to come.
+    other.add_prefill("for-peer", 300, prefill_pairs(300, 0))
+    assert other.local_prefills == 0
