@@ -13,6 +13,13 @@ those predictions while a peer is busy than while none is. Each worker is compar
 and only workers that have run both ways count: a dedicated prefill worker whose every prefill
 has its decode worker waiting tells nothing. Workers on separate GPUs measure about 1, which
 reads as 1 (MIN_FACTOR); CPU workers sharing a node's cores measure more.
+
+Until a worker on the node has run both ways, the share is a prior: CPU_PRIOR for a node whose
+workers run on CPUs, 1 otherwise. The first requests decide where decodes gather before any
+worker has run both ways, and a split broken then stays broken (both workers decoding, each
+prefilling beside its own decodes); CPU_PRIOR is what two one-thread CPU workers measured on a
+2-core node (gaps 1.25-1.4x longer with the peer decoding), replaced by the node's own figure as
+soon as it has one.
 """
 
 from __future__ import annotations
@@ -24,19 +31,21 @@ import numpy as np
 
 
 class HostShare:
-    """One node's share (see the module docstring): 1 until a worker there has `min_samples`
-    steps of each kind among its latest `window` of each, and within [1, MAX_FACTOR]; under
-    MIN_FACTOR, 1."""
+    """One node's share (see the module docstring): `prior` until a worker there has
+    `min_samples` steps of each kind among its latest `window` of each, and within [1,
+    MAX_FACTOR]; under MIN_FACTOR, 1."""
 
     MIN_FACTOR, MAX_FACTOR = 1.05, 4.0
+    CPU_PRIOR = 1.3
 
-    def __init__(self, window: int = 128, min_samples: int = 32) -> None:
+    def __init__(self, window: int = 128, min_samples: int = 32, prior: float = 1.0) -> None:
         self.window = window
         self.min_samples = min_samples
+        self.prior = prior
         # worker id -> (its incarnation, log(measured / predicted) of its latest steps alone,
         # and of those beside a busy peer)
         self._logs: dict[str, tuple[int, deque[float], deque[float]]] = {}
-        self._factor: float | None = 1.0
+        self._factor: float | None = None
 
     def observe(
         self, worker_id: str, incarnation: int, predicted_s: float, measured_s: float, busy: bool
@@ -67,6 +76,11 @@ class HostShare:
                 if n >= self.min_samples:
                     diffs.append(float(np.median(shared)) - float(np.median(alone)))
                     weights.append(n)
-            f = math.exp(float(np.average(diffs, weights=weights))) if diffs else 1.0
+            f = math.exp(float(np.average(diffs, weights=weights))) if diffs else self.prior
             self._factor = 1.0 if f < self.MIN_FACTOR else min(self.MAX_FACTOR, f)
         return self._factor
+
+    @classmethod
+    def for_device(cls, device: str) -> HostShare:
+        """A node's share, its prior from the type of device its workers run on."""
+        return cls(prior=cls.CPU_PRIOR if device == "cpu" else 1.0)

@@ -48,8 +48,11 @@ class Membership:
 
     def _share_node(self, state: WorkerState) -> None:
         """Give `state` its node's HostShare (a worker whose node is unknown keeps its own)."""
-        if state.info.node_ip:
-            state.host = self._hosts.setdefault(state.info.node_ip, state.host)
+        node = state.info.node_ip
+        if node:
+            if node not in self._hosts:
+                self._hosts[node] = HostShare.for_device(state.info.device)
+            state.host = self._hosts[node]
 
     def pools(self) -> tuple[list[WorkerState], list[WorkerState]]:
         """The books of the workers that take requests now: (prefill, decode)."""

@@ -746,6 +746,18 @@ def test_a_nodes_share_counts_only_workers_that_ran_both_ways_and_reads_1_under_
     assert share.factor == 1.0
 
 
+def test_a_cpu_nodes_share_starts_at_its_prior_until_measured():
+    """Workers on CPUs share the node's cores from the first request on, before any has run
+    both ways: the share starts at CPU_PRIOR there (1 on GPUs), and a measured figure replaces
+    it."""
+    cpu, gpu = HostShare.for_device("cpu"), HostShare.for_device("cuda")
+    assert cpu.factor == HostShare.CPU_PRIOR > 1.0 and gpu.factor == 1.0
+    for _ in range(32):
+        cpu.observe("both-0", 0, 1.0, 1.0, busy=False)
+        cpu.observe("both-0", 0, 1.0, 1.0, busy=True)
+    assert cpu.factor == 1.0
+
+
 def test_a_decode_set_going_beside_a_peers_decodes_counts_the_misses_their_slower_steps_make():
     """both-0 decodes four requests 15% under their ITL SLO; both-1 is idle. Where they share a
     node whose steps run 1.3x slower beside a busy peer, a short prompt colocated on both-1 would

@@ -40,6 +40,9 @@ def test_workers_of_both_kinds_take_either_role(cluster):
     assert cluster.prefill_ids == ["prefill-0", "both-0", "both-1"]
     assert cluster.decode_ids == ["decode-0", "both-0", "both-1"]
     assert cluster.worker_info("both-1").role is WorkerRole.BOTH
+    # Where it runs, for the router's node share (router/host_share.py).
+    info = cluster.worker_info("both-1")
+    assert (info.device, info.node_ip) == ("cpu", "127.0.0.1")
     pairs = cluster.pools.pairs
     for a, b in [("both-0", "both-1"), ("prefill-0", "both-0"), ("both-1", "decode-0")]:
         assert pairs.connected(a, b) and pairs.connected(b, a), (a, b)

@@ -162,6 +162,7 @@ def worker_info(
         vocab_size=engine.vocab_size,
         rate=rate,
         step_target_s=engine.scheduler.sizer.target_s if engine.scheduler.sizer else None,
+        device=engine.runner.device.type,
         **identity,
     )
 

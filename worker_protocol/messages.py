@@ -70,6 +70,7 @@ class WorkerInfo:
     vocab_size: int
     rate: DeviceRate
     step_target_s: float | None = None  # SchedulerConfig.step_target_s where chunking is on
+    device: str = ""  # the type of device its engine runs on ("cpu", "cuda"; "": unknown)
     incarnation: int = 0  # 0 for the first actor under this id, +1 for each replacement
     node_ip: str = ""  # the address Ray knows the worker's node by
     kv_host: str = ""  # where its KV rendezvous and lanes listen
