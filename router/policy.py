@@ -121,8 +121,10 @@ def _tie_broken(
             f"{quickest.prefill_beside} ({where}, TTFT {_ms(quickest.ttft_s)})"
         )
         return "cost_prefill_beside"
-    both, lean = chosen.decode_lean
-    there = f"{-lean} decodes running there" if both else "a dedicated decode worker"
+    both, prefills, lean = chosen.decode_lean
+    there = f"{-lean} decodes running or to come there" if both else "a dedicated decode worker"
+    if both and not prefills and quickest.decode_lean[1]:
+        there += ", no prefill"
     parts.append(
         f"decodes gather on {chosen.decode_worker} ({there}), not {quickest.decode_worker} "
         f"({where}, TTFT {_ms(quickest.ttft_s)})"

@@ -132,9 +132,11 @@ class PathPrediction:
     # at risk: what the tie-break keeps low.
     prefill_beside: int = 0
     # Where the decode worker stands among those the tie-break prefers for decoding: a dedicated
-    # decode worker (False, 0) first, then workers of both kinds, the one with the most decodes
-    # running or to come first (True, -decodes): decodes gather, the others stay free to prefill.
-    decode_lean: tuple[bool, int] = (False, 0)
+    # decode worker (False, False, 0) first, then workers of both kinds where no prefill runs
+    # (this one's, colocated, or others queued there), then those where one does; of each, the
+    # one with the most decodes running or to come first (-decodes): decodes gather, the others
+    # stay free to prefill.
+    decode_lean: tuple[bool, bool, int] = (False, False, 0)
 
     @property
     def failing(self) -> bool:
@@ -181,14 +183,15 @@ class PathPrediction:
         told apart by `choose`."""
         return math.floor(10 * self.expected_misses(req) + 1e-9) / 10
 
-    def tie_break(self, req: RequestShape) -> tuple[int, tuple[bool, int], float, float]:
+    def tie_break(self, req: RequestShape) -> tuple[int, tuple[bool, bool, int], float, float]:
         """Among candidates of equal rank and about as quick a first token (see `choose`): the
         prefill beside the fewest running decodes whose SLO it puts at risk (`prefill_beside`:
         prefills placed beside decodes come again and again, and their p99 gaps pass the SLO
-        more often than the step model predicts), then a dedicated decode worker, then the worker
-        of both kinds with the most decodes running or to come (`decode_lean`: decodes gather
-        where decodes run and prefills go where none do, the split a disaggregated deployment
-        makes, until the expected misses say otherwise), then the least predicted SLO violation
+        more often than the step model predicts), then a dedicated decode worker, then a worker
+        of both kinds where no prefill runs, then the one with the most decodes running or to
+        come (`decode_lean`: decodes gather where decodes run and prefills go where none do, the
+        split a disaggregated deployment makes, from the first request on, until the expected
+        misses or the first token's delay say otherwise), then the least predicted SLO violation
         (where every choice is predicted to miss, how far: a miss is a miss to the goodput, and
         the split is kept for the requests to come), then the earliest predicted second token
         (TTFT + ITL: of two equally fast prefills, the less busy decode worker wins)."""
@@ -231,7 +234,7 @@ def predict_colocated(
         itl_floor_s=d.typical_gap(),
         itl_beside_s=beside_floor(d, d.batch + 1, d.context + req.prompt_len, itl),
         prefill_beside=_beside(d, during),
-        decode_lean=_lean(d),
+        decode_lean=_lean(d, prefills_there=True),
     )
 
 
@@ -297,7 +300,7 @@ def predict_disaggregated(
         itl_floor_s=d.typical_gap(),
         itl_beside_s=beside_floor(d, d.batch + 1, ctx, itl),
         prefill_beside=_beside(p, p_during),
-        decode_lean=_lean(d),
+        decode_lean=_lean(d, prefills_there=d.queued_prefills > 0),
     )
 
 
@@ -364,13 +367,15 @@ def _beside(w: WorkerState, during_s: float) -> int:
     return sum(1 for slo in w.itl_slos() if slo < slowest)
 
 
-def _lean(d: WorkerState) -> tuple[bool, int]:
-    """See PathPrediction.decode_lean: a worker of both kinds gathers decodes while it has room
-    (a free sequence slot, KV under GATHER_MAX_LOAD); past that it comes last, the fullest
-    last. Its decodes count those running and those to come: the requests it prefills to decode
-    itself (from the first requests on, before any has a first token, the split forms)."""
+def _lean(d: WorkerState, prefills_there: bool) -> tuple[bool, bool, int]:
+    """See PathPrediction.decode_lean: a worker of both kinds where no prefill runs comes before
+    one where one does (`prefills_there`: the request's own, colocated, or others queued there:
+    its decodes would run beside them, and a worker that prefills and decodes breaks the split);
+    then one that gathers decodes while it has room (a free sequence slot, KV under
+    GATHER_MAX_LOAD), past which it comes last, the fullest last. Its decodes count those
+    running and those to come: the requests it prefills to decode itself."""
     if d.info.role != WorkerRole.BOTH:
-        return False, 0
+        return False, False, 0
     n = d.batch + d.local_prefills
     room = n + 1 <= d.info.max_num_seqs and d.load_score < GATHER_MAX_LOAD
-    return True, -n if room else n
+    return True, prefills_there, -n if room else n

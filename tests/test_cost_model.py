@@ -539,11 +539,11 @@ def test_workers_of_both_kinds_gather_decodes_and_keep_a_free_one_prefilling():
         for c in pl.candidates(req, [a, b], [a, b])
         if c.path is RoutePath.COLOCATED and c.decode_worker == "both-1"
     )
-    assert colocated_b.decode_lean == (True, 0) and chosen.decode_lean == (True, -4)
+    assert colocated_b.decode_lean == (True, True, 0) and chosen.decode_lean == (True, False, -4)
     assert colocated_b.ttft_s < chosen.ttft_s  # the quicker first token, not taken
     decision = pl.decide(req, [a, b], [a, b])
     assert decision.reason_code == "cost_gather_decodes", decision.reason
-    assert "decodes gather on both-0 (4 decodes running there)" in decision.reason
+    assert "decodes gather on both-0 (4 decodes running or to come there" in decision.reason
     # both-0's gaps now near the SLO: a new request decoding there would miss.
     a.observe_gaps([0.19] * 95 + [0.25] * 5)
     a.update_tail()
@@ -591,7 +591,7 @@ def test_decodes_go_to_a_dedicated_decode_worker_before_one_of_both_kinds():
     d = trained("decode-0", "decode", seed=1)
     b = with_decodes(trained("both-0", "both", seed=2), 5, 300, itl_slo_s=10.0)
     chosen = pl.decide(shape(600, seed=4), [p, b], [d, b]).chosen
-    assert chosen.decode_worker == "decode-0" and chosen.decode_lean == (False, 0), chosen
+    assert chosen.decode_worker == "decode-0" and chosen.decode_lean == (False, False, 0), chosen
 
 
 def test_the_bias_of_one_prompt_size_adds_and_stops_scaling_past_what_it_saw():
@@ -628,7 +628,7 @@ def test_decodes_gather_on_the_busiest_worker_of_both_kinds_that_has_room():
     chosen = pl.decide(req, ws, ws).chosen
     assert chosen.decode_worker == "both-1", chosen
     on_full = [c for c in pl.candidates(req, ws, ws) if c.decode_worker == "both-2"]
-    assert all(c.decode_lean == (True, 9) for c in on_full)
+    assert all(c.decode_lean[2] == 9 for c in on_full)
 
 
 def test_a_worker_prefilling_now_and_then_sets_no_floor_under_a_decode_there():
@@ -828,24 +828,23 @@ def test_where_every_choice_misses_the_split_is_kept():
 
 
 def test_the_first_requests_on_idle_workers_of_both_kinds_form_the_split():
-    """Two idle workers of both kinds: the first request prefills on both-0 to decode there.
-    Before its first token, the second comes: its decode goes where one is to come (both-0), its
-    prefill to the free worker (both-1), not colocated on both-1."""
+    """Two idle workers of both kinds: the first request prefills on one and decodes on the
+    other (a transfer's delay, not a worker that prefills beside its decodes). Before its first
+    token, the second comes: its decode goes where one is to come, its prefill to the other."""
     pl = planner()
     a, b = trained("both-0", "both", seed=1), trained("both-1", "both", seed=2)
-    first = shape(300, seed=10, slo_ttft=20.0, slo_itl=10.0)
-    chosen = pl.decide(first, [a, b], [a, b]).chosen
-    assert chosen.path is RoutePath.COLOCATED
-    on = a if chosen.decode_worker == "both-0" else b
-    other = b if on is a else a
-    on.add_prefill("first", 300, prefill_pairs(300, 0), local=True)
-    assert on.local_prefills == 1 and other.local_prefills == 0
+    by_id = {"both-0": a, "both-1": b}
+    first = pl.decide(shape(300, seed=10, slo_ttft=20.0, slo_itl=10.0), [a, b], [a, b])
+    assert first.chosen.path is RoutePath.DISAGGREGATED, first.reason
+    assert first.reason_code == "cost_gather_decodes", first.reason
+    assert "no prefill" in first.reason
+    p, d = by_id[first.chosen.prefill_worker], by_id[first.chosen.decode_worker]
+    p.add_prefill("first", 300, prefill_pairs(300, 0))
+    d.add_decode("first", 300, 10.0)
+    assert p.local_prefills == 0  # a prefill for a peer is no decode to come
     second = pl.decide(shape(300, seed=11, slo_ttft=20.0, slo_itl=10.0), [a, b], [a, b])
-    assert (second.chosen.prefill_worker, second.chosen.decode_worker) == (
-        other.worker_id,
-        on.worker_id,
-    ), second.reason
-    assert second.reason_code == "cost_gather_decodes"
-    # A prefill for a peer is no decode to come.
-    other.add_prefill("for-peer", 300, prefill_pairs(300, 0))
-    assert other.local_prefills == 0
+    assert second.chosen.decode_worker == d.worker_id, second.reason
+    # A colocated request is a decode to come on its worker.
+    p.done("first")
+    p.add_prefill("local", 300, prefill_pairs(300, 0), local=True)
+    assert p.local_prefills == 1
