@@ -271,7 +271,7 @@ def predict_disaggregated(
     # share the steps of those already decoding, and of the request once it decodes if they
     # outlast its prefill and transfer.
     d_queue_s = d.model.chunked_s(d.queued_tokens, d.queued_pairs, d.batch, d.context)[0]
-    step = _decode_step if d_queue_s > raw else _plain_step
+    step = _decode_step if d_queue_s > raw else (lambda w, n, c: w.model.decode_step_s(n, c))
     itl = step(d, d.batch + 1, ctx + req.max_tokens // 2)
     running = before = 0.0
     if d.batch:
@@ -334,11 +334,6 @@ def _decode_step(w: WorkerState, batch: int, context: int) -> float:
     there."""
     if w.queued_tokens:
         return w.model.chunked_s(w.queued_tokens, w.queued_pairs, batch, context)[1]
-    return w.model.decode_step_s(batch, context)
-
-
-def _plain_step(w: WorkerState, batch: int, context: int) -> float:
-    """The step `batch` decodes of total `context` see on `w` once its queued prefills are done."""
     return w.model.decode_step_s(batch, context)
 
 
