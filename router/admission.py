@@ -35,7 +35,7 @@ def refusal(
             f"(limit {c.max_pending}), {counts.active} are active (limit {c.max_active})",
             max(0.05, chosen.queue_s),
         )
-    if chosen.ttft_s * margin > shape.slo_ttft_s and chosen.queue_s > 0:
+    if chosen.shed(shape.slo_ttft_s, margin):
         return Overloaded(
             RejectReason.SLO,
             f"predicted TTFT {chosen.ttft_s * 1000:.0f} ms (x {margin:.2f}, how late first "

@@ -80,7 +80,6 @@ class RequestCore:
         self._tightening: dict[str, asyncio.Future[None]] = {}
         self.records: deque[DecisionRecord] = deque(maxlen=2048)
         self.counts = RequestCounts()
-        self.ttft_margin = 1.0  # admission's factor on predicted TTFT (see ttft_margin())
         self._poller: asyncio.Task[None] | None = None
         self._ids = itertools.count()  # workers see internal ids: clients' ids may collide
 
@@ -199,7 +198,7 @@ class RequestCore:
 
     def _admit(self, shape: RequestShape, decision: Decision, frontend: Frontend) -> None:
         """Raise Overloaded (counted by its reason) when the request is refused."""
-        refused = refusal(shape, decision, self.config, self.counts, self.ttft_margin)
+        refused = refusal(shape, decision, self.config, self.counts, self.planner.ttft_margin)
         if refused is not None:
             self.sink.rejected(refused.reason, frontend)
             raise refused
@@ -357,7 +356,7 @@ class RequestCore:
             (r for r in reversed(self.records) if r.measured_ttft_s and not r.disturbed),
             MARGIN_WINDOW,
         )
-        self.ttft_margin = ttft_margin(
+        self.planner.ttft_margin = ttft_margin(
             (r.decision.chosen.ttft_s, r.measured_ttft_s or 0.0) for r in latest
         )
         self.sink.first_token(track.first_token())

@@ -8,7 +8,9 @@ policies that choose among them.
     the rest, the one with the fewest expected SLO misses wins: the new request's own chance of
     missing (its TTFT or ITL), plus the misses it would cause among the requests already
     decoding on D and on P (their steps with it, against without it; a request whose first
-    token came after its TTFT SLO cannot attain and counts for nothing). No single guard vetoes
+    token came after its TTFT SLO cannot attain and counts for nothing). A placement admission
+    would refuse (router/admission.py: its TTFT, times how late first tokens have come lately,
+    past the SLO while it queues) is a certain miss of the new request. No single guard vetoes
     a choice: pushing one running request past its ITL SLO can be worth it when every other
     choice makes the new request miss, and is not when it would push many. Of those tied on
     expected misses, the ones whose first token comes within a quarter of its TTFT SLO of the
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from router.cost_model import Bias, HandoffHealth, TransferTimeModel
 from router.pool_state import WorkerState, peer_busy
@@ -100,8 +102,9 @@ def _ms(s: float) -> str:
 def _misses(c: PathPrediction, req: RequestShape) -> str:
     """A candidate's expected SLO misses, in words."""
     where = f" on {c.prefill_worker}->{c.decode_worker}" if c.prefill_worker else ""
+    own = "admission would refuse it" if c.refused else f"its own {c.new_miss(req):.2f}"
     return (
-        f"expected SLO misses {c.expected_misses(req):.2f}{where} (its own {c.new_miss(req):.2f}, "
+        f"expected SLO misses {c.expected_misses(req):.2f}{where} ({own}, "
         f"running requests' {c.caused_misses:.2f})"
     )
 
@@ -115,6 +118,9 @@ def _tie_broken(
     if quickest is chosen or quickest.tie_break(req) == chosen.tie_break(req):
         return "cost_ttft"
     where = f"{quickest.prefill_worker or quickest.decode_worker}->{quickest.decode_worker}"
+    if quickest.refused and not chosen.refused:
+        parts.append(f"admitted, not {where} (TTFT {_ms(quickest.ttft_s)}, refused)")
+        return "cost_admitted"
     if chosen.prefill_beside < quickest.prefill_beside:
         parts.append(
             f"prefilled beside {chosen.prefill_beside} running decodes, not "
@@ -143,6 +149,8 @@ class Planner:
         self.transfer = transfer
         self.health = health or HandoffHealth()
         self.bias = {RoutePath.COLOCATED: Bias(), RoutePath.DISAGGREGATED: Bias()}
+        # Admission's factor on predicted TTFT (router/admission.py ttft_margin), set by the core.
+        self.ttft_margin = 1.0
 
     def candidates(
         self, req: RequestShape, prefill: Sequence[WorkerState], decode: Sequence[WorkerState]
@@ -167,7 +175,10 @@ class Planner:
                     wasted = self.health.wasted_s(p.worker_id, d.worker_id)
                     c = c.with_failure_risk(rate, wasted, local[d.worker_id])
                 out.append(c)
-        return out
+        # A placement admission would refuse loses the request: auto takes another if any would
+        # be admitted, and refuses only where none would.
+        m = self.ttft_margin
+        return [replace(c, refused=True) if c.shed(req.slo_ttft_s, m) else c for c in out]
 
     def decide(
         self,
@@ -249,6 +260,12 @@ class Planner:
             parts.append(f"vs {o.path.value} {_misses(o, req)}, TTFT {_ms(o.ttft_s)}")
             if o.rank(req) > mine and code == "cost_ttft":
                 code = "cost_misses"  # fewer misses decided, not the TTFT
+        shed = sum(c.refused for c in usable)
+        if shed and not chosen.refused:
+            parts.append(
+                f"{shed} of {len(usable)} placements admission would refuse (predicted TTFT x "
+                f"{self.ttft_margin:.2f}, how late first tokens have come lately, past the SLO)"
+            )
         if code == "cost_ttft":
             code = _tie_broken(req, chosen, usable, parts)
         if code == "cost_ttft" and chosen.violation(req) > 0:

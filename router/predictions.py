@@ -137,6 +137,8 @@ class PathPrediction:
     # one with the most decodes running or to come first (-decodes): decodes gather, the others
     # stay free to prefill.
     decode_lean: tuple[bool, bool, int] = (False, False, 0)
+    # Admission would refuse this placement (`shed`): to the goodput, the new request is lost.
+    refused: bool = False
 
     @property
     def failing(self) -> bool:
@@ -165,8 +167,17 @@ class PathPrediction:
         with few requests of its own decoding has no measured tail to show them)."""
         return max(max(self.itl_s, self.itl_floor_s) * self.itl_tail, self.itl_beside_s)
 
+    def shed(self, slo_ttft_s: float, margin: float) -> bool:
+        """Whether admission refuses this placement (router/admission.py): its predicted TTFT,
+        times `margin` (how late first tokens have come lately), misses the TTFT SLO, and it
+        would queue (a request that misses on idle workers is served anyway)."""
+        return self.ttft_s * margin > slo_ttft_s and self.queue_s > 0
+
     def new_miss(self, req: RequestShape) -> float:
-        """The chance that this request itself misses its SLO: its TTFT or its ITL."""
+        """The chance that this request itself misses its SLO: its TTFT or its ITL; certain
+        where admission would refuse it (`refused`)."""
+        if self.refused:
+            return 1.0
         ok = (1 - miss_chance(self.ttft_s, req.slo_ttft_s)) * (
             1 - miss_chance(self.itl_p99_s, req.slo_itl_s)
         )
@@ -183,19 +194,27 @@ class PathPrediction:
         told apart by `choose`."""
         return math.floor(10 * self.expected_misses(req) + 1e-9) / 10
 
-    def tie_break(self, req: RequestShape) -> tuple[int, tuple[bool, bool, int], float, float]:
-        """Among candidates of equal rank and about as quick a first token (see `choose`): the
-        prefill beside the fewest running decodes whose SLO it puts at risk (`prefill_beside`:
-        prefills placed beside decodes come again and again, and their p99 gaps pass the SLO
-        more often than the step model predicts), then a dedicated decode worker, then a worker
-        of both kinds where no prefill runs, then the one with the most decodes running or to
-        come (`decode_lean`: decodes gather where decodes run and prefills go where none do, the
-        split a disaggregated deployment makes, from the first request on, until the expected
-        misses or the first token's delay say otherwise), then the least predicted SLO violation
-        (where every choice is predicted to miss, how far: a miss is a miss to the goodput, and
-        the split is kept for the requests to come), then the earliest predicted second token
-        (TTFT + ITL: of two equally fast prefills, the less busy decode worker wins)."""
-        return self.prefill_beside, self.decode_lean, self.violation(req), self.ttft_s + self.itl_s
+    def tie_break(
+        self, req: RequestShape
+    ) -> tuple[bool, int, tuple[bool, bool, int], float, float]:
+        """Among candidates of equal rank and about as quick a first token (see `choose`): one
+        admission takes (not `refused`), then the prefill beside the fewest running decodes whose
+        SLO it puts at risk (`prefill_beside`: prefills placed beside decodes come again and again,
+        and their p99 gaps pass the SLO more often than the step model predicts), then a dedicated
+        decode worker, then a worker of both kinds where no prefill runs, then the one with the most
+        decodes running or to come (`decode_lean`: decodes gather where decodes run and prefills go
+        where none do, the split a disaggregated deployment makes, from the first request on, until
+        the expected misses or the first token's delay say otherwise), then the least predicted SLO
+        violation (where every choice is predicted to miss, how far: a miss is a miss to the
+        goodput, and the split is kept for the requests to come), then the earliest predicted second
+        token (TTFT + ITL: of two equally fast prefills, the less busy decode worker wins)."""
+        return (
+            self.refused,
+            self.prefill_beside,
+            self.decode_lean,
+            self.violation(req),
+            self.ttft_s + self.itl_s,
+        )
 
     def violation(self, req: RequestShape) -> float:
         return max(0.0, self.ttft_s / req.slo_ttft_s - 1) + max(0.0, self.itl_s / req.slo_itl_s - 1)

@@ -848,3 +848,33 @@ def test_the_first_requests_on_idle_workers_of_both_kinds_form_the_split():
     p.done("first")
     p.add_prefill("local", 300, prefill_pairs(300, 0), local=True)
     assert p.local_prefills == 1
+
+
+def test_a_placement_admission_would_refuse_counts_as_a_lost_request():
+    """both-0 has a 4000-token prompt queued; both-1 decodes one request. A 100-token prompt
+    queued behind the long one is predicted a 10.4 s first token under its 12 s SLO; prefilling
+    it on both-1 would cost that running request 0.4 expected misses. With first tokens on time
+    (margin 1) it queues on both-0. When they have lately come three times later than predicted,
+    admission would refuse the queued placements: each is a certain miss, so it prefills on
+    both-1 instead and is admitted, where before it was refused with both-1 free."""
+    from router.admission import refusal
+    from router.books import RequestCounts
+    from router.core_types import RouterConfig
+
+    pl = planner()
+    a = trained("both-0", "both", seed=1)
+    a.add_prefill("long", 4000, prefill_pairs(4000, 0))
+    b = with_decodes(trained("both-1", "both", seed=2), 1, 400, itl_slo_s=0.22)
+    req = shape(100, seed=9, slo_ttft=12.0, slo_itl=10.0)
+    on_time = pl.decide(req, [a, b], [a, b])
+    assert on_time.chosen.prefill_worker in ("", "both-0"), on_time.reason
+    assert on_time.chosen.queue_s > 10.0 and not on_time.chosen.refused
+    pl.ttft_margin = 3.0
+    assert refusal(req, on_time, RouterConfig(), RequestCounts(), 3.0) is not None
+    late = pl.decide(req, [a, b], [a, b])
+    queued = [c for c in pl.candidates(req, [a, b], [a, b]) if c.queue_s > 10.0]
+    assert len(queued) == 2 and all(c.refused and c.new_miss(req) == 1.0 for c in queued)
+    assert "2 of 4 placements admission would refuse" in late.reason
+    assert (late.chosen.prefill_worker or late.chosen.decode_worker) == "both-1", late.reason
+    assert 0.3 < late.chosen.caused_misses < 0.5
+    assert refusal(req, late, RouterConfig(), RequestCounts(), 3.0) is None

@@ -195,11 +195,13 @@ def test_admission_judges_a_prediction_by_how_late_first_tokens_have_come():
         _, decision = core.plan(request("probe", n=64))
         assert decision.chosen.queue_s > 0
         slo_ms = decision.chosen.ttft_s * 2000  # twice the bare prediction
-        core.ttft_margin = 3.0  # first tokens have lately come three times later than predicted
+        core.planner.ttft_margin = (
+            3.0  # first tokens have lately come three times later than predicted
+        )
         with pytest.raises(Overloaded) as err:
             await consume(core, request("late", n=64, slo_ttft_ms=slo_ms))
         assert err.value.reason is RejectReason.SLO and "x 3.00" in str(err.value)
-        core.ttft_margin = 1.5
+        core.planner.ttft_margin = 1.5
         admitted = asyncio.ensure_future(consume(core, request("ok", n=64, slo_ttft_ms=slo_ms)))
         gate.set()
         assert len(await first) == 4 and len(await admitted) == 4
