@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from router.core_types import Backend
 from router.cost_model import HandoffHealth
 from router.host_share import HostShare
-from router.pool_state import WorkerState, peer_busy
+from router.pool_state import WorkerState, peer_work
 from router.stats import StatsSink
 from worker_protocol.messages import WorkerInfo, WorkerLoad, WorkerRole
 
@@ -68,7 +68,7 @@ class Membership:
         for load in loads:
             state = self.states.get(load.worker_id)
             if state is not None and state.info.incarnation == load.incarnation:
-                state.absorb(load, peer_busy(state, members))
+                state.absorb(load, peer_work(state, members))
                 state.update_tail()
         # A draining worker still answers polls, but its figures left the metrics already.
         self.sink.loads([ld for ld in loads if (ld.worker_id, ld.incarnation) not in self._gone])
@@ -80,7 +80,7 @@ class Membership:
             decoding[(w, state.info.role.value)] = state.batch
         self.sink.workers(counts)
         self.sink.decoding(decoding)
-        self.sink.node_shares({node: share.factor for node, share in self._hosts.items()})
+        self.sink.node_shares({node: share.factors for node, share in self._hosts.items()})
         for role, n in b.restarts.items():
             if n > self._restarts_seen.get(role, 0):
                 self.sink.worker_restarted(role.value, n - self._restarts_seen.get(role, 0))

@@ -192,10 +192,10 @@ class Metrics:
         )
         self.node_share = Gauge(
             "pdserve_node_step_share",
-            "How many times slower a worker's steps run while another worker on its node is "
-            "busy, as the router measures it (1: nothing measurable shared); the cost model "
-            "counts it where a decode would set an idle worker going.",
-            ("node",),
+            "How many times slower a worker's steps run while another worker on its node "
+            "prefills or decodes (peer), as the router measures it (1: nothing measurable "
+            "shared); the cost model counts it where a decode would set an idle worker going.",
+            ("node", "peer"),
             registry=r,
         )
         self.decodes = Gauge(
@@ -339,9 +339,10 @@ class Metrics:
         for (worker_id, role), n in running.items():
             self.decodes.labels(worker_id, role).set(n)
 
-    def node_shares(self, shares: dict[str, float]) -> None:
-        for node, factor in shares.items():
-            self.node_share.labels(node).set(factor)
+    def node_shares(self, shares: dict[str, dict[str, float]]) -> None:
+        for node, factors in shares.items():
+            for peer, factor in factors.items():
+                self.node_share.labels(node, peer).set(factor)
 
     def worker_lost(self, worker_id: str, role: str) -> None:
         self.worker_failures.labels(worker_id, role).inc()

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from router.cost_model import Bias, HandoffHealth, TransferTimeModel
-from router.pool_state import WorkerState, peer_busy
+from router.pool_state import WorkerState, peer_work
 from router.predictions import (
     MAX_FAILURE_RATE,
     PathPrediction,
@@ -157,7 +157,7 @@ class Planner:
     ) -> list[PathPrediction]:
         workers = list({id(w): w for w in [*prefill, *decode]}.values())
         for w in workers:  # the node's share, as the books stand now (the poll is older)
-            w.set_peer_busy(peer_busy(w, workers))
+            w.set_peer_work(peer_work(w, workers))
         shared = {d.worker_id: shared_misses(d, workers) for d in decode}
         out = [
             predict_colocated(req, d, self.bias[RoutePath.COLOCATED], shared[d.worker_id])

@@ -18,7 +18,7 @@ import numpy as np
 
 from engine.prefix_hash import max_cacheable_tokens
 from router.cost_model import StepTimeModel
-from router.host_share import HostShare
+from router.host_share import HostShare, PeerWork
 from worker_protocol.messages import WorkerInfo, WorkerLoad
 
 
@@ -222,29 +222,30 @@ class WorkerState:
         held = self.prefix.match(hashes) * self.info.block_size
         return min(held, max_cacheable_tokens(prompt_len, self.info.block_size))
 
-    def absorb(self, load: WorkerLoad, peer_busy: bool = False) -> None:
-        """Its polled load; `peer_busy`: whether another worker on its node was busy at the poll
-        (its steps since the last one then ran HostShare.factor times slower, which the model
-        learns them without)."""
+    def absorb(self, load: WorkerLoad, peer: PeerWork = PeerWork.IDLE) -> None:
+        """Its polled load; `peer`: the work its peers on the node ran at the poll (its steps
+        since the last one then ran HostShare.factor(peer) times slower, which the model learns
+        them without)."""
         self.load = load
         if load.steps and self.model.settled:
             for s, alone in zip(load.steps, self.model.alone_s(load.steps), strict=True):
                 self.host.observe(
-                    self.worker_id, self.info.incarnation, float(alone), s.seconds, peer_busy
+                    self.worker_id, self.info.incarnation, float(alone), s.seconds, peer
                 )
-        scale = self.host.factor if peer_busy else 1.0
+        scale = self.host.factor(peer)
         for s in load.steps:
             self.model.observe(s, scale)
-        self.set_peer_busy(peer_busy)
+        self.set_peer_work(peer)
 
-    def set_peer_busy(self, busy: bool) -> None:
-        """Whether another worker on its node is busy now: its predicted steps carry the
-        node's share then."""
-        self.model.set_scale(self.host.factor if busy else 1.0)
+    def set_peer_work(self, peer: PeerWork) -> None:
+        """What its peers on the node run now: its predicted steps carry the node's share for
+        that."""
+        self.model.set_scale(self.host.factor(peer))
 
     def shared_slowdown(self) -> float:
-        """How much slower its steps would run with a peer on its node busy than they run now."""
-        return self.host.factor / self.model.scale
+        """How much slower its steps would run with a peer on its node decoding than they run
+        now."""
+        return self.host.factor(PeerWork.DECODE) / self.model.scale
 
     @property
     def kv_usage(self) -> float:
@@ -258,8 +259,12 @@ class WorkerState:
         return max((self.context + self.queued_tokens) / capacity, self.kv_usage)
 
 
-def peer_busy(w: WorkerState, workers: Sequence[WorkerState]) -> bool:
-    """Whether a worker other than `w` on its node (among `workers`) is busy. A worker whose
-    node is unknown ("") shares it with none."""
+def peer_work(w: WorkerState, workers: Sequence[WorkerState]) -> PeerWork:
+    """The heaviest work the workers other than `w` on its node (among `workers`) have: decodes
+    (a handoff's from its placement on), else prefills, else none. A worker whose node is
+    unknown ("") shares it with none."""
     node = w.info.node_ip
-    return bool(node) and any(o.busy for o in workers if o is not w and o.info.node_ip == node)
+    peers = [o for o in workers if o is not w and o.info.node_ip == node] if node else []
+    if any(o.batch for o in peers):
+        return PeerWork.DECODE
+    return PeerWork.PREFILL if any(o.busy for o in peers) else PeerWork.IDLE

@@ -70,12 +70,12 @@ def caused_misses(w: WorkerState, during_s: float, before_s: float) -> float:
 def shared_misses(d: WorkerState, workers: Sequence[WorkerState]) -> float:
     """The misses that setting `d` decoding causes among the requests decoding on the other
     workers of its node (`workers`: every worker the router knows, their scales current: see
-    Planner.candidates). Where no peer of one is busy, its steps run alone, and while `d`
-    decodes they run HostShare.factor times slower (`shared_slowdown`; 1 where workers share
-    little, as on separate GPUs), for as long as `d` decodes: all of a request's output, where
-    a peer's short prefill slows a few steps. 0 when `d` is busy already (its peers' steps carry
-    the share then) or its node is unknown."""
-    if d.busy or not d.info.node_ip:
+    Planner.candidates). While `d` decodes, their steps run HostShare.factor(DECODE) times
+    slower than alone, against what they run now (alone, or beside a prefill: `shared_slowdown`;
+    1 where workers share little, as on separate GPUs), for as long as `d` decodes: all of a
+    request's output, where a peer's short prefill slows a few steps. 0 when `d` decodes
+    already (its peers' steps carry the share then) or its node is unknown."""
+    if d.batch or not d.info.node_ip:
         return 0.0
     total = 0.0
     for o in workers:

@@ -81,7 +81,7 @@ class StatsSink(Protocol):
 
     def decoding(self, running: dict[tuple[str, str], int]) -> None: ...
 
-    def node_shares(self, shares: dict[str, float]) -> None: ...
+    def node_shares(self, shares: dict[str, dict[str, float]]) -> None: ...
 
     def fell_back(self, reason: str) -> None: ...
 
@@ -130,7 +130,7 @@ class NullSink:
     def decoding(self, running: dict[tuple[str, str], int]) -> None:
         pass
 
-    def node_shares(self, shares: dict[str, float]) -> None:
+    def node_shares(self, shares: dict[str, dict[str, float]]) -> None:
         pass
 
     def fell_back(self, reason: str) -> None:

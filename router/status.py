@@ -107,11 +107,11 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
             f"{preempt.get(key, 0):>9.0f} {prefills.get((*key, 'for_peer'), 0):>18.0f} "
             f"{prefills.get((*key, 'local'), 0):>6.0f} {decoding.get(key, 0):>8.0f}"
         )
-    shares = by_labels(after, "pdserve_node_step_share", "node")
+    shares = by_labels(after, "pdserve_node_step_share", "node", "peer")
     if shares:
         lines.append(
             "steps beside a busy peer on the node: "
-            + ", ".join(f"{k[0]} {v:.2f}x" for k, v in sorted(shares.items()))
+            + ", ".join(f"{k[0]} {v:.2f}x ({k[1]})" for k, v in sorted(shares.items()))
         )
     reqs = by_labels(after, "pdserve_requests_total", "path")
     reqs0 = by_labels(before, "pdserve_requests_total", "path")

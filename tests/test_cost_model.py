@@ -18,11 +18,11 @@ from router.cost_model import (
     prefill_pairs,
 )
 from router.fake_backend import FakeBackend, fake_info
-from router.host_share import HostShare
+from router.host_share import HostShare, PeerWork
 from router.membership import Membership
 from router.metrics import Metrics
 from router.policy import Planner, Policy, PolicyConfig, RequestShape, pick_decode
-from router.pool_state import WorkerState
+from router.pool_state import WorkerState, peer_work
 from router.predictions import (
     PathPrediction,
     beside_floor,
@@ -699,14 +699,15 @@ def test_workers_on_one_node_measure_how_much_slower_their_steps_run_beside_a_bu
 
     for _ in range(250):  # both-1 learns its steps alone first
         poll(busy_a=False)
-    assert a.host.factor == 1.0
+    assert a.host.factor(PeerWork.DECODE) == 1.0
     for i in range(60):
         poll(busy_a=i % 2 == 0)
-    assert a.host.factor == pytest.approx(1.3, rel=0.03)
-    assert c.host.factor == 1.0
+    assert a.host.factor(PeerWork.DECODE) == pytest.approx(1.3, rel=0.03)
+    assert c.host.factor(PeerWork.DECODE) == 1.0
     share = metrics.registry.get_sample_value
-    assert share("pdserve_node_step_share", {"node": "10.0.0.1"}) == a.host.factor
-    assert share("pdserve_node_step_share", {"node": "10.0.0.2"}) == 1.0
+    node_a = {"node": "10.0.0.1", "peer": "decode"}
+    assert share("pdserve_node_step_share", node_a) == a.host.factor(PeerWork.DECODE)
+    assert share("pdserve_node_step_share", {"node": "10.0.0.2", "peer": "decode"}) == 1.0
     assert b.model.scale == 1.0  # the last poll: both-0 idle
     alone = b.model.decode_step_s(8, 8 * 200)
     assert alone == pytest.approx(true_step(8, 0, 8 * 200), rel=0.05)
@@ -716,13 +717,15 @@ def test_workers_on_one_node_measure_how_much_slower_their_steps_run_beside_a_bu
     assert b.model.decode_step_s(8, 8 * 200) == pytest.approx(1.3 * alone, rel=0.05)
 
 
-def _sharing(factor: float, *workers: WorkerState) -> HostShare:
-    """One node's share, measured at `factor` by a worker that ran both ways, given to
-    `workers` (on node 10.0.0.1)."""
+def _sharing(factor: float, *workers: WorkerState, prefill: float | None = None) -> HostShare:
+    """One node's share, measured at `factor` beside a decoding peer (and at `prefill`, or the
+    same, beside a prefilling one) by a worker that ran each way, given to `workers` (on node
+    10.0.0.1)."""
     share = HostShare()
     for _ in range(64):
-        share.observe("other", 0, 1.0, 1.0, busy=False)
-        share.observe("other", 0, 1.0, factor, busy=True)
+        share.observe("other", 0, 1.0, 1.0, PeerWork.IDLE)
+        share.observe("other", 0, 1.0, factor, PeerWork.DECODE)
+        share.observe("other", 0, 1.0, prefill or factor, PeerWork.PREFILL)
     for w in workers:
         w.info = replace(w.info, node_ip="10.0.0.1")
         w.host = share
@@ -731,31 +734,58 @@ def _sharing(factor: float, *workers: WorkerState) -> HostShare:
 
 def test_a_nodes_share_counts_only_workers_that_ran_both_ways_and_reads_1_under_5_percent():
     share = HostShare()
+    dec = PeerWork.DECODE
     for _ in range(64):  # a prefill worker whose decode worker always waits: busy steps only
-        share.observe("prefill-0", 0, 1.0, 1.5, busy=True)
-        share.observe("decode-0", 0, 1.0, 1.0, busy=False)
-    assert share.factor == 1.0
+        share.observe("prefill-0", 0, 1.0, 1.5, dec)
+        share.observe("decode-0", 0, 1.0, 1.0, PeerWork.IDLE)
+    assert share.factor(dec) == 1.0
     for _ in range(64):
-        share.observe("decode-0", 0, 1.0, 1.03, busy=True)
-    assert share.factor == 1.0  # 3%: noise, or separate GPUs
+        share.observe("decode-0", 0, 1.0, 1.03, dec)
+    assert share.factor(dec) == 1.0  # 3%: noise, or separate GPUs
     for _ in range(128):  # the window's worth
-        share.observe("decode-0", 0, 1.0, 1.3, busy=True)
-    assert share.factor == pytest.approx(1.3)
+        share.observe("decode-0", 0, 1.0, 1.3, dec)
+    assert share.factor(dec) == pytest.approx(1.3)
+    assert share.factor(PeerWork.PREFILL) == 1.0  # not measured beside a prefill: its prior
+    assert share.factor(PeerWork.IDLE) == 1.0
     for _ in range(64):  # a replacement: its model, and its steps, start afresh
-        share.observe("decode-0", 1, 1.0, 1.0, busy=False)
-    assert share.factor == 1.0
+        share.observe("decode-0", 1, 1.0, 1.0, PeerWork.IDLE)
+    assert share.factor(dec) == 1.0
+
+
+def test_a_nodes_share_is_measured_for_each_kind_of_peer_work():
+    """Two workers decoding on one CPU node slow each other more than a decode beside a peer's
+    prefill (1.3x against 1.1x, as measured on a 2-core node): each kind has its own figure, and
+    a worker's predicted steps carry the one for what its peers run now."""
+    share = _sharing(1.3, prefill=1.1)
+    assert share.factor(PeerWork.DECODE) == pytest.approx(1.3)
+    assert share.factor(PeerWork.PREFILL) == pytest.approx(1.1)
+    assert share.factors == pytest.approx({"prefill": 1.1, "decode": 1.3})
+    a, b = trained("prefill-0", "prefill", seed=1), trained("decode-0", "decode", seed=2)
+    _sharing(1.3, a, b, prefill=1.1)
+    alone = b.model.decode_step_s(4, 4 * 400)
+    a.add_prefill("p", 500, prefill_pairs(500, 0))
+    assert peer_work(b, [a, b]) is PeerWork.PREFILL
+    b.set_peer_work(peer_work(b, [a, b]))
+    assert b.model.decode_step_s(4, 4 * 400) == pytest.approx(1.1 * alone)
+    assert b.shared_slowdown() == pytest.approx(1.3 / 1.1)
+    a.add_decode("d", 100, 1.0)
+    assert peer_work(b, [a, b]) is PeerWork.DECODE
+    b.info = replace(b.info, node_ip="")
+    assert peer_work(b, [a, b]) is PeerWork.IDLE  # its node unknown: it shares with none
 
 
 def test_a_cpu_nodes_share_starts_at_its_prior_until_measured():
     """Workers on CPUs share the node's cores from the first request on, before any has run
-    both ways: the share starts at CPU_PRIOR there (1 on GPUs), and a measured figure replaces
-    it."""
+    both ways: the share starts at CPU_PRIOR there (1 on GPUs), for each kind of peer work, and
+    a measured figure replaces it."""
     cpu, gpu = HostShare.for_device("cpu"), HostShare.for_device("cuda")
-    assert cpu.factor == HostShare.CPU_PRIOR > 1.0 and gpu.factor == 1.0
+    for k in (PeerWork.PREFILL, PeerWork.DECODE):
+        assert cpu.factor(k) == HostShare.CPU_PRIOR[k] > 1.0 and gpu.factor(k) == 1.0
     for _ in range(32):
-        cpu.observe("both-0", 0, 1.0, 1.0, busy=False)
-        cpu.observe("both-0", 0, 1.0, 1.0, busy=True)
-    assert cpu.factor == 1.0
+        cpu.observe("both-0", 0, 1.0, 1.0, PeerWork.IDLE)
+        cpu.observe("both-0", 0, 1.0, 1.0, PeerWork.DECODE)
+    assert cpu.factor(PeerWork.DECODE) == 1.0
+    assert cpu.factor(PeerWork.PREFILL) == HostShare.CPU_PRIOR[PeerWork.PREFILL]
 
 
 def test_a_decode_set_going_beside_a_peers_decodes_counts_the_misses_their_slower_steps_make():
@@ -803,6 +833,15 @@ def test_a_decode_set_going_beside_a_peers_decodes_counts_the_misses_their_slowe
         if x.path is RoutePath.COLOCATED and x.decode_worker == "both-1"
     )
     assert busy_peer.caused_misses == 0.0
+    # ... unless steps beside a prefilling peer run faster than beside a decoding one: a decode
+    # set going on both-1 still slows both-0's (1.3 / 1.1 times).
+    _sharing(1.3, a, b, c, prefill=1.1)
+    beside_prefill = next(
+        x
+        for x in pl.candidates(req, [a, b, c], [a, b])
+        if x.path is RoutePath.COLOCATED and x.decode_worker == "both-1"
+    )
+    assert beside_prefill.caused_misses > 1.0
     # Another node: its decodes slow nothing on both-0's.
     b.info = replace(b.info, node_ip="10.0.0.9")
     assert colocated_b().caused_misses == 0.0

@@ -179,7 +179,7 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     (
         "Step slowdown beside a busy peer, per node",
         "short",
-        [q("{{node}}", "max by (node) (pdserve_node_step_share)")],
+        [q("{{node}} beside {{peer}}", "max by (node, peer) (pdserve_node_step_share)")],
     ),
     (
         "Prefix cache hit rate per worker",
