@@ -175,10 +175,13 @@ class Planner:
                     wasted = self.health.wasted_s(p.worker_id, d.worker_id)
                     c = c.with_failure_risk(rate, wasted, local[d.worker_id])
                 out.append(c)
-        # A placement admission would refuse loses the request: auto takes another if any would
-        # be admitted, and refuses only where none would.
+        # A placement admission would refuse loses the request and runs nothing (one miss, none
+        # caused): auto takes another where that is expected to cost less.
         m = self.ttft_margin
-        return [replace(c, refused=True) if c.shed(req.slo_ttft_s, m) else c for c in out]
+        return [
+            replace(c, refused=True, caused_misses=0.0) if c.shed(req.slo_ttft_s, m) else c
+            for c in out
+        ]
 
     def decide(
         self,

@@ -894,8 +894,9 @@ def test_a_placement_admission_would_refuse_counts_as_a_lost_request():
     queued behind the long one is predicted a 10.4 s first token under its 12 s SLO; prefilling
     it on both-1 would cost that running request 0.4 expected misses. With first tokens on time
     (margin 1) it queues on both-0. When they have lately come three times later than predicted,
-    admission would refuse the queued placements: each is a certain miss, so it prefills on
-    both-1 instead and is admitted, where before it was refused with both-1 free."""
+    admission would refuse the queued placements: each is a certain miss that runs nothing (one
+    expected miss), so it prefills on both-1 instead (0.4) and is admitted, where before it was
+    refused with both-1 free."""
     from router.admission import refusal
     from router.books import RequestCounts
     from router.core_types import RouterConfig
@@ -912,7 +913,7 @@ def test_a_placement_admission_would_refuse_counts_as_a_lost_request():
     assert refusal(req, on_time, RouterConfig(), RequestCounts(), 3.0) is not None
     late = pl.decide(req, [a, b], [a, b])
     queued = [c for c in pl.candidates(req, [a, b], [a, b]) if c.queue_s > 10.0]
-    assert len(queued) == 2 and all(c.refused and c.new_miss(req) == 1.0 for c in queued)
+    assert len(queued) == 2 and all(c.refused and c.expected_misses(req) == 1.0 for c in queued)
     assert "2 of 4 placements admission would refuse" in late.reason
     assert (late.chosen.prefill_worker or late.chosen.decode_worker) == "both-1", late.reason
     assert 0.3 < late.chosen.caused_misses < 0.5
