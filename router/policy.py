@@ -248,7 +248,8 @@ class Planner:
         best = tuple(chosen if b.path is chosen.path else b for b in best)
         others = [c for c in best if c.path is not chosen.path]
         parts = [
-            f"{chosen.path.value}: {_misses(chosen, req)}, predicted TTFT {_ms(chosen.ttft_s)}"
+            f"{chosen.path.value}: {_misses(chosen, req)}, predicted TTFT {_ms(chosen.ttft_s)}, "
+            f"ITL p99 {_ms(chosen.itl_p99_s)}"
         ]
         code = "cost_ttft"
         mine = chosen.rank(req)

@@ -478,6 +478,33 @@ def test_the_tail_is_each_requests_own_once_enough_requests_ended():
     assert len(d._request_tails) == 8
 
 
+def test_the_tail_is_calibrated_by_how_the_p99_gaps_came_against_their_predictions():
+    """Requests whose p99 gaps came at 0.8 of what was predicted for them when placed: once 8
+    have ended, the tail (and with it every p99 gap predicted there, the new request's and the
+    running ones') is 0.8 of what it was. Predictions made with that tail and met keep it
+    there (each error counts against the uncalibrated prediction); a range bounds it."""
+    pl = planner()
+    d = trained("decode-0", "decode", seed=1)
+    gaps = [0.05] * 98 + [0.06] * 2  # p99 1.2 x the median
+    req = shape(16, slo_itl=0.06)
+    for i in range(8):
+        d.observe_request(gaps, predicted_p99_s=0.06 / 0.8)
+        d.update_tail()
+        assert d.gap_tail() == pytest.approx(1.2 * 0.8 if i == 7 else 1.0, rel=0.02), i
+    before = pl.candidates(req, [], [d])[0]
+    assert before.itl_tail == pytest.approx(0.96, rel=0.02)
+    for _ in range(64):  # the calibrated predictions, met
+        d.observe_request(gaps, predicted_p99_s=0.06)
+        d.update_tail()
+    assert d.gap_tail() == pytest.approx(0.96, rel=0.02)
+    for _ in range(256):  # p99 gaps at ten times their predictions: bounded
+        d.observe_request(gaps, predicted_p99_s=0.006)
+    d.update_tail()
+    assert d.gap_tail() == pytest.approx(1.2 * 2.0, rel=0.02)
+    d.observe_request(gaps)  # no prediction (a resumed request): the tail's own figure only
+    assert len(d._p99_errors) == 256 and len(d._request_tails) == 256
+
+
 def test_a_prompt_of_several_chunks_goes_where_no_decodes_run_when_its_first_token_can_wait():
     """Expected misses tied (none predicted either way), a prompt that takes several chunks next
     to running decodes whose ITL SLO is within twice the steps it makes is prefilled where none
