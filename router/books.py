@@ -151,7 +151,7 @@ class RequestBooks:
         self.track.ended(reason, cached_prompt_tokens)
         self.ended = True
         if self.d is not None and not self.track.resumed:
-            self.d.observe_request(self.track.itl_s, self.first.chosen.itl_p99_s)
+            self.d.observe_request(self.track.itl_s, self.first.chosen.itl_p99_raw_s)
 
     def moved(self) -> None:
         """Its decode worker died: the placement leaves the books (so that the next decision

@@ -299,7 +299,7 @@ class RequestCore:
             max_tokens=req.sampling.max_tokens - len(emitted),
         )
         prefill, decode = self.members.pools()
-        return shape, self.planner.decide(shape, prefill, decode, req.path)
+        return shape, self.planner.decide(shape, prefill, decode, req.path, admitting=False)
 
     def _summary(
         self,

@@ -111,11 +111,6 @@ class HostShare:
             f = self._factors[peer] = 1.0 if f < self.MIN_FACTOR else min(self.MAX_FACTOR, f)
         return f
 
-    @property
-    def factors(self) -> dict[str, float]:
-        """The share beside each kind of busy peer, by its name."""
-        return {k.value: self.factor(k) for k in BUSY}
-
     @classmethod
     def for_device(cls, device: str) -> HostShare:
         """A node's share, its prior from the type of device its workers run on."""

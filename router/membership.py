@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from router.core_types import Backend
 from router.cost_model import HandoffHealth
-from router.host_share import HostShare
+from router.host_share import BUSY, HostShare
 from router.pool_state import WorkerState, peer_work
 from router.stats import StatsSink
 from worker_protocol.messages import WorkerInfo, WorkerLoad, WorkerRole
@@ -80,7 +80,9 @@ class Membership:
             decoding[(w, state.info.role.value)] = state.batch
         self.sink.workers(counts)
         self.sink.decoding(decoding)
-        self.sink.node_shares({node: share.factors for node, share in self._hosts.items()})
+        self.sink.node_shares(
+            {(node, k): share.factor(k) for node, share in self._hosts.items() for k in BUSY}
+        )
         for role, n in b.restarts.items():
             if n > self._restarts_seen.get(role, 0):
                 self.sink.worker_restarted(role.value, n - self._restarts_seen.get(role, 0))

@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from kv_transfer import FailureReason
+from router.host_share import PeerWork
 from router.stats import FirstTokenRecord, RequestRecord, TransferRecord
 from router.vocab import FallbackReason, Frontend, RejectReason
 from worker_protocol.messages import WorkerLoad, WorkerRole
@@ -339,10 +340,9 @@ class Metrics:
         for (worker_id, role), n in running.items():
             self.decodes.labels(worker_id, role).set(n)
 
-    def node_shares(self, shares: dict[str, dict[str, float]]) -> None:
-        for node, factors in shares.items():
-            for peer, factor in factors.items():
-                self.node_share.labels(node, peer).set(factor)
+    def node_shares(self, shares: dict[tuple[str, PeerWork], float]) -> None:
+        for (node, peer), factor in shares.items():
+            self.node_share.labels(node, peer.value).set(factor)
 
     def worker_lost(self, worker_id: str, role: str) -> None:
         self.worker_failures.labels(worker_id, role).inc()

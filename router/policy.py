@@ -153,8 +153,15 @@ class Planner:
         self.ttft_margin = 1.0
 
     def candidates(
-        self, req: RequestShape, prefill: Sequence[WorkerState], decode: Sequence[WorkerState]
+        self,
+        req: RequestShape,
+        prefill: Sequence[WorkerState],
+        decode: Sequence[WorkerState],
+        admitting: bool = True,
     ) -> list[PathPrediction]:
+        """Every placement's prediction; `admitting`: the request has still to pass admission
+        (not one resumed after its decode worker died), so placements admission would refuse
+        are marked so."""
         workers = list({id(w): w for w in [*prefill, *decode]}.values())
         for w in workers:  # the node's share, as the books stand now (the poll is older)
             w.set_peer_work(peer_work(w, workers))
@@ -175,6 +182,8 @@ class Planner:
                     wasted = self.health.wasted_s(p.worker_id, d.worker_id)
                     c = c.with_failure_risk(rate, wasted, local[d.worker_id])
                 out.append(c)
+        if not admitting:
+            return out
         # A placement admission would refuse loses the request and runs nothing (one miss, none
         # caused): auto takes another where that is expected to cost less.
         m = self.ttft_margin
@@ -189,8 +198,9 @@ class Planner:
         prefill: Sequence[WorkerState],
         decode: Sequence[WorkerState],
         override: RoutePath = RoutePath.AUTO,
+        admitting: bool = True,
     ) -> Decision:
-        cands = self.candidates(req, prefill, decode)
+        cands = self.candidates(req, prefill, decode, admitting)
         best = tuple(
             choose(group, req)
             for path in (RoutePath.COLOCATED, RoutePath.DISAGGREGATED)

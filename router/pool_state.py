@@ -82,7 +82,7 @@ class WorkerState:
         # (time.monotonic(), measured p99 gap / the p99 predicted at its placement, as if
         # uncalibrated) of the latest requests that ended here (see update_tail).
         self._p99_errors: deque[tuple[float, float]] = deque(maxlen=256)
-        self._calibration = 1.0  # of gap_tail(): the median of those, as of the last update
+        self._calibration = 1.0  # p99_calibration(), as of the last update_tail()
         # (time.monotonic(), tokens, pairs) of the latest prefills placed here.
         self._placed: deque[tuple[float, int, float]] = deque(maxlen=256)
         self._tail = 1.0  # gap_tail(), as of the last update_tail()
@@ -181,21 +181,29 @@ class WorkerState:
         self, gaps: Sequence[float], predicted_p99_s: float = 0.0, now: float | None = None
     ) -> None:
         """The gaps of a request that decoded here, all of them, as it ends (at least 10), and
-        the p99 gap predicted for it when it was placed here (0: none)."""
+        the p99 gap predicted for it when it was placed here, uncalibrated (0: none; see
+        p99_calibration)."""
         if len(gaps) >= 10:
             p50, p99 = np.percentile(gaps, [50, 99])
             t = time.monotonic() if now is None else now
             if p50 > 0:
                 self._request_tails.append((t, float(p99 / p50)))
             if predicted_p99_s > 0:
-                error = float(p99 / predicted_p99_s) * self._calibration
-                self._p99_errors.append((t, error))
+                self._p99_errors.append((t, float(p99 / predicted_p99_s)))
 
     def gap_tail(self) -> float:
         """How much longer a request's slow gaps are than its typical one (see update_tail): a
         request's ITL SLO holds its p99 gap, while the step-time model predicts the typical
         step."""
         return self._tail
+
+    def p99_calibration(self) -> float:
+        """How the p99 gaps of the requests that ended here came against their predictions (see
+        update_tail): every p99 gap predicted here is multiplied by it. A request's p99 gap is
+        predicted as a step times the tail, and the step, the tail, the node's share and the
+        requests still to come all err; on a 2-core CPU node the gaps came in well under (a
+        mixed run: 23 own misses predicted, 3 measured)."""
+        return self._calibration
 
     def typical_gap(self) -> float:
         """The median of the recent gaps its requests saw (0 with too few; see update_tail): a
@@ -212,17 +220,16 @@ class WorkerState:
         requests_window_s: float = 120.0,
         min_requests: int = 8,
     ) -> None:
-        """The tail: the median over the requests that ended here in the last `requests_window_s` of
-        each one's p99 gap over its median gap; until `min_requests` have, the p99 of the last
-        `window_s` of all gaps over their median (which overstates it: slow moments of the worker
-        fall on a few requests, not on each one's p99); 1 with fewer than `min_gaps` gaps; within
-        [1, 4]. Times its calibration, once `min_requests` have ended in that window with a
-        prediction: the median of their measured p99 gap over the one predicted when each was placed
-        (as it would have been uncalibrated), within CALIBRATION_RANGE (kept while fewer have). A
-        request's p99 gap is predicted as a step times the tail, and the step, the tail, the node's
-        share and the requests still to come all err; on a 2-core CPU node they came in well under
-        (a mixed run: 23 own misses predicted, 3 measured). And the median gap of that window (0
-        with too few). Once per load poll: every candidate of every decision reads them."""
+        """The tail, in [1, 4]: the median over the requests that ended here in the last
+        `requests_window_s` of each one's p99 gap over its median gap; until `min_requests`
+        have, the p99 of the last `window_s` of all gaps over their median (which overstates
+        it: slow moments of the worker fall on a few requests, not on each one's p99); 1 with
+        fewer than `min_gaps` gaps. The calibration (p99_calibration), from the requests that
+        ended in that window with a prediction: once `min_requests` have, the median of their
+        measured p99 gap over the (uncalibrated) one predicted at their placement, within
+        CALIBRATION_RANGE; kept while fewer have, 1 when none has. And the median gap of that
+        window (0 with too few). Once per load poll: every candidate of every decision reads
+        them."""
         now = time.monotonic()
         gaps = self.recent_gaps(now - window_s)
         tail, typical = 1.0, 0.0
@@ -237,8 +244,9 @@ class WorkerState:
         if len(errors) >= min_requests:
             lo, hi = CALIBRATION_RANGE
             self._calibration = min(hi, max(lo, float(np.median(errors))))
-        tail = min(4.0, max(1.0, tail)) * self._calibration
-        self._tail, self._typical_gap = tail, typical
+        elif not errors:
+            self._calibration = 1.0
+        self._tail, self._typical_gap = min(4.0, max(1.0, tail)), typical
 
     # -- what the worker knows ------------------------------------------------------------------
     def cached_tokens(self, hashes: Sequence[bytes], prompt_len: int) -> int:
@@ -283,11 +291,18 @@ class WorkerState:
 
 
 def peer_work(w: WorkerState, workers: Sequence[WorkerState]) -> PeerWork:
-    """The heaviest work the workers other than `w` on its node (among `workers`) have: decodes
-    (a handoff's from its placement on), else prefills, else none. A worker whose node is
-    unknown ("") shares it with none."""
+    """The work the workers other than `w` on its node (among `workers`) have that slows its
+    steps the most, by the node's share: decodes (a handoff's from its placement on) or
+    prefills; none when they are idle. A worker whose node is unknown ("") shares it with
+    none."""
     node = w.info.node_ip
     peers = [o for o in workers if o is not w and o.info.node_ip == node] if node else []
-    if any(o.batch for o in peers):
-        return PeerWork.DECODE
-    return PeerWork.PREFILL if any(o.busy for o in peers) else PeerWork.IDLE
+    kinds = [
+        kind
+        for kind, present in (
+            (PeerWork.DECODE, any(o.batch for o in peers)),
+            (PeerWork.PREFILL, any(o.queued_prefills for o in peers)),
+        )
+        if present
+    ]
+    return max(kinds, key=w.host.factor, default=PeerWork.IDLE)

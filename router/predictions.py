@@ -57,11 +57,14 @@ def caused_misses(w: WorkerState, during_s: float, before_s: float) -> float:
     step (a busy host, other work in the step delays them as much), or the former if longer.
     Taking `during_s` alone, a worker whose tail already put its requests near their SLO would
     be seen to lose nothing to one more prefill; multiplying it by the tail would count twice
-    a tail that comes from prefill chunks cut to the step target."""
-    tail = w.gap_tail()
+    a tail that comes from prefill chunks cut to the step target. Both times the worker's
+    p99_calibration, as a new request's p99 gap is."""
+    tail, cal = w.gap_tail(), w.p99_calibration()
     typical = max(before_s, w.typical_gap())  # what its steps take now, as measured too
-    without = typical * tail
-    with_it = max(during_s + typical * (tail - 1.0), without)
+    # As for a new request's (PathPrediction.itl_p99_s): calibrated, and no shorter than the
+    # typical step.
+    without = max(cal * typical * tail, typical)
+    with_it = max(cal * (during_s + typical * (tail - 1.0)), without)
     return sum(
         max(0.0, miss_chance(with_it, slo) - miss_chance(without, slo)) for slo in w.itl_slos()
     )
@@ -122,6 +125,8 @@ class PathPrediction:
     # The decode worker's measured p99 gap over its median (WorkerState.gap_tail): what this
     # request's ITL p99 will be, over the typical step `itl_s`.
     itl_tail: float = 1.0
+    # How the p99 gaps there came against their predictions (WorkerState.p99_calibration).
+    itl_calibration: float = 1.0
     # The decode worker's measured median gap (WorkerState.typical_gap): a floor under `itl_s`
     # where other work fills its steps.
     itl_floor_s: float = 0.0
@@ -160,12 +165,18 @@ class PathPrediction:
         return max(0.0, self.running_itl_s - floor)
 
     @property
-    def itl_p99_s(self) -> float:
-        """This request's predicted p99 gap: its step (no shorter than the gaps requests see
-        there now) times the worker's tail, and no shorter than the step beside the prefills
-        its decode worker runs, when these come often (a worker that prefills for its peers
-        with few requests of its own decoding has no measured tail to show them)."""
+    def itl_p99_raw_s(self) -> float:
+        """This request's predicted p99 gap, uncalibrated: its step (no shorter than the gaps
+        requests see there now) times the worker's tail, and no shorter than the step beside
+        the prefills its decode worker runs, when these come often (a worker that prefills for
+        its peers with few requests of its own decoding has no measured tail to show them)."""
         return max(max(self.itl_s, self.itl_floor_s) * self.itl_tail, self.itl_beside_s)
+
+    @property
+    def itl_p99_s(self) -> float:
+        """This request's predicted p99 gap: the raw one times how such predictions came there
+        lately (`itl_calibration`), and no shorter than the typical gap there now."""
+        return max(self.itl_calibration * self.itl_p99_raw_s, self.itl_floor_s)
 
     def shed(self, slo_ttft_s: float, margin: float) -> bool:
         """Whether admission refuses this placement (router/admission.py): its predicted TTFT,
@@ -250,6 +261,7 @@ def predict_colocated(
         transfer_bytes=0,
         caused_misses=(caused_misses(d, during, before) if d.batch else 0.0) + shared,
         itl_tail=d.gap_tail(),
+        itl_calibration=d.p99_calibration(),
         itl_floor_s=d.typical_gap(),
         itl_beside_s=beside_floor(d, d.batch + 1, d.context + req.prompt_len, itl),
         prefill_beside=_beside(d, during),
@@ -273,9 +285,9 @@ def predict_disaggregated(
     # Whole blocks past the decode worker's hit travel (the last one may be partial).
     n_blocks = -(-req.prompt_len // bs) - cached_d // bs
     nbytes = n_blocks * bs * d.info.kv_bytes_per_token
-    own = p.model.prefill_s(n_p, cached_p)
     # P's own running decodes (a worker that does both) share its steps with the prefill: it
     # takes longer in chunks, and they see slower steps meanwhile.
+    own, _ = p.model.chunked_s(n_p, prefill_pairs(n_p, cached_p), p.batch, p.context)
     total, p_during = p.model.chunked_s(
         p.queued_tokens + n_p, p.queued_pairs + prefill_pairs(n_p, cached_p), p.batch, p.context
     )
@@ -316,6 +328,7 @@ def predict_disaggregated(
         caused_misses=caused,
         p_running_itl_s=p_during if p.batch else 0.0,
         itl_tail=d.gap_tail(),
+        itl_calibration=d.p99_calibration(),
         itl_floor_s=d.typical_gap(),
         itl_beside_s=beside_floor(d, d.batch + 1, ctx, itl),
         prefill_beside=_beside(p, p_during),
@@ -333,11 +346,12 @@ def ttft_tolerance(quickest_s: float, req: RequestShape) -> float:
 
 
 def eligible(cands: Sequence[PathPrediction], req: RequestShape) -> list[PathPrediction]:
-    """The candidates of the best `rank` whose first token comes within `ttft_tolerance` of the
-    quickest of them: those the tie-break chooses among."""
+    """The candidates of the best `rank` (those admission takes, if any) whose first token comes
+    within `ttft_tolerance` of the quickest of them: those the tie-break chooses among."""
     ranked = [(c.rank(req), c) for c in cands]
     best = min(r for r, _ in ranked)
     tied = [c for r, c in ranked if r == best]
+    tied = [c for c in tied if not c.refused] or tied  # one admission takes, if any
     quickest = min(c.ttft_s for c in tied)
     limit = quickest + ttft_tolerance(quickest, req)
     return [c for c in tied if c.ttft_s <= limit]

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from router.host_share import PeerWork
 from router.vocab import Frontend, RejectReason
 from worker_protocol.messages import WorkerLoad, WorkerRole
 
@@ -81,7 +82,7 @@ class StatsSink(Protocol):
 
     def decoding(self, running: dict[tuple[str, str], int]) -> None: ...
 
-    def node_shares(self, shares: dict[str, dict[str, float]]) -> None: ...
+    def node_shares(self, shares: dict[tuple[str, PeerWork], float]) -> None: ...
 
     def fell_back(self, reason: str) -> None: ...
 
@@ -130,7 +131,7 @@ class NullSink:
     def decoding(self, running: dict[tuple[str, str], int]) -> None:
         pass
 
-    def node_shares(self, shares: dict[str, dict[str, float]]) -> None:
+    def node_shares(self, shares: dict[tuple[str, PeerWork], float]) -> None:
         pass
 
     def fell_back(self, reason: str) -> None:
