@@ -147,11 +147,11 @@ class RequestBooks:
 
     def finished(self, reason: FinishReason | None, cached_prompt_tokens: int) -> None:
         """Its last chunk is about to go out; a request that decoded on one worker throughout
-        tells that worker's tail what its gaps were, against the p99 gap predicted for it."""
+        tells that worker's tail what its gaps were."""
         self.track.ended(reason, cached_prompt_tokens)
         self.ended = True
         if self.d is not None and not self.track.resumed:
-            self.d.observe_request(self.track.itl_s, self.first.chosen.itl_p99_raw_s)
+            self.d.observe_request(self.track.itl_s)
 
     def moved(self) -> None:
         """Its decode worker died: the placement leaves the books (so that the next decision

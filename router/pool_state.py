@@ -21,9 +21,6 @@ from router.cost_model import StepTimeModel
 from router.host_share import HostShare, PeerWork
 from worker_protocol.messages import WorkerInfo, WorkerLoad
 
-# How far the measured p99 gaps may move a worker's tail from what it predicts (update_tail).
-CALIBRATION_RANGE = (0.5, 2.0)
-
 
 class PrefixIndex:
     """The block hashes a worker's prefix cache should hold, least recently used first, at most
@@ -79,10 +76,6 @@ class WorkerState:
         self._gaps: deque[tuple[float, float]] = deque(maxlen=4096)
         # (time.monotonic(), p99 gap / median gap) of the latest requests that ended here.
         self._request_tails: deque[tuple[float, float]] = deque(maxlen=256)
-        # (time.monotonic(), measured p99 gap / the p99 predicted at its placement, as if
-        # uncalibrated) of the latest requests that ended here (see update_tail).
-        self._p99_errors: deque[tuple[float, float]] = deque(maxlen=256)
-        self._calibration = 1.0  # p99_calibration(), as of the last update_tail()
         # (time.monotonic(), tokens, pairs) of the latest prefills placed here.
         self._placed: deque[tuple[float, int, float]] = deque(maxlen=256)
         self._tail = 1.0  # gap_tail(), as of the last update_tail()
@@ -177,33 +170,19 @@ class WorkerState:
     def recent_gaps(self, since: float) -> list[float]:
         return [g for t, g in self._gaps if t >= since]
 
-    def observe_request(
-        self, gaps: Sequence[float], predicted_p99_s: float = 0.0, now: float | None = None
-    ) -> None:
-        """The gaps of a request that decoded here, all of them, as it ends (at least 10), and
-        the p99 gap predicted for it when it was placed here, uncalibrated (0: none; see
-        p99_calibration)."""
+    def observe_request(self, gaps: Sequence[float], now: float | None = None) -> None:
+        """The gaps of a request that decoded here, all of them, as it ends (at least 10)."""
         if len(gaps) >= 10:
             p50, p99 = np.percentile(gaps, [50, 99])
-            t = time.monotonic() if now is None else now
             if p50 > 0:
+                t = time.monotonic() if now is None else now
                 self._request_tails.append((t, float(p99 / p50)))
-            if predicted_p99_s > 0:
-                self._p99_errors.append((t, float(p99 / predicted_p99_s)))
 
     def gap_tail(self) -> float:
         """How much longer a request's slow gaps are than its typical one (see update_tail): a
         request's ITL SLO holds its p99 gap, while the step-time model predicts the typical
         step."""
         return self._tail
-
-    def p99_calibration(self) -> float:
-        """How the p99 gaps of the requests that ended here came against their predictions (see
-        update_tail): every p99 gap predicted here is multiplied by it. A request's p99 gap is
-        predicted as a step times the tail, and the step, the tail, the node's share and the
-        requests still to come all err; on a 2-core CPU node the gaps came in well under (a
-        mixed run: 23 own misses predicted, 3 measured)."""
-        return self._calibration
 
     def typical_gap(self) -> float:
         """The median of the recent gaps its requests saw (0 with too few; see update_tail): a
@@ -224,12 +203,8 @@ class WorkerState:
         `requests_window_s` of each one's p99 gap over its median gap; until `min_requests`
         have, the p99 of the last `window_s` of all gaps over their median (which overstates
         it: slow moments of the worker fall on a few requests, not on each one's p99); 1 with
-        fewer than `min_gaps` gaps. The calibration (p99_calibration), from the requests that
-        ended in that window with a prediction: once `min_requests` have, the median of their
-        measured p99 gap over the (uncalibrated) one predicted at their placement, within
-        CALIBRATION_RANGE; kept while fewer have, 1 when none has. And the median gap of that
-        window (0 with too few). Once per load poll: every candidate of every decision reads
-        them."""
+        fewer than `min_gaps` gaps. And the median gap of that window (0 with too few). Once per
+        load poll: every candidate of every decision reads them."""
         now = time.monotonic()
         gaps = self.recent_gaps(now - window_s)
         tail, typical = 1.0, 0.0
@@ -240,12 +215,6 @@ class WorkerState:
         ratios = [r for t, r in self._request_tails if t >= now - requests_window_s]
         if len(ratios) >= min_requests:
             tail = float(np.median(ratios))
-        errors = [e for t, e in self._p99_errors if t >= now - requests_window_s]
-        if len(errors) >= min_requests:
-            lo, hi = CALIBRATION_RANGE
-            self._calibration = min(hi, max(lo, float(np.median(errors))))
-        elif not errors:
-            self._calibration = 1.0
         self._tail, self._typical_gap = min(4.0, max(1.0, tail)), typical
 
     # -- what the worker knows ------------------------------------------------------------------

@@ -57,14 +57,11 @@ def caused_misses(w: WorkerState, during_s: float, before_s: float) -> float:
     step (a busy host, other work in the step delays them as much), or the former if longer.
     Taking `during_s` alone, a worker whose tail already put its requests near their SLO would
     be seen to lose nothing to one more prefill; multiplying it by the tail would count twice
-    a tail that comes from prefill chunks cut to the step target. Both times the worker's
-    p99_calibration, as a new request's p99 gap is."""
-    tail, cal = w.gap_tail(), w.p99_calibration()
+    a tail that comes from prefill chunks cut to the step target."""
+    tail = w.gap_tail()
     typical = max(before_s, w.typical_gap())  # what its steps take now, as measured too
-    # As for a new request's (PathPrediction.itl_p99_s): calibrated, and no shorter than the
-    # typical step.
-    without = max(cal * typical * tail, typical)
-    with_it = max(cal * (during_s + typical * (tail - 1.0)), without)
+    without = typical * tail
+    with_it = max(during_s + typical * (tail - 1.0), without)
     return sum(
         max(0.0, miss_chance(with_it, slo) - miss_chance(without, slo)) for slo in w.itl_slos()
     )
@@ -125,8 +122,6 @@ class PathPrediction:
     # The decode worker's measured p99 gap over its median (WorkerState.gap_tail): what this
     # request's ITL p99 will be, over the typical step `itl_s`.
     itl_tail: float = 1.0
-    # How the p99 gaps there came against their predictions (WorkerState.p99_calibration).
-    itl_calibration: float = 1.0
     # The decode worker's measured median gap (WorkerState.typical_gap): a floor under `itl_s`
     # where other work fills its steps.
     itl_floor_s: float = 0.0
@@ -165,18 +160,12 @@ class PathPrediction:
         return max(0.0, self.running_itl_s - floor)
 
     @property
-    def itl_p99_raw_s(self) -> float:
-        """This request's predicted p99 gap, uncalibrated: its step (no shorter than the gaps
-        requests see there now) times the worker's tail, and no shorter than the step beside
-        the prefills its decode worker runs, when these come often (a worker that prefills for
-        its peers with few requests of its own decoding has no measured tail to show them)."""
-        return max(max(self.itl_s, self.itl_floor_s) * self.itl_tail, self.itl_beside_s)
-
-    @property
     def itl_p99_s(self) -> float:
-        """This request's predicted p99 gap: the raw one times how such predictions came there
-        lately (`itl_calibration`), and no shorter than the typical gap there now."""
-        return max(self.itl_calibration * self.itl_p99_raw_s, self.itl_floor_s)
+        """This request's predicted p99 gap: its step (no shorter than the gaps requests see
+        there now) times the worker's tail, and no shorter than the step beside the prefills
+        its decode worker runs, when these come often (a worker that prefills for its peers
+        with few requests of its own decoding has no measured tail to show them)."""
+        return max(max(self.itl_s, self.itl_floor_s) * self.itl_tail, self.itl_beside_s)
 
     def shed(self, slo_ttft_s: float, margin: float) -> bool:
         """Whether admission refuses this placement (router/admission.py): its predicted TTFT,
@@ -261,7 +250,6 @@ def predict_colocated(
         transfer_bytes=0,
         caused_misses=(caused_misses(d, during, before) if d.batch else 0.0) + shared,
         itl_tail=d.gap_tail(),
-        itl_calibration=d.p99_calibration(),
         itl_floor_s=d.typical_gap(),
         itl_beside_s=beside_floor(d, d.batch + 1, d.context + req.prompt_len, itl),
         prefill_beside=_beside(d, during),
@@ -328,7 +316,6 @@ def predict_disaggregated(
         caused_misses=caused,
         p_running_itl_s=p_during if p.batch else 0.0,
         itl_tail=d.gap_tail(),
-        itl_calibration=d.p99_calibration(),
         itl_floor_s=d.typical_gap(),
         itl_beside_s=beside_floor(d, d.batch + 1, ctx, itl),
         prefill_beside=_beside(p, p_during),

@@ -124,7 +124,7 @@ def test_short_prompts_stay_colocated_and_say_why():
     decision = pl.decide(shape(16), [p], [d])
     assert decision.chosen.path is RoutePath.COLOCATED
     assert decision.reason.startswith("colocated: expected SLO misses 0.00")
-    assert "predicted TTFT" in decision.reason
+    assert "predicted TTFT" in decision.reason and "ITL p99" in decision.reason
     best = {b.path: b for b in decision.best}
     assert best[RoutePath.COLOCATED].ttft_s < best[RoutePath.DISAGGREGATED].ttft_s
 
@@ -476,58 +476,6 @@ def test_the_tail_is_each_requests_own_once_enough_requests_ended():
         assert d.gap_tail() == pytest.approx(1.2 if i == 7 else 3.0, rel=0.02), i
     d.observe_request([0.05] * 5)  # under 10 gaps: says too little
     assert len(d._request_tails) == 8
-
-
-def test_predicted_p99_gaps_are_calibrated_by_how_they_came_against_their_predictions():
-    """Requests whose p99 gaps came at 0.8 of what was predicted for them (uncalibrated) when
-    placed: once 8 have ended, every p99 gap predicted there is 0.8 of the raw prediction (no
-    shorter than the typical gap), the new request's and the running ones' alike; the tail
-    stays what was measured. Predictions met keep it; a range bounds it; with no request
-    ended lately it is 1 again."""
-    pl = planner()
-    d = trained("decode-0", "decode", seed=1)
-    gaps = [0.05] * 98 + [0.06] * 2  # p99 1.2 x the median
-    req = shape(16, slo_itl=0.06)
-    first = pl.candidates(req, [], [d])[0]
-    assert first.itl_calibration == 1.0 and first.itl_p99_s == first.itl_p99_raw_s
-    for i in range(8):
-        d.observe_request(gaps, predicted_p99_s=0.06 / 0.8)
-        d.update_tail()
-        assert d.p99_calibration() == pytest.approx(0.8 if i == 7 else 1.0), i
-    assert d.gap_tail() == pytest.approx(1.2, rel=0.02)
-    c = pl.candidates(req, [], [d])[0]
-    assert c.itl_calibration == pytest.approx(0.8)
-    assert c.itl_p99_s == pytest.approx(max(0.8 * c.itl_p99_raw_s, c.itl_floor_s))
-    assert c.new_miss(req) < replace(c, itl_calibration=1.0).new_miss(req)
-    for _ in range(64):  # the raw predictions, met: the calibration follows, no lock-in
-        d.observe_request(gaps, predicted_p99_s=0.06)
-        d.update_tail()
-    assert d.p99_calibration() == pytest.approx(1.0)
-    for _ in range(128):  # p99 gaps at ten times their predictions: bounded
-        d.observe_request(gaps, predicted_p99_s=0.006)
-    d.update_tail()
-    assert d.p99_calibration() == 2.0
-    old = d.p99_calibration()
-    fresh = trained("decode-1", "decode", seed=2)
-    fresh.observe_request(gaps)  # no prediction (a resumed request): the tail's own figure only
-    assert not fresh._p99_errors and len(fresh._request_tails) == 1
-    fresh.observe_request(gaps, 0.1, now=time.monotonic() - 1000)  # long ago
-    fresh._calibration = old
-    fresh.update_tail()
-    assert fresh.p99_calibration() == 1.0  # none ended lately: uncalibrated
-
-
-def test_a_calibration_under_1_lowers_the_misses_counted_for_running_requests():
-    """Four requests decoding with a measured tail of 1.5 (see the test after the next): a
-    prefill whose steps take 80 ms costs them about three misses uncalibrated; where their p99
-    gaps have come at half their predictions, it costs them none."""
-    d = trained("both-0", "both", seed=1)
-    d.observe_gaps([0.06] * 90 + [0.09] * 10)
-    d.update_tail()
-    with_decodes(d, 4, 200, itl_slo_s=0.1)
-    assert caused_misses(d, 0.08, 0.06) > 2.5
-    d._calibration = 0.5
-    assert caused_misses(d, 0.08, 0.06) < 0.01
 
 
 def test_a_prompt_of_several_chunks_goes_where_no_decodes_run_when_its_first_token_can_wait():
@@ -980,3 +928,19 @@ def test_a_placement_admission_would_refuse_counts_as_a_lost_request():
     req30 = replace(req, slo_ttft_s=30.0)
     assert refused.rank(req30) == served.rank(req30) == 1.0
     assert choose([refused, served], req30) is served
+
+
+def test_a_prefill_beside_decodes_is_not_a_queue():
+    """A worker of both kinds decoding four requests, nothing queued: a prompt it prefills for
+    its peer takes longer in chunks, but waits for nothing (admission refuses only what
+    queueing pushes past its SLO)."""
+    pl = planner()
+    a = with_decodes(trained("both-0", "both", seed=1), 4, 400, itl_slo_s=10.0)
+    b = trained("both-1", "both", seed=2)
+    req = shape(600, seed=3)
+    handoff = next(c for c in pl.candidates(req, [a, b], [a, b]) if c.prefill_worker == "both-0")
+    assert handoff.queue_s == pytest.approx(0.0, abs=1e-9)
+    assert handoff.prefill_s > a.model.prefill_s(600)  # in chunks beside the decodes
+    a.add_prefill("queued", 300, prefill_pairs(300, 0))
+    queued = next(c for c in pl.candidates(req, [a, b], [a, b]) if c.prefill_worker == "both-0")
+    assert queued.queue_s > 0.1

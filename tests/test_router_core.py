@@ -364,17 +364,3 @@ def test_a_request_that_ends_tells_its_decode_worker_its_own_tail():
     tails = [r for w in core.states.values() for _, r in w._request_tails]
     assert len(tails) == 1 and tails[0] >= 1.0  # 19 gaps; the 4 of the short one say too little
 
-
-def test_a_request_that_ends_tells_its_decode_worker_its_p99_gap_against_the_predicted_one():
-    async def main():
-        core = await make_core(FakeBackend())
-        await consume(core, request("long", max_tokens=40))
-        await consume(core, request("short", max_tokens=4))  # under 10 gaps: says too little
-        return core
-
-    core = run(main())
-    record = core.records[0]
-    d = core.states[record.decision.chosen.decode_worker]
-    assert record.decision.chosen.itl_p99_s > 0
-    assert "ITL p99" in record.decision.reason
-    assert len(d._p99_errors) == 1 and d._p99_errors[0][1] > 0
