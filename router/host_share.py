@@ -8,8 +8,8 @@ the requests already decoding beside it (router/predictions.py shared_misses).
 How much depends on what the peer runs: decodes read every weight each step, and two workers
 decoding on one CPU node contend for its memory bandwidth more than a decode beside a peer's
 prefill does (measured on a 2-core node: gaps 1.25-1.4x longer with the peer decoding, 1.1-1.2x
-with it prefilling). The share is measured for each kind of peer work (`PeerWork`): the heavier
-that a peer on the node runs, decodes over prefills.
+with it prefilling). The share is measured for each kind of peer work (`PeerWork`); a worker's
+steps carry the larger share of what its peers run.
 
 `HostShare` measures it per node from the steps the workers report: each worker's step-time
 model predicts its steps as they would run alone (router/cost_model.py StepTimeModel: fitted on
@@ -39,7 +39,8 @@ import numpy as np
 
 
 class PeerWork(enum.Enum):
-    """The heaviest work a worker's peers on its node run: what its steps run beside."""
+    """What a worker's peers on its node run beside its steps (router/pool_state.py
+    peer_work: of what they run, the kind with the larger share)."""
 
     IDLE = "idle"
     PREFILL = "prefill"

@@ -118,9 +118,6 @@ def _tie_broken(
     if quickest is chosen or quickest.tie_break(req) == chosen.tie_break(req):
         return "cost_ttft"
     where = f"{quickest.prefill_worker or quickest.decode_worker}->{quickest.decode_worker}"
-    if quickest.refused and not chosen.refused:
-        parts.append(f"admitted, not {where} (TTFT {_ms(quickest.ttft_s)}, refused)")
-        return "cost_admitted"
     if chosen.prefill_beside < quickest.prefill_beside:
         parts.append(
             f"prefilled beside {chosen.prefill_beside} running decodes, not "

@@ -194,27 +194,19 @@ class PathPrediction:
         told apart by `choose`."""
         return math.floor(10 * self.expected_misses(req) + 1e-9) / 10
 
-    def tie_break(
-        self, req: RequestShape
-    ) -> tuple[bool, int, tuple[bool, bool, int], float, float]:
-        """Among candidates of equal rank and about as quick a first token (see `choose`): one
-        admission takes (not `refused`), then the prefill beside the fewest running decodes whose
-        SLO it puts at risk (`prefill_beside`: prefills placed beside decodes come again and again,
-        and their p99 gaps pass the SLO more often than the step model predicts), then a dedicated
-        decode worker, then a worker of both kinds where no prefill runs, then the one with the most
-        decodes running or to come (`decode_lean`: decodes gather where decodes run and prefills go
-        where none do, the split a disaggregated deployment makes, from the first request on, until
-        the expected misses or the first token's delay say otherwise), then the least predicted SLO
-        violation (where every choice is predicted to miss, how far: a miss is a miss to the
-        goodput, and the split is kept for the requests to come), then the earliest predicted second
-        token (TTFT + ITL: of two equally fast prefills, the less busy decode worker wins)."""
-        return (
-            self.refused,
-            self.prefill_beside,
-            self.decode_lean,
-            self.violation(req),
-            self.ttft_s + self.itl_s,
-        )
+    def tie_break(self, req: RequestShape) -> tuple[int, tuple[bool, bool, int], float, float]:
+        """Among candidates of equal rank and about as quick a first token (see `choose`): the
+        prefill beside the fewest running decodes whose SLO it puts at risk (`prefill_beside`:
+        prefills placed beside decodes come again and again, and their p99 gaps pass the SLO more
+        often than the step model predicts), then a dedicated decode worker, then a worker of both
+        kinds where no prefill runs, then the one with the most decodes running or to come
+        (`decode_lean`: decodes gather where decodes run and prefills go where none do, the split a
+        disaggregated deployment makes, from the first request on, until the expected misses or the
+        first token's delay say otherwise), then the least predicted SLO violation (where every
+        choice is predicted to miss, how far: a miss is a miss to the goodput, and the split is kept
+        for the requests to come), then the earliest predicted second token (TTFT + ITL: of two
+        equally fast prefills, the less busy decode worker wins)."""
+        return self.prefill_beside, self.decode_lean, self.violation(req), self.ttft_s + self.itl_s
 
     def violation(self, req: RequestShape) -> float:
         return max(0.0, self.ttft_s / req.slo_ttft_s - 1) + max(0.0, self.itl_s / req.slo_itl_s - 1)
