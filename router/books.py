@@ -66,6 +66,7 @@ class RequestBooks:
         self.shape: RequestShape | None = None  # of the current placement
         self.p: WorkerState | None = None  # the worker that prefills it now
         self.d: WorkerState | None = None  # its decode worker now
+        self.chosen: PathPrediction | None = None  # the current placement's prediction
 
     def __enter__(self) -> RequestBooks:
         self.counts.pending += 1
@@ -96,7 +97,7 @@ class RequestBooks:
         colocated one, once its first token is out."""
         d = self.states[chosen.decode_worker]
         p = self.states.get(chosen.prefill_worker) or d
-        self.shape, self.p, self.d = shape, p, d
+        self.shape, self.p, self.d, self.chosen = shape, p, d, chosen
         self.placed += [p, d]
         hit = p.cached_tokens(shape.hashes, shape.prompt_len)
         n_prefill = shape.prompt_len - hit
@@ -147,11 +148,14 @@ class RequestBooks:
 
     def finished(self, reason: FinishReason | None, cached_prompt_tokens: int) -> None:
         """Its last chunk is about to go out; a request that decoded on one worker throughout
-        tells that worker's tail what its gaps were."""
+        tells that worker's tail what its gaps were, and its spread how they came against the
+        p99 gap predicted at its placement."""
         self.track.ended(reason, cached_prompt_tokens)
         self.ended = True
-        if self.d is not None and not self.track.resumed:
-            self.d.observe_request(self.track.itl_s)
+        if self.d is not None and self.chosen is not None and self.shape is not None:
+            if not self.track.resumed:
+                c = self.chosen
+                self.d.observe_request(self.track.itl_s, c.itl_p99_s, self.shape.slo_itl_s)
 
     def moved(self) -> None:
         """Its decode worker died: the placement leaves the books (so that the next decision

@@ -255,7 +255,7 @@ class RequestCore:
         async with aclosing(self._run(req, chosen, books, handoff)) as stream:
             async for chunk in stream:
                 if books.took(chunk):
-                    self._trained(req.request_id, books.first, books.track)
+                    self._trained(req.request_id, books.first, books.track, shape.slo_ttft_s)
                 delta = text.feed(chunk.token_ids, chunk.finished)
                 final = None
                 if chunk.finished or text.stop_hit is not None:
@@ -346,9 +346,10 @@ class RequestCore:
             c.running_itl_s * 1000,
         )
 
-    def _trained(self, rid: str, decision: Decision, track: Tracker) -> None:
+    def _trained(self, rid: str, decision: Decision, track: Tracker, slo_ttft_s: float) -> None:
         """The first token is out: keep the decision with its measured TTFT, and train the
-        path's bias (unless a failed handoff made the decode worker prefill after all)."""
+        path's bias and the spread of TTFT predictions (unless a failed handoff made the decode
+        worker prefill after all)."""
         ttft = track.ttft_s or 0.0
         disturbed = bool(track.kv_fallback or track.replanned_to or track.resumed)
         self.records.append(DecisionRecord(rid, decision, ttft, disturbed))
@@ -363,6 +364,7 @@ class RequestCore:
         chosen = decision.chosen
         if chosen.path is RoutePath.COLOCATED or track.handed_off:
             self.planner.bias[chosen.path].observe(chosen.raw_ttft_s, ttft)
+            self.planner.ttft_spread.observe(chosen.ttft_s, ttft, slo_ttft_s)
 
     # -- reading -----------------------------------------------------------------------------
     def prediction_error(self, path: RoutePath | None = None, last: int = 200) -> float | None:

@@ -48,6 +48,7 @@ from router.predictions import (
     predict_disaggregated,
     shared_misses,
 )
+from router.spread import PredictionSpread
 from router.vocab import RoutePath
 
 
@@ -148,6 +149,9 @@ class Planner:
         self.bias = {RoutePath.COLOCATED: Bias(), RoutePath.DISAGGREGATED: Bias()}
         # Admission's factor on predicted TTFT (router/admission.py ttft_margin), set by the core.
         self.ttft_margin = 1.0
+        # How far TTFT predictions came from measured first tokens (trained by the core): the
+        # width of every candidate's TTFT miss chance.
+        self.ttft_spread = PredictionSpread()
 
     def candidates(
         self,
@@ -179,6 +183,8 @@ class Planner:
                     wasted = self.health.wasted_s(p.worker_id, d.worker_id)
                     c = c.with_failure_risk(rate, wasted, local[d.worker_id])
                 out.append(c)
+        width = self.ttft_spread.width
+        out = [replace(c, ttft_width=width) for c in out]
         if not admitting:
             return out
         # A placement admission would refuse loses the request and runs nothing (one miss, none

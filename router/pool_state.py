@@ -19,6 +19,7 @@ import numpy as np
 from engine.prefix_hash import max_cacheable_tokens
 from router.cost_model import StepTimeModel
 from router.host_share import HostShare, PeerWork
+from router.spread import PredictionSpread
 from worker_protocol.messages import WorkerInfo, WorkerLoad
 
 
@@ -78,6 +79,9 @@ class WorkerState:
         self._request_tails: deque[tuple[float, float]] = deque(maxlen=256)
         # (time.monotonic(), tokens, pairs) of the latest prefills placed here.
         self._placed: deque[tuple[float, int, float]] = deque(maxlen=256)
+        # How far the p99 gaps predicted for its requests came from those measured: the width of
+        # their ITL miss chances (router/predictions.py).
+        self.itl_spread = PredictionSpread()
         self._tail = 1.0  # gap_tail(), as of the last update_tail()
         self._typical_gap = 0.0  # typical_gap(), likewise
 
@@ -170,10 +174,18 @@ class WorkerState:
     def recent_gaps(self, since: float) -> list[float]:
         return [g for t, g in self._gaps if t >= since]
 
-    def observe_request(self, gaps: Sequence[float], now: float | None = None) -> None:
-        """The gaps of a request that decoded here, all of them, as it ends (at least 10)."""
+    def observe_request(
+        self,
+        gaps: Sequence[float],
+        predicted_p99_s: float = 0.0,
+        slo_s: float = float("inf"),
+        now: float | None = None,
+    ) -> None:
+        """The gaps of a request that decoded here, all of them, as it ends (at least 10), and
+        the p99 gap predicted at its placement against its ITL SLO (0, inf: none)."""
         if len(gaps) >= 10:
             p50, p99 = np.percentile(gaps, [50, 99])
+            self.itl_spread.observe(predicted_p99_s, float(p99), slo_s)
             if p50 > 0:
                 t = time.monotonic() if now is None else now
                 self._request_tails.append((t, float(p99 / p50)))

@@ -14,15 +14,13 @@ from dataclasses import dataclass, replace
 
 from router.cost_model import Bias, TransferTimeModel, prefill_pairs
 from router.pool_state import WorkerState
+from router.spread import MISS_WIDTH
 from router.vocab import RoutePath
 from worker_protocol.messages import WorkerRole
 
 # A pair whose recent handoffs fell back more often than this is not chosen while another
 # choice remains.
 MAX_FAILURE_RATE = 0.5
-# How sharp a predicted value turns into a miss, relative to its SLO: the chance of a miss is
-# 0.5 at the SLO and 0.12 / 0.88 at 10% under / over it (predictions are off by about that).
-MISS_WIDTH = 0.05
 # Of the candidates tied on expected misses, those whose first token comes at most this share
 # of its SLO after the quickest's (and no later than twice the quickest's) count as equally
 # quick: the prefill beside the fewest running decodes among them wins (see choose).
@@ -39,11 +37,15 @@ GATHER_MAX_LOAD = 0.8
 BESIDE_MARGIN = 2.0
 
 
-def miss_chance(predicted_s: float, slo_s: float) -> float:
-    """The chance that what is predicted to take `predicted_s` ends past `slo_s`."""
+def miss_chance(predicted_s: float, slo_s: float, width: float = MISS_WIDTH) -> float:
+    """The chance that what is predicted to take `predicted_s` ends past `slo_s`: 0.5 at the SLO,
+    a logistic in ln(predicted / SLO) of scale `width` (how far such predictions come from what
+    is measured: router/spread.py)."""
     if not math.isfinite(slo_s) or slo_s <= 0:
         return 0.0
-    x = (predicted_s / slo_s - 1.0) / MISS_WIDTH
+    if predicted_s <= 0:
+        return 0.0
+    x = math.log(predicted_s / slo_s) / width
     return 1.0 / (1.0 + math.exp(-max(-50.0, min(50.0, x))))
 
 
@@ -57,13 +59,18 @@ def caused_misses(w: WorkerState, during_s: float, before_s: float) -> float:
     step (a busy host, other work in the step delays them as much), or the former if longer.
     Taking `during_s` alone, a worker whose tail already put its requests near their SLO would
     be seen to lose nothing to one more prefill; multiplying it by the tail would count twice
-    a tail that comes from prefill chunks cut to the step target."""
+    a tail that comes from prefill chunks cut to the step target. The miss chances are as wide
+    as the worker's p99 gap predictions have come from its requests' measured ones
+    (`itl_spread`): a request predicted past its SLO may still attain, the less so the further
+    past it new work takes it."""
     tail = w.gap_tail()
+    width = w.itl_spread.width
     typical = max(before_s, w.typical_gap())  # what its steps take now, as measured too
     without = typical * tail
     with_it = max(during_s + typical * (tail - 1.0), without)
     return sum(
-        max(0.0, miss_chance(with_it, slo) - miss_chance(without, slo)) for slo in w.itl_slos()
+        max(0.0, miss_chance(with_it, slo, width) - miss_chance(without, slo, width))
+        for slo in w.itl_slos()
     )
 
 
@@ -139,6 +146,10 @@ class PathPrediction:
     decode_lean: tuple[bool, bool, int] = (False, False, 0)
     # Admission would refuse this placement (`shed`): to the goodput, the new request is lost.
     refused: bool = False
+    # How far TTFT and ITL p99 predictions have come from what was measured (router/spread.py):
+    # the widths of this request's miss chances.
+    ttft_width: float = MISS_WIDTH
+    itl_width: float = MISS_WIDTH
 
     @property
     def failing(self) -> bool:
@@ -178,8 +189,8 @@ class PathPrediction:
         where admission would refuse it (`refused`)."""
         if self.refused:
             return 1.0
-        ok = (1 - miss_chance(self.ttft_s, req.slo_ttft_s)) * (
-            1 - miss_chance(self.itl_p99_s, req.slo_itl_s)
+        ok = (1 - miss_chance(self.ttft_s, req.slo_ttft_s, self.ttft_width)) * (
+            1 - miss_chance(self.itl_p99_s, req.slo_itl_s, self.itl_width)
         )
         return 1.0 - ok
 
@@ -243,6 +254,7 @@ def predict_colocated(
         caused_misses=(caused_misses(d, during, before) if d.batch else 0.0) + shared,
         itl_tail=d.gap_tail(),
         itl_floor_s=d.typical_gap(),
+        itl_width=d.itl_spread.width,
         itl_beside_s=beside_floor(d, d.batch + 1, d.context + req.prompt_len, itl),
         prefill_beside=_beside(d, during),
         decode_lean=_lean(d, prefills_there=True),
@@ -309,6 +321,7 @@ def predict_disaggregated(
         p_running_itl_s=p_during if p.batch else 0.0,
         itl_tail=d.gap_tail(),
         itl_floor_s=d.typical_gap(),
+        itl_width=d.itl_spread.width,
         itl_beside_s=beside_floor(d, d.batch + 1, ctx, itl),
         prefill_beside=_beside(p, p_during),
         decode_lean=_lean(d, prefills_there=d.queued_prefills > 0),

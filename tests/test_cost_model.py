@@ -439,7 +439,9 @@ def test_the_gap_tail_delays_a_prefills_steps_as_it_does_the_typical_step():
     before = 0.06
     assert caused_misses(d, 0.08, before) == pytest.approx(4 * (0.881 - 0.119), abs=0.02)
     assert caused_misses(d, 0.05, before) == pytest.approx(0.0, abs=1e-9)  # no longer than before
-    assert caused_misses(d, 0.5, 0.08) < 0.1  # they are at 1.2 x their SLO already
+    # They are at 1.2 x their SLO already: while the predictions have come as close as the
+    # models claim (the spread's prior), they are as good as lost.
+    assert caused_misses(d, 0.5, 0.08) < 0.15
 
 
 def test_the_gaps_requests_see_now_floor_a_new_requests_predicted_step():
