@@ -2,25 +2,24 @@
 policies that choose among them.
 
   - auto: the cost model, over every (P, D) among the workers able to take each role (P = D:
-    colocated). Disaggregated candidates whose pair keeps falling back to a local prefill
-    (failure rate over MAX_FAILURE_RATE, router/cost_model.py HandoffHealth) are dropped while
-    any other remains, and every disaggregated prediction carries its pair's failure risk. Of
-    the rest, the one with the fewest expected SLO misses wins: the new request's own chance of
-    missing (its TTFT or ITL), plus the misses it would cause among the requests already
-    decoding on D and on P (their steps with it, against without it; a request whose first
-    token came after its TTFT SLO cannot attain and counts for nothing). A placement admission
-    would refuse (router/admission.py: its TTFT, times how late first tokens have come lately,
-    past the SLO while it queues) is a certain miss of the new request. No single guard vetoes
-    a choice: pushing one running request past its ITL SLO can be worth it when every other
-    choice makes the new request miss, and is not when it would push many. Of those tied on
-    expected misses, the ones whose first token comes within a quarter of its TTFT SLO of the
-    quickest (and within twice the quickest) count as equally quick, and among them the prefill
-    beside the fewest running decodes whose ITL SLO it puts at risk wins, then a dedicated
-    decode worker, then the worker of both kinds with the most decodes running or to come
-    (decodes gather, prefills go where none run: a disaggregated split, until the expected
-    misses say otherwise), then the least predicted SLO violation (where every choice misses),
-    then the earliest predicted second token (TTFT + ITL): see
-    router/predictions.py choose. The decision's reason code says which of these decided.
+    colocated). Disaggregated candidates whose pair keeps falling back to a local prefill (failure
+    rate over MAX_FAILURE_RATE, router/cost_model.py HandoffHealth) are dropped while any other
+    remains, and every disaggregated prediction carries its pair's failure risk. Of the rest, the
+    one with the fewest expected SLO misses wins: the new request's own chance of missing (its TTFT
+    or ITL), plus the misses it would cause among the requests already decoding on D and on P (their
+    steps with it, against without it; a request whose first token came after its TTFT SLO cannot
+    attain and counts for nothing). A placement admission would refuse (router/admission.py: its
+    TTFT, times how late first tokens have come lately, past the SLO while it queues) is a certain
+    miss of the new request. No single guard vetoes a choice: pushing one running request past its
+    ITL SLO can be worth it when every other choice makes the new request miss, and is not when it
+    would push many. Of those tied on expected misses (within a tenth of a request of the fewest),
+    the ones whose first token comes within a quarter of its TTFT SLO of the quickest (and within
+    twice the quickest) count as equally quick, and among them the prefill beside the fewest running
+    decodes whose ITL SLO it puts at risk wins, then a dedicated decode worker, then the worker of
+    both kinds with the most decodes running or to come (decodes gather, prefills go where none run:
+    a disaggregated split, until the expected misses say otherwise), then the least predicted SLO
+    violation (where every choice misses), then the earliest predicted second token (TTFT + ITL):
+    see router/predictions.py choose. The decision's reason code says which of these decided.
   - colocated / disaggregated: always that path, workers from the balancer.
   - threshold (Dynamo's rule): disaggregated iff uncached prompt tokens > T and the prefill
     worker's queue holds fewer than Q requests.
@@ -113,8 +112,8 @@ def _misses(c: PathPrediction, req: RequestShape) -> str:
 def _tie_broken(
     req: RequestShape, chosen: PathPrediction, usable: list[PathPrediction], parts: list[str]
 ) -> str:
-    """The reason code of a choice among candidates of equal rank, and its reason in words when
-    the tie-break, not the quickest second token, decided."""
+    """The reason code of a choice among candidates tied on expected misses, and its reason in words
+    when the tie-break, not the quickest second token, decided."""
     quickest = min(eligible(usable, req), key=lambda c: c.ttft_s + c.itl_s)
     if quickest is chosen or quickest.tie_break(req) == chosen.tie_break(req):
         return "cost_ttft"
@@ -265,7 +264,7 @@ class Planner:
             f"ITL p99 {_ms(chosen.itl_p99_s)}"
         ]
         code = "cost_ttft"
-        mine = chosen.rank(req)
+        fewest = min(c.expected_misses(req) for c in usable)
         for o in others:
             if o.failing and len(usable) < len(cands):
                 parts.append(
@@ -275,7 +274,7 @@ class Planner:
                 code = "handoff_failing"
                 continue
             parts.append(f"vs {o.path.value} {_misses(o, req)}, TTFT {_ms(o.ttft_s)}")
-            if o.rank(req) > mine and code == "cost_ttft":
+            if not o.ties(fewest, req) and code == "cost_ttft":
                 code = "cost_misses"  # fewer misses decided, not the TTFT
         shed = sum(c.refused for c in usable)
         if shed and not chosen.refused:

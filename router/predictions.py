@@ -21,6 +21,8 @@ from worker_protocol.messages import WorkerRole
 # A pair whose recent handoffs fell back more often than this is not chosen while another
 # choice remains.
 MAX_FAILURE_RATE = 0.5
+# Candidates whose expected SLO misses are within this of the fewest tie (see eligible).
+MISS_TOLERANCE = 0.1
 # Of the candidates tied on expected misses, those whose first token comes at most this share
 # of its SLO after the quickest's (and no later than twice the quickest's) count as equally
 # quick: the prefill beside the fewest running decodes among them wins (see choose).
@@ -198,16 +200,16 @@ class PathPrediction:
         """SLO misses to expect from this choice: the new request's, and those it causes."""
         return self.new_miss(req) + self.caused_misses
 
-    def rank(self, req: RequestShape) -> float:
-        """Fewest expected SLO misses first (the new request's and the running ones' alike:
-        no single guard vetoes a choice), counted in whole tenths of a request: less than a
-        tenth expected is no reason to take a slower first token. Candidates of equal rank are
-        told apart by `choose`."""
-        return math.floor(10 * self.expected_misses(req) + 1e-9) / 10
+    def ties(self, fewest: float, req: RequestShape) -> bool:
+        """Whether its expected SLO misses (the new request's and the running ones' alike: no
+        single guard vetoes a choice) are within MISS_TOLERANCE of the `fewest` of any
+        candidate: less than a tenth of a request more is no reason to take a slower first
+        token. Candidates that tie are told apart by `choose`."""
+        return self.expected_misses(req) <= fewest + MISS_TOLERANCE
 
     def tie_break(self, req: RequestShape) -> tuple[int, tuple[bool, bool, int], float, float]:
-        """Among candidates of equal rank and about as quick a first token (see `choose`): the
-        prefill beside the fewest running decodes whose SLO it puts at risk (`prefill_beside`:
+        """Among candidates tied on expected misses and about as quick a first token (see `choose`):
+        the prefill beside the fewest running decodes whose SLO it puts at risk (`prefill_beside`:
         prefills placed beside decodes come again and again, and their p99 gaps pass the SLO more
         often than the step model predicts), then a dedicated decode worker, then a worker of both
         kinds where no prefill runs, then the one with the most decodes running or to come
@@ -338,11 +340,12 @@ def ttft_tolerance(quickest_s: float, req: RequestShape) -> float:
 
 
 def eligible(cands: Sequence[PathPrediction], req: RequestShape) -> list[PathPrediction]:
-    """The candidates of the best `rank` (those admission takes, if any) whose first token comes
-    within `ttft_tolerance` of the quickest of them: those the tie-break chooses among."""
-    ranked = [(c.rank(req), c) for c in cands]
-    best = min(r for r, _ in ranked)
-    tied = [c for r, c in ranked if r == best]
+    """The candidates that tie on the fewest expected misses (`ties`; those admission takes, if
+    any) whose first token comes within `ttft_tolerance` of the quickest of them: those the
+    tie-break chooses among. A tolerance, not a rounding: expected misses of 0.99 and 1.01 tie
+    (in tenths rounded down, the former won whatever its first token's delay)."""
+    fewest = min(c.expected_misses(req) for c in cands)
+    tied = [c for c in cands if c.ties(fewest, req)]
     tied = [c for c in tied if not c.refused] or tied  # one admission takes, if any
     quickest = min(c.ttft_s for c in tied)
     limit = quickest + ttft_tolerance(quickest, req)

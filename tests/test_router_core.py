@@ -364,3 +364,19 @@ def test_a_request_that_ends_tells_its_decode_worker_its_own_tail():
     tails = [r for w in core.states.values() for _, r in w._request_tails]
     assert len(tails) == 1 and tails[0] >= 1.0  # 19 gaps; the 4 of the short one say too little
 
+
+def test_ended_requests_teach_the_spread_of_the_predictions_near_their_slo():
+    """Each first token trains how far TTFT predictions come from measured ones, each ended
+    request how far its decode worker's predicted p99 gap came from its measured one: near
+    their SLOs (here 10 us, which any measurement passes), not far under them."""
+
+    async def main():
+        core = await make_core(FakeBackend(chunk_tokens=1))
+        tight = replace(request("tight", max_tokens=20, slo_ttft_ms=0.01), slo_itl_ms=0.01)
+        await consume(core, tight)
+        await consume(core, request("loose", max_tokens=20))  # default SLOs: far under them
+        return core
+
+    core = run(main())
+    assert core.planner.ttft_spread.samples == 1
+    assert sum(w.itl_spread.samples for w in core.states.values()) == 1
