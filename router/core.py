@@ -349,7 +349,8 @@ class RequestCore:
     def _trained(self, rid: str, decision: Decision, track: Tracker, slo_ttft_s: float) -> None:
         """The first token is out: keep the decision with its measured TTFT, and train the
         path's bias and the spread of TTFT predictions (unless a failed handoff made the decode
-        worker prefill after all)."""
+        worker prefill after all, or it was replanned or resumed: its first token then came
+        from another placement than the one predicted)."""
         ttft = track.ttft_s or 0.0
         disturbed = bool(track.kv_fallback or track.replanned_to or track.resumed)
         self.records.append(DecisionRecord(rid, decision, ttft, disturbed))
@@ -362,7 +363,7 @@ class RequestCore:
         )
         self.sink.first_token(track.first_token())
         chosen = decision.chosen
-        if chosen.path is RoutePath.COLOCATED or track.handed_off:
+        if not disturbed and (chosen.path is RoutePath.COLOCATED or track.handed_off):
             self.planner.bias[chosen.path].observe(chosen.raw_ttft_s, ttft)
             self.planner.ttft_spread.observe(chosen.ttft_s, ttft, slo_ttft_s)
 

@@ -36,13 +36,16 @@ class Membership:
 
     def state(self, worker_id: str) -> WorkerState:
         """The books of a worker's current incarnation; a new incarnation (a replacement) gets
-        fresh books: its prefix cache and queues start empty, its pairs' health too."""
+        fresh books: its prefix cache and queues start empty, its pairs' health too. How far its
+        predictions erred carries over (the same model on the same kind of device)."""
         info = self.backend.worker_info(worker_id)
-        state = self.states.get(worker_id)
+        old = self.states.get(worker_id)
+        state = old
         if state is None or state.info.incarnation != info.incarnation:
-            if state is not None:
-                self.health.forget(worker_id)
             state = self.states[worker_id] = WorkerState(info)
+            if old is not None:
+                self.health.forget(worker_id)
+                state.itl_spread = old.itl_spread
             self._share_node(state)
         return state
 

@@ -32,6 +32,7 @@ Every decision carries the best prediction for each path and a reason in words.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -166,24 +167,21 @@ class Planner:
         for w in workers:  # the node's share, as the books stand now (the poll is older)
             w.set_peer_work(peer_work(w, workers))
         shared = {d.worker_id: shared_misses(d, workers) for d in decode}
-        out = [
-            predict_colocated(req, d, self.bias[RoutePath.COLOCATED], shared[d.worker_id])
-            for d in decode
-        ]
+        width = self.ttft_spread.width
+        b = self.bias[RoutePath.COLOCATED]
+        out = [predict_colocated(req, d, b, shared[d.worker_id], width) for d in decode]
         local = {c.decode_worker: c.ttft_s for c in out}
         b = self.bias[RoutePath.DISAGGREGATED]
         for p in prefill:
             for d in decode:
                 if p.worker_id == d.worker_id:
                     continue  # one worker doing both for a request: the colocated candidate
-                c = predict_disaggregated(req, p, d, self.transfer, b, shared[d.worker_id])
+                c = predict_disaggregated(req, p, d, self.transfer, b, shared[d.worker_id], width)
                 rate = self.health.failure_rate(p.worker_id, d.worker_id)
                 if rate > 0:
                     wasted = self.health.wasted_s(p.worker_id, d.worker_id)
                     c = c.with_failure_risk(rate, wasted, local[d.worker_id])
                 out.append(c)
-        width = self.ttft_spread.width
-        out = [replace(c, ttft_width=width) for c in out]
         if not admitting:
             return out
         # A placement admission would refuse loses the request and runs nothing (one miss, none
@@ -261,7 +259,8 @@ class Planner:
         others = [c for c in best if c.path is not chosen.path]
         parts = [
             f"{chosen.path.value}: {_misses(chosen, req)}, predicted TTFT {_ms(chosen.ttft_s)}, "
-            f"ITL p99 {_ms(chosen.itl_p99_s)}"
+            f"ITL p99 {_ms(chosen.itl_p99_s)} (such predictions err by x"
+            f"{math.exp(chosen.ttft_width):.2f} and x{math.exp(chosen.itl_width):.2f} lately)"
         ]
         code = "cost_ttft"
         fewest = min(c.expected_misses(req) for c in usable)
@@ -274,7 +273,8 @@ class Planner:
                 code = "handoff_failing"
                 continue
             parts.append(f"vs {o.path.value} {_misses(o, req)}, TTFT {_ms(o.ttft_s)}")
-            if not o.ties(fewest, req) and code == "cost_ttft":
+            its = (c for c in usable if c.path is o.path)
+            if not any(c.ties(fewest, req) for c in its) and code == "cost_ttft":
                 code = "cost_misses"  # fewer misses decided, not the TTFT
         shed = sum(c.refused for c in usable)
         if shed and not chosen.refused:

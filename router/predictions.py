@@ -40,15 +40,12 @@ BESIDE_MARGIN = 2.0
 
 
 def miss_chance(predicted_s: float, slo_s: float, width: float = MISS_WIDTH) -> float:
-    """The chance that what is predicted to take `predicted_s` ends past `slo_s`: 0.5 at the SLO,
-    a logistic in ln(predicted / SLO) of scale `width` (how far such predictions come from what
-    is measured: router/spread.py)."""
-    if not math.isfinite(slo_s) or slo_s <= 0:
+    """The chance that what is predicted to take `predicted_s` ends past `slo_s`, when
+    ln(measured / predicted) is normal with standard deviation `width` (how far such
+    predictions come from what is measured: router/spread.py): 0.5 at the SLO."""
+    if not math.isfinite(slo_s) or slo_s <= 0 or predicted_s <= 0:
         return 0.0
-    if predicted_s <= 0:
-        return 0.0
-    x = math.log(predicted_s / slo_s) / width
-    return 1.0 / (1.0 + math.exp(-max(-50.0, min(50.0, x))))
+    return 0.5 * math.erfc(-math.log(predicted_s / slo_s) / (width * math.sqrt(2.0)))
 
 
 def caused_misses(w: WorkerState, during_s: float, before_s: float) -> float:
@@ -226,10 +223,14 @@ class PathPrediction:
 
 
 def predict_colocated(
-    req: RequestShape, d: WorkerState, bias: Bias, shared: float = 0.0
+    req: RequestShape,
+    d: WorkerState,
+    bias: Bias,
+    shared: float = 0.0,
+    ttft_width: float = MISS_WIDTH,
 ) -> PathPrediction:
     """`shared`: the misses setting `d` decoding causes on its node's other workers
-    (shared_misses)."""
+    (shared_misses); `ttft_width`: how far TTFT predictions have erred (router/spread.py)."""
     cached = d.cached_tokens(req.hashes, req.prompt_len)
     n = req.prompt_len - cached
     tokens = d.queued_tokens + n
@@ -256,6 +257,7 @@ def predict_colocated(
         caused_misses=(caused_misses(d, during, before) if d.batch else 0.0) + shared,
         itl_tail=d.gap_tail(),
         itl_floor_s=d.typical_gap(),
+        ttft_width=ttft_width,
         itl_width=d.itl_spread.width,
         itl_beside_s=beside_floor(d, d.batch + 1, d.context + req.prompt_len, itl),
         prefill_beside=_beside(d, during),
@@ -270,8 +272,9 @@ def predict_disaggregated(
     transfer: TransferTimeModel,
     bias: Bias,
     shared: float = 0.0,
+    ttft_width: float = MISS_WIDTH,
 ) -> PathPrediction:
-    """`shared`: as for predict_colocated."""
+    """`shared`, `ttft_width`: as for predict_colocated."""
     cached_p = p.cached_tokens(req.hashes, req.prompt_len)
     n_p = req.prompt_len - cached_p
     cached_d = d.cached_tokens(req.hashes, req.prompt_len)
@@ -323,6 +326,7 @@ def predict_disaggregated(
         p_running_itl_s=p_during if p.batch else 0.0,
         itl_tail=d.gap_tail(),
         itl_floor_s=d.typical_gap(),
+        ttft_width=ttft_width,
         itl_width=d.itl_spread.width,
         itl_beside_s=beside_floor(d, d.batch + 1, ctx, itl),
         prefill_beside=_beside(p, p_during),

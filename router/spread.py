@@ -3,7 +3,7 @@ chance built on it (router/predictions.py miss_chance).
 
 A prediction that says a request's p99 gap will be 250 ms against a 195 ms SLO is a certain
 miss only if the prediction is good to a few percent. On a 2-core CPU host the ITL p99 and TTFT
-predictions came within a factor of about 1.5 of what was measured (one standard deviation of
+predictions came within a factor of 1.3-2.0 of what was measured (one standard deviation of
 ln(measured / predicted): 0.3-0.7 over the mixed, chat and bursty traces), so a miss chance as
 sharp as the models' own claim read every request past its SLO as lost: a prefill that took the
 running requests from 1.3x to 2.5x of their SLO was seen to cost them nothing."""
@@ -15,21 +15,21 @@ from collections import deque
 
 import numpy as np
 
-# The miss chance's width in log space before anything was measured, and its floor: 0.12 / 0.88
-# at 10% under / over the SLO.
-MISS_WIDTH = 0.05
-MAX_WIDTH = 0.5
+# The standard deviation of ln(measured / predicted) before anything was measured, and its floor:
+# a miss chance of 0.09 / 0.88 at 10% under / over the SLO.
+MISS_WIDTH = 0.08
+# Its ceiling: a prediction off by a factor of e, one time in three, still says something.
+MAX_WIDTH = 1.0
 # One standard deviation of a normal error covers this share of its absolute values.
 ONE_SIGMA_SHARE = 68.0
-# A logistic of scale s has the standard deviation s * pi / sqrt(3).
-LOGISTIC_SCALE = math.sqrt(3.0) / math.pi
 
 
 class PredictionSpread:
-    """The 68th percentile of |ln(measured / predicted)| over the latest `window` predictions that
-    came near their SLO (either value at least `near` of it: of a 100 ms first token predicted
-    against a 10 s SLO, a 3x error decides nothing), as a logistic width, within [MISS_WIDTH,
-    MAX_WIDTH]; MISS_WIDTH until `min_samples` such came."""
+    """The standard deviation of ln(measured / predicted), read as the 68th percentile of its
+    absolute values (a bias counts as error too), over the latest `window` predictions that came
+    near their SLO (either value at least `near` of it: of a 100 ms first token predicted
+    against a 10 s SLO, a 3x error decides nothing), within [MISS_WIDTH, MAX_WIDTH]; MISS_WIDTH
+    until `min_samples` such came."""
 
     def __init__(self, window: int = 64, min_samples: int = 8, near: float = 0.5) -> None:
         self.min_samples = min_samples
@@ -45,7 +45,7 @@ class PredictionSpread:
         self._errors.append(abs(math.log(measured_s / predicted_s)))
         if len(self._errors) >= self.min_samples:
             sigma = float(np.percentile(self._errors, ONE_SIGMA_SHARE))
-            self._width = min(MAX_WIDTH, max(MISS_WIDTH, sigma * LOGISTIC_SCALE))
+            self._width = min(MAX_WIDTH, max(MISS_WIDTH, sigma))
 
     @property
     def width(self) -> float:

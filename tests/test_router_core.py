@@ -367,16 +367,55 @@ def test_a_request_that_ends_tells_its_decode_worker_its_own_tail():
 
 def test_ended_requests_teach_the_spread_of_the_predictions_near_their_slo():
     """Each first token trains how far TTFT predictions come from measured ones, each ended
-    request how far its decode worker's predicted p99 gap came from its measured one: near
-    their SLOs (here 10 us, which any measurement passes), not far under them."""
+    request how far its decode worker's predicted p99 gap came from its measured one: each
+    against its own SLO (here 10 us, which any measurement passes), not far under it."""
+    import numpy as np
+
+    from router.stats import NullSink
+
+    class Ended(NullSink):
+        def __init__(self):
+            self.records = []
+
+        def finished(self, record):
+            self.records.append(record)
+
+    sink = Ended()
 
     async def main():
-        core = await make_core(FakeBackend(chunk_tokens=1))
-        tight = replace(request("tight", max_tokens=20, slo_ttft_ms=0.01), slo_itl_ms=0.01)
-        await consume(core, tight)
+        backend = FakeBackend(chunk_tokens=1)
+        core = RequestCore(backend, await backend.infos(), RouterConfig(), TOKENIZER, sink=sink)
+        await core.refresh()
+        await consume(core, request("ttft", max_tokens=20, slo_ttft_ms=0.01))
+        await consume(core, replace(request("itl", max_tokens=20), slo_itl_ms=0.01))
         await consume(core, request("loose", max_tokens=20))  # default SLOs: far under them
         return core
 
     core = run(main())
-    assert core.planner.ttft_spread.samples == 1
-    assert sum(w.itl_spread.samples for w in core.states.values()) == 1
+    ttft, itl, _ = core.records
+    spread = core.planner.ttft_spread
+    assert spread.samples == 1
+    measured, predicted = ttft.measured_ttft_s, ttft.decision.chosen.ttft_s
+    assert spread._errors[0] == pytest.approx(abs(np.log(measured / predicted)))
+    d = core.states[itl.decision.chosen.decode_worker]
+    assert sum(w.itl_spread.samples for w in core.states.values()) == d.itl_spread.samples == 1
+    gaps = next(r.itl_s for r in sink.records if r.request_id == "itl")
+    p99 = np.percentile(gaps, 99)
+    assert d.itl_spread._errors[0] == pytest.approx(
+        abs(np.log(p99 / itl.decision.chosen.itl_p99_s))
+    )
+
+
+def test_a_resumed_request_teaches_no_spread_its_gaps_across_two_workers():
+    """Its gaps came from two decode workers and a resume: neither worker's spread learns them."""
+
+    async def main():
+        backend = FakeBackend(num_decode=2, lose_decode_after=3)
+        core = RequestCore(backend, await backend.infos(), RouterConfig(), TOKENIZER)
+        await core.refresh()
+        await consume(core, replace(request("moved", max_tokens=30), slo_itl_ms=0.01))
+        return core
+
+    core = run(main())
+    assert core.resumed == 1
+    assert sum(w.itl_spread.samples for w in core.states.values()) == 0
