@@ -3,7 +3,7 @@
 Workers on one node share more than their own devices: the node's cores and memory bandwidth
 where they run on CPUs, its host threads and PCIe where they drive GPUs. A worker's steps then
 run slower while a peer on its node is busy, and a choice that sets an idle worker decoding slows
-the requests already decoding beside it (router/predictions.py shared_misses).
+the requests already decoding beside it (router/interference.py shared_misses).
 
 How much depends on what the peer runs: decodes read every weight each step, and two workers
 decoding on one CPU node contend for its memory bandwidth more than a decode beside a peer's

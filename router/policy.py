@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from router.cost_model import Bias, HandoffHealth, TransferTimeModel
+from router.interference import shared_misses
 from router.pool_state import WorkerState, peer_work
 from router.predictions import (
     MAX_FAILURE_RATE,
@@ -46,7 +47,6 @@ from router.predictions import (
     eligible,
     predict_colocated,
     predict_disaggregated,
-    shared_misses,
 )
 from router.spread import PredictionSpread
 from router.vocab import RoutePath

@@ -13,8 +13,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from router.cost_model import Bias, TransferTimeModel, prefill_pairs
+from router.interference import (
+    beside_floor,
+    caused_misses,
+    decode_step_beside,
+    prefills_beside,
+)
 from router.pool_state import WorkerState
-from router.spread import MISS_WIDTH
+from router.spread import MISS_WIDTH, miss_chance
 from router.vocab import RoutePath
 from worker_protocol.messages import WorkerRole
 
@@ -27,72 +33,8 @@ MISS_TOLERANCE = 0.1
 # of its SLO after the quickest's (and no later than twice the quickest's) count as equally
 # quick: the prefill beside the fewest running decodes among them wins (see choose).
 TTFT_TOLERANCE = 0.25
-# A worker's prefills of the last PREFILL_WINDOW_S show how often a request decoding there will
-# have one beside it; when they would slow more than BESIDE_SHARE of its gaps, its p99 gap is
-# the step beside one (see beside_floor).
-PREFILL_WINDOW_S = 30.0
-BESIDE_SHARE = 0.01
 # Decodes gather on a worker of both kinds while its KV is under this share of its capacity.
 GATHER_MAX_LOAD = 0.8
-# A running request's ITL SLO is at risk from chunks beside it when its steps beside them, times
-# the worker's tail, come within this factor of it (see _beside).
-BESIDE_MARGIN = 2.0
-
-
-def miss_chance(predicted_s: float, slo_s: float, width: float = MISS_WIDTH) -> float:
-    """The chance that what is predicted to take `predicted_s` ends past `slo_s`, when
-    ln(measured / predicted) is normal with standard deviation `width` (how far such
-    predictions come from what is measured: router/spread.py): 0.5 at the SLO."""
-    if not math.isfinite(slo_s) or slo_s <= 0 or predicted_s <= 0:
-        return 0.0
-    return 0.5 * math.erfc(-math.log(predicted_s / slo_s) / (width * math.sqrt(2.0)))
-
-
-def caused_misses(w: WorkerState, during_s: float, before_s: float) -> float:
-    """The misses that new work on `w` causes among the requests decoding there that can still
-    attain: for each, its chance of missing its ITL SLO with the steps `during_s` the new work
-    brings, less its chance without them (work already there is not the new request's doing).
-    An ITL SLO holds a request's p99 gap. Without the new work: the typical step (the predicted
-    one, or the measured median gap when longer: `typical_gap`) times the worker's measured
-    tail (`gap_tail`). With it: the new work's steps plus the time the tail adds to a typical
-    step (a busy host, other work in the step delays them as much), or the former if longer.
-    Taking `during_s` alone, a worker whose tail already put its requests near their SLO would
-    be seen to lose nothing to one more prefill; multiplying it by the tail would count twice
-    a tail that comes from prefill chunks cut to the step target. The miss chances are as wide
-    as the worker's p99 gap predictions have come from its requests' measured ones
-    (`itl_spread`): a request predicted past its SLO may still attain, the less so the further
-    past it new work takes it."""
-    tail = w.gap_tail()
-    width = w.itl_spread.width
-    typical = max(before_s, w.typical_gap())  # what its steps take now, as measured too
-    without = typical * tail
-    with_it = max(during_s + typical * (tail - 1.0), without)
-    return sum(
-        max(0.0, miss_chance(with_it, slo, width) - miss_chance(without, slo, width))
-        for slo in w.itl_slos()
-    )
-
-
-def shared_misses(d: WorkerState, workers: Sequence[WorkerState]) -> float:
-    """The misses that setting `d` decoding causes among the requests decoding on the other
-    workers of its node (`workers`: every worker the router knows, their scales current: see
-    Planner.candidates). While `d` decodes, their steps run HostShare.factor(DECODE) times
-    slower than alone, against what they run now (alone, or beside a prefill: `shared_slowdown`;
-    1 where workers share little, as on separate GPUs), for as long as `d` decodes: all of a
-    request's output, where a peer's short prefill slows a few steps. 0 when `d` decodes
-    already (its peers' steps carry the share then) or its node is unknown."""
-    if d.batch or not d.info.node_ip:
-        return 0.0
-    total = 0.0
-    for o in workers:
-        if o is d or not o.batch or o.info.node_ip != d.info.node_ip:
-            continue
-        slower = o.shared_slowdown()
-        if slower > 1.0:
-            # What its steps take now: the predicted step, or the gaps measured there when longer.
-            now = max(_decode_step(o, o.batch, o.context), o.typical_gap())
-            total += caused_misses(o, now * slower, now)
-    return total
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,7 +202,7 @@ def predict_colocated(
         ttft_width=ttft_width,
         itl_width=d.itl_spread.width,
         itl_beside_s=beside_floor(d, d.batch + 1, d.context + req.prompt_len, itl),
-        prefill_beside=_beside(d, during),
+        prefill_beside=prefills_beside(d, during),
         decode_lean=_lean(d, prefills_there=True),
     )
 
@@ -299,12 +241,12 @@ def predict_disaggregated(
     # share the steps of those already decoding, and of the request once it decodes if they
     # outlast its prefill and transfer.
     d_queue_s = d.model.chunked_s(d.queued_tokens, d.queued_pairs, d.batch, d.context)[0]
-    step = _decode_step if d_queue_s > raw else (lambda w, n, c: w.model.decode_step_s(n, c))
+    step = decode_step_beside if d_queue_s > raw else (lambda w, n, c: w.model.decode_step_s(n, c))
     itl = step(d, d.batch + 1, ctx + req.max_tokens // 2)
     running = before = 0.0
     if d.batch:
-        running = _decode_step(d, d.batch + 1, ctx)
-        before = _decode_step(d, d.batch, d.context)
+        running = decode_step_beside(d, d.batch + 1, ctx)
+        before = decode_step_beside(d, d.batch, d.context)
         caused += caused_misses(d, running, before)
     caused += shared
     return PathPrediction(
@@ -329,7 +271,7 @@ def predict_disaggregated(
         ttft_width=ttft_width,
         itl_width=d.itl_spread.width,
         itl_beside_s=beside_floor(d, d.batch + 1, ctx, itl),
-        prefill_beside=_beside(p, p_during),
+        prefill_beside=prefills_beside(p, p_during),
         decode_lean=_lean(d, prefills_there=d.queued_prefills > 0),
     )
 
@@ -359,39 +301,6 @@ def eligible(cands: Sequence[PathPrediction], req: RequestShape) -> list[PathPre
 def choose(cands: Sequence[PathPrediction], req: RequestShape) -> PathPrediction:
     """The candidate to take: the best `tie_break` among the `eligible`."""
     return min(eligible(cands, req), key=lambda c: c.tie_break(req))
-
-
-def _decode_step(w: WorkerState, batch: int, context: int) -> float:
-    """The step `batch` decodes of total `context` see on `w`, next to the prefills queued
-    there."""
-    if w.queued_tokens:
-        return w.model.chunked_s(w.queued_tokens, w.queued_pairs, batch, context)[1]
-    return w.model.decode_step_s(batch, context)
-
-
-def beside_floor(w: WorkerState, batch: int, context: int, step_s: float) -> float:
-    """The step `batch` decodes of total `context` see on `w` beside a prefill of the median
-    size of those placed there lately, when such prefills would slow more than BESIDE_SHARE of
-    a decoding request's gaps (their rate x the steps each takes x the step `step_s`: the share
-    of its time spent beside one), or some are queued there now; else 0. A request's ITL SLO
-    holds its p99 gap, which one slow step in a hundred sets."""
-    recent = w.recent_prefills(PREFILL_WINDOW_S)
-    if not recent:
-        return 0.0
-    tokens, pairs = sorted(recent)[len(recent) // 2]
-    steps = w.model.chunk_steps(tokens, pairs, batch, context)
-    rate = len(recent) / PREFILL_WINDOW_S
-    if w.queued_tokens == 0 and rate * steps * step_s < BESIDE_SHARE:
-        return 0.0
-    return w.model.chunked_s(tokens, pairs, batch, context)[1]
-
-
-def _beside(w: WorkerState, during_s: float) -> int:
-    """The decodes running on `w` whose ITL SLO is at risk (within twice the step `during_s`
-    they see beside a prefill there, times the worker's tail). A loose SLO is not at risk, and
-    a request that can no longer attain has none."""
-    slowest = BESIDE_MARGIN * during_s * w.gap_tail()
-    return sum(1 for slo in w.itl_slos() if slo < slowest)
 
 
 def _lean(d: WorkerState, prefills_there: bool) -> tuple[bool, bool, int]:

@@ -1,5 +1,5 @@
 """How far one kind of prediction comes from what is then measured, as the width of the miss
-chance built on it (router/predictions.py miss_chance).
+chance built on it (miss_chance).
 
 A prediction that says a request's p99 gap will be 250 ms against a 195 ms SLO is a certain
 miss only if the prediction is good to a few percent. On a 2-core CPU host the ITL p99 and TTFT
@@ -54,3 +54,12 @@ class PredictionSpread:
     @property
     def samples(self) -> int:
         return len(self._errors)
+
+
+def miss_chance(predicted_s: float, slo_s: float, width: float = MISS_WIDTH) -> float:
+    """The chance that what is predicted to take `predicted_s` ends past `slo_s`, when
+    ln(measured / predicted) is normal with standard deviation `width` (how far such
+    predictions come from what is measured: PredictionSpread): 0.5 at the SLO."""
+    if not math.isfinite(slo_s) or slo_s <= 0 or predicted_s <= 0:
+        return 0.0
+    return 0.5 * math.erfc(-math.log(predicted_s / slo_s) / (width * math.sqrt(2.0)))

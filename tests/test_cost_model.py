@@ -19,19 +19,13 @@ from router.cost_model import (
 )
 from router.fake_backend import FakeBackend, fake_info
 from router.host_share import HostShare, PeerWork
+from router.interference import beside_floor, caused_misses
 from router.membership import Membership
 from router.metrics import Metrics
 from router.policy import Planner, Policy, PolicyConfig, RequestShape, pick_decode
 from router.pool_state import WorkerState, peer_work
-from router.predictions import (
-    PathPrediction,
-    beside_floor,
-    caused_misses,
-    choose,
-    miss_chance,
-    ttft_tolerance,
-)
-from router.spread import MISS_WIDTH, PredictionSpread
+from router.predictions import PathPrediction, choose, ttft_tolerance
+from router.spread import MISS_WIDTH, PredictionSpread, miss_chance
 from router.vocab import RoutePath
 from worker_protocol.messages import WorkerInfo, WorkerLoad
 
