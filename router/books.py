@@ -152,10 +152,9 @@ class RequestBooks:
         p99 gap predicted at its placement."""
         self.track.ended(reason, cached_prompt_tokens)
         self.ended = True
-        if self.d is not None and self.chosen is not None and self.shape is not None:
-            if not self.track.resumed:
-                c = self.chosen
-                self.d.observe_request(self.track.itl_s, c.itl_p99_s, self.shape.slo_itl_s)
+        d, c, shape = self.d, self.chosen, self.shape  # set together by `place`
+        if d is not None and c is not None and shape is not None and not self.track.resumed:
+            d.observe_request(self.track.itl_s, c.itl_p99_s, shape.slo_itl_s)
 
     def moved(self) -> None:
         """Its decode worker died: the placement leaves the books (so that the next decision
