@@ -101,7 +101,13 @@ class RequestBooks:
         self.placed += [p, d]
         hit = p.cached_tokens(shape.hashes, shape.prompt_len)
         n_prefill = shape.prompt_len - hit
-        p.add_prefill(self.wid, n_prefill, prefill_pairs(n_prefill, hit), local=p is d)
+        p.add_prefill(
+            self.wid,
+            n_prefill,
+            prefill_pairs(n_prefill, hit),
+            local=p is d,
+            itl_slo_s=shape.slo_itl_s,
+        )
         self.sink.prefill_placed(p.worker_id, p.info.role.value, for_peer=p is not d)
         if p is not d:
             d.add_decode(self.wid, shape.prompt_len, shape.slo_itl_s)

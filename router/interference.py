@@ -23,27 +23,39 @@ BESIDE_MARGIN = 2.0
 
 def caused_misses(w: WorkerState, during_s: float, before_s: float) -> float:
     """The misses that new work on `w` causes among the requests decoding there that can still
-    attain: for each, its chance of missing its ITL SLO with the steps `during_s` the new work
-    brings, less its chance without them (work already there is not the new request's doing).
-    An ITL SLO holds a request's p99 gap. Without the new work: the typical step (the predicted
-    one, or the measured median gap when longer: `typical_gap`) times the worker's measured
-    tail (`gap_tail`). With it: the new work's steps plus the time the tail adds to a typical
-    step (a busy host, other work in the step delays them as much), or the former if longer.
-    Taking `during_s` alone, a worker whose tail already put its requests near their SLO would
-    be seen to lose nothing to one more prefill; multiplying it by the tail would count twice
-    a tail that comes from prefill chunks cut to the step target. The miss chances are as wide
-    as the worker's p99 gap predictions have come from its requests' measured ones
-    (`itl_spread`): a request predicted past its SLO may still attain, the less so the further
-    past it new work takes it."""
+    attain, and among those to decode there once their local prefill, queued there, is done
+    (the new work's chunks run beside their decodes): for each, its chance of missing its ITL
+    SLO with the steps `during_s` the new work brings, less its chance without them (work
+    already there is not the new request's doing). An ITL SLO holds a request's p99 gap.
+    Without the new work: the typical step (the predicted one: `before_s` for those decoding,
+    beside the prefills queued there; a plain decode step for those to come, whose decodes
+    start after the prefills queued before theirs; or the measured median gap when longer:
+    `typical_gap`) times the worker's measured tail (`gap_tail`). With it: the new work's steps
+    plus the time the tail adds to a typical step (a busy host, other work in the step delays
+    them as much), or the former if longer. Taking `during_s` alone, a worker whose tail
+    already put its requests near their SLO would be seen to lose nothing to one more prefill;
+    multiplying it by the tail would count twice a tail that comes from prefill chunks cut to
+    the step target. The miss chances are as wide as the worker's p99 gap predictions have
+    come from its requests' measured ones (`itl_spread`): a request predicted past its SLO may
+    still attain, the less so the further past it new work takes it."""
     tail = w.gap_tail()
     width = w.itl_spread.width
-    typical = max(before_s, w.typical_gap())  # what its steps take now, as measured too
-    without = typical * tail
-    with_it = max(during_s + typical * (tail - 1.0), without)
-    return sum(
-        max(0.0, miss_chance(with_it, slo, width) - miss_chance(without, slo, width))
-        for slo in w.itl_slos()
-    )
+
+    def lost(slos: Sequence[float], step_s: float) -> float:
+        typical = max(step_s, w.typical_gap())  # what its steps take now, as measured too
+        without = typical * tail
+        with_it = max(during_s + typical * (tail - 1.0), without)
+        return sum(
+            max(0.0, miss_chance(with_it, slo, width) - miss_chance(without, slo, width))
+            for slo in slos
+        )
+
+    coming = w.coming_itl_slos()
+    caused = lost(w.itl_slos(), before_s)
+    if coming:
+        batch, context = w.batch + len(coming), w.context + w.coming_context
+        caused += lost(coming, w.model.decode_step_s(batch, context))
+    return caused
 
 
 def shared_misses(d: WorkerState, workers: Sequence[WorkerState]) -> float:
@@ -94,8 +106,9 @@ def beside_floor(w: WorkerState, batch: int, context: int, step_s: float) -> flo
 
 
 def prefills_beside(w: WorkerState, during_s: float) -> int:
-    """The decodes running on `w` whose ITL SLO is at risk (within twice the step `during_s`
-    they see beside a prefill there, times the worker's tail). A loose SLO is not at risk, and
-    a request that can no longer attain has none."""
+    """The decodes running on `w`, or to run there once their local prefill is done, whose ITL
+    SLO is at risk (within twice the step `during_s` they see beside a prefill there, times the
+    worker's tail). A loose SLO is not at risk, and a request that can no longer attain has
+    none."""
     slowest = BESIDE_MARGIN * during_s * w.gap_tail()
-    return sum(1 for slo in w.itl_slos() if slo < slowest)
+    return sum(1 for slo in (*w.itl_slos(), *w.coming_itl_slos()) if slo < slowest)

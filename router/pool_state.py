@@ -53,6 +53,7 @@ class _Prefill:
     tokens: int
     pairs: float
     local: bool = False  # the request decodes here too
+    itl_slo_s: float = float("inf")  # ... and its ITL SLO (inf: none, or it can no longer attain)
 
 
 @dataclass(slots=True)
@@ -86,9 +87,16 @@ class WorkerState:
         self._typical_gap = 0.0  # typical_gap(), likewise
 
     # -- what the router placed here -----------------------------------------------------------
-    def add_prefill(self, rid: str, tokens: int, pairs: float, local: bool = False) -> None:
-        """`local`: the request decodes here too (colocated)."""
-        self._prefills[rid] = _Prefill(tokens, pairs, local)
+    def add_prefill(
+        self,
+        rid: str,
+        tokens: int,
+        pairs: float,
+        local: bool = False,
+        itl_slo_s: float = float("inf"),
+    ) -> None:
+        """`local`: the request decodes here too (colocated), with ITL SLO `itl_slo_s`."""
+        self._prefills[rid] = _Prefill(tokens, pairs, local, itl_slo_s if local else float("inf"))
         self._placed.append((time.monotonic(), tokens, pairs))
 
     def recent_prefills(self, window_s: float) -> list[tuple[int, float]]:
@@ -102,9 +110,9 @@ class WorkerState:
     def unprotect(self, rid: str) -> None:
         """`rid` is past its TTFT SLO and can no longer attain: its ITL SLO stops guarding
         what may run beside it (auto's ITL guard protects the requests that can still attain)."""
-        d = self._decodes.get(rid)
-        if d is not None:
-            d.itl_slo_s = float("inf")
+        for held in (self._decodes.get(rid), self._prefills.get(rid)):
+            if held is not None:
+                held.itl_slo_s = float("inf")
 
     def prefilling(self, rid: str) -> bool:
         return rid in self._prefills
@@ -159,6 +167,17 @@ class WorkerState:
     def itl_slos(self) -> list[float]:
         """The ITL SLOs of the requests decoding here that can still attain."""
         return [d.itl_slo_s for d in self._decodes.values() if d.itl_slo_s != float("inf")]
+
+    def coming_itl_slos(self) -> list[float]:
+        """The ITL SLOs of the requests to decode here once their local prefill, queued here,
+        is done (colocated: counted as decoding only from their first token), that can still
+        attain. A prefill placed here after theirs runs its chunks beside their decodes."""
+        return [p.itl_slo_s for p in self._prefills.values() if p.itl_slo_s != float("inf")]
+
+    @property
+    def coming_context(self) -> int:
+        """The prompt tokens of the local prefills queued here: the context they decode with."""
+        return sum(p.tokens for p in self._prefills.values() if p.local)
 
     @property
     def min_itl_slo_s(self) -> float:

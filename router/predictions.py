@@ -196,7 +196,7 @@ def predict_colocated(
         transfer_s=0.0,
         uncached_tokens=n,
         transfer_bytes=0,
-        caused_misses=(caused_misses(d, during, before) if d.batch else 0.0) + shared,
+        caused_misses=caused_misses(d, during, before) + shared,
         itl_tail=d.gap_tail(),
         itl_floor_s=d.typical_gap(),
         ttft_width=ttft_width,
@@ -234,7 +234,7 @@ def predict_disaggregated(
     raw = total + exposed
     ctx = d.context + req.prompt_len
     caused = 0.0
-    if p.batch:
+    if p.batch or p.local_prefills:  # decoding there, or to decode there (colocated)
         _, p_before = p.model.chunked_s(p.queued_tokens, p.queued_pairs, p.batch, p.context)
         caused += caused_misses(p, p_during, p_before)
     # On D, prefills queued there (local ones, or a worker that does both prefilling for a peer)
@@ -244,7 +244,7 @@ def predict_disaggregated(
     step = decode_step_beside if d_queue_s > raw else (lambda w, n, c: w.model.decode_step_s(n, c))
     itl = step(d, d.batch + 1, ctx + req.max_tokens // 2)
     running = before = 0.0
-    if d.batch:
+    if d.batch or d.local_prefills:
         running = decode_step_beside(d, d.batch + 1, ctx)
         before = decode_step_beside(d, d.batch, d.context)
         caused += caused_misses(d, running, before)

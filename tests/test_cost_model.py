@@ -1037,3 +1037,33 @@ def test_expected_misses_within_a_tenth_tie_wherever_they_fall():
     quick = replace(c, ttft_s=1.0, caused_misses=1.01)
     assert choose([slow, quick], req) is quick
     assert choose([slow, replace(quick, caused_misses=1.1)], req) is slow
+
+
+def test_a_prefill_placed_after_a_colocated_one_counts_the_misses_of_its_decode_to_come():
+    """both-0 has a 300-token prompt queued for a request that decodes there too (ITL SLO
+    100 ms); its decode steps take about 25 ms, but a 1000-token prefill placed after it runs
+    200 ms chunks beside them. Colocated there, or prefilled there for both-1, the new prompt
+    costs that request about one expected miss. A prefill queued there for a peer has no decode
+    to come, and one that can no longer attain guards nothing."""
+    from router.predictions import predict_colocated, predict_disaggregated
+
+    a = trained("both-0", "both", seed=1, step_target_s=0.2)
+    b = trained("both-1", "both", seed=2)
+    transfer = planner().transfer
+    new = shape(1000, seed=3)
+
+    def costs() -> tuple[float, float]:
+        colo = predict_colocated(new, a, Bias())
+        dis = predict_disaggregated(new, a, b, transfer, Bias())
+        return colo.caused_misses, dis.caused_misses
+
+    a.add_prefill("for-peer", 300, prefill_pairs(300, 0))
+    assert costs() == (0.0, 0.0)
+    a.finish("for-peer")
+    a.add_prefill("local", 300, prefill_pairs(300, 0), local=True, itl_slo_s=0.1)
+    assert a.batch == 0 and a.coming_itl_slos() == [0.1]
+    colo, dis = costs()
+    assert colo > 0.9 and dis > 0.9
+    assert predict_colocated(new, a, Bias()).prefill_beside == 1
+    a.unprotect("local")  # past its TTFT SLO before its first token
+    assert a.coming_itl_slos() == [] and costs() == (0.0, 0.0)

@@ -419,3 +419,29 @@ def test_a_resumed_request_teaches_no_spread_its_gaps_across_two_workers():
     core = run(main())
     assert core.resumed == 1
     assert sum(w.itl_spread.samples for w in core.states.values()) == 0
+
+
+def test_a_colocated_request_waiting_for_its_prefill_is_a_decode_to_come_on_its_worker():
+    """Before its first token it is not decoding yet, but prefills placed after it on its worker
+    run their chunks beside its decode: its ITL SLO is at risk from them from its placement on."""
+
+    async def main():
+        gate = asyncio.Event()
+        backend = FakeBackend(num_prefill=0, gate=gate)
+        core = await make_core(backend)
+        d = core.states["decode-0"]
+        now = asyncio.get_running_loop().time()
+        stream = core.generate(
+            replace(request("colo", max_tokens=20), path=RoutePath.COLOCATED, slo_itl_ms=150),
+            now,
+        )
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.02)
+        assert d.batch == 0 and d.coming_itl_slos() == [pytest.approx(0.15)]
+        gate.set()
+        await first
+        assert d.coming_itl_slos() == [] and d.itl_slos() == [pytest.approx(0.15)]
+        await stream.aclose()
+        assert d.batch == 0 and d.coming_itl_slos() == [] and not d.busy
+
+    run(main())
