@@ -199,6 +199,15 @@ class Metrics:
             ("node", "peer"),
             registry=r,
         )
+        self.prediction_spread = Gauge(
+            "pdserve_prediction_spread",
+            "How far the router's predictions near their SLO have come from what was measured "
+            "lately: the standard deviation of ln(measured / predicted), the width of its miss "
+            "chances. kind ttft: first tokens (worker empty); itl_p99: the p99 gap of the "
+            "requests that decoded on a worker.",
+            ("kind", "worker"),
+            registry=r,
+        )
         self.decodes = Gauge(
             "pdserve_worker_decodes_running",
             "Requests decoding on a worker, as the router placed them.",
@@ -344,6 +353,10 @@ class Metrics:
         for (node, peer), factor in shares.items():
             self.node_share.labels(node, peer.value).set(factor)
 
+    def spreads(self, widths: dict[tuple[str, str], float]) -> None:
+        for (kind, worker_id), width in widths.items():
+            self.prediction_spread.labels(kind, worker_id).set(width)
+
     def worker_lost(self, worker_id: str, role: str) -> None:
         self.worker_failures.labels(worker_id, role).inc()
         self.worker_removed(worker_id, role)
@@ -354,6 +367,10 @@ class Metrics:
                 g.remove(worker_id, role)
             except KeyError:
                 pass
+        try:
+            self.prediction_spread.remove("itl_p99", worker_id)
+        except KeyError:
+            pass
         self._last.pop(worker_id, None)  # a later incarnation reports totals from 0
 
     def worker_restarted(self, role: str, times: int) -> None:

@@ -84,6 +84,10 @@ class StatsSink(Protocol):
 
     def node_shares(self, shares: dict[tuple[str, PeerWork], float]) -> None: ...
 
+    def spreads(self, widths: dict[tuple[str, str], float]) -> None:
+        """(kind, worker) -> the spread of the router's predictions of that kind (ttft, with
+        worker ""; itl_p99, per decode worker): router/spread.py."""
+
     def fell_back(self, reason: str) -> None: ...
 
     def replanned(self) -> None: ...
@@ -132,6 +136,9 @@ class NullSink:
         pass
 
     def node_shares(self, shares: dict[tuple[str, PeerWork], float]) -> None:
+        pass
+
+    def spreads(self, widths: dict[tuple[str, str], float]) -> None:
         pass
 
     def fell_back(self, reason: str) -> None:

@@ -113,6 +113,14 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
             "steps beside a busy peer on the node: "
             + ", ".join(f"{k[0]} {v:.2f}x ({k[1]})" for k, v in sorted(shares.items()))
         )
+    spreads = by_labels(after, "pdserve_prediction_spread", "kind", "worker")
+    if spreads:
+        lines.append(
+            "predictions err by (sd of ln measured/predicted): "
+            + ", ".join(
+                f"{k[0]}{' ' + k[1] if k[1] else ''} {v:.2f}" for k, v in sorted(spreads.items())
+            )
+        )
     reqs = by_labels(after, "pdserve_requests_total", "path")
     reqs0 = by_labels(before, "pdserve_requests_total", "path")
     toks = sum(by_labels(after, "pdserve_generation_tokens_total").values())

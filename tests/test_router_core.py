@@ -445,3 +445,30 @@ def test_a_colocated_request_waiting_for_its_prefill_is_a_decode_to_come_on_its_
         assert d.batch == 0 and d.coming_itl_slos() == [] and not d.busy
 
     run(main())
+
+
+def test_the_spreads_of_the_predictions_are_exported_per_kind_and_decode_worker():
+    from router.metrics import Metrics
+    from router.spread import PRIOR_WIDTH
+
+    async def main():
+        backend = FakeBackend(chunk_tokens=1)
+        metrics = Metrics()
+        core = RequestCore(backend, await backend.infos(), RouterConfig(), TOKENIZER, metrics)
+        await core.refresh()
+        sample = metrics.registry.get_sample_value
+        before = sample("pdserve_prediction_spread", {"kind": "ttft", "worker": ""})
+        await consume(core, replace(request("itl", max_tokens=20), slo_itl_ms=0.01))
+        await consume(core, request("ttft", max_tokens=20, slo_ttft_ms=0.01))
+        await core.refresh()
+        return core, sample, before
+
+    core, sample, before = run(main())
+    assert before == PRIOR_WIDTH  # nothing checked yet
+    ttft = sample("pdserve_prediction_spread", {"kind": "ttft", "worker": ""})
+    assert ttft == core.planner.ttft_spread.width and core.planner.ttft_spread.samples == 1
+    d = core.states["decode-0"]
+    assert d.itl_spread.samples == 1
+    got = sample("pdserve_prediction_spread", {"kind": "itl_p99", "worker": "decode-0"})
+    assert got == d.itl_spread.width != PRIOR_WIDTH
+    assert sample("pdserve_prediction_spread", {"kind": "itl_p99", "worker": "prefill-0"}) is None

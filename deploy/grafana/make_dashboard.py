@@ -182,6 +182,11 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         [q("{{node}} beside {{peer}}", "max by (node, peer) (pdserve_node_step_share)")],
     ),
     (
+        "How far predictions err lately (sd of ln measured/predicted)",
+        "short",
+        [q("{{kind}} {{worker}}", "max by (kind, worker) (pdserve_prediction_spread)")],
+    ),
+    (
         "Prefix cache hit rate per worker",
         "percentunit",
         [
