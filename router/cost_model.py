@@ -37,7 +37,8 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
@@ -148,6 +149,18 @@ class StepTimeModel:
         """What the fit predicts for the shapes of `steps`, each taken alone on its node."""
         x = np.array([[1.0, s.tokens, s.prefill_pairs, s.decode_context] for s in steps])
         return x @ self.fit.w
+
+    @contextmanager
+    def target_at_most(self, limit_s: float | None) -> Iterator[None]:
+        """Predictions within it take the step target the worker will have once a request
+        placed there brings it down to `limit_s` (None: as it is; see StepTargets.for_request)."""
+        held = self.step_target_s
+        if limit_s is not None and held is not None:
+            self.step_target_s = min(held, limit_s)
+        try:
+            yield
+        finally:
+            self.step_target_s = held
 
     def set_scale(self, scale: float) -> None:
         if scale != self.scale:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from router.cost_model import Bias, HandoffHealth, TransferTimeModel
@@ -152,6 +152,9 @@ class Planner:
         # How far TTFT predictions came from measured first tokens (trained by the core): the
         # width of every candidate's TTFT miss chance.
         self.ttft_spread = PredictionSpread()
+        # The step target a worker takes when a request with a given ITL SLO is placed on it
+        # (StepTargets.for_request, set by the core where it tunes targets; None: unchanged).
+        self.target_for: Callable[[WorkerState, float], float | None] | None = None
 
     def candidates(
         self,
@@ -168,20 +171,28 @@ class Planner:
             w.set_peer_work(peer_work(w, workers))
         shared = {d.worker_id: shared_misses(d, workers) for d in decode}
         width = self.ttft_spread.width
-        b = self.bias[RoutePath.COLOCATED]
-        out = [predict_colocated(req, d, b, shared[d.worker_id], width) for d in decode]
-        local = {c.decode_worker: c.ttft_s for c in out}
-        b = self.bias[RoutePath.DISAGGREGATED]
-        for p in prefill:
-            for d in decode:
-                if p.worker_id == d.worker_id:
-                    continue  # one worker doing both for a request: the colocated candidate
-                c = predict_disaggregated(req, p, d, self.transfer, b, shared[d.worker_id], width)
-                rate = self.health.failure_rate(p.worker_id, d.worker_id)
-                if rate > 0:
-                    wasted = self.health.wasted_s(p.worker_id, d.worker_id)
-                    c = c.with_failure_risk(rate, wasted, local[d.worker_id])
-                out.append(c)
+        colocated: list[PathPrediction] = []
+        disaggregated: list[PathPrediction] = []
+        for d in decode:
+            # Its step target as it will be once this request is placed there.
+            limit = self.target_for(d, req.slo_itl_s) if self.target_for is not None else None
+            with d.model.target_at_most(limit):
+                b = self.bias[RoutePath.COLOCATED]
+                local = predict_colocated(req, d, b, shared[d.worker_id], width)
+                colocated.append(local)
+                b = self.bias[RoutePath.DISAGGREGATED]
+                for p in prefill:
+                    if p.worker_id == d.worker_id:
+                        continue  # one worker doing both for a request: the colocated candidate
+                    c = predict_disaggregated(
+                        req, p, d, self.transfer, b, shared[d.worker_id], width
+                    )
+                    rate = self.health.failure_rate(p.worker_id, d.worker_id)
+                    if rate > 0:
+                        wasted = self.health.wasted_s(p.worker_id, d.worker_id)
+                        c = c.with_failure_risk(rate, wasted, local.ttft_s)
+                    disaggregated.append(c)
+        out = colocated + disaggregated
         if not admitting:
             return out
         # A placement admission would refuse loses the request and runs nothing (one miss, none

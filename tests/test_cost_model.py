@@ -1067,3 +1067,26 @@ def test_a_prefill_placed_after_a_colocated_one_counts_the_misses_of_its_decode_
     assert predict_colocated(new, a, Bias()).prefill_beside == 1
     a.unprotect("local")  # past its TTFT SLO before its first token
     assert a.coming_itl_slos() == [] and costs() == (0.0, 0.0)
+
+
+def test_a_placement_is_predicted_under_the_step_target_it_sets_on_its_decode_worker():
+    """both-0 runs 800 ms steps (a target from a loose default SLO) beside its two decodes; a
+    request with a 180 ms ITL SLO placed there brings the target down to 144 ms before its
+    prefill runs (StepTargets.for_request), so its chunks are predicted at that target, and the
+    worker's target is as it was after the decision."""
+    from router.step_target import StepTargets
+
+    d = with_decodes(trained("both-0", "both", seed=1, step_target_s=0.8), 2, 400, 10.0)
+    req = shape(2000, seed=4, slo_itl=0.18)
+
+    def colocated(pl: Planner) -> PathPrediction:
+        return next(c for c in pl.candidates(req, [d], [d]) if c.path is RoutePath.COLOCATED)
+
+    before = colocated(planner())
+    assert before.running_itl_s == pytest.approx(0.8, rel=0.05)
+    tuned = planner()
+    tuned.target_for = StepTargets(1.0).for_request
+    after = colocated(tuned)
+    assert after.running_itl_s == pytest.approx(0.8 * 0.18, rel=0.1)
+    assert after.ttft_s > before.ttft_s  # smaller chunks: more steps
+    assert d.model.step_target_s == 0.8
