@@ -1,8 +1,9 @@
-"""What new work on a worker costs the requests already decoding there and beside it: the
-steps they see next to queued prefills, the SLO misses a prefill or one more decode causes among
-them (on the worker, and on its node's other workers, which a worker set decoding slows where
-they share the node), and the floor that frequent prefills set under a decoding request's p99
-gap (router/predictions.py builds each placement's prediction from these)."""
+"""What new work on a worker costs the requests already decoding there (or to decode there once
+their local prefill is done) and beside it: the steps they see next to queued prefills, the SLO
+misses a prefill or one more decode causes among them (on the worker, and on its node's other
+workers, which a worker set decoding slows where they share the node), and the floor that
+frequent prefills set under a decoding request's p99 gap (router/predictions.py builds each
+placement's prediction from these)."""
 
 from __future__ import annotations
 
@@ -21,41 +22,61 @@ BESIDE_SHARE = 0.01
 BESIDE_MARGIN = 2.0
 
 
-def caused_misses(w: WorkerState, during_s: float, before_s: float) -> float:
+def caused_misses(
+    w: WorkerState, during_s: float, before_s: float, coming_during_s: float | None = None
+) -> float:
     """The misses that new work on `w` causes among the requests decoding there that can still
-    attain, and among those to decode there once their local prefill, queued there, is done
-    (the new work's chunks run beside their decodes): for each, its chance of missing its ITL
-    SLO with the steps `during_s` the new work brings, less its chance without them (work
-    already there is not the new request's doing). An ITL SLO holds a request's p99 gap.
-    Without the new work: the typical step (the predicted one: `before_s` for those decoding,
-    beside the prefills queued there; a plain decode step for those to come, whose decodes
-    start after the prefills queued before theirs; or the measured median gap when longer:
-    `typical_gap`) times the worker's measured tail (`gap_tail`). With it: the new work's steps
-    plus the time the tail adds to a typical step (a busy host, other work in the step delays
-    them as much), or the former if longer. Taking `during_s` alone, a worker whose tail
-    already put its requests near their SLO would be seen to lose nothing to one more prefill;
-    multiplying it by the tail would count twice a tail that comes from prefill chunks cut to
-    the step target. The miss chances are as wide as the worker's p99 gap predictions have
-    come from its requests' measured ones (`itl_spread`): a request predicted past its SLO may
-    still attain, the less so the further past it new work takes it."""
+    attain, and among those to decode there once their local prefill, queued there, is done:
+    for each, its chance of missing its ITL SLO with the steps the new work brings, less its
+    chance without them (work already there is not the new request's doing). An ITL SLO holds
+    a request's p99 gap.
+
+    For those decoding, the steps without the new work are `before_s` (beside the prefills
+    queued there), with it `during_s`. For those to come, without it a plain decode step
+    (`coming_step`: the prefills queued with and before theirs end before they decode), with it
+    `coming_during_s`: a prefill placed after theirs runs its chunks beside their decodes, one
+    more decode makes their batch larger (None: the new work does not reach them). Without the
+    new work, a request's p99 gap is its typical step (that one, or the measured median gap when
+    longer: `typical_gap`) times the worker's measured tail (`gap_tail`); with it, the new
+    steps plus the time the tail adds to a typical step (a busy host, other work in the step
+    delays them as much), or the former if longer. Taking the new steps alone, a worker whose
+    tail already put its requests near their SLO would be seen to lose nothing to one more
+    prefill; multiplying them by the tail would count twice a tail that comes from prefill
+    chunks cut to the step target. The miss chances are as wide as the worker's p99 gap
+    predictions have come from its requests' measured ones (`itl_spread`): a request predicted
+    past its SLO may still attain, the less so the further past it new work takes it."""
     tail = w.gap_tail()
     width = w.itl_spread.width
 
-    def lost(slos: Sequence[float], step_s: float) -> float:
+    def lost(slos: Sequence[float], step_s: float, new_step_s: float) -> float:
         typical = max(step_s, w.typical_gap())  # what its steps take now, as measured too
         without = typical * tail
-        with_it = max(during_s + typical * (tail - 1.0), without)
+        with_it = max(new_step_s + typical * (tail - 1.0), without)
         return sum(
             max(0.0, miss_chance(with_it, slo, width) - miss_chance(without, slo, width))
             for slo in slos
         )
 
+    caused = lost(w.itl_slos(), before_s, during_s)
     coming = w.coming_itl_slos()
-    caused = lost(w.itl_slos(), before_s)
-    if coming:
-        batch, context = w.batch + len(coming), w.context + w.coming_context
-        caused += lost(coming, w.model.decode_step_s(batch, context))
+    if coming and coming_during_s is not None:
+        caused += lost(coming, coming_step(w), coming_during_s)
     return caused
+
+
+def coming_step(w: WorkerState, more: int = 0, context: int = 0) -> float:
+    """The plain decode step on `w` once the requests to decode there after their local prefill
+    do (with `more` requests of `context` tokens besides)."""
+    return w.model.decode_step_s(
+        w.batch + w.local_prefills + more, w.context + w.coming_context + context
+    )
+
+
+def coming_chunk_step(w: WorkerState, tokens: int, pairs: float) -> float:
+    """The step the requests to decode on `w` after their local prefill see beside a prefill of
+    `tokens` placed after theirs (chunked to its step target beside them)."""
+    batch, context = w.batch + w.local_prefills, w.context + w.coming_context
+    return w.model.chunked_s(tokens, pairs, batch, context)[1]
 
 
 def shared_misses(d: WorkerState, workers: Sequence[WorkerState]) -> float:
@@ -65,18 +86,19 @@ def shared_misses(d: WorkerState, workers: Sequence[WorkerState]) -> float:
     slower than alone, against what they run now (alone, or beside a prefill: `shared_slowdown`;
     1 where workers share little, as on separate GPUs), for as long as `d` decodes: all of a
     request's output, where a peer's short prefill slows a few steps. 0 when `d` decodes
-    already (its peers' steps carry the share then) or its node is unknown."""
-    if d.batch or not d.info.node_ip:
+    already, or will once a local prefill there is done (its peers' steps carry the share then,
+    or will whatever is placed now), or its node is unknown."""
+    if d.batch or d.local_prefills or not d.info.node_ip:
         return 0.0
     total = 0.0
     for o in workers:
-        if o is d or not o.batch or o.info.node_ip != d.info.node_ip:
+        if o is d or not (o.batch or o.local_prefills) or o.info.node_ip != d.info.node_ip:
             continue
         slower = o.shared_slowdown()
         if slower > 1.0:
             # What its steps take now: the predicted step, or the gaps measured there when longer.
             now = max(decode_step_beside(o, o.batch, o.context), o.typical_gap())
-            total += caused_misses(o, now * slower, now)
+            total += caused_misses(o, now * slower, now, coming_step(o) * slower)
     return total
 
 
@@ -105,10 +127,12 @@ def beside_floor(w: WorkerState, batch: int, context: int, step_s: float) -> flo
     return w.model.chunked_s(tokens, pairs, batch, context)[1]
 
 
-def prefills_beside(w: WorkerState, during_s: float) -> int:
-    """The decodes running on `w`, or to run there once their local prefill is done, whose ITL
-    SLO is at risk (within twice the step `during_s` they see beside a prefill there, times the
-    worker's tail). A loose SLO is not at risk, and a request that can no longer attain has
-    none."""
-    slowest = BESIDE_MARGIN * during_s * w.gap_tail()
-    return sum(1 for slo in (*w.itl_slos(), *w.coming_itl_slos()) if slo < slowest)
+def prefills_beside(w: WorkerState, during_s: float, coming_during_s: float = 0.0) -> int:
+    """The decodes running on `w` whose ITL SLO is at risk (within twice the step `during_s` they
+    see beside a prefill there, times the worker's tail), and those to run there once their
+    local prefill is done, likewise with the step `coming_during_s` they would see beside it. A
+    loose SLO is not at risk, and a request that can no longer attain has none."""
+    tail = BESIDE_MARGIN * w.gap_tail()
+    return sum(1 for slo in w.itl_slos() if slo < during_s * tail) + sum(
+        1 for slo in w.coming_itl_slos() if slo < coming_during_s * tail
+    )

@@ -6,20 +6,21 @@ policies that choose among them.
     rate over MAX_FAILURE_RATE, router/cost_model.py HandoffHealth) are dropped while any other
     remains, and every disaggregated prediction carries its pair's failure risk. Of the rest, the
     one with the fewest expected SLO misses wins: the new request's own chance of missing (its TTFT
-    or ITL), plus the misses it would cause among the requests already decoding on D and on P (their
-    steps with it, against without it; a request whose first token came after its TTFT SLO cannot
-    attain and counts for nothing). A placement admission would refuse (router/admission.py: its
-    TTFT, times how late first tokens have come lately, past the SLO while it queues) is a certain
-    miss of the new request. No single guard vetoes a choice: pushing one running request past its
-    ITL SLO can be worth it when every other choice makes the new request miss, and is not when it
-    would push many. Of those tied on expected misses (within a tenth of a request of the fewest),
-    the ones whose first token comes within a quarter of its TTFT SLO of the quickest (and within
-    twice the quickest) count as equally quick, and among them the prefill beside the fewest running
-    decodes whose ITL SLO it puts at risk wins, then a dedicated decode worker, then the worker of
-    both kinds with the most decodes running or to come (decodes gather, prefills go where none run:
-    a disaggregated split, until the expected misses say otherwise), then the least predicted SLO
-    violation (where every choice misses), then the earliest predicted second token (TTFT + ITL):
-    see router/predictions.py choose. The decision's reason code says which of these decided.
+    or ITL), plus the misses it would cause among the requests already decoding on D and on P, or to
+    decode there once their local prefill is done (their steps with it, against without it; a
+    request whose first token came after its TTFT SLO cannot attain and counts for nothing). A
+    placement admission would refuse (router/admission.py: its TTFT, times how late first tokens
+    have come lately, past the SLO while it queues) is a certain miss of the new request. No single
+    guard vetoes a choice: pushing one running request past its ITL SLO can be worth it when every
+    other choice makes the new request miss, and is not when it would push many. Of those tied on
+    expected misses (within a tenth of a request of the fewest), the ones whose first token comes
+    within a quarter of its TTFT SLO of the quickest (and within twice the quickest) count as
+    equally quick, and among them the prefill beside the fewest running decodes whose ITL SLO it
+    puts at risk wins, then a dedicated decode worker, then the worker of both kinds with the most
+    decodes running or to come (decodes gather, prefills go where none run: a disaggregated split,
+    until the expected misses say otherwise), then the least predicted SLO violation (where every
+    choice misses), then the earliest predicted second token (TTFT + ITL): see router/predictions.py
+    choose. The decision's reason code says which of these decided.
   - colocated / disaggregated: always that path, workers from the balancer.
   - threshold (Dynamo's rule): disaggregated iff uncached prompt tokens > T and the prefill
     worker's queue holds fewer than Q requests.
@@ -171,28 +172,31 @@ class Planner:
             w.set_peer_work(peer_work(w, workers))
         shared = {d.worker_id: shared_misses(d, workers) for d in decode}
         width = self.ttft_spread.width
-        colocated: list[PathPrediction] = []
-        disaggregated: list[PathPrediction] = []
+        # Each decode worker's step target as it will be once this request is placed there.
+        limits = {
+            d.worker_id: self.target_for(d, req.slo_itl_s) if self.target_for else None
+            for d in decode
+        }
+        out: list[PathPrediction] = []
         for d in decode:
-            # Its step target as it will be once this request is placed there.
-            limit = self.target_for(d, req.slo_itl_s) if self.target_for is not None else None
-            with d.model.target_at_most(limit):
+            with d.model.target_at_most(limits[d.worker_id]):
                 b = self.bias[RoutePath.COLOCATED]
-                local = predict_colocated(req, d, b, shared[d.worker_id], width)
-                colocated.append(local)
-                b = self.bias[RoutePath.DISAGGREGATED]
-                for p in prefill:
-                    if p.worker_id == d.worker_id:
-                        continue  # one worker doing both for a request: the colocated candidate
+                out.append(predict_colocated(req, d, b, shared[d.worker_id], width))
+        local = {c.decode_worker: c.ttft_s for c in out}
+        b = self.bias[RoutePath.DISAGGREGATED]
+        for p in prefill:
+            for d in decode:
+                if p.worker_id == d.worker_id:
+                    continue  # one worker doing both for a request: the colocated candidate
+                with d.model.target_at_most(limits[d.worker_id]):
                     c = predict_disaggregated(
                         req, p, d, self.transfer, b, shared[d.worker_id], width
                     )
-                    rate = self.health.failure_rate(p.worker_id, d.worker_id)
-                    if rate > 0:
-                        wasted = self.health.wasted_s(p.worker_id, d.worker_id)
-                        c = c.with_failure_risk(rate, wasted, local.ttft_s)
-                    disaggregated.append(c)
-        out = colocated + disaggregated
+                rate = self.health.failure_rate(p.worker_id, d.worker_id)
+                if rate > 0:
+                    wasted = self.health.wasted_s(p.worker_id, d.worker_id)
+                    c = c.with_failure_risk(rate, wasted, local[d.worker_id])
+                out.append(c)
         if not admitting:
             return out
         # A placement admission would refuse loses the request and runs nothing (one miss, none

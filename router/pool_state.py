@@ -176,7 +176,8 @@ class WorkerState:
 
     @property
     def coming_context(self) -> int:
-        """The prompt tokens of the local prefills queued here: the context they decode with."""
+        """The tokens the local prefills queued here compute (their prompts past a prefix-cache
+        hit): about the context they decode with, short by the hit."""
         return sum(p.tokens for p in self._prefills.values() if p.local)
 
     @property

@@ -16,6 +16,8 @@ from router.cost_model import Bias, TransferTimeModel, prefill_pairs
 from router.interference import (
     beside_floor,
     caused_misses,
+    coming_chunk_step,
+    coming_step,
     decode_step_beside,
     prefills_beside,
 )
@@ -63,7 +65,8 @@ class PathPrediction:
     uncached_tokens: int
     transfer_bytes: int
     failure_rate: float = 0.0  # of this pair's recent handoffs (disaggregated)
-    # Expected misses among the requests already decoding on D, and on P (when P decodes too).
+    # Expected misses among the requests already decoding on D, and on P (when P decodes too), or
+    # to decode there once their local prefill is done.
     caused_misses: float = 0.0
     # The step P's own running requests see while it prefills for D (0: P decodes nothing).
     p_running_itl_s: float = 0.0
@@ -76,8 +79,8 @@ class PathPrediction:
     # The step this request will see beside the prefills its decode worker runs, when they come
     # often enough to set its p99 gap (beside_floor; 0: they do not).
     itl_beside_s: float = 0.0
-    # The requests decoding on the worker that prefills this prompt whose ITL SLO its steps put
-    # at risk: what the tie-break keeps low.
+    # The requests decoding (or to decode) on the worker that prefills this prompt whose ITL SLO
+    # its steps put at risk: what the tie-break keeps low.
     prefill_beside: int = 0
     # Where the decode worker stands among those the tie-break prefers for decoding: a dedicated
     # decode worker (False, False, 0) first, then workers of both kinds where no prefill runs
@@ -181,6 +184,8 @@ def predict_colocated(
     own, _ = d.model.chunked_s(n, prefill_pairs(n, cached), d.batch, d.context)
     _, before = d.model.chunked_s(d.queued_tokens, d.queued_pairs, d.batch, d.context)
     itl = d.model.decode_step_s(d.batch + 1, d.context + req.prompt_len + req.max_tokens // 2)
+    # The step the requests to decode here after their local prefill see beside this one.
+    coming = coming_chunk_step(d, n, prefill_pairs(n, cached))
     return PathPrediction(
         path=RoutePath.COLOCATED,
         prefill_worker="",
@@ -196,13 +201,13 @@ def predict_colocated(
         transfer_s=0.0,
         uncached_tokens=n,
         transfer_bytes=0,
-        caused_misses=caused_misses(d, during, before) + shared,
+        caused_misses=caused_misses(d, during, before, coming) + shared,
         itl_tail=d.gap_tail(),
         itl_floor_s=d.typical_gap(),
         ttft_width=ttft_width,
         itl_width=d.itl_spread.width,
         itl_beside_s=beside_floor(d, d.batch + 1, d.context + req.prompt_len, itl),
-        prefill_beside=prefills_beside(d, during),
+        prefill_beside=prefills_beside(d, during, coming),
         decode_lean=_lean(d, prefills_there=True),
     )
 
@@ -234,9 +239,10 @@ def predict_disaggregated(
     raw = total + exposed
     ctx = d.context + req.prompt_len
     caused = 0.0
+    p_coming = coming_chunk_step(p, n_p, prefill_pairs(n_p, cached_p))
     if p.batch or p.local_prefills:  # decoding there, or to decode there (colocated)
         _, p_before = p.model.chunked_s(p.queued_tokens, p.queued_pairs, p.batch, p.context)
-        caused += caused_misses(p, p_during, p_before)
+        caused += caused_misses(p, p_during, p_before, p_coming)
     # On D, prefills queued there (local ones, or a worker that does both prefilling for a peer)
     # share the steps of those already decoding, and of the request once it decodes if they
     # outlast its prefill and transfer.
@@ -247,7 +253,7 @@ def predict_disaggregated(
     if d.batch or d.local_prefills:
         running = decode_step_beside(d, d.batch + 1, ctx)
         before = decode_step_beside(d, d.batch, d.context)
-        caused += caused_misses(d, running, before)
+        caused += caused_misses(d, running, before, coming_step(d, 1, req.prompt_len))
     caused += shared
     return PathPrediction(
         path=RoutePath.DISAGGREGATED,
@@ -271,7 +277,7 @@ def predict_disaggregated(
         ttft_width=ttft_width,
         itl_width=d.itl_spread.width,
         itl_beside_s=beside_floor(d, d.batch + 1, ctx, itl),
-        prefill_beside=prefills_beside(p, p_during),
+        prefill_beside=prefills_beside(p, p_during, p_coming),
         decode_lean=_lean(d, prefills_there=d.queued_prefills > 0),
     )
 

@@ -1040,11 +1040,13 @@ def test_expected_misses_within_a_tenth_tie_wherever_they_fall():
 
 
 def test_a_prefill_placed_after_a_colocated_one_counts_the_misses_of_its_decode_to_come():
-    """both-0 has a 300-token prompt queued for a request that decodes there too (ITL SLO
-    100 ms); its decode steps take about 25 ms, but a 1000-token prefill placed after it runs
-    200 ms chunks beside them. Colocated there, or prefilled there for both-1, the new prompt
-    costs that request about one expected miss. A prefill queued there for a peer has no decode
-    to come, and one that can no longer attain guards nothing."""
+    """both-0 has a 300-token prompt queued for a request that decodes there too; its decode
+    steps will take about 25 ms, and a 1000-token prefill placed after it runs its chunks beside
+    them, cut to the 200 ms step target. With an ITL SLO of 100 ms, the new prompt colocated
+    there, or prefilled there for both-1, costs that request about one expected miss; with 500
+    ms, none (chunks uncut, about a second, would have). Decoding there, the new request only
+    adds one to its batch: no miss. A prefill queued there for a peer has no decode to come, and
+    one that can no longer attain guards nothing."""
     from router.predictions import predict_colocated, predict_disaggregated
 
     a = trained("both-0", "both", seed=1, step_target_s=0.2)
@@ -1052,21 +1054,26 @@ def test_a_prefill_placed_after_a_colocated_one_counts_the_misses_of_its_decode_
     transfer = planner().transfer
     new = shape(1000, seed=3)
 
-    def costs() -> tuple[float, float]:
+    def costs() -> tuple[float, float, float]:
         colo = predict_colocated(new, a, Bias())
-        dis = predict_disaggregated(new, a, b, transfer, Bias())
-        return colo.caused_misses, dis.caused_misses
+        prefill_here = predict_disaggregated(new, a, b, transfer, Bias())
+        decode_here = predict_disaggregated(new, b, a, transfer, Bias())
+        return colo.caused_misses, prefill_here.caused_misses, decode_here.caused_misses
 
     a.add_prefill("for-peer", 300, prefill_pairs(300, 0))
-    assert costs() == (0.0, 0.0)
+    assert costs() == (0.0, 0.0, 0.0)
     a.finish("for-peer")
     a.add_prefill("local", 300, prefill_pairs(300, 0), local=True, itl_slo_s=0.1)
     assert a.batch == 0 and a.coming_itl_slos() == [0.1]
-    colo, dis = costs()
-    assert colo > 0.9 and dis > 0.9
+    colo, prefill_here, decode_here = costs()
+    assert colo > 0.9 and prefill_here > 0.9 and decode_here < 0.01
     assert predict_colocated(new, a, Bias()).prefill_beside == 1
+    a.finish("local")
+    a.add_prefill("local", 300, prefill_pairs(300, 0), local=True, itl_slo_s=0.5)
+    assert max(costs()) < 0.01
+    assert predict_colocated(new, a, Bias()).prefill_beside == 0
     a.unprotect("local")  # past its TTFT SLO before its first token
-    assert a.coming_itl_slos() == [] and costs() == (0.0, 0.0)
+    assert a.coming_itl_slos() == [] and costs() == (0.0, 0.0, 0.0)
 
 
 def test_a_placement_is_predicted_under_the_step_target_it_sets_on_its_decode_worker():
