@@ -113,7 +113,7 @@ def _trace(args: argparse.Namespace) -> list[trace.TraceRequest]:
 
 def _sweep(address: str, reqs, vocab: int, objective: slo.Slo, args: Any, policy: str):
     lo, hi = args.rate / 4, args.rate * 4
-    points: list[tuple[float, float]] = []
+    points: list[dict[str, float]] = []  # each probe: its rate, goodput and attainment
     best = 0.0
     for _ in range(5):
         mid = (lo * hi) ** 0.5
@@ -123,7 +123,9 @@ def _sweep(address: str, reqs, vocab: int, objective: slo.Slo, args: Any, policy
             address, reqs, mid, vocab, args, f"{policy} sweep {mid:.2f}/s", objective, seed
         )
         fig = slo.figures(res, objective, wall)
-        points.append((mid, fig["goodput_rps"]))
+        points.append(
+            {"rate": mid, "goodput_rps": fig["goodput_rps"], "attainment": fig["attainment"]}
+        )
         if fig["attainment"] >= 0.9:
             best, lo = mid, mid
         else:
@@ -192,9 +194,10 @@ def run(args: argparse.Namespace) -> int:
                 continue
             runs[policy] = results
             if args.sweep_rate:
-                fig["max_rate_at_90pct"], sweeps[policy] = _sweep(
+                fig["max_rate_at_90pct"], fig["sweep"] = _sweep(
                     address, reqs, vocab, objective, args, policy
                 )
+                sweeps[policy] = [(p["rate"], p["goodput_rps"]) for p in fig["sweep"]]
             out["policies"][policy] = fig
             if policy == "disaggregated" and not args.no_baseline:
                 out["baseline"] = _baseline(address, reqs, vocab, args, objective)

@@ -165,9 +165,11 @@ def test_sweep_finds_the_highest_rate_that_attains_90_percent(monkeypatch):
     reqs = trace.load("mixed", num_requests=5)
     best, points = cli._sweep("x", reqs, 100, slo.Slo(1.0, 0.1), args, "auto")
     assert len(points) == 5  # five probes between rate / 4 and rate * 4
-    assert all(lo >= 0.1 - 1e-9 and lo <= 1.6 + 1e-9 for lo, _ in points)
+    assert all(0.1 - 1e-9 <= p["rate"] <= 1.6 + 1e-9 for p in points)
     assert 0.4 <= best <= 0.5  # the binary search closes in on the edge from below
-    assert all((g > 0) == (r <= 0.5) for r, g in points)  # goodput only where it attains
+    # Goodput only where it attains, and each probe's attainment is kept (for the JSON).
+    assert all((p["goodput_rps"] > 0) == (p["rate"] <= 0.5) for p in points)
+    assert all(p["attainment"] == (1.0 if p["rate"] <= 0.5 else 0.0) for p in points)
 
 
 def test_every_policy_gets_the_same_total_workers_laid_out_its_own_way():
