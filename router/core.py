@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import statistics
 from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Sequence
@@ -80,6 +81,8 @@ class RequestCore:
             self.planner.target_for = self.step_targets.for_request
         # Step target calls made at placement, in flight, by worker (one each; see _tighten).
         self._tightening: dict[str, asyncio.Future[None]] = {}
+        # The tightest ITL SLO asked of a worker while its call was in flight: sent once it ends.
+        self._tighten_next: dict[str, float] = {}
         self.records: deque[DecisionRecord] = deque(maxlen=2048)
         self.counts = RequestCounts()
         self._poller: asyncio.Task[None] | None = None
@@ -140,8 +143,14 @@ class RequestCore:
         """Bring the step target of the worker a request will decode on down to its ITL SLO
         (StepTargets.for_request). Not awaited: the call goes ahead of the request's own calls
         to that worker, and the request waits for no engine step; one call per worker at a
-        time (a failed one is logged, and the next request placed there tries again)."""
-        if self.step_targets is None or decode_worker in self._tightening:
+        time (a failed one is logged, and the next request placed there tries again). A request
+        placed while a call is in flight was predicted under the target it asks for: the
+        tightest asked meanwhile goes once the call ends."""
+        if self.step_targets is None:
+            return
+        if decode_worker in self._tightening:
+            waiting = self._tighten_next.get(decode_worker, math.inf)
+            self._tighten_next[decode_worker] = min(waiting, slo_itl_s)
             return
         state = self.members.state(decode_worker)
         target = self.step_targets.for_request(state, slo_itl_s)
@@ -151,7 +160,13 @@ class RequestCore:
         call = self._send_target(decode_worker, target)  # sent now
         task = asyncio.ensure_future(self._set_targets([(state, target)], why, [call]))
         self._tightening[decode_worker] = task
-        task.add_done_callback(lambda _: self._tightening.pop(decode_worker, None))
+        task.add_done_callback(lambda _: self._tightened(decode_worker))
+
+    def _tightened(self, decode_worker: str) -> None:
+        self._tightening.pop(decode_worker, None)
+        waiting = self._tighten_next.pop(decode_worker, None)
+        if waiting is not None:
+            self._tighten(decode_worker, waiting)
 
     def _send_target(self, worker_id: str, target_s: float) -> Awaitable[None]:
         """The backend's call, or its failure to leave (a worker just gone), to be awaited."""

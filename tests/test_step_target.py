@@ -119,3 +119,40 @@ def test_a_request_tighter_than_a_workers_target_brings_it_down_before_its_prefi
     backend, core = asyncio.run(asyncio.wait_for(main(), 30))
     assert backend.seen == [{"both-0": pytest.approx(0.08)}] * 2
     assert core.states["both-0"].model.step_target_s == pytest.approx(0.08)
+
+
+def test_a_tighter_request_placed_while_a_target_call_is_in_flight_gets_its_target_after_it():
+    """A request asking for 500 ms sends both-0 (at 800 ms) a 400 ms target; before the worker
+    answers, one asking for 100 ms is placed there, predicted under 80 ms: once the first call
+    ends, the second goes (one call per worker at a time)."""
+
+    class Slow(FakeBackend):
+        def set_step_target(self, worker_id: str, target_s: float | None):
+            async def later() -> None:
+                await self.answer.wait()
+                self.step_targets[worker_id] = target_s
+
+            return later()
+
+    async def main():
+        backend = Slow(num_prefill=0, num_decode=0, num_both=1)
+        backend.answer = asyncio.Event()
+        infos = [replace(i, step_target_s=0.8) for i in await backend.infos()]
+        core = RequestCore(backend, infos, RouterConfig(slo_itl_s=1.0, tune_step_target=True),
+                           TOKENIZER)  # fmt: skip
+        core._tighten("both-0", 0.5)
+        core._tighten("both-0", 0.1)  # in flight: waits
+        core._tighten("both-0", 0.3)  # looser than the one waiting
+        await asyncio.sleep(0.01)
+        assert backend.step_targets == {}
+        backend.answer.set()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if not core._tightening:
+                break
+        return backend, core
+
+    backend, core = asyncio.run(asyncio.wait_for(main(), 30))
+    assert backend.step_targets == {"both-0": pytest.approx(0.08)}
+    assert core.states["both-0"].model.step_target_s == pytest.approx(0.08)
+    assert not core._tighten_next
