@@ -64,19 +64,25 @@ def caused_misses(
     return caused
 
 
+def _with_coming(w: WorkerState) -> tuple[int, int]:
+    """(batch, context) on `w` once the requests to decode there after their local prefill do."""
+    return w.batch + w.local_prefills, w.context + w.coming_context
+
+
 def coming_step(w: WorkerState, more: int = 0, context: int = 0) -> float:
     """The plain decode step on `w` once the requests to decode there after their local prefill
     do (with `more` requests of `context` tokens besides)."""
-    return w.model.decode_step_s(
-        w.batch + w.local_prefills + more, w.context + w.coming_context + context
-    )
+    batch, ctx = _with_coming(w)
+    return w.model.decode_step_s(batch + more, ctx + context)
 
 
 def coming_chunk_step(w: WorkerState, tokens: int, pairs: float) -> float:
     """The step the requests to decode on `w` after their local prefill see beside a prefill of
-    `tokens` placed after theirs (chunked to its step target beside them)."""
-    batch, context = w.batch + w.local_prefills, w.context + w.coming_context
-    return w.model.chunked_s(tokens, pairs, batch, context)[1]
+    `tokens` placed after theirs (chunked to its step target beside them); 0 when none can still
+    attain (nothing to price: no step model call on a decision's path)."""
+    if not w.coming_itl_slos():
+        return 0.0
+    return w.model.chunked_s(tokens, pairs, *_with_coming(w))[1]
 
 
 def shared_misses(d: WorkerState, workers: Sequence[WorkerState]) -> float:
