@@ -36,22 +36,23 @@ def caused_misses(
     (`coming_step`: the prefills queued with and before theirs end before they decode), with it
     `coming_during_s`: a prefill placed after theirs runs its chunks beside their decodes, one
     more decode makes their batch larger (None: the new work does not reach them). Without the
-    new work, a request's p99 gap is its typical step (that one, or the measured median gap when
-    longer: `typical_gap`) times the worker's measured tail (`gap_tail`); with it, the new
-    steps plus the time the tail adds to a typical step (a busy host, other work in the step
-    delays them as much), or the former if longer. Taking the new steps alone, a worker whose
+    new work, a request's p99 gap is its typical gap (that step as a gap: times the worker's
+    gaps over its steps, `gap_factor`; or the measured median gap when longer: `typical_gap`)
+    times the worker's measured tail (`gap_tail`); with it, the new steps as gaps plus the time
+    the tail adds to a typical gap (a busy host, other work in the step delays them as much),
+    or the former if longer. Taking the new steps alone, a worker whose
     tail already put its requests near their SLO would be seen to lose nothing to one more
     prefill; multiplying them by the tail would count twice a tail that comes from prefill
     chunks cut to the step target. The miss chances are as wide as the worker's p99 gap
     predictions have come from its requests' measured ones (`itl_spread`): a request predicted
     past its SLO may still attain, the less so the further past it new work takes it."""
-    tail = w.gap_tail()
+    tail, g = w.gap_tail(), w.gap_factor()
     width = w.itl_spread.width
 
     def lost(slos: Sequence[float], step_s: float, new_step_s: float) -> float:
-        typical = max(step_s, w.typical_gap())  # what its steps take now, as measured too
+        typical = max(step_s * g, w.typical_gap())  # what its gaps take now, as measured too
         without = typical * tail
-        with_it = max(new_step_s + typical * (tail - 1.0), without)
+        with_it = max(new_step_s * g + typical * (tail - 1.0), without)
         return sum(
             max(0.0, miss_chance(with_it, slo, width) - miss_chance(without, slo, width))
             for slo in slos
@@ -102,8 +103,9 @@ def shared_misses(d: WorkerState, workers: Sequence[WorkerState]) -> float:
             continue
         slower = o.shared_slowdown()
         if slower > 1.0:
-            # What its steps take now: the predicted step, or the gaps measured there when longer.
-            now = max(decode_step_beside(o, o.batch, o.context), o.typical_gap())
+            # What its steps take now: the predicted step, or the gaps measured there (as steps)
+            # when longer.
+            now = max(decode_step_beside(o, o.batch, o.context), o.typical_gap() / o.gap_factor())
             total += caused_misses(o, now * slower, now, coming_step(o) * slower)
     return total
 
@@ -135,10 +137,10 @@ def beside_floor(w: WorkerState, batch: int, context: int, step_s: float) -> flo
 
 def prefills_beside(w: WorkerState, during_s: float, coming_during_s: float = 0.0) -> int:
     """The decodes running on `w` whose ITL SLO is at risk (within twice the step `during_s` they
-    see beside a prefill there, times the worker's tail), and those to run there once their
+    see beside a prefill there, as gaps, times the worker's tail), and those to run there once their
     local prefill is done, likewise with the step `coming_during_s` they would see beside it. A
     loose SLO is not at risk, and a request that can no longer attain has none."""
-    tail = BESIDE_MARGIN * w.gap_tail()
+    tail = BESIDE_MARGIN * w.gap_tail() * w.gap_factor()
     return sum(1 for slo in w.itl_slos() if slo < during_s * tail) + sum(
         1 for slo in w.coming_itl_slos() if slo < coming_during_s * tail
     )

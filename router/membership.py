@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from router.core_types import Backend
 from router.cost_model import HandoffHealth
 from router.host_share import BUSY, HostShare
@@ -73,6 +75,13 @@ class Membership:
             if state is not None and state.info.incarnation == load.incarnation:
                 state.absorb(load, peer_work(state, members))
                 state.update_tail()
+        measured = [s.measured_gap_factor for s in members]
+        factors = [f for f in measured if f is not None]
+        if factors:  # a worker not yet measured takes what the others did
+            peers = float(np.median(factors))
+            for s in members:
+                s.peers_gap_factor = peers
+        self.sink.gap_factors({s.worker_id: s.gap_factor() for s in members})
         # A draining worker still answers polls, but its figures left the metrics already.
         self.sink.loads([ld for ld in loads if (ld.worker_id, ld.incarnation) not in self._gone])
         counts = dict.fromkeys(WorkerRole, 0)

@@ -208,6 +208,15 @@ class Metrics:
             ("kind", "worker"),
             registry=r,
         )
+        self.gap_factor = Gauge(
+            "pdserve_worker_gap_over_step_ratio",
+            "How many times longer the inter-token gaps a worker's requests see at the router "
+            "are than the steps it runs (medians over the last 30 s): the way of each token out "
+            "of the engine and to the router. The cost model predicts steps and multiplies them "
+            "by this against ITL SLOs; a worker not yet measured takes the others' median.",
+            ("worker",),
+            registry=r,
+        )
         self.decodes = Gauge(
             "pdserve_worker_decodes_running",
             "Requests decoding on a worker, as the router placed them.",
@@ -357,6 +366,10 @@ class Metrics:
         for (kind, worker_id), width in widths.items():
             self.prediction_spread.labels(kind, worker_id).set(width)
 
+    def gap_factors(self, factors: dict[str, float]) -> None:
+        for worker_id, factor in factors.items():
+            self.gap_factor.labels(worker_id).set(factor)
+
     def worker_lost(self, worker_id: str, role: str) -> None:
         self.worker_failures.labels(worker_id, role).inc()
         self.worker_removed(worker_id, role)
@@ -367,10 +380,14 @@ class Metrics:
                 g.remove(worker_id, role)
             except KeyError:
                 pass
-        try:
-            self.prediction_spread.remove("itl_p99", worker_id)
-        except KeyError:
-            pass
+        for g, labels in (
+            (self.prediction_spread, ("itl_p99", worker_id)),
+            (self.gap_factor, (worker_id,)),
+        ):
+            try:
+                g.remove(*labels)
+            except KeyError:
+                pass
         self._last.pop(worker_id, None)  # a later incarnation reports totals from 0
 
     def worker_restarted(self, role: str, times: int) -> None:

@@ -79,6 +79,9 @@ class PathPrediction:
     # The step this request will see beside the prefills its decode worker runs, when they come
     # often enough to set its p99 gap (beside_floor; 0: they do not).
     itl_beside_s: float = 0.0
+    # How much longer the decode worker's gaps are than its steps (WorkerState.gap_factor):
+    # `itl_s` and `itl_beside_s` are steps, an ITL SLO holds gaps.
+    itl_gap_factor: float = 1.0
     # The requests decoding (or to decode) on the worker that prefills this prompt whose ITL SLO
     # its steps put at risk: what the tie-break keeps low.
     prefill_beside: int = 0
@@ -116,11 +119,13 @@ class PathPrediction:
 
     @property
     def itl_p99_s(self) -> float:
-        """This request's predicted p99 gap: its step (no shorter than the gaps requests see
-        there now) times the worker's tail, and no shorter than the step beside the prefills
-        its decode worker runs, when these come often (a worker that prefills for its peers
-        with few requests of its own decoding has no measured tail to show them)."""
-        return max(max(self.itl_s, self.itl_floor_s) * self.itl_tail, self.itl_beside_s)
+        """This request's predicted p99 gap: its step as a gap (times the worker's gaps over
+        its steps; no shorter than the gaps requests see there now) times the worker's tail, and
+        no shorter than the step beside the prefills its decode worker runs, when these come
+        often (a worker that prefills for its peers with few requests of its own decoding has
+        no measured tail to show them), as a gap too."""
+        g = self.itl_gap_factor
+        return max(max(self.itl_s * g, self.itl_floor_s) * self.itl_tail, self.itl_beside_s * g)
 
     def shed(self, slo_ttft_s: float, margin: float) -> bool:
         """Whether admission refuses this placement (router/admission.py): its predicted TTFT,
@@ -207,6 +212,7 @@ def predict_colocated(
         ttft_width=ttft_width,
         itl_width=d.itl_spread.width,
         itl_beside_s=beside_floor(d, d.batch + 1, d.context + req.prompt_len, itl),
+        itl_gap_factor=d.gap_factor(),
         prefill_beside=prefills_beside(d, during, coming),
         decode_lean=_lean(d, prefills_there=True),
     )
@@ -277,6 +283,7 @@ def predict_disaggregated(
         ttft_width=ttft_width,
         itl_width=d.itl_spread.width,
         itl_beside_s=beside_floor(d, d.batch + 1, ctx, itl),
+        itl_gap_factor=d.gap_factor(),
         prefill_beside=prefills_beside(p, p_during, p_coming),
         decode_lean=_lean(d, prefills_there=d.queued_prefills > 0),
     )

@@ -88,6 +88,10 @@ class StatsSink(Protocol):
         """(kind, worker) -> the spread of the router's predictions of that kind (ttft, with
         worker ""; itl_p99, per decode worker): router/spread.py."""
 
+    def gap_factors(self, factors: dict[str, float]) -> None:
+        """worker -> how much longer the gaps its requests see are than its steps
+        (WorkerState.gap_factor)."""
+
     def fell_back(self, reason: str) -> None: ...
 
     def replanned(self) -> None: ...
@@ -139,6 +143,9 @@ class NullSink:
         pass
 
     def spreads(self, widths: dict[tuple[str, str], float]) -> None:
+        pass
+
+    def gap_factors(self, factors: dict[str, float]) -> None:
         pass
 
     def fell_back(self, reason: str) -> None:

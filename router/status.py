@@ -121,6 +121,12 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
                 f"{k[0]}{' ' + k[1] if k[1] else ''} {v:.2f}" for k, v in sorted(spreads.items())
             )
         )
+    factors = by_labels(after, "pdserve_worker_gap_over_step_ratio", "worker")
+    if factors:
+        lines.append(
+            "gaps at the router over steps: "
+            + ", ".join(f"{k[0]} {v:.2f}x" for k, v in sorted(factors.items()))
+        )
     reqs = by_labels(after, "pdserve_requests_total", "path")
     reqs0 = by_labels(before, "pdserve_requests_total", "path")
     toks = sum(by_labels(after, "pdserve_generation_tokens_total").values())

@@ -10,14 +10,16 @@ least `min_gaps` gaps:
 
     ratio  = p99 of those gaps / the ITL SLO (the tightest among the requests decoding there
              that can still attain, else the default)
-    target = clip(target * clip(goal / ratio, 0.7, 1.25), floor * SLO, SLO)
+    most   = SLO / the worker's gaps over its steps (WorkerState.gap_factor)
+    target = clip(target * clip(goal / ratio, 0.7, 1.25), floor * most, most)
 
 that is, a p99 above `goal` of the SLO shrinks the target, one below lets it grow back (cheaper
-prefills: fewer, larger chunks), by at most 30% down and 25% up at a time. A worker is retargeted
-at most once per half window, only by more than 5%, and from the gaps measured since its last
-change alone (those under the old target say nothing of the new one). A target above the SLO of
-the requests decoding there (the server's default SLO may be far looser than what its clients
-ask for) drops to `start` x that SLO at once.
+prefills: fewer, larger chunks), by at most 30% down and 25% up at a time, never past the step
+whose gaps would take the SLO. A worker is retargeted at most once per half window, only by more
+than 5%, and from the gaps measured since its last change alone (those under the old target say
+nothing of the new one). A target past that step for the SLO of the requests decoding there (the
+server's default SLO may be far looser than what its clients ask for) drops to `start` x it at
+once.
 """
 
 from __future__ import annotations
@@ -76,22 +78,25 @@ class StepTargets:
             return None
         p99 = float(np.percentile(gaps, 99))
         factor = min(1.25, max(0.7, c.goal * slo / p99)) if p99 > 0 else 1.25
-        new = min(slo, max(c.floor * slo, target * factor))
+        most = slo / state.gap_factor()  # the step whose gaps take the SLO
+        new = min(most, max(c.floor * most, target * factor))
         if abs(new / target - 1) <= 0.05:
             return None
         return new
 
     def for_request(self, state: WorkerState, slo_itl_s: float) -> float | None:
         """The worker's new step target for a request with ITL SLO `slo_itl_s` that decodes
-        there or is placed there (None: leave it): a target past that SLO drops to `start` x
-        it at once. The router calls it at placement too, before the request's prefill runs:
+        there or is placed there (None: leave it): a target past the step whose gaps take that
+        SLO (the SLO over the worker's gaps over its steps) drops to `start` x that step at
+        once. The router calls it at placement too, before the request's prefill runs:
         the tuning above sees a request only once it decodes, and its first chunks, and those
         of the prompts queued with it, would run at the old target (a server's default SLO may
         be far looser than what its clients ask for)."""
         target = state.model.step_target_s
-        if target is None or not math.isfinite(slo_itl_s) or target <= slo_itl_s:
+        if target is None or not math.isfinite(slo_itl_s):
             return None
-        return self.config.start * slo_itl_s
+        most = slo_itl_s / state.gap_factor()  # the step whose gaps take the SLO
+        return self.config.start * most if target > most else None
 
     def changed(self, worker_id: str, now: float | None = None) -> None:
         """The worker took its new target (call once it did)."""

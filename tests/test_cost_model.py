@@ -1097,3 +1097,58 @@ def test_a_placement_is_predicted_under_the_step_target_it_sets_on_its_decode_wo
     assert after.running_itl_s == pytest.approx(0.8 * 0.18, rel=0.1)
     assert after.ttft_s > before.ttft_s  # smaller chunks: more steps
     assert d.model.step_target_s == 0.8
+
+
+def test_gaps_over_steps_turn_predicted_steps_into_gaps_and_a_fresh_worker_takes_the_others():
+    """The step-time model predicts a worker's steps (its forward passes); a request's ITL SLO
+    holds the gaps it sees at the router, which also carry each token's way out of the engine.
+    both-0's requests see gaps 1.5x its decode steps: its gaps over steps read 1.5 (steps
+    without decodes do not count), the p99 gap predicted for a request there is 1.5x its step,
+    and the misses a prefill causes its running requests count their gaps. both-1, fresh, takes
+    both-0's figure until it has its own; both-0 keeps its own once its gaps leave the window."""
+    backend = FakeBackend(num_prefill=0, num_decode=0, num_both=2)
+    infos = [backend.worker_info(w) for w in ("both-0", "both-1")]
+    metrics = Metrics()
+    m = Membership(backend, infos, HandoffHealth(), metrics)
+    a, b = (m.state(f"both-{i}") for i in range(2))
+    for w, seed in ((a, 1), (b, 2)):
+        t = trained(w.worker_id, "both", seed=seed)
+        w.model, w.itl_spread = t.model, t.itl_spread
+    pl = planner()
+    step = pl.candidates(shape(16), [], [a])[0].itl_s
+    req = shape(16, slo_itl=1.2 * step)  # its step under the SLO, 1.5x it over
+    before = pl.candidates(req, [], [a])[0]
+    assert before.itl_gap_factor == 1.0 and before.new_miss(req) < 0.05
+
+    decode_s = true_step(8, 0, 8 * 200)
+    decode = StepStat(8, 0, 0.0, 8, 8 * 200, decode_s)
+    prefill = StepStat(
+        512, 512, prefill_pairs(512, 0), 0, 0, true_step(512, prefill_pairs(512, 0), 0)
+    )
+    load = WorkerLoad("both-0", a.info.role, 8, 0, 0, 0.1, 1000, 1024, 0, steps=(decode,) * 20)
+    a.observe_gaps([1.5 * decode_s] * 30)
+    m.absorb([replace(load, steps=(decode,) * 19 + (prefill,) * 40)])
+    assert a.gap_factor() == 1.0  # 19 decode steps: too few yet
+    m.absorb([load])
+    assert a.gap_factor() == pytest.approx(1.5, rel=0.01)
+    assert b.measured_gap_factor is None and b.gap_factor() == pytest.approx(1.5, rel=0.01)
+    gauge = metrics.registry.get_sample_value
+    ratio = gauge("pdserve_worker_gap_over_step_ratio", {"worker": "both-1"})
+    assert ratio == pytest.approx(1.5, rel=0.01)
+
+    after = pl.candidates(req, [], [a])[0]
+    assert after.itl_gap_factor == pytest.approx(1.5, rel=0.01)
+    assert after.itl_p99_s == pytest.approx(1.5 * after.itl_s, rel=0.01)
+    assert after.new_miss(req) > 0.9
+
+    # Four requests decoding with a 100 ms SLO: a prefill whose steps take 70 ms leaves them
+    # under it as steps, past it as gaps (105 ms).
+    with_decodes(a, 4, 200, itl_slo_s=0.1)
+    assert caused_misses(a, 0.07, 0.03) > 2.0
+    measured = a.measured_gap_factor
+    a._gap_factor, a.peers_gap_factor = None, 1.0
+    assert caused_misses(a, 0.07, 0.03) < 0.5
+
+    a._gap_factor = measured  # once measured, it holds after its gaps leave the window
+    a.update_tail(window_s=0.0)
+    assert a.gap_factor() == measured

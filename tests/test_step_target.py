@@ -59,6 +59,19 @@ def test_the_target_stays_within_the_slo_and_needs_enough_gaps():
     assert tune.retarget(idle, now=1.0) == pytest.approx(0.35)
 
 
+def test_the_target_is_a_step_whose_gaps_take_the_slo():
+    """A worker whose requests see gaps 1.5x its steps: a request's 150 ms ITL SLO holds its
+    gaps, so its target (a step) starts at 0.8 x 100 ms, and grows no further than 100 ms."""
+    tune = StepTargets(1.0)
+    w = worker(0.800, slo_s=0.150)
+    w._gap_factor = 1.5
+    assert tune.for_request(w, 0.150) == pytest.approx(0.8 * 0.100)
+    w.model.step_target_s = 0.095
+    assert tune.for_request(w, 0.150) is None  # under 100 ms already
+    w.observe_gaps([0.05] * 100, now=50.0)  # p99 a third of the SLO: grow, to 100 ms at most
+    assert tune.retarget(w, now=50.0) == pytest.approx(0.100)
+
+
 def tuned_core(backend: FakeBackend) -> RequestCore:
     """A core tuning step targets over one worker that does both (target 100 ms, ITL SLO 150 ms)
     whose requests saw 100 gaps of 300 ms; after one load poll."""
