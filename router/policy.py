@@ -37,6 +37,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from router.capacity import DecodeDemand
 from router.cost_model import Bias, HandoffHealth, TransferTimeModel
 from router.interference import shared_misses
 from router.pool_state import WorkerState, peer_work
@@ -156,6 +157,9 @@ class Planner:
         # The step target a worker takes when a request with a given ITL SLO is placed on it
         # (StepTargets.for_request, set by the core where it tunes targets; None: unchanged).
         self.target_for: Callable[[WorkerState, float], float | None] | None = None
+        # The rate requests arrive and what they decode: how many workers the decodes need.
+        self.demand = DecodeDemand()
+        self.decoders_needed = 1  # as of the latest candidates()
 
     def candidates(
         self,
@@ -170,7 +174,15 @@ class Planner:
         workers = list({id(w): w for w in [*prefill, *decode]}.values())
         for w in workers:  # the node's share, as the books stand now (the poll is older)
             w.set_peer_work(peer_work(w, workers))
-        shared = {d.worker_id: shared_misses(d, workers) for d in decode}
+        # The workers the decodes need at the current rate (those with the most decodes first):
+        # setting one of them decoding costs its node peers nothing the share would count, as
+        # they would lose more to the batch gathering builds (router/capacity.py).
+        gathering = sorted(decode, key=lambda d: -(d.batch + d.local_prefills))
+        self.decoders_needed = self.demand.workers_needed(gathering, req.slo_itl_s)
+        needed = {d.worker_id for d in gathering[: self.decoders_needed]}
+        shared = {
+            d.worker_id: 0.0 if d.worker_id in needed else shared_misses(d, workers) for d in decode
+        }
         width = self.ttft_spread.width
         # Each decode worker's step target as it will be once this request is placed there.
         limits = {
@@ -215,6 +227,8 @@ class Planner:
         override: RoutePath = RoutePath.AUTO,
         admitting: bool = True,
     ) -> Decision:
+        if admitting:
+            self.demand.arrived(req.prompt_len, req.max_tokens)
         cands = self.candidates(req, prefill, decode, admitting)
         best = tuple(
             choose(group, req)
@@ -291,6 +305,10 @@ class Planner:
             its = (c for c in usable if c.path is o.path)
             if not any(c.ties(fewest, req) for c in its) and code == "cost_ttft":
                 code = "cost_misses"  # fewer misses decided, not the TTFT
+        if self.decoders_needed > 1:
+            parts.append(
+                f"decodes need {self.decoders_needed} workers at {self.demand.rate():.2f} req/s"
+            )
         shed = sum(c.refused for c in usable)
         if shed and not chosen.refused:
             parts.append(

@@ -1152,3 +1152,48 @@ def test_gaps_over_steps_turn_predicted_steps_into_gaps_and_a_fresh_worker_takes
     a._gap_factor = measured  # once measured, it holds after its gaps leave the window
     a.update_tail(window_s=0.0)
     assert a.gap_factor() == measured
+
+
+def _arrivals(pl: Planner, rate: float, seconds: float = 10.0) -> None:
+    """Requests of 300 prompt tokens that decoded 100 each, arriving at `rate` for `seconds`."""
+    now = time.monotonic()
+    for i in range(int(rate * seconds)):
+        pl.demand.arrived(300, 100, now=now - seconds + i / rate)
+        pl.demand.ended(100)
+
+
+def test_decodes_spread_over_as_many_workers_as_the_rate_needs():
+    """both-0 decodes 14 requests whose ITL SLO its step at 15 holds (at 0.9); both-1, on the same
+    node (a decoding peer slows steps 1.25x), decodes none. One request at a time, a 15th decode
+    on both-0 costs each of its requests a few percent, one on both-1 costs all 14 the node's
+    share: gathering wins each decision. At 1 req/s (100 tokens each) one worker holds the SLO in
+    steady state and gathering is right. At 4 req/s its batch would grow to about 40, gaps of
+    104 ms against a 58 ms SLO, while two workers would hold it (56 ms with the share): the
+    decodes need both, and the new request goes to both-1, its share not counted."""
+    a = trained("both-0", "both", seed=1)
+    b = trained("both-1", "both", seed=2)
+    _sharing(1.25, a, b)
+    slo = a.model.decode_step_s(15, 15 * 400) / 0.9
+    with_decodes(a, 14, 400, itl_slo_s=slo)
+    req = shape(16, seed=8, slo_ttft=20.0, slo_itl=slo)
+
+    slow = planner()
+    _arrivals(slow, rate=1.0)
+    assert slow.demand.rate() == pytest.approx(1.0, rel=0.05)
+    assert slow.demand.workers_needed([a, b], slo) == 1
+    gathered = slow.decide(req, [a, b], [a, b])
+    assert gathered.chosen.decode_worker == "both-0", gathered.reason
+    assert "decodes need" not in gathered.reason
+
+    fast = planner()
+    _arrivals(fast, rate=4.0)
+    one = fast.demand.p99_gap(a, 4.0, 100, 350)
+    two = fast.demand.p99_gap(a, 2.0, 100, 350, share=1.25)
+    assert one > 1.5 * slo and two < slo
+    assert fast.demand.workers_needed([a, b], slo) == 2
+    spread = fast.decide(req, [a, b], [a, b])
+    assert spread.chosen.decode_worker == "both-1", spread.reason
+    assert spread.chosen.caused_misses < 0.1
+    assert "decodes need 2 workers at 4." in spread.reason
+    # Before eight requests came, the rate is not known: one worker.
+    assert planner().demand.workers_needed([a, b], slo) == 1
