@@ -15,7 +15,15 @@ the worker's gaps over steps), and its requests' p99 gap is that times the worke
 decodes need the fewest k whose p99 holds the ITL SLO; the router keeps them on that many
 workers (the k with the most decodes, see Planner.candidates), and setting one of those decoding
 costs the others no share-counted misses: at this rate they would see more from the batch that
-gathering builds."""
+gathering builds.
+
+The prompts must still be prefilled somewhere. Where every worker that can prefill would then
+decode too, each prompt's chunks run beside decodes, and on a 2-core CPU node the requests
+decoded beside them missed their ITL SLO every time (mixed at 0.8 req/s over two workers of both
+kinds: 0 of 7, 6 and 8 attained on the worker that also prefilled, against 8-11 of 30-49 on the
+one that did not), whatever the batch they were spared. So the decodes spread over all workers
+but one where no dedicated prefill worker remains to prefill: two workers of both kinds keep the
+split."""
 
 from __future__ import annotations
 
@@ -93,18 +101,22 @@ class DecodeDemand:
         return gap * w.gap_tail()
 
     def workers_needed(
-        self, workers: Sequence[WorkerState], slo_itl_s: float, now: float | None = None
+        self,
+        workers: Sequence[WorkerState],
+        slo_itl_s: float,
+        now: float | None = None,
+        most: int | None = None,
     ) -> int:
-        """The fewest of `workers` (taken in order: those already decoding first) over which
-        the decodes, arriving at the current rate, see p99 gaps within `slo_itl_s`; where none
-        do, the count with the shortest; 1 before the rate is known."""
+        """The fewest of `workers` (taken in order: those already decoding first), and at most
+        `most`, over which the decodes, arriving at the current rate, see p99 gaps within
+        `slo_itl_s`; where none do, the count with the shortest; 1 before the rate is known."""
         rate = self.rate(now)
         if rate <= 0 or not workers:
             return 1
         out_len = self.output_len(now)
         context = self.prompt_len(now) + out_len / 2
         best, best_p99 = 1, float("inf")
-        for k in range(1, len(workers) + 1):
+        for k in range(1, min(len(workers), most or len(workers)) + 1):
             chosen = workers[:k]
             p99 = max(
                 self.p99_gap(w, rate / k, out_len, context, _node_share(w, chosen)) for w in chosen

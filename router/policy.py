@@ -178,7 +178,12 @@ class Planner:
         # setting one of them decoding costs its node peers nothing the share would count, as
         # they would lose more to the batch gathering builds (router/capacity.py).
         gathering = sorted(decode, key=lambda d: -(d.batch + d.local_prefills))
-        self.decoders_needed = self.demand.workers_needed(gathering, req.slo_itl_s)
+        # ... but one worker stays free of decodes to prefill, where no prefill worker is other
+        # than a decode worker.
+        decoding = {id(d) for d in decode}
+        spare = any(id(p) not in decoding for p in prefill)
+        most = len(decode) if spare else max(1, len(decode) - 1)
+        self.decoders_needed = self.demand.workers_needed(gathering, req.slo_itl_s, most=most)
         needed = {d.worker_id for d in gathering[: self.decoders_needed]}
         shared = {
             d.worker_id: 0.0 if d.worker_id in needed else shared_misses(d, workers) for d in decode

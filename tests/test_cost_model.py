@@ -1163,16 +1163,18 @@ def _arrivals(pl: Planner, rate: float, seconds: float = 10.0) -> None:
 
 
 def test_decodes_spread_over_as_many_workers_as_the_rate_needs():
-    """both-0 decodes 14 requests whose ITL SLO its step at 15 holds (at 0.9); both-1, on the same
-    node (a decoding peer slows steps 1.25x), decodes none. One request at a time, a 15th decode
-    on both-0 costs each of its requests a few percent, one on both-1 costs all 14 the node's
-    share: gathering wins each decision. At 1 req/s (100 tokens each) one worker holds the SLO in
-    steady state and gathering is right. At 4 req/s its batch would grow to about 40, gaps of
-    104 ms against a 58 ms SLO, while two workers would hold it (56 ms with the share): the
-    decodes need both, and the new request goes to both-1, its share not counted."""
+    """both-0 decodes 14 requests whose ITL SLO its step at 15 holds (at 0.9); both-1 and both-2,
+    on the same node (a decoding peer slows steps 1.25x), decode none. One request at a time, a
+    15th decode on both-0 costs each of its requests a few percent, one on both-1 costs all 14
+    the node's share: gathering wins each decision. At 1 req/s (100 tokens each) one worker holds
+    the SLO in steady state and gathering is right. At 4 req/s its batch would grow to about 40,
+    gaps of 104 ms against a 58 ms SLO, while two workers would hold it (56 ms with the share):
+    the decodes need two, and the new request decodes on both-1, its share not counted; both-2
+    stays free to prefill. With two workers only, one stays free to prefill: decodes gather."""
     a = trained("both-0", "both", seed=1)
     b = trained("both-1", "both", seed=2)
-    _sharing(1.25, a, b)
+    c = trained("both-2", "both", seed=3)
+    _sharing(1.25, a, b, c)
     slo = a.model.decode_step_s(15, 15 * 400) / 0.9
     with_decodes(a, 14, 400, itl_slo_s=slo)
     req = shape(16, seed=8, slo_ttft=20.0, slo_itl=slo)
@@ -1180,8 +1182,8 @@ def test_decodes_spread_over_as_many_workers_as_the_rate_needs():
     slow = planner()
     _arrivals(slow, rate=1.0)
     assert slow.demand.rate() == pytest.approx(1.0, rel=0.05)
-    assert slow.demand.workers_needed([a, b], slo) == 1
-    gathered = slow.decide(req, [a, b], [a, b])
+    assert slow.demand.workers_needed([a, b, c], slo) == 1
+    gathered = slow.decide(req, [a, b, c], [a, b, c])
     assert gathered.chosen.decode_worker == "both-0", gathered.reason
     assert "decodes need" not in gathered.reason
 
@@ -1190,10 +1192,14 @@ def test_decodes_spread_over_as_many_workers_as_the_rate_needs():
     one = fast.demand.p99_gap(a, 4.0, 100, 350)
     two = fast.demand.p99_gap(a, 2.0, 100, 350, share=1.25)
     assert one > 1.5 * slo and two < slo
-    assert fast.demand.workers_needed([a, b], slo) == 2
-    spread = fast.decide(req, [a, b], [a, b])
+    assert fast.demand.workers_needed([a, b, c], slo) == 2
+    spread = fast.decide(req, [a, b, c], [a, b, c])
     assert spread.chosen.decode_worker == "both-1", spread.reason
     assert spread.chosen.caused_misses < 0.1
     assert "decodes need 2 workers at 4." in spread.reason
+    # Two workers: the second prefills.
+    kept = fast.decide(req, [a, b], [a, b])
+    assert kept.chosen.decode_worker == "both-0", kept.reason
+    assert fast.decoders_needed == 1
     # Before eight requests came, the rate is not known: one worker.
-    assert planner().demand.workers_needed([a, b], slo) == 1
+    assert planner().demand.workers_needed([a, b, c], slo) == 1
