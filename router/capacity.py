@@ -18,12 +18,10 @@ costs the others no share-counted misses: at this rate they would see more from 
 gathering builds.
 
 The prompts must still be prefilled somewhere. Where every worker that can prefill would then
-decode too, each prompt's chunks run beside decodes, and on a 2-core CPU node the requests
-decoded beside them missed their ITL SLO every time (mixed at 0.8 req/s over two workers of both
-kinds: 0 of 7, 6 and 8 attained on the worker that also prefilled, against 8-11 of 30-49 on the
-one that did not), whatever the batch they were spared. So the decodes spread over all workers
-but one where no dedicated prefill worker remains to prefill: two workers of both kinds keep the
-split."""
+decode too, each prompt's chunks run beside decodes, which cost the requests there their p99 gap
+whatever batch they were spared (BENCHMARKS.md). So where no dedicated prefill worker remains,
+the worker able to prefill with the fewest decodes stays out of those the decodes spread over:
+two workers of both kinds keep the split."""
 
 from __future__ import annotations
 
@@ -37,8 +35,8 @@ from router.pool_state import WorkerState
 # The arrivals of the last WINDOW_S set the rate, once MIN_ARRIVALS came (before: one worker).
 WINDOW_S = 60.0
 MIN_ARRIVALS = 8
-# Fixed-point iterations for the steady-state batch (it converges in a few; a batch that would
-# grow without end stops at the worker's max_num_seqs).
+# Fixed-point iterations for the steady-state batch (it settles in a few; one still moving after
+# these, or past the worker's max_num_seqs, grows without end).
 ITERATIONS = 30
 
 
@@ -90,33 +88,31 @@ class DecodeDemand:
         alone; inf where its batch would outgrow max_num_seqs."""
         slower = share / w.model.scale  # its predictions carry the share for what runs now
         limit = w.info.max_num_seqs
-        n, gap = 1.0, 0.0
+        batch = 1
         for _ in range(ITERATIONS):
-            batch = max(1, round(n))
             step = w.model.decode_step_s(batch, round(batch * context)) * slower
             gap = step * w.gap_factor()
             n = rate * output_len * gap
             if n > limit:
                 return float("inf")
-        return gap * w.gap_tail()
+            if max(1, round(n)) == batch:  # settled
+                return gap * w.gap_tail()
+            batch = max(1, round(n))
+        return float("inf")  # still moving: a batch that keeps growing
 
     def workers_needed(
-        self,
-        workers: Sequence[WorkerState],
-        slo_itl_s: float,
-        now: float | None = None,
-        most: int | None = None,
+        self, workers: Sequence[WorkerState], slo_itl_s: float, now: float | None = None
     ) -> int:
-        """The fewest of `workers` (taken in order: those already decoding first), and at most
-        `most`, over which the decodes, arriving at the current rate, see p99 gaps within
-        `slo_itl_s`; where none do, the count with the shortest; 1 before the rate is known."""
+        """The fewest of `workers` (taken in order: those already decoding first) over which
+        the decodes, arriving at the current rate, see p99 gaps within `slo_itl_s`; where none
+        do, the count with the shortest; 1 before the rate is known."""
         rate = self.rate(now)
         if rate <= 0 or not workers:
             return 1
         out_len = self.output_len(now)
         context = self.prompt_len(now) + out_len / 2
         best, best_p99 = 1, float("inf")
-        for k in range(1, min(len(workers), most or len(workers)) + 1):
+        for k in range(1, len(workers) + 1):
             chosen = workers[:k]
             p99 = max(
                 self.p99_gap(w, rate / k, out_len, context, _node_share(w, chosen)) for w in chosen

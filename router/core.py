@@ -230,6 +230,7 @@ class RequestCore:
         (greedy output is unchanged; a seeded sample continues with a fresh generator)."""
         shape, decision = self.plan(req)
         self._admit(shape, decision, req.frontend)
+        self.planner.demand.arrived(shape.prompt_len, shape.max_tokens)  # taken: it will decode
         text = TextStream(self.tokenizer, req.prompt_token_ids, req.sampling)
         with self._books(req, decision, arrived) as books:  # settled however it ends
             for attempt in range(MAX_RESUMES + 1):

@@ -39,7 +39,8 @@ class Membership:
     def state(self, worker_id: str) -> WorkerState:
         """The books of a worker's current incarnation; a new incarnation (a replacement) gets
         fresh books: its prefix cache and queues start empty, its pairs' health too. How far its
-        predictions erred carries over (the same model on the same kind of device)."""
+        predictions erred carries over (the same model on the same kind of device), and its gaps
+        over its steps (the same process and transport)."""
         info = self.backend.worker_info(worker_id)
         old = self.states.get(worker_id)
         state = old
@@ -48,6 +49,7 @@ class Membership:
             if old is not None:
                 self.health.forget(worker_id)
                 state.itl_spread = old.itl_spread
+                state.carry_gap_factor(old)
             self._share_node(state)
         return state
 
@@ -81,7 +83,8 @@ class Membership:
             peers = float(np.median(factors))
             for s in members:
                 s.peers_gap_factor = peers
-        self.sink.gap_factors({s.worker_id: s.gap_factor() for s in members})
+        decoders = [self.state(w) for w in b.decode_ids]
+        self.sink.gap_factors({s.worker_id: s.gap_factor() for s in decoders})
         # A draining worker still answers polls, but its figures left the metrics already.
         self.sink.loads([ld for ld in loads if (ld.worker_id, ld.incarnation) not in self._gone])
         counts = dict.fromkeys(WorkerRole, 0)

@@ -178,12 +178,14 @@ class Planner:
         # setting one of them decoding costs its node peers nothing the share would count, as
         # they would lose more to the batch gathering builds (router/capacity.py).
         gathering = sorted(decode, key=lambda d: -(d.batch + d.local_prefills))
-        # ... but one worker stays free of decodes to prefill, where no prefill worker is other
-        # than a decode worker.
+        # ... but where every worker able to prefill decodes too, the one of them with the fewest
+        # decodes stays out, free to prefill.
         decoding = {id(d) for d in decode}
-        spare = any(id(p) not in decoding for p in prefill)
-        most = len(decode) if spare else max(1, len(decode) - 1)
-        self.decoders_needed = self.demand.workers_needed(gathering, req.slo_itl_s, most=most)
+        if prefill and all(id(p) in decoding for p in prefill) and len(gathering) > 1:
+            able = {id(p) for p in prefill}
+            free = next(d for d in reversed(gathering) if id(d) in able)
+            gathering = [d for d in gathering if d is not free]
+        self.decoders_needed = self.demand.workers_needed(gathering, req.slo_itl_s)
         needed = {d.worker_id for d in gathering[: self.decoders_needed]}
         shared = {
             d.worker_id: 0.0 if d.worker_id in needed else shared_misses(d, workers) for d in decode
@@ -232,8 +234,6 @@ class Planner:
         override: RoutePath = RoutePath.AUTO,
         admitting: bool = True,
     ) -> Decision:
-        if admitting:
-            self.demand.arrived(req.prompt_len, req.max_tokens)
         cands = self.candidates(req, prefill, decode, admitting)
         best = tuple(
             choose(group, req)

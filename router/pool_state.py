@@ -22,6 +22,10 @@ from router.host_share import HostShare, PeerWork
 from router.spread import PredictionSpread
 from worker_protocol.messages import WorkerInfo, WorkerLoad
 
+# gap_factor: measured once this many gaps and decode steps fall in one window; within [1, this].
+MIN_GAP_FACTOR_SAMPLES = 20
+MAX_GAP_FACTOR = 4.0
+
 
 class PrefixIndex:
     """The block hashes a worker's prefix cache should hold, least recently used first, at most
@@ -56,11 +60,6 @@ class _Prefill:
     itl_slo_s: float = float("inf")  # ... and its ITL SLO (inf: none, or it can no longer attain)
 
 
-# gap_factor: measured once this many gaps and decode steps fall in one window; within [1, this].
-MIN_GAP_FACTOR_SAMPLES = 20
-MAX_GAP_FACTOR = 4.0
-
-
 @dataclass(slots=True)
 class _Decode:
     context: int
@@ -90,8 +89,8 @@ class WorkerState:
         self.itl_spread = PredictionSpread()
         self._tail = 1.0  # gap_tail(), as of the last update_tail()
         self._typical_gap = 0.0  # typical_gap(), likewise
-        # (time.monotonic(), seconds) of the latest steps it ran with decodes in them.
-        self._decode_steps: deque[tuple[float, float]] = deque(maxlen=4096)
+        # (time.monotonic(), seconds, decodes) of the latest steps it ran with decodes in them.
+        self._decode_steps: deque[tuple[float, float, int]] = deque(maxlen=4096)
         self._gap_factor: float | None = None  # gap_factor() as measured here (None: not yet)
         # What the deployment's other workers measured, for a worker that has not yet (set by
         # router/membership.py; 1: none has).
@@ -259,23 +258,31 @@ class WorkerState:
         if len(ratios) >= min_requests:
             tail = float(np.median(ratios))
         self._tail, self._typical_gap = min(4.0, max(1.0, tail)), typical
-        steps = [s for t, s in self._decode_steps if t >= now - window_s]
-        if min(len(gaps), len(steps)) >= MIN_GAP_FACTOR_SAMPLES:
-            factor = float(np.median(gaps)) / float(np.median(steps))
-            self._gap_factor = min(MAX_GAP_FACTOR, max(1.0, factor))
+        # A step with n decodes gives n gaps: the steps weigh as many.
+        recent = [(s, n) for t, s, n in self._decode_steps if t >= now - window_s]
+        if min(len(gaps), len(recent)) >= MIN_GAP_FACTOR_SAMPLES:
+            step = float(np.median(np.repeat([s for s, _ in recent], [n for _, n in recent])))
+            if step > 0:
+                factor = float(np.median(gaps)) / step
+                self._gap_factor = min(MAX_GAP_FACTOR, max(1.0, factor))
 
     def gap_factor(self) -> float:
         """How much longer the gaps its requests see at the router are than the steps it runs
-        (the median of each over the last window with enough of both): a step is the model's
-        forward pass, a gap also its way out of the engine and to the router. The step-time model
-        predicts steps; an ITL SLO holds gaps. It holds once measured (a property of the worker's
-        process and transport, not of its load), and until then is what the deployment's other
-        workers measured (`peers_gap_factor`)."""
+        (the median of each over the last window with enough of both, each step weighed by its
+        decodes, one gap each): a step is the model's forward pass, a gap also its way out of
+        the engine and to the router. The step-time model predicts steps; an ITL SLO holds gaps.
+        It holds once measured (a property of the worker's process and transport, not of its
+        load), and until then is what the deployment's other workers measured
+        (`peers_gap_factor`)."""
         return self._gap_factor if self._gap_factor is not None else self.peers_gap_factor
 
     @property
     def measured_gap_factor(self) -> float | None:
         return self._gap_factor
+
+    def carry_gap_factor(self, old: WorkerState) -> None:
+        """A replacement of `old` keeps its measured gaps over steps until it has its own."""
+        self._gap_factor = old.measured_gap_factor
 
     # -- what the worker knows ------------------------------------------------------------------
     def cached_tokens(self, hashes: Sequence[bytes], prompt_len: int) -> int:
@@ -288,7 +295,9 @@ class WorkerState:
         them without)."""
         self.load = load
         now = time.monotonic()
-        self._decode_steps.extend((now, s.seconds) for s in load.steps if s.decode_seqs)
+        self._decode_steps.extend(
+            (now, s.seconds, s.decode_seqs) for s in load.steps if s.decode_seqs
+        )
         if load.steps and self.model.settled:
             for s, alone in zip(load.steps, self.model.alone_s(load.steps), strict=True):
                 self.host.observe(

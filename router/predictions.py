@@ -166,10 +166,12 @@ class PathPrediction:
         choice is predicted to miss, how far: a miss is a miss to the goodput, and the split is kept
         for the requests to come), then the earliest predicted second token (TTFT + ITL: of two
         equally fast prefills, the less busy decode worker wins)."""
-        return self.prefill_beside, self.decode_lean, self.violation(req), self.ttft_s + self.itl_s
+        gap = self.itl_s * self.itl_gap_factor
+        return self.prefill_beside, self.decode_lean, self.violation(req), self.ttft_s + gap
 
     def violation(self, req: RequestShape) -> float:
-        return max(0.0, self.ttft_s / req.slo_ttft_s - 1) + max(0.0, self.itl_s / req.slo_itl_s - 1)
+        gap = self.itl_s * self.itl_gap_factor  # its step as a gap: what the SLO holds
+        return max(0.0, self.ttft_s / req.slo_ttft_s - 1) + max(0.0, gap / req.slo_itl_s - 1)
 
 
 def predict_colocated(

@@ -39,8 +39,10 @@ class StepTargetConfig:
     window_s: float = 20.0
     min_gaps: int = 50
     goal: float = 0.9  # the p99 gap aimed at, as a fraction of the ITL SLO
-    floor: float = 0.2  # the least target, as a fraction of the ITL SLO
-    start: float = 0.8  # where a target above the SLO starts again, as a fraction of it
+    # The least target, and where a target past the step whose gaps take the SLO (the SLO over
+    # the worker's gaps over its steps) starts again: fractions of that step.
+    floor: float = 0.2
+    start: float = 0.8
 
 
 class StepTargets:

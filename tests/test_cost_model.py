@@ -19,7 +19,7 @@ from router.cost_model import (
 )
 from router.fake_backend import FakeBackend, fake_info
 from router.host_share import HostShare, PeerWork
-from router.interference import beside_floor, caused_misses
+from router.interference import beside_floor, caused_misses, prefills_beside
 from router.membership import Membership
 from router.metrics import Metrics
 from router.policy import Planner, Policy, PolicyConfig, RequestShape, pick_decode
@@ -1145,13 +1145,29 @@ def test_gaps_over_steps_turn_predicted_steps_into_gaps_and_a_fresh_worker_takes
     # under it as steps, past it as gaps (105 ms).
     with_decodes(a, 4, 200, itl_slo_s=0.1)
     assert caused_misses(a, 0.07, 0.03) > 2.0
+    # ... and those at risk beside a prefill whose 40 ms steps take 60 ms gaps, twice under
+    # their SLO as steps, not as gaps.
+    assert prefills_beside(a, 0.04) == 4
     measured = a.measured_gap_factor
     a._gap_factor, a.peers_gap_factor = None, 1.0
     assert caused_misses(a, 0.07, 0.03) < 0.5
+    assert prefills_beside(a, 0.04) == 0
 
     a._gap_factor = measured  # once measured, it holds after its gaps leave the window
     a.update_tail(window_s=0.0)
     assert a.gap_factor() == measured
+
+
+def test_a_step_weighs_as_many_gaps_as_it_has_decodes():
+    """20 steps of one decode at 20 ms and 20 of eight at 60 ms give 20 gaps of 20 ms and 160
+    of 60 ms: the gaps are the steps (1.0), though the median of the steps alone is 40 ms."""
+    w = trained("both-0", "both", seed=1)
+    one, eight = StepStat(1, 0, 0.0, 1, 200, 0.02), StepStat(8, 0, 0.0, 8, 1600, 0.06)
+    load = WorkerLoad("both-0", w.info.role, 8, 0, 0, 0.1, 1000, 1024, 0)
+    w.absorb(replace(load, steps=(one,) * 20 + (eight,) * 20))
+    w.observe_gaps([0.02] * 20 + [0.06] * 160)
+    w.update_tail()
+    assert w.gap_factor() == pytest.approx(1.0)
 
 
 def _arrivals(pl: Planner, rate: float, seconds: float = 10.0) -> None:
@@ -1203,3 +1219,9 @@ def test_decodes_spread_over_as_many_workers_as_the_rate_needs():
     assert fast.decoders_needed == 1
     # Before eight requests came, the rate is not known: one worker.
     assert planner().demand.workers_needed([a, b, c], slo) == 1
+    # A rate no worker holds: every batch grows without end (inf), and the count with the
+    # shortest gaps is taken.
+    flood = planner()
+    _arrivals(flood, rate=400.0, seconds=0.5)
+    assert flood.demand.p99_gap(a, 400.0, 100, 350) == float("inf")
+    assert flood.demand.workers_needed([a, b, c], slo) == 1

@@ -64,6 +64,11 @@ def test_a_full_queue_is_refused_at_once_and_frees_when_requests_move_on():
         assert [sum(len(c.token_ids) for c in o) for o in outs] == [4, 4]
         assert core.pending == core.active == 0
         assert len(await consume(core, request("r3"))) == 4  # admitted again
+        # The decode demand (router/capacity.py) counts the three taken, not the one refused,
+        # and the tokens each decoded.
+        demand = core.planner.demand
+        assert [a[1] for a in demand._arrivals] == [32] * 3
+        assert list(demand._outputs) == [4, 4, 4] and demand.output_len() == 4
 
     run(main())
 
