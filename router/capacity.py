@@ -43,29 +43,35 @@ ITERATIONS = 30
 class DecodeDemand:
     def __init__(self, window_s: float = WINDOW_S, min_arrivals: int = MIN_ARRIVALS) -> None:
         self.window_s, self.min_arrivals = window_s, min_arrivals
-        # (time.monotonic(), prompt tokens, max_tokens) of the latest requests placed.
-        self._arrivals: deque[tuple[float, int, int]] = deque(maxlen=4096)
+        # (time.monotonic(), prompt tokens, max_tokens) of the requests taken within the window
+        # (older ones leave as it moves on), and when the first of all came.
+        self._arrivals: deque[tuple[float, int, int]] = deque()
+        self._first: float | None = None
         self._outputs: deque[int] = deque(maxlen=64)  # tokens of the latest requests that ended
 
     def arrived(self, prompt_len: int, max_tokens: int, now: float | None = None) -> None:
         t = time.monotonic() if now is None else now
+        if self._first is None:
+            self._first = t
         self._arrivals.append((t, prompt_len, max_tokens))
 
     def ended(self, output_tokens: int) -> None:
         if output_tokens > 0:
             self._outputs.append(output_tokens)
 
-    def _recent(self, now: float) -> list[tuple[float, int, int]]:
-        return [a for a in self._arrivals if a[0] >= now - self.window_s]
+    def _recent(self, now: float) -> deque[tuple[float, int, int]]:
+        while self._arrivals and self._arrivals[0][0] < now - self.window_s:
+            self._arrivals.popleft()
+        return self._arrivals
 
     def rate(self, now: float | None = None) -> float:
         """Requests per second over the window (or since the first arrival, if sooner); 0 with
         fewer than `min_arrivals`."""
         now = time.monotonic() if now is None else now
         recent = self._recent(now)
-        if len(recent) < self.min_arrivals:
+        if len(recent) < self.min_arrivals or self._first is None:
             return 0.0
-        span = min(self.window_s, now - self._arrivals[0][0])
+        span = min(self.window_s, now - self._first)
         return len(recent) / span if span > 0 else 0.0
 
     def output_len(self, now: float | None = None) -> float:
@@ -99,6 +105,24 @@ class DecodeDemand:
                 return gap * w.gap_tail()
             batch = max(1, round(n))
         return float("inf")  # still moving: a batch that keeps growing
+
+    def needed(
+        self,
+        prefill: Sequence[WorkerState],
+        decode: Sequence[WorkerState],
+        slo_itl_s: float,
+        now: float | None = None,
+    ) -> list[WorkerState]:
+        """The decode workers the decodes need now (`workers_needed`), those with the most
+        decodes first; where every worker able to prefill decodes too, the one of them with the
+        fewest decodes stays out, free to prefill."""
+        gathering = sorted(decode, key=lambda d: -(d.batch + d.local_prefills))
+        decoding = {id(d) for d in decode}
+        if prefill and all(id(p) in decoding for p in prefill) and len(gathering) > 1:
+            able = {id(p) for p in prefill}
+            free = next(d for d in reversed(gathering) if id(d) in able)
+            gathering = [d for d in gathering if d is not free]
+        return gathering[: self.workers_needed(gathering, slo_itl_s, now)]
 
     def workers_needed(
         self, workers: Sequence[WorkerState], slo_itl_s: float, now: float | None = None

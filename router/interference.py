@@ -40,12 +40,12 @@ def caused_misses(
     gaps over its steps, `gap_factor`; or the measured median gap when longer: `typical_gap`)
     times the worker's measured tail (`gap_tail`); with it, the new steps as gaps plus the time
     the tail adds to a typical gap (a busy host, other work in the step delays them as much),
-    or the former if longer. Taking the new steps alone, a worker whose
-    tail already put its requests near their SLO would be seen to lose nothing to one more
-    prefill; multiplying them by the tail would count twice a tail that comes from prefill
-    chunks cut to the step target. The miss chances are as wide as the worker's p99 gap
-    predictions have come from its requests' measured ones (`itl_spread`): a request predicted
-    past its SLO may still attain, the less so the further past it new work takes it."""
+    or the former if longer. Taking the new steps alone, a worker whose tail already put its
+    requests near their SLO would be seen to lose nothing to one more prefill; multiplying them
+    by the tail would count twice a tail that comes from prefill chunks cut to the step target.
+    The miss chances are as wide as the worker's p99 gap predictions have come from its requests'
+    measured ones (`itl_spread`): a request predicted past its SLO may still attain, the less so
+    the further past it new work takes it."""
     tail, g = w.gap_tail(), w.gap_factor()
     width = w.itl_spread.width
 
@@ -136,10 +136,10 @@ def beside_floor(w: WorkerState, batch: int, context: int, step_s: float) -> flo
 
 
 def prefills_beside(w: WorkerState, during_s: float, coming_during_s: float = 0.0) -> int:
-    """The decodes running on `w` whose ITL SLO is at risk (within twice the step `during_s` they
-    see beside a prefill there, as gaps, times the worker's tail), and those to run there once their
-    local prefill is done, likewise with the step `coming_during_s` they would see beside it. A
-    loose SLO is not at risk, and a request that can no longer attain has none."""
+    """The decodes running on `w` whose ITL SLO is at risk (within twice the step `during_s`
+    they see beside a prefill there, as gaps, times the worker's tail), and those to run there
+    once their local prefill is done, likewise with the step `coming_during_s` they would see
+    beside it. A loose SLO is not at risk, and a request that can no longer attain has none."""
     tail = BESIDE_MARGIN * w.gap_tail() * w.gap_factor()
     return sum(1 for slo in w.itl_slos() if slo < during_s * tail) + sum(
         1 for slo in w.coming_itl_slos() if slo < coming_during_s * tail

@@ -77,8 +77,7 @@ class Membership:
             if state is not None and state.info.incarnation == load.incarnation:
                 state.absorb(load, peer_work(state, members))
                 state.update_tail()
-        measured = [s.measured_gap_factor for s in members]
-        factors = [f for f in measured if f is not None]
+        factors = [f for s in members if (f := s.measured_gap_factor) is not None]
         if factors:  # a worker not yet measured takes what the others did
             peers = float(np.median(factors))
             for s in members:

@@ -177,16 +177,8 @@ class Planner:
         # The workers the decodes need at the current rate (those with the most decodes first):
         # setting one of them decoding costs its node peers nothing the share would count, as
         # they would lose more to the batch gathering builds (router/capacity.py).
-        gathering = sorted(decode, key=lambda d: -(d.batch + d.local_prefills))
-        # ... but where every worker able to prefill decodes too, the one of them with the fewest
-        # decodes stays out, free to prefill.
-        decoding = {id(d) for d in decode}
-        if prefill and all(id(p) in decoding for p in prefill) and len(gathering) > 1:
-            able = {id(p) for p in prefill}
-            free = next(d for d in reversed(gathering) if id(d) in able)
-            gathering = [d for d in gathering if d is not free]
-        self.decoders_needed = self.demand.workers_needed(gathering, req.slo_itl_s)
-        needed = {d.worker_id for d in gathering[: self.decoders_needed]}
+        needed = {d.worker_id for d in self.demand.needed(prefill, decode, req.slo_itl_s)}
+        self.decoders_needed = len(needed)
         shared = {
             d.worker_id: 0.0 if d.worker_id in needed else shared_misses(d, workers) for d in decode
         }

@@ -124,8 +124,13 @@ class PathPrediction:
         no shorter than the step beside the prefills its decode worker runs, when these come
         often (a worker that prefills for its peers with few requests of its own decoding has
         no measured tail to show them), as a gap too."""
-        g = self.itl_gap_factor
-        return max(max(self.itl_s * g, self.itl_floor_s) * self.itl_tail, self.itl_beside_s * g)
+        beside = self.itl_beside_s * self.itl_gap_factor
+        return max(max(self.itl_gap_s, self.itl_floor_s) * self.itl_tail, beside)
+
+    @property
+    def itl_gap_s(self) -> float:
+        """This request's predicted step as a gap: what its ITL SLO holds."""
+        return self.itl_s * self.itl_gap_factor
 
     def shed(self, slo_ttft_s: float, margin: float) -> bool:
         """Whether admission refuses this placement (router/admission.py): its predicted TTFT,
@@ -166,12 +171,12 @@ class PathPrediction:
         choice is predicted to miss, how far: a miss is a miss to the goodput, and the split is kept
         for the requests to come), then the earliest predicted second token (TTFT + ITL: of two
         equally fast prefills, the less busy decode worker wins)."""
-        gap = self.itl_s * self.itl_gap_factor
-        return self.prefill_beside, self.decode_lean, self.violation(req), self.ttft_s + gap
+        second = self.ttft_s + self.itl_gap_s
+        return self.prefill_beside, self.decode_lean, self.violation(req), second
 
     def violation(self, req: RequestShape) -> float:
-        gap = self.itl_s * self.itl_gap_factor  # its step as a gap: what the SLO holds
-        return max(0.0, self.ttft_s / req.slo_ttft_s - 1) + max(0.0, gap / req.slo_itl_s - 1)
+        ttft, itl = self.ttft_s / req.slo_ttft_s, self.itl_gap_s / req.slo_itl_s
+        return max(0.0, ttft - 1) + max(0.0, itl - 1)
 
 
 def predict_colocated(

@@ -80,7 +80,7 @@ class StepTargets:
             return None
         p99 = float(np.percentile(gaps, 99))
         factor = min(1.25, max(0.7, c.goal * slo / p99)) if p99 > 0 else 1.25
-        most = slo / state.gap_factor()  # the step whose gaps take the SLO
+        most = _slo_step(state, slo)
         new = min(most, max(c.floor * most, target * factor))
         if abs(new / target - 1) <= 0.05:
             return None
@@ -97,9 +97,14 @@ class StepTargets:
         target = state.model.step_target_s
         if target is None or not math.isfinite(slo_itl_s):
             return None
-        most = slo_itl_s / state.gap_factor()  # the step whose gaps take the SLO
+        most = _slo_step(state, slo_itl_s)
         return self.config.start * most if target > most else None
 
     def changed(self, worker_id: str, now: float | None = None) -> None:
         """The worker took its new target (call once it did)."""
         self._changed[worker_id] = time.monotonic() if now is None else now
+
+
+def _slo_step(state: WorkerState, slo_s: float) -> float:
+    """The step on `state` whose gaps take `slo_s` (the SLO over its gaps over its steps)."""
+    return slo_s / state.gap_factor()
