@@ -18,6 +18,16 @@ attention reads every context token's K and V). The fit is a ridge regression pu
 seed (a few pseudo-observations' worth), with older steps decaying, so early predictions are
 roofline and later ones are measured.
 
+A fit prices well only the kinds of step it has seen: fitted on prefill chunks alone (a worker of
+both kinds that has only prefilled for its peers), w0 and w3 are a few milliseconds of the chunks'
+seconds and go unmeasured, and its decode steps come out several times too short (135M on a CPU
+core: 5 ms predicted for a 42 ms step). Each model counts the steps of each kind it has seen lately
+(`support`: with prefill tokens; decodes alone), decayed as its fit. A step with prefill tokens
+takes w0 and its prefill part (w1*tokens + w2*pairs) from the prefill fit, its decodes (w1*B +
+w3*S) from the decode fit; a step of decodes alone takes all from the decode fit. Each is the
+worker's own where it has seen MIN_SUPPORT steps of that kind, else the fit of the kin (a worker
+running the same model on the same kind of device: `kin_of`) that has seen the most.
+
 The exposed KV transfer time (first token sampled -> send ended; layer-wise streaming hides the
 rest behind the prefill) is a second linear model, `latency + bytes / bandwidth`, fitted from the
 prefill worker's latest transfer measurements and seeded from a nominal bandwidth.
@@ -51,6 +61,27 @@ NUM_FEATURES = 4
 # Steps a worker's model has seen before its predictions are compared with measured steps
 # (router/host_share.py).
 SETTLED_STEPS = 100
+# Steps of a kind (with prefill tokens; decodes alone) a worker's fit must have seen lately for
+# the part of a step that kind prices to come from its own fit (see the module docstring).
+MIN_SUPPORT = 10.0
+PREFILL, DECODE = 0, 1
+# Workers whose devices measured rates within this factor of each other's are of one kind.
+KIN_RATE_RATIO = 2.0
+
+
+def kin_of(a: WorkerInfo, b: WorkerInfo) -> bool:
+    """Whether `a` and `b` run the same model on the same kind of device: their steps of one
+    shape take alike (what one has measured can price the other's)."""
+    if (a.device, a.num_layers, a.num_params, a.weight_bytes, a.kv_bytes_per_token) != (
+        b.device,
+        b.num_layers,
+        b.num_params,
+        b.weight_bytes,
+        b.kv_bytes_per_token,
+    ):
+        return False
+    ratios = (a.rate.flops_per_s / b.rate.flops_per_s, a.rate.bytes_per_s / b.rate.bytes_per_s)
+    return all(1 / KIN_RATE_RATIO <= r <= KIN_RATE_RATIO for r in ratios)
 
 
 def prefill_pairs(n: int, cached: int) -> float:
@@ -133,12 +164,45 @@ class StepTimeModel:
         # fit holds its steps alone, predictions are multiplied by this.
         self.scale = 1.0
         self._w: StepCoefficients | None = None  # the fit as plain floats (predictions are hot)
+        # The steps of each kind (PREFILL: with prefill tokens; DECODE: decodes alone) the fit
+        # has seen, decayed as it is.
+        self.support = [0.0, 0.0]
+        # The models of its kin (`kin_of`), set by the router's membership: they price the part
+        # of a step of a kind this one has not seen (see the module docstring).
+        self.kin: Sequence[StepTimeModel] = ()
+        # Per kind: (the kin priced from, its fit's step count, its coefficients times `scale`).
+        self._borrowed: list[tuple[StepTimeModel, int, StepCoefficients] | None] = [None, None]
 
     def observe(self, s: StepStat, scale: float = 1.0) -> None:
         """A step the worker measured while its steps ran `scale` times slower than alone."""
         x = np.array([1.0, s.tokens, s.prefill_pairs, s.decode_context])
         self.fit.observe(x, s.seconds / scale)
+        d = self.fit.decay
+        prefill, decode = self.support
+        self.support = [
+            prefill * d + (s.prefill_tokens > 0),
+            decode * d + (s.prefill_tokens == 0 and s.decode_seqs > 0),
+        ]
         self._w = None
+
+    def source(self, kind: int) -> StepTimeModel:
+        """The model that prices the `kind` part of this worker's steps: its own where it has
+        seen MIN_SUPPORT steps of that kind, else the one of it and its kin that has seen the
+        most (itself, where none has seen more)."""
+        if self.support[kind] >= MIN_SUPPORT or not self.kin:
+            return self
+        return max((self, *self.kin), key=lambda m: m.support[kind])
+
+    def _priced(self, kind: int) -> StepCoefficients:
+        """The coefficients, times `scale`, that price the `kind` part of a step."""
+        src = self.source(kind)
+        if src is self:
+            return self.coefficients
+        held = self._borrowed[kind]
+        if held is None or held[0] is not src or held[1] != src.fit.n:
+            w = StepCoefficients(*(float(v) * self.scale for v in src.fit.w))
+            held = self._borrowed[kind] = (src, src.fit.n, w)
+        return held[2]
 
     @property
     def settled(self) -> bool:
@@ -146,9 +210,13 @@ class StepTimeModel:
         return self.fit.n >= SETTLED_STEPS
 
     def alone_s(self, steps: Sequence[StepStat]) -> np.ndarray:
-        """What the fit predicts for the shapes of `steps`, each taken alone on its node."""
-        x = np.array([[1.0, s.tokens, s.prefill_pairs, s.decode_context] for s in steps])
-        return x @ self.fit.w
+        """What the model predicts for the shapes of `steps`, each taken alone on its node."""
+        shapes = [
+            self._fixed(s.decode_seqs, s.decode_context, s.prefill_tokens > 0)
+            + self._prefill_part(s.prefill_tokens, s.prefill_pairs)
+            for s in steps
+        ]
+        return np.array(shapes) / self.scale
 
     @contextmanager
     def target_at_most(self, limit_s: float | None) -> Iterator[None]:
@@ -166,6 +234,7 @@ class StepTimeModel:
         if scale != self.scale:
             self.scale = scale
             self._w = None
+            self._borrowed = [None, None]
 
     @property
     def coefficients(self) -> StepCoefficients:
@@ -174,17 +243,23 @@ class StepTimeModel:
             self._w = StepCoefficients(*(float(v) * self.scale for v in self.fit.w))
         return self._w
 
-    def step_s(self, tokens: float, pairs: float, decode_context: float) -> float:
-        w = self.coefficients
-        return (
-            w.base_s
-            + w.per_token_s * tokens
-            + w.per_prefill_pair_s * pairs
-            + w.per_context_token_s * decode_context
-        )
+    def _fixed(self, batch: int, context: int, prefill: bool) -> float:
+        """A step's cost without its prefill tokens: its own per step (priced as the step's
+        kind: with a `prefill`, or decodes alone) and its `batch` decodes of total `context`
+        (priced as decodes)."""
+        w = self._priced(DECODE)
+        base = self._priced(PREFILL).base_s if prefill else w.base_s
+        return base + w.per_token_s * batch + w.per_context_token_s * context
+
+    def _prefill_part(self, tokens: int, pairs: float) -> float:
+        """What `tokens` prefill tokens of `pairs` attention pairs add to a step."""
+        if tokens <= 0:
+            return 0.0
+        w = self._priced(PREFILL)
+        return w.per_token_s * tokens + w.per_prefill_pair_s * pairs
 
     def decode_step_s(self, batch: int, context: int) -> float:
-        return self.step_s(batch, 0.0, context) if batch else 0.0
+        return self._fixed(batch, context, prefill=False) if batch else 0.0
 
     def prefill_s(self, n: int, cached: int = 0) -> float:
         """A prompt's prefill alone on an idle worker (chunked under the token budget)."""
@@ -196,7 +271,8 @@ class StepTimeModel:
         if batch > 0 and self.step_target_s is not None:
             # The worker sizes chunks next to decodes (and handoffs whose KV is on its way, which
             # `batch` counts too) so that a step takes its target.
-            w1, w2 = self.coefficients.per_token_s, self.coefficients.per_prefill_pair_s
+            w = self._priced(PREFILL)
+            w1, w2 = w.per_token_s, w.per_prefill_pair_s
             per_token = w1 + w2 * pairs / tokens
             fit = (self.step_target_s - fixed) / per_token if per_token > 0 else chunk
             chunk = int(min(chunk, max(MIN_CHUNK, fit)))
@@ -205,8 +281,7 @@ class StepTimeModel:
     def _plan(self, tokens: int, pairs: float, batch: int, context: int) -> tuple[float, int, int]:
         """(the step's cost without the prefill, the chunk, the steps) for `tokens` prefill
         tokens (> 0) in chunks next to `batch` decodes of total context `context`."""
-        w0, w1, _, w3 = self.coefficients
-        fixed = w0 + w1 * batch + w3 * context
+        fixed = self._fixed(batch, context, prefill=True)
         chunk = self._chunk(tokens, pairs, batch, fixed)
         return fixed, chunk, math.ceil(tokens / chunk)
 
@@ -219,7 +294,7 @@ class StepTimeModel:
         context `context`, the step time those decodes see meanwhile)."""
         if tokens <= 0:
             return 0.0, self.decode_step_s(batch, context)
-        _, w1, w2, _ = self.coefficients
+        _, w1, w2, _ = self._priced(PREFILL)
         fixed, chunk, steps = self._plan(tokens, pairs, batch, context)
         total = steps * fixed + w1 * tokens + w2 * pairs
         during = fixed + w1 * min(chunk, tokens) + w2 * pairs / steps

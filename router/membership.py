@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from router.core_types import Backend
-from router.cost_model import HandoffHealth
+from router.cost_model import HandoffHealth, kin_of
 from router.host_share import BUSY, HostShare
 from router.pool_state import WorkerState, peer_work
 from router.stats import StatsSink
@@ -72,6 +72,8 @@ class Membership:
         self.pools()  # books for workers that joined since
         b = self.backend
         members = [self.state(w) for w in dict.fromkeys([*b.prefill_ids, *b.decode_ids])]
+        for s in members:  # what a worker's fit has not seen, its kin's may have
+            s.model.kin = [o.model for o in members if o is not s and kin_of(s.info, o.info)]
         for load in loads:
             state = self.states.get(load.worker_id)
             if state is not None and state.info.incarnation == load.incarnation:

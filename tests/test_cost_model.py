@@ -11,10 +11,14 @@ import pytest
 from engine.prefix_hash import block_hashes
 from engine.step_stats import StepStat
 from router.cost_model import (
+    DECODE,
+    MIN_SUPPORT,
+    PREFILL,
     Bias,
     HandoffHealth,
     StepTimeModel,
     TransferTimeModel,
+    kin_of,
     prefill_pairs,
 )
 from router.fake_backend import FakeBackend, fake_info
@@ -95,6 +99,57 @@ def test_step_model_starts_at_the_roofline_and_learns_the_measured_steps():
         )
         assert model.prefill_s(n, cached) == pytest.approx(want, rel=0.05), n
     assert model.decode_step_s(16, 16 * 300) == pytest.approx(true_step(16, 0, 4800), rel=0.05)
+
+
+def test_a_worker_that_has_only_prefilled_prices_its_decodes_by_its_kins_fit():
+    """A worker of both kinds that has only prefilled for its peers has seen no decode step: its
+    chunks' seconds hide a step's fixed cost and say nothing of the per-context one, and its own
+    fit prices decodes far too short (on a CPU, 5 ms for a 42 ms step), which made it look the
+    ideal place to decode. The part of a step its fit has not seen is priced by its kin's (same
+    model, same kind of device, set by the membership), until it has seen enough of its own."""
+    backend = FakeBackend(num_prefill=0, num_decode=0, num_both=2)
+    infos = [backend.worker_info(w) for w in ("both-0", "both-1")]
+    m = Membership(backend, infos, HandoffHealth(), Metrics())
+    a, b = (m.state(f"both-{i}") for i in range(2))
+    truth = np.array([0.020, 0.002, 2e-7, 2e-6])  # decode attention 20x the seed's per token
+    rng = np.random.default_rng(3)
+
+    def step(batch: int, ctx: int, chunk: int, slower: float = 1.0) -> StepStat:
+        pairs = prefill_pairs(chunk, 0)
+        t = float(truth @ np.array([1.0, batch + chunk, pairs, ctx])) * slower
+        return StepStat(batch + chunk, chunk, pairs, batch, ctx, t * (1 + rng.normal(0, 0.03)))
+
+    def load(w: WorkerState, steps: list[StepStat]) -> WorkerLoad:
+        return WorkerLoad(w.worker_id, w.info.role, 0, 0, 0, 0.1, 1000, 1024, 0, steps=tuple(steps))
+
+    prefills = [step(0, 0, int(rng.integers(64, 513))) for _ in range(150)]
+    decodes = [
+        step(int(n), int(n) * int(rng.integers(100, 1500)), 0) for n in rng.integers(1, 16, 200)
+    ]
+    m.absorb([load(a, prefills), load(b, prefills[:20] + decodes)])
+    assert a.model.support[DECODE] == 0 and a.model.source(DECODE) is b.model
+    assert a.model.source(PREFILL) is a.model  # its chunks are its own
+    want = float(truth @ np.array([1.0, 8, 0, 8000]))
+    assert a.model.decode_step_s(8, 8000) == pytest.approx(want, rel=0.1)
+    # Mixed: the decodes' part by the kin's fit, the chunk's by its own.
+    _, during = a.model.chunked_s(256, prefill_pairs(256, 0), 8, 8000)
+    assert during == pytest.approx(
+        want + 256 * truth[1] + prefill_pairs(256, 0) * truth[2], rel=0.1
+    )
+    a.model.kin = ()
+    assert abs(a.model.decode_step_s(8, 8000) / want - 1) > 0.3  # what its own fit says
+
+    # A worker of another model, or of a device measured more than twice as fast, is no kin.
+    assert kin_of(a.info, b.info)
+    assert not kin_of(a.info, replace(b.info, num_params=2 * b.info.num_params))
+    fast = replace(b.info.rate, bytes_per_s=3 * b.info.rate.bytes_per_s)
+    assert not kin_of(a.info, replace(b.info, rate=fast))
+
+    # Once it has decoded enough of its own (its steps 1.5x its kin's), its own fit prices them.
+    own = [step(8, 8000, 0, slower=1.5) for _ in range(int(MIN_SUPPORT) + 5)]
+    m.absorb([load(a, own)])
+    assert a.model.source(DECODE) is a.model
+    assert a.model.decode_step_s(8, 8000) > 1.25 * want
 
 
 def test_transfer_model_uses_the_measured_bandwidth():
