@@ -26,7 +26,8 @@ core: 5 ms predicted for a 42 ms step). Each model counts the steps of each kind
 takes w0 and its prefill part (w1*tokens + w2*pairs) from the prefill fit, its decodes (w1*B +
 w3*S) from the decode fit; a step of decodes alone takes all from the decode fit. Each is the
 worker's own where it has seen MIN_SUPPORT steps of that kind, else the fit of the kin (a worker
-running the same model on the same kind of device: `kin_of`) that has seen the most.
+running the same model on the same kind of device: `kin_of`) that has seen the most, where it has
+seen as many. A step beside a chunk costs no less per step than one of decodes alone.
 
 The exposed KV transfer time (first token sampled -> send ended; layer-wise streaming hides the
 rest behind the prefill) is a second linear model, `latency + bytes / bandwidth`, fitted from the
@@ -187,11 +188,12 @@ class StepTimeModel:
 
     def source(self, kind: int) -> StepTimeModel:
         """The model that prices the `kind` part of this worker's steps: its own where it has
-        seen MIN_SUPPORT steps of that kind, else the one of it and its kin that has seen the
-        most (itself, where none has seen more)."""
+        seen MIN_SUPPORT steps of that kind, else the kin that has seen the most, where it has
+        seen MIN_SUPPORT (else itself)."""
         if self.support[kind] >= MIN_SUPPORT or not self.kin:
             return self
-        return max((self, *self.kin), key=lambda m: m.support[kind])
+        best = max(self.kin, key=lambda m: m.support[kind])
+        return best if best.support[kind] >= MIN_SUPPORT else self
 
     def _priced(self, kind: int) -> StepCoefficients:
         """The coefficients, times `scale`, that price the `kind` part of a step."""
@@ -244,11 +246,14 @@ class StepTimeModel:
         return self._w
 
     def _fixed(self, batch: int, context: int, prefill: bool) -> float:
-        """A step's cost without its prefill tokens: its own per step (priced as the step's
-        kind: with a `prefill`, or decodes alone) and its `batch` decodes of total `context`
-        (priced as decodes)."""
+        """A step's cost without its prefill tokens: its own per step and its `batch` decodes of
+        total `context` (priced as decodes). A step with a `prefill` takes the prefill fit's own
+        per step, and no less than the decode fit's where it has decodes (a step beside a chunk
+        is no quicker than one without it)."""
+        if not batch:
+            return self._priced(PREFILL).base_s if prefill else 0.0
         w = self._priced(DECODE)
-        base = self._priced(PREFILL).base_s if prefill else w.base_s
+        base = max(w.base_s, self._priced(PREFILL).base_s) if prefill else w.base_s
         return base + w.per_token_s * batch + w.per_context_token_s * context
 
     def _prefill_part(self, tokens: int, pairs: float) -> float:

@@ -126,7 +126,9 @@ def test_a_worker_that_has_only_prefilled_prices_its_decodes_by_its_kins_fit():
     decodes = [
         step(int(n), int(n) * int(rng.integers(100, 1500)), 0) for n in rng.integers(1, 16, 200)
     ]
-    m.absorb([load(a, prefills), load(b, prefills[:20] + decodes)])
+    m.absorb([load(a, prefills), load(b, decodes[:5])])
+    assert a.model.source(DECODE) is a.model  # a kin that has seen a few decodes only: its own
+    m.absorb([load(b, prefills[:20] + decodes[5:])])
     assert a.model.support[DECODE] == 0 and a.model.source(DECODE) is b.model
     assert a.model.source(PREFILL) is a.model  # its chunks are its own
     want = float(truth @ np.array([1.0, 8, 0, 8000]))
