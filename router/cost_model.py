@@ -202,8 +202,7 @@ class StepTimeModel:
             return self.coefficients
         held = self._borrowed[kind]
         if held is None or held[0] is not src or held[1] != src.fit.n:
-            w = StepCoefficients(*(float(v) * self.scale for v in src.fit.w))
-            held = self._borrowed[kind] = (src, src.fit.n, w)
+            held = self._borrowed[kind] = (src, src.fit.n, self._scaled(src.fit.w))
         return held[2]
 
     @property
@@ -242,8 +241,12 @@ class StepTimeModel:
     def coefficients(self) -> StepCoefficients:
         """The fit's coefficients times `scale`: its steps as they run now."""
         if self._w is None:
-            self._w = StepCoefficients(*(float(v) * self.scale for v in self.fit.w))
+            self._w = self._scaled(self.fit.w)
         return self._w
+
+    def _scaled(self, w: np.ndarray) -> StepCoefficients:
+        """A fit's coefficients (steps alone) times `scale`, as plain floats."""
+        return StepCoefficients(*(float(v) * self.scale for v in w))
 
     def _fixed(self, batch: int, context: int, prefill: bool) -> float:
         """A step's cost without its prefill tokens: its own per step and its `batch` decodes of
