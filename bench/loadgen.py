@@ -41,6 +41,11 @@ class RequestResult:
     decode_worker: str = ""
     decision_reason: str = ""
     kv_fallback: str = ""
+    # What the router predicted for the placement it took (FinalInfo.predictions): its TTFT and
+    # its p99 inter-token gap (None: not told, as where a fixed policy took another placement
+    # than the best of its path).
+    predicted_ttft_s: float | None = None
+    predicted_itl_p99_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -69,6 +74,8 @@ class RequestResult:
             "decode_worker": self.decode_worker,
             "decision_reason": self.decision_reason,
             "kv_fallback": self.kv_fallback,
+            "predicted_ttft_s": self.predicted_ttft_s,
+            "predicted_itl_p99_s": self.predicted_itl_p99_s,
             "itl_s": self.itl_s,
         }
 
@@ -97,6 +104,15 @@ async def _one(
                 res.router_ttft_s = final.ttft_ms / 1000
                 res.prefill_worker, res.decode_worker = final.prefill_worker, final.decode_worker
                 res.decision_reason, res.kv_fallback = final.decision_reason, final.kv_fallback
+                taken = (final.path, final.prefill_worker, final.decode_worker)
+                chosen = [
+                    p
+                    for p in final.predictions
+                    if (p.path, p.prefill_worker, p.decode_worker) == taken
+                ]
+                if chosen:
+                    res.predicted_ttft_s = chosen[0].ttft_ms / 1000
+                    res.predicted_itl_p99_s = chosen[0].itl_p99_ms / 1000
         res.e2e_s = time.monotonic() - sent
     except grpc.aio.AioRpcError as exc:
         res.status = exc.code().name

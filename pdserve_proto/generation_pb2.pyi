@@ -115,18 +115,20 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class PathPrediction(_message.Message):
-    __slots__ = ("path", "ttft_ms", "itl_ms", "prefill_worker", "decode_worker")
+    __slots__ = ("path", "ttft_ms", "itl_ms", "prefill_worker", "decode_worker", "itl_p99_ms")
     PATH_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     ITL_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    ITL_P99_MS_FIELD_NUMBER: _ClassVar[int]
     path: Path
     ttft_ms: float
     itl_ms: float
     prefill_worker: str
     decode_worker: str
-    def __init__(self, path: _Optional[_Union[Path, str]] = ..., ttft_ms: _Optional[float] = ..., itl_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ...) -> None: ...
+    itl_p99_ms: float
+    def __init__(self, path: _Optional[_Union[Path, str]] = ..., ttft_ms: _Optional[float] = ..., itl_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., itl_p99_ms: _Optional[float] = ...) -> None: ...
 
 class FinalInfo(_message.Message):
     __slots__ = ("finish_reason", "stop_string", "stop_token_id", "usage", "path", "prefill_worker", "decode_worker", "ttft_ms", "predictions", "decision_reason", "kv_fallback")

@@ -26,7 +26,7 @@ from router.policy import Decision, PathPrediction, RequestShape
 from router.pool_state import WorkerState
 from router.stats import StatsSink
 from router.tracker import Tracker
-from router.vocab import FinishReason
+from router.vocab import FinishReason, RoutePath
 from worker_protocol.messages import TokenChunk
 
 
@@ -154,13 +154,23 @@ class RequestBooks:
 
     def finished(self, reason: FinishReason | None, cached_prompt_tokens: int) -> None:
         """Its last chunk is about to go out; a request that decoded on one worker throughout
-        tells that worker's tail what its gaps were, and its spread how they came against the
-        p99 gap predicted at its placement."""
+        tells that worker's tail what its gaps were, and its spread and the bias of its kind
+        (prefilled there, or its KV from the prefill worker: not one that fell back to a prefill
+        on the decode worker or was replanned) how they came against the p99 gap predicted at
+        its placement."""
         self.track.ended(reason, cached_prompt_tokens)
         self.ended = True
         d, c, shape = self.d, self.chosen, self.shape  # set together by `place`
         if d is not None and c is not None and shape is not None and not self.track.resumed:
-            d.observe_request(self.track.itl_s, c.itl_p99_s, shape.slo_itl_s)
+            local = c.path is RoutePath.COLOCATED
+            kind = None if self.track.kv_fallback or self.track.replanned_to else local
+            d.observe_request(
+                self.track.itl_s,
+                c.itl_p99_s,
+                shape.slo_itl_s,
+                local=kind,
+                raw_p99_s=c.raw_itl_p99_s,
+            )
 
     def moved(self) -> None:
         """Its decode worker died: the placement leaves the books (so that the next decision

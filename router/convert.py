@@ -92,6 +92,7 @@ def final_to_wire(s: Summary) -> pb.FinalInfo:
                 path=PATH_TO_WIRE[p.path],
                 ttft_ms=p.ttft_s * 1000,
                 itl_ms=p.itl_s * 1000,
+                itl_p99_ms=p.itl_p99_s * 1000,
                 prefill_worker=p.prefill_worker,
                 decode_worker=p.decode_worker,
             )

@@ -48,7 +48,7 @@ class Membership:
             state = self.states[worker_id] = WorkerState(info)
             if old is not None:
                 self.health.forget(worker_id)
-                state.itl_spread = old.itl_spread
+                state.itl_spread, state.itl_bias = old.itl_spread, old.itl_bias
                 state.carry_gap_factor(old)
             self._share_node(state)
         return state
@@ -86,6 +86,13 @@ class Membership:
                 s.peers_gap_factor = peers
         decoders = [self.state(w) for w in b.decode_ids]
         self.sink.gap_factors({s.worker_id: s.gap_factor() for s in decoders})
+        self.sink.biases(
+            {
+                (kind, s.worker_id): s.itl_bias_factor(local)
+                for s in decoders
+                for kind, local in (("colocated", True), ("received", False))
+            }
+        )
         # A draining worker still answers polls, but its figures left the metrics already.
         self.sink.loads([ld for ld in loads if (ld.worker_id, ld.incarnation) not in self._gone])
         counts = dict.fromkeys(WorkerRole, 0)

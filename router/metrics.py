@@ -217,6 +217,15 @@ class Metrics:
             ("worker",),
             registry=r,
         )
+        self.prediction_bias = Gauge(
+            "pdserve_prediction_bias_ratio",
+            "How many times its prediction the p99 gap of a worker's requests has come lately "
+            "(the median of measured / predicted over the last 5 minutes, 1 until 5 were seen), "
+            "by kind: colocated (prefilled on the worker) or received (KV from a peer). The cost "
+            "model multiplies its p99 gap predictions of that kind by it.",
+            ("kind", "worker"),
+            registry=r,
+        )
         self.decodes = Gauge(
             "pdserve_worker_decodes_running",
             "Requests decoding on a worker, as the router placed them.",
@@ -370,6 +379,10 @@ class Metrics:
         for worker_id, factor in factors.items():
             self.gap_factor.labels(worker_id).set(factor)
 
+    def biases(self, factors: dict[tuple[str, str], float]) -> None:
+        for (kind, worker_id), factor in factors.items():
+            self.prediction_bias.labels(kind, worker_id).set(factor)
+
     def worker_lost(self, worker_id: str, role: str) -> None:
         self.worker_failures.labels(worker_id, role).inc()
         self.worker_removed(worker_id, role)
@@ -383,6 +396,8 @@ class Metrics:
         for g, labels in (
             (self.prediction_spread, ("itl_p99", worker_id)),
             (self.gap_factor, (worker_id,)),
+            (self.prediction_bias, ("colocated", worker_id)),
+            (self.prediction_bias, ("received", worker_id)),
         ):
             try:
                 g.remove(*labels)

@@ -232,15 +232,21 @@ class Planner:
             for path in (RoutePath.COLOCATED, RoutePath.DISAGGREGATED)
             if (group := [c for c in cands if c.path is path])
         )
-        if override is not RoutePath.AUTO:
-            return self._fixed(req, override, prefill, decode, cands, best, "override")
         policy = self.config.policy
-        if policy is Policy.AUTO:
-            return self._auto(req, cands, best)
-        if policy is Policy.THRESHOLD:
-            return self._threshold(req, prefill, decode, cands, best)
-        path = RoutePath.COLOCATED if policy is Policy.COLOCATED else RoutePath.DISAGGREGATED
-        return self._fixed(req, path, prefill, decode, cands, best, "policy")
+        if override is not RoutePath.AUTO:
+            decision = self._fixed(req, override, prefill, decode, cands, best, "override")
+        elif policy is Policy.AUTO:
+            decision = self._auto(req, cands, best)
+        elif policy is Policy.THRESHOLD:
+            decision = self._threshold(req, prefill, decode, cands, best)
+        else:
+            path = RoutePath.COLOCATED if policy is Policy.COLOCATED else RoutePath.DISAGGREGATED
+            decision = self._fixed(req, path, prefill, decode, cands, best, "policy")
+        # The chosen placement stands for its path among the best (what the client is told was
+        # predicted for the placement it got).
+        chosen = decision.chosen
+        best = tuple(chosen if b.path is chosen.path else b for b in decision.best)
+        return replace(decision, best=best)
 
     def _find(self, cands: list[PathPrediction], path: RoutePath, p: str, d: str) -> PathPrediction:
         return next(

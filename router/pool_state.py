@@ -19,7 +19,7 @@ import numpy as np
 from engine.prefix_hash import max_cacheable_tokens
 from router.cost_model import StepTimeModel
 from router.host_share import HostShare, PeerWork
-from router.spread import PredictionSpread
+from router.spread import PredictionBias, PredictionSpread
 from worker_protocol.messages import WorkerInfo, WorkerLoad
 
 # gap_factor: measured once this many gaps and decode steps fall in one window; within [1, this].
@@ -87,6 +87,11 @@ class WorkerState:
         # How far the p99 gaps predicted for its requests came from those measured: the width of
         # their ITL miss chances (router/predictions.py).
         self.itl_spread = PredictionSpread()
+        # How many times their predictions the p99 gaps of its requests have come, by whether
+        # they prefilled here (colocated) or their KV came from a peer (router/spread.py); and
+        # the factors, as of the last update_tail().
+        self.itl_bias = {True: PredictionBias(), False: PredictionBias()}
+        self._itl_bias_factor = {True: 1.0, False: 1.0}
         self._tail = 1.0  # gap_tail(), as of the last update_tail()
         self._typical_gap = 0.0  # typical_gap(), likewise
         # (time.monotonic(), seconds, decodes) of the latest steps it ran with decodes in them.
@@ -210,12 +215,18 @@ class WorkerState:
         predicted_p99_s: float = 0.0,
         slo_s: float = float("inf"),
         now: float | None = None,
+        local: bool | None = None,
+        raw_p99_s: float = 0.0,
     ) -> None:
         """The gaps of a request that decoded here, all of them, as it ends (at least 10), and
-        the p99 gap predicted at its placement against its ITL SLO (0, inf: none)."""
+        the p99 gap predicted at its placement against its ITL SLO (0, inf: none); `local`:
+        whether it prefilled here (None: neither kind's bias learns from it), `raw_p99_s` that
+        prediction before the bias of its kind (itl_bias_factor)."""
         if len(gaps) >= 10:
             p50, p99 = np.percentile(gaps, [50, 99])
             self.itl_spread.observe(predicted_p99_s, float(p99), slo_s)
+            if local is not None:
+                self.itl_bias[local].observe(raw_p99_s, float(p99), now)
             if p50 > 0:
                 t = time.monotonic() if now is None else now
                 self._request_tails.append((t, float(p99 / p50)))
@@ -225,6 +236,11 @@ class WorkerState:
         request's ITL SLO holds its p99 gap, while the step-time model predicts the typical
         step."""
         return self._tail
+
+    def itl_bias_factor(self, local: bool) -> float:
+        """How many times their predicted p99 gap the requests that prefilled here (`local`) or
+        whose KV came from a peer have seen lately (see update_tail)."""
+        return self._itl_bias_factor[local]
 
     def typical_gap(self) -> float:
         """The median of the recent gaps its requests saw (0 with too few; see update_tail): a
@@ -245,8 +261,9 @@ class WorkerState:
         `requests_window_s` of each one's p99 gap over its median gap; until `min_requests`
         have, the p99 of the last `window_s` of all gaps over their median (which overstates
         it: slow moments of the worker fall on a few requests, not on each one's p99); 1 with
-        fewer than `min_gaps` gaps. And the median gap of that window (0 with too few). Once per
-        load poll: every candidate of every decision reads them."""
+        fewer than `min_gaps` gaps. And the median gap of that window (0 with too few), and the
+        bias of each kind of p99 gap prediction. Once per load poll: every candidate of every
+        decision reads them."""
         now = time.monotonic()
         gaps = self.recent_gaps(now - window_s)
         tail, typical = 1.0, 0.0
@@ -258,6 +275,7 @@ class WorkerState:
         if len(ratios) >= min_requests:
             tail = float(np.median(ratios))
         self._tail, self._typical_gap = min(4.0, max(1.0, tail)), typical
+        self._itl_bias_factor = {k: b.factor(now) for k, b in self.itl_bias.items()}
         # A step with n decodes gives n gaps: the steps weigh as many.
         recent = [(s, n) for t, s, n in self._decode_steps if t >= now - window_s]
         if min(len(gaps), len(recent)) >= MIN_GAP_FACTOR_SAMPLES:

@@ -82,6 +82,9 @@ class PathPrediction:
     # How much longer the decode worker's gaps are than its steps (WorkerState.gap_factor):
     # `itl_s` and `itl_beside_s` are steps, an ITL SLO holds gaps.
     itl_gap_factor: float = 1.0
+    # How many times their predicted p99 gap the decode worker's requests of this kind (prefilled
+    # there, or their KV from a peer) have seen lately (WorkerState.itl_bias_factor).
+    itl_bias: float = 1.0
     # The requests decoding (or to decode) on the worker that prefills this prompt whose ITL SLO
     # its steps put at risk: what the tie-break keeps low.
     prefill_beside: int = 0
@@ -119,11 +122,17 @@ class PathPrediction:
 
     @property
     def itl_p99_s(self) -> float:
-        """This request's predicted p99 gap: its step as a gap (times the worker's gaps over
-        its steps; no shorter than the gaps requests see there now) times the worker's tail, and
-        no shorter than the step beside the prefills its decode worker runs, when these come
-        often (a worker that prefills for its peers with few requests of its own decoding has
-        no measured tail to show them), as a gap too."""
+        """This request's predicted p99 gap: `raw_itl_p99_s` times the bias of such predictions
+        on its decode worker (`itl_bias`)."""
+        return self.raw_itl_p99_s * self.itl_bias
+
+    @property
+    def raw_itl_p99_s(self) -> float:
+        """Its step as a gap (times the worker's gaps over its steps; no shorter than the gaps
+        requests see there now) times the worker's tail, and no shorter than the step beside the
+        prefills its decode worker runs, when these come often (a worker that prefills for its
+        peers with few requests of its own decoding has no measured tail to show them), as a gap
+        too."""
         beside = self.itl_beside_s * self.itl_gap_factor
         return max(max(self.itl_gap_s, self.itl_floor_s) * self.itl_tail, beside)
 
@@ -220,6 +229,7 @@ def predict_colocated(
         itl_width=d.itl_spread.width,
         itl_beside_s=beside_floor(d, d.batch + 1, d.context + req.prompt_len, itl),
         itl_gap_factor=d.gap_factor(),
+        itl_bias=d.itl_bias_factor(local=True),
         prefill_beside=prefills_beside(d, during, coming),
         decode_lean=_lean(d, prefills_there=True),
     )
@@ -291,6 +301,7 @@ def predict_disaggregated(
         itl_width=d.itl_spread.width,
         itl_beside_s=beside_floor(d, d.batch + 1, ctx, itl),
         itl_gap_factor=d.gap_factor(),
+        itl_bias=d.itl_bias_factor(local=False),
         prefill_beside=prefills_beside(p, p_during, p_coming),
         decode_lean=_lean(d, prefills_there=d.queued_prefills > 0),
     )

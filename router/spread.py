@@ -11,6 +11,7 @@ running requests from 1.3x to 2.5x of their SLO was seen to cost them nothing.""
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 
 import numpy as np
@@ -78,3 +79,49 @@ def miss_chance(predicted_s: float, slo_s: float, width: float = MISS_WIDTH) -> 
     if not math.isfinite(slo_s) or slo_s <= 0 or predicted_s <= 0:
         return 0.0
     return 0.5 * math.erfc(-math.log(predicted_s / slo_s) / (width * math.sqrt(2.0)))
+
+
+# A kind of prediction's bias is trusted from this many checked predictions on, and forgets
+# those older than BIAS_MAX_AGE_S (a kind of placement not taken lately says nothing of now).
+BIAS_MIN_SAMPLES = 5
+BIAS_MAX_AGE_S = 300.0
+# Its bounds: past them the model, not its correction, is wrong.
+MAX_BIAS = 3.0
+
+
+class PredictionBias:
+    """How many times its prediction one kind of measured value has come lately: exp(median of
+    ln(measured / predicted)) over the latest `window` checked predictions of the last
+    `max_age_s`, within [1 / MAX_BIAS, MAX_BIAS]; 1 with fewer than `min_samples`.
+
+    The p99 gap of a request that prefilled on its decode worker came 1.6-2.0x its prediction
+    on workers of both kinds (chat and bursty traces on a 2-core CPU host: predicted 95-97 ms,
+    measured 151-189 ms), while the requests whose KV came from a peer, most of those that ended
+    there, set the worker's tail and the spread of its predictions: colocated placements were
+    predicted to attain, then missed. A spread is the width of an error, a bias its direction: a
+    prediction 1.7x short every time is no chance of attaining."""
+
+    def __init__(
+        self,
+        window: int = 32,
+        min_samples: int = BIAS_MIN_SAMPLES,
+        max_age_s: float = BIAS_MAX_AGE_S,
+    ) -> None:
+        self.min_samples, self.max_age_s = min_samples, max_age_s
+        self._errors: deque[tuple[float, float]] = deque(maxlen=window)
+
+    def observe(self, predicted_s: float, measured_s: float, now: float | None = None) -> None:
+        if predicted_s > 0 and measured_s > 0:
+            t = time.monotonic() if now is None else now
+            self._errors.append((t, math.log(measured_s / predicted_s)))
+
+    def factor(self, now: float | None = None) -> float:
+        t = time.monotonic() if now is None else now
+        recent = [e for at, e in self._errors if at >= t - self.max_age_s]
+        if len(recent) < self.min_samples:
+            return 1.0
+        return min(MAX_BIAS, max(1.0 / MAX_BIAS, math.exp(float(np.median(recent)))))
+
+    @property
+    def samples(self) -> int:
+        return len(self._errors)

@@ -92,6 +92,10 @@ class StatsSink(Protocol):
         """worker -> how much longer the gaps its requests see are than its steps
         (WorkerState.gap_factor)."""
 
+    def biases(self, factors: dict[tuple[str, str], float]) -> None:
+        """(kind, worker) -> how many times their prediction the p99 gaps of the worker's
+        requests of that kind (colocated, received) came lately (WorkerState.itl_bias_factor)."""
+
     def fell_back(self, reason: str) -> None: ...
 
     def replanned(self) -> None: ...
@@ -146,6 +150,9 @@ class NullSink:
         pass
 
     def gap_factors(self, factors: dict[str, float]) -> None:
+        pass
+
+    def biases(self, factors: dict[tuple[str, str], float]) -> None:
         pass
 
     def fell_back(self, reason: str) -> None:

@@ -121,6 +121,12 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
                 f"{k[0]}{' ' + k[1] if k[1] else ''} {v:.2f}" for k, v in sorted(spreads.items())
             )
         )
+    biases = by_labels(after, "pdserve_prediction_bias_ratio", "kind", "worker")
+    if biases:
+        lines.append(
+            "p99 gaps came at x of their prediction: "
+            + ", ".join(f"{k[1]} {k[0]} {v:.2f}" for k, v in sorted(biases.items()))
+        )
     factors = by_labels(after, "pdserve_worker_gap_over_step_ratio", "worker")
     if factors:
         lines.append(

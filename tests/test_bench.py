@@ -127,6 +127,9 @@ def test_two_policies_end_to_end(tmp_path):
             assert x["prefill_worker"] in {"both-0", "both-1"} - {x["decode_worker"]}, x
         else:
             assert x["prefill_worker"] == "", x
+    # Each request carries what the router predicted for the placement it took.
+    for x in doc["requests"]:
+        assert (x["predicted_ttft_s"] or 0) > 0 and (x["predicted_itl_p99_s"] or 0) > 0, x
     assert doc["baseline"]["itl_s"]["p99"] is not None
     assert (tmp_path / "plots" / "itl_over_time.png").stat().st_size > 0
     assert (tmp_path / "plots" / "cdf.png").stat().st_size > 0

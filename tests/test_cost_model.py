@@ -1282,3 +1282,54 @@ def test_decodes_spread_over_as_many_workers_as_the_rate_needs():
     _arrivals(flood, rate=400.0, seconds=0.5)
     assert flood.demand.p99_gap(a, 400.0, 100, 350) == float("inf")
     assert flood.demand.workers_needed([a, b, c], slo) == 1
+
+
+def test_colocated_requests_that_came_far_over_their_predicted_p99_gap_move_the_next_one():
+    """both-1 has a long prompt queued; on both-0, idle, a request would prefill where it
+    decodes (the quickest first token), predicted at a p99 gap 1/1.3 of its ITL SLO. Where
+    requests that prefilled on their decode worker have come at 1.8x their predicted p99 gap,
+    while those whose KV came from a peer came as predicted, the same placement reads as a
+    likely miss: the request is prefilled on both-1 and handed to both-0, a later first token
+    well within its TTFT SLO. The handoff's prediction is not scaled."""
+    a, b = trained("both-0", "both"), trained("both-1", "both", seed=1)
+    b.add_prefill("long", 1500, prefill_pairs(1500, 0))
+    pl = planner()
+    probe = pl.candidates(shape(300, seed=2), [a, b], [a, b])
+    raw = max(c.raw_itl_p99_s for c in probe if c.decode_worker == "both-0")
+    req = shape(300, seed=2, slo_ttft=10.0, slo_itl=1.3 * raw)
+    before = pl.decide(req, [a, b], [a, b]).chosen
+    assert (before.path, before.decode_worker) == (RoutePath.COLOCATED, "both-0")
+    assert before.itl_bias == 1.0
+
+    for w in (a, b):
+        for _ in range(6):
+            w.observe_request([1.8 * raw] * 100, raw, req.slo_itl_s, local=True, raw_p99_s=raw)
+            w.observe_request([raw] * 100, raw, req.slo_itl_s, local=False, raw_p99_s=raw)
+        w.update_tail()
+        assert w.itl_bias_factor(local=True) == pytest.approx(1.8)
+        assert w.itl_bias_factor(local=False) == pytest.approx(1.0)
+    after = pl.decide(req, [a, b], [a, b])
+    chosen = after.chosen
+    assert (chosen.path, chosen.prefill_worker) == (RoutePath.DISAGGREGATED, "both-1"), after.reason
+    assert chosen.decode_worker == "both-0" and chosen.itl_bias == pytest.approx(1.0)
+    assert chosen.ttft_s < req.slo_ttft_s / 2
+    colocated = next(c for c in after.best if c.path is RoutePath.COLOCATED)
+    assert colocated.itl_p99_s == pytest.approx(1.8 * colocated.raw_itl_p99_s)
+    assert colocated.new_miss(req) > chosen.new_miss(req) + 0.3
+
+
+def test_a_prediction_bias_is_the_median_ratio_of_its_recent_checks_within_bounds():
+    from router.spread import BIAS_MAX_AGE_S, MAX_BIAS, PredictionBias
+
+    b = PredictionBias()
+    for r in (1.5, 2.0, 2.5, 3.0):
+        b.observe(0.1, 0.1 * r, now=0.0)
+    assert b.factor(now=0.0) == 1.0  # four: too few
+    b.observe(0.1, 0.1 * 1.2, now=0.0)
+    assert b.factor(now=0.0) == pytest.approx(2.0)  # the median of five
+    assert b.factor(now=BIAS_MAX_AGE_S + 1) == 1.0  # all forgotten
+    for _ in range(5):
+        b.observe(0.1, 1.0, now=10.0)  # 10x: past the bound
+    assert b.factor(now=10.0) == MAX_BIAS
+    b.observe(0.0, 1.0)  # nothing predicted: nothing learnt
+    assert b.samples == 10

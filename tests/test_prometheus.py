@@ -173,6 +173,7 @@ def test_metrics_through_a_real_prometheus(srv, prometheus):
     assert "steps beside a busy peer on the node: 127.0.0.1 " in text
     assert "predictions err by (sd of ln measured/predicted): itl_p99 decode-0 " in text
     assert "gaps at the router over steps: decode-0 " in text
+    assert "p99 gaps came at x of their prediction: decode-0 colocated " in text
     assert f"KV transfers: {len(lengths)} done" in text
     # Per worker: the prefills placed on it, for a peer or to decode itself.
     placed = status.by_labels(samples, "pdserve_worker_prefills_total", "worker", "kind")

@@ -477,3 +477,55 @@ def test_the_spreads_of_the_predictions_are_exported_per_kind_and_decode_worker(
     got = sample("pdserve_prediction_spread", {"kind": "itl_p99", "worker": "decode-0"})
     assert got == d.itl_spread.width != PRIOR_WIDTH
     assert sample("pdserve_prediction_spread", {"kind": "itl_p99", "worker": "prefill-0"}) is None
+
+
+def test_each_kind_of_placement_teaches_its_own_bias_on_its_decode_worker():
+    """A request that prefilled on its decode worker teaches that worker's colocated bias, one
+    whose KV came from the prefill worker its received bias, each from the p99 gap predicted
+    before any bias; one whose handoff fell back teaches neither. After five of a kind the
+    factor moves, and the metrics export it per kind and worker."""
+    import numpy as np
+
+    from router.metrics import Metrics
+    from router.spread import MAX_BIAS
+    from router.vocab import FallbackReason
+
+    class Ended(Metrics):
+        def __init__(self):
+            super().__init__()
+            self.records = []
+
+        def finished(self, record):
+            super().finished(record)
+            self.records.append(record)
+
+    async def main(backend, sink):
+        core = RequestCore(backend, await backend.infos(), RouterConfig(), TOKENIZER, sink)
+        await core.refresh()
+        for i, path in enumerate([RoutePath.COLOCATED] * 5 + [RoutePath.DISAGGREGATED] * 2):
+            await consume(core, replace(request(f"r{i}", max_tokens=20), path=path))
+        await core.refresh()
+        return core
+
+    sink = Ended()
+    core = run(main(FakeBackend(chunk_tokens=1), sink))
+    d = core.states["decode-0"]
+    assert d.itl_bias[True].samples == 5 and d.itl_bias[False].samples == 2
+    assert core.states["prefill-0"].itl_bias[True].samples == 0
+    colocated = [r for r in core.records if r.decision.chosen.path is RoutePath.COLOCATED]
+    errors = [e for _, e in d.itl_bias[True]._errors]
+    for r, e in zip(colocated, errors, strict=True):
+        gaps = next(x.itl_s for x in sink.records if x.request_id == r.request_id)
+        assert r.decision.chosen.itl_bias == 1.0  # none yet at its placement
+        assert e == pytest.approx(np.log(np.percentile(gaps, 99) / r.decision.chosen.raw_itl_p99_s))
+    # The fake backend's gaps are far under any prediction: the factor stops at its bound.
+    factor = min(MAX_BIAS, max(1 / MAX_BIAS, float(np.exp(np.median(errors)))))
+    assert d.itl_bias_factor(local=True) == pytest.approx(factor) != 1.0
+    assert d.itl_bias_factor(local=False) == 1.0  # two are too few
+    sample = sink.registry.get_sample_value
+    labels = {"kind": "colocated", "worker": "decode-0"}
+    assert sample("pdserve_prediction_bias_ratio", labels) == pytest.approx(factor)
+    assert sample("pdserve_prediction_bias_ratio", {**labels, "kind": "received"}) == 1.0
+
+    fell_back = run(main(FakeBackend(fallback=FallbackReason.TRANSFER_FAILED), Ended()))
+    assert fell_back.states["decode-0"].itl_bias[False].samples == 0

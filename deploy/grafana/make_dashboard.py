@@ -187,6 +187,11 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         [q("{{kind}} {{worker}}", "max by (kind, worker) (pdserve_prediction_spread)")],
     ),
     (
+        "Measured over predicted p99 gap lately, per worker and kind of placement",
+        "short",
+        [q("{{worker}} {{kind}}", "max by (kind, worker) (pdserve_prediction_bias_ratio)")],
+    ),
+    (
         "Inter-token gaps over engine steps, per worker",
         "short",
         [q("{{worker}}", "max by (worker) (pdserve_worker_gap_over_step_ratio)")],
