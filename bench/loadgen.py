@@ -42,8 +42,7 @@ class RequestResult:
     decision_reason: str = ""
     kv_fallback: str = ""
     # What the router predicted for the placement it took (FinalInfo.predictions): its TTFT and
-    # its p99 inter-token gap (None: not told, as where a fixed policy took another placement
-    # than the best of its path).
+    # its p99 inter-token gap (None: not told, as where its prefill moved to another worker).
     predicted_ttft_s: float | None = None
     predicted_itl_p99_s: float | None = None
 

@@ -220,7 +220,8 @@ class Metrics:
         self.prediction_bias = Gauge(
             "pdserve_prediction_bias_ratio",
             "How many times its prediction the p99 gap of a worker's requests has come lately "
-            "(the median of measured / predicted over the last 5 minutes, 1 until 5 were seen), "
+            "(the median of measured / predicted of the last 32 within 5 minutes, within "
+            "1/3-3x; 1 with fewer than 5), "
             "by kind: colocated (prefilled on the worker) or received (KV from a peer). The cost "
             "model multiplies its p99 gap predictions of that kind by it.",
             ("kind", "worker"),

@@ -27,7 +27,8 @@ policies that choose among them.
 Balancer: the decode worker with the least load (active tokens over capacity, plus KV usage),
 except that among workers within `affinity_margin` of the least, the one holding the longest
 cached prefix wins; the prefill worker with the least predicted queue time.
-Every decision carries the best prediction for each path and a reason in words.
+Every decision carries the best prediction for each path (the chosen one for its own path) and
+a reason in words.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class PolicyConfig:
 @dataclass(frozen=True, slots=True)
 class Decision:
     chosen: PathPrediction
-    best: tuple[PathPrediction, ...]  # the best candidate of each path considered
+    best: tuple[PathPrediction, ...]  # the best candidate of each path; the chosen for its own
     reason: str  # in words, for logs and the client
     reason_code: str  # a short label, for metrics
 
@@ -285,9 +286,7 @@ class Planner:
     ) -> Decision:
         usable = [c for c in cands if not c.failing] or cands
         chosen = choose(usable, req)
-        # The chosen placement stands for its path (a path's best alone may differ: the TTFT
-        # tolerance is taken among all candidates).
-        best = tuple(chosen if b.path is chosen.path else b for b in best)
+        # The other paths' best, against which the reason weighs the choice.
         others = [c for c in best if c.path is not chosen.path]
         parts = [
             f"{chosen.path.value}: {_misses(chosen, req)}, predicted TTFT {_ms(chosen.ttft_s)}, "

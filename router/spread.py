@@ -1,5 +1,6 @@
 """How far one kind of prediction comes from what is then measured, as the width of the miss
-chance built on it (miss_chance).
+chance built on it (miss_chance); and which way it errs, as the factor that corrects it
+(PredictionBias).
 
 A prediction that says a request's p99 gap will be 250 ms against a 195 ms SLO is a certain
 miss only if the prediction is good to a few percent. On a 2-core CPU host the ITL p99 and TTFT
