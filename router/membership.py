@@ -13,6 +13,7 @@ from router.cost_model import HandoffHealth, kin_of
 from router.host_share import BUSY, HostShare
 from router.pool_state import WorkerState, peer_work
 from router.stats import StatsSink
+from router.vocab import PLACEMENT_KINDS
 from worker_protocol.messages import WorkerInfo, WorkerLoad, WorkerRole
 
 
@@ -90,7 +91,7 @@ class Membership:
             {
                 (kind, s.worker_id): s.itl_bias_factor(local)
                 for s in decoders
-                for kind, local in (("colocated", True), ("received", False))
+                for kind, local in PLACEMENT_KINDS
             }
         )
         # A draining worker still answers polls, but its figures left the metrics already.

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from kv_transfer import FailureReason
 from router.host_share import PeerWork
 from router.stats import FirstTokenRecord, RequestRecord, TransferRecord
-from router.vocab import FallbackReason, Frontend, RejectReason
+from router.vocab import PLACEMENT_KINDS, FallbackReason, Frontend, RejectReason
 from worker_protocol.messages import WorkerLoad, WorkerRole
 
 REJECT_REASONS = tuple(r.value for r in RejectReason)  # admission's refusals
@@ -397,8 +397,7 @@ class Metrics:
         for g, labels in (
             (self.prediction_spread, ("itl_p99", worker_id)),
             (self.gap_factor, (worker_id,)),
-            (self.prediction_bias, ("colocated", worker_id)),
-            (self.prediction_bias, ("received", worker_id)),
+            *((self.prediction_bias, (kind, worker_id)) for kind, _ in PLACEMENT_KINDS),
         ):
             try:
                 g.remove(*labels)

@@ -20,6 +20,7 @@ from engine.prefix_hash import max_cacheable_tokens
 from router.cost_model import StepTimeModel
 from router.host_share import HostShare, PeerWork
 from router.spread import PredictionBias, PredictionSpread
+from router.vocab import PLACEMENT_KINDS
 from worker_protocol.messages import WorkerInfo, WorkerLoad
 
 # gap_factor: measured once this many gaps and decode steps fall in one window; within [1, this].
@@ -90,8 +91,8 @@ class WorkerState:
         # How many times their predictions the p99 gaps of its requests have come, by whether
         # they prefilled here (colocated) or their KV came from a peer (router/spread.py); and
         # the factors, as of the last update_tail().
-        self.itl_bias = {True: PredictionBias(), False: PredictionBias()}
-        self._itl_bias_factor = {True: 1.0, False: 1.0}
+        self.itl_bias = {local: PredictionBias() for _, local in PLACEMENT_KINDS}
+        self._itl_bias_factor = dict.fromkeys(self.itl_bias, 1.0)
         self._tail = 1.0  # gap_tail(), as of the last update_tail()
         self._typical_gap = 0.0  # typical_gap(), likewise
         # (time.monotonic(), seconds, decodes) of the latest steps it ran with decodes in them.

@@ -20,6 +20,11 @@ class RoutePath(enum.Enum):
     DISAGGREGATED = "disaggregated"  # a prefill worker prefills it and streams the KV over
 
 
+# The kinds of placement a decode worker's requests come by, as metrics label them, with whether
+# the request prefilled there (the key of WorkerState.itl_bias).
+PLACEMENT_KINDS = (("colocated", True), ("received", False))
+
+
 class FallbackReason(enum.Enum):
     """Why a disaggregated request's prompt was prefilled on its decode worker after all."""
 
