@@ -49,8 +49,7 @@ class Membership:
             state = self.states[worker_id] = WorkerState(info)
             if old is not None:
                 self.health.forget(worker_id)
-                state.itl_spread, state.itl_bias = old.itl_spread, old.itl_bias
-                state.carry_gap_factor(old)
+                state.carry(old)
             self._share_node(state)
         return state
 

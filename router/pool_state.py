@@ -299,8 +299,13 @@ class WorkerState:
     def measured_gap_factor(self) -> float | None:
         return self._gap_factor
 
-    def carry_gap_factor(self, old: WorkerState) -> None:
-        """A replacement of `old` keeps its measured gaps over steps until it has its own."""
+    def carry(self, old: WorkerState) -> None:
+        """What a replacement of `old` keeps (the same model on the same kind of device, in the
+        same process and transport): how far its predictions erred, their bias per kind of
+        placement, in force from its first placement on, and its measured gaps over steps until
+        it has its own."""
+        self.itl_spread, self.itl_bias = old.itl_spread, old.itl_bias
+        self._itl_bias_factor = dict(old._itl_bias_factor)
         self._gap_factor = old.measured_gap_factor
 
     # -- what the worker knows ------------------------------------------------------------------

@@ -29,7 +29,7 @@ from router.membership import Membership
 from router.metrics import Metrics
 from router.policy import Planner, Policy, PolicyConfig, RequestShape, pick_decode
 from router.pool_state import WorkerState, peer_work
-from router.predictions import PathPrediction, choose, ttft_tolerance
+from router.predictions import PathPrediction, choose, predict_colocated, ttft_tolerance
 from router.spread import MISS_WIDTH, PRIOR_WIDTH, PredictionSpread, miss_chance
 from router.vocab import RoutePath
 from worker_protocol.messages import WorkerInfo, WorkerLoad
@@ -1352,3 +1352,42 @@ def test_a_ttft_bias_fitted_over_scattered_first_tokens_is_centred_on_them():
         pairs = zip(raw.tolist(), measured.tolist(), strict=True)
         fixed, scale = affine_fit(pairs, (0.0, 1.0), min_slope=Bias.MIN_SCALE)
         assert np.median(measured / (fixed + scale * raw)) > 1.15  # uncentred, it runs short
+
+
+def test_a_replacement_keeps_its_predecessors_bias_and_a_removed_worker_leaves_the_metric():
+    """Colocated requests on decode-0 came at twice their predicted p99 gap: its replacement
+    (a new incarnation) places the next one with that factor from its first decision on, before
+    any poll of its own; once decode-0 leaves the pools, the metric drops its series."""
+
+    class Replaced(FakeBackend):
+        incarnation = 0
+
+        def worker_info(self, worker_id: str) -> WorkerInfo:
+            info = super().worker_info(worker_id)
+            return replace(info, incarnation=self.incarnation) if worker_id == "decode-0" else info
+
+    backend = Replaced()
+    metrics = Metrics()
+    m = Membership(
+        backend,
+        [backend.worker_info(w) for w in ("prefill-0", "decode-0")],
+        HandoffHealth(),
+        metrics,
+    )
+    old = m.state("decode-0")
+    for _ in range(5):
+        old.itl_bias[True].observe(0.05, 0.10)
+    m.absorb([WorkerLoad("decode-0", old.info.role, 0, 0, 0, 0.0, 1024, 1024, 0)])
+    labels = {"kind": "colocated", "worker": "decode-0"}
+    sample = metrics.registry.get_sample_value
+    assert sample("pdserve_prediction_bias_ratio", labels) == pytest.approx(2.0)
+    backend.incarnation = 1
+    new = m.state("decode-0")
+    assert new is not old and new.info.incarnation == 1
+    assert new.itl_bias_factor(local=True) == pytest.approx(2.0)
+    assert new.itl_bias_factor(local=False) == 1.0
+    assert predict_colocated(shape(64), new, Bias()).itl_bias == pytest.approx(2.0)
+    backend.decode_ids.remove("decode-0")
+    m.absorb([])
+    assert sample("pdserve_prediction_bias_ratio", labels) is None
+    assert sample("pdserve_prediction_bias_ratio", {**labels, "kind": "received"}) is None

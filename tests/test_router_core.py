@@ -529,3 +529,13 @@ def test_each_kind_of_placement_teaches_its_own_bias_on_its_decode_worker():
 
     fell_back = run(main(FakeBackend(fallback=FallbackReason.TRANSFER_FAILED), Ended()))
     assert sum(fell_back.states["decode-0"].itl_bias[k].samples for k in (True, False)) == 5
+    # A handoff re-planned onto another prefill worker teaches neither kind, nor does a
+    # request that resumed on another decode worker after losing its own.
+    replanned = run(main(FakeBackend(num_prefill=2, replan=True), Ended()))
+    d = replanned.states["decode-0"]
+    assert (d.itl_bias[True].samples, d.itl_bias[False].samples) == (5, 0)
+    assert sum(r.disturbed for r in replanned.records) == 2
+    lost, ended = FakeBackend(num_decode=2, lose_decode_after=5), Ended()
+    resumed = run(main(lost, ended))
+    assert len(lost.lost) == 1 and sum(r.resumed for r in ended.records) == 1
+    assert sum(w.itl_bias[k].samples for w in resumed.states.values() for k in (True, False)) == 6
