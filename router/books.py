@@ -146,7 +146,7 @@ class RequestBooks:
         assert d is not None and self.shape is not None
         if p is d and not d.decoding(wid):
             d.done(wid)  # colocated: prefilled here; decoding from now on
-            d.add_decode(wid, self.shape.prompt_len, self.shape.slo_itl_s)
+            d.add_decode(wid, self.shape.prompt_len, self.shape.slo_itl_s, local=True)
             if self.late:  # resumed after missing its TTFT SLO
                 d.unprotect(wid)
         elif d.prefilling(wid):

@@ -43,23 +43,26 @@ def caused_misses(
     or the former if longer. Taking the new steps alone, a worker whose tail already put its
     requests near their SLO would be seen to lose nothing to one more prefill; multiplying them
     by the tail would count twice a tail that comes from prefill chunks cut to the step target.
-    The miss chances are as wide as the worker's p99 gap predictions have come from its requests'
-    measured ones (`itl_spread`): a request predicted past its SLO may still attain, the less so
-    the further past it new work takes it."""
+    Both p99 gaps are scaled by the bias of the request's kind of placement on `w` (how its
+    requests prefilled there, or with their KV from a peer, came against their predicted p99
+    gap lately: itl_bias_factor), as the new request's own is. The miss chances are as wide as
+    the worker's p99 gap predictions have come from its requests' measured ones (`itl_spread`):
+    a request predicted past its SLO may still attain, the less so the further past it new
+    work takes it."""
     tail, g = w.gap_tail(), w.gap_factor()
     width = w.itl_spread.width
 
-    def lost(slos: Sequence[float], step_s: float, new_step_s: float) -> float:
+    def lost(checks: Sequence[tuple[float, float]], step_s: float, new_step_s: float) -> float:
         typical = max(step_s * g, w.typical_gap())  # what its gaps take now, as measured too
         without = typical * tail
         with_it = max(new_step_s * g + typical * (tail - 1.0), without)
         return sum(
-            max(0.0, miss_chance(with_it, slo, width) - miss_chance(without, slo, width))
-            for slo in slos
+            max(0.0, miss_chance(with_it * b, slo, width) - miss_chance(without * b, slo, width))
+            for slo, b in checks
         )
 
-    caused = lost(w.itl_slos(), before_s, during_s)
-    coming = w.coming_itl_slos()
+    caused = lost(w.itl_checks(), before_s, during_s)
+    coming = w.coming_itl_checks()
     if coming and coming_during_s is not None:
         caused += lost(coming, coming_step(w), coming_during_s)
     return caused

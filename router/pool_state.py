@@ -65,6 +65,7 @@ class _Prefill:
 class _Decode:
     context: int
     itl_slo_s: float
+    local: bool = False  # prefilled here (colocated), not its KV from a peer
 
 
 class WorkerState:
@@ -120,8 +121,9 @@ class WorkerState:
         since = time.monotonic() - window_s
         return [(n, pairs) for at, n, pairs in self._placed if at >= since and n > 0]
 
-    def add_decode(self, rid: str, context: int, itl_slo_s: float) -> None:
-        self._decodes[rid] = _Decode(context, itl_slo_s)
+    def add_decode(self, rid: str, context: int, itl_slo_s: float, local: bool = False) -> None:
+        """`local`: it prefilled here (colocated); else its KV came from a peer."""
+        self._decodes[rid] = _Decode(context, itl_slo_s, local)
 
     def unprotect(self, rid: str) -> None:
         """`rid` is past its TTFT SLO and can no longer attain: its ITL SLO stops guarding
@@ -183,6 +185,19 @@ class WorkerState:
     def itl_slos(self) -> list[float]:
         """The ITL SLOs of the requests decoding here that can still attain."""
         return [d.itl_slo_s for d in self._decodes.values() if d.itl_slo_s != float("inf")]
+
+    def itl_checks(self) -> list[tuple[float, float]]:
+        """(ITL SLO, the bias of its kind of placement here: itl_bias_factor) of the requests
+        decoding here that can still attain."""
+        f = self._itl_bias_factor
+        return [
+            (d.itl_slo_s, f[d.local]) for d in self._decodes.values() if d.itl_slo_s != float("inf")
+        ]
+
+    def coming_itl_checks(self) -> list[tuple[float, float]]:
+        """As itl_checks, for the requests to decode here once their local prefill is done
+        (coming_itl_slos): colocated, all of them."""
+        return [(slo, self._itl_bias_factor[True]) for slo in self.coming_itl_slos()]
 
     def coming_itl_slos(self) -> list[float]:
         """The ITL SLOs of the requests to decode here once their local prefill, queued here,

@@ -502,6 +502,32 @@ def test_the_gap_tail_delays_a_prefills_steps_as_it_does_the_typical_step():
     assert caused_misses(d, 0.5, 0.08) < 0.1
 
 
+def test_running_requests_whose_kind_came_late_here_are_counted_as_late_under_new_work():
+    """As above, with an ITL SLO of 200 ms: the prefill takes the four requests' p99 gap to
+    110 ms, far under it, and costs them nothing. Requests whose KV came from a peer have come
+    here at twice their predicted p99 gap lately: theirs go to 220 ms from 180 ms, and the same
+    prefill costs about three of them (the miss chances at 1.1 and 0.9 of the SLO). Colocated
+    requests' bias moves those that prefilled here only."""
+    d = trained("both-0", "both", seed=1)
+    d.observe_gaps([0.06] * 90 + [0.09] * 10)
+    d.update_tail()
+    for i in range(4):
+        d.add_decode(f"received-{i}", 200, 0.2)
+    assert caused_misses(d, 0.08, 0.06) == pytest.approx(0.0, abs=0.01)
+    for _ in range(5):
+        d.itl_bias[True].observe(0.05, 0.15)  # colocated ones: 3x
+    d.update_tail()
+    assert caused_misses(d, 0.08, 0.06) == pytest.approx(0.0, abs=0.01)
+    for _ in range(5):
+        d.itl_bias[False].observe(0.05, 0.10)
+    d.update_tail()
+    assert d.itl_checks() == [(0.2, pytest.approx(2.0))] * 4
+    assert caused_misses(d, 0.08, 0.06) == pytest.approx(4 * (0.883 - 0.094), abs=0.02)
+    d.add_decode("colocated", 200, 0.2, local=True)
+    three = miss_chance(0.11 * 3, 0.2, MISS_WIDTH) - miss_chance(0.09 * 3, 0.2, MISS_WIDTH)
+    assert caused_misses(d, 0.08, 0.06) == pytest.approx(4 * (0.883 - 0.094) + three, abs=0.02)
+
+
 def test_the_gaps_requests_see_now_floor_a_new_requests_predicted_step():
     """A worker whose steps are filled with prefill chunks (its own or a peer's, at its step
     target) shows gaps far longer than the decode step the model predicts for its batch: a new
