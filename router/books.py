@@ -110,7 +110,7 @@ class RequestBooks:
         )
         self.sink.prefill_placed(p.worker_id, p.info.role.value, for_peer=p is not d)
         if p is not d:
-            d.add_decode(self.wid, shape.prompt_len, shape.slo_itl_s)
+            d.add_decode(self.wid, shape.prompt_len, shape.slo_itl_s, local=False)
         p.prefix.insert(shape.hashes)
         d.prefix.insert(shape.hashes)
         if self.late:  # resumed after missing its TTFT SLO

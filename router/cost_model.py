@@ -359,8 +359,8 @@ class TransferTimeModel:
 class Bias:
     """What one path's TTFT predictions miss: measured = fixed + scale x predicted, fitted over its
     latest `window` first tokens (weighing relative errors, as the transfer model does, then
-    scaled so that the median of measured / corrected is 1), the scale within
-    [MIN_SCALE, MAX_SCALE], the fixed part never negative. An error that grows with
+    scaled so that the median of measured / corrected is 1 as far as the bounds allow), the
+    scale within [MIN_SCALE, MAX_SCALE], the fixed part never negative. An error that grows with
     the prediction (a queue over- or under-estimated) scales, one that does not (RPC hops, token
     delivery) adds; a plain mean of measured - predicted learnt from long prompts drove short
     prompts' predictions below zero. Where the predictions seen are all of one size, the error
@@ -401,7 +401,7 @@ class Bias:
         # Least relative error runs short where first tokens scatter (queueing): with an
         # intercept, by 1.2-1.4x at the scatter of a loaded bench run. Centred on the median
         # of measured / corrected, half of the window came later than its correction, half
-        # sooner.
+        # sooner (unless the scale then passes its bounds).
         centre = float(np.median(y / (fixed + scale * x)))
         fixed, scale = fixed * centre, scale * centre
         return fixed, min(max(scale, self.MIN_SCALE), self.MAX_SCALE), hi

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from router.pool_state import WorkerState
+from router.pool_state import ItlCheck, WorkerState
 from router.spread import miss_chance
 
 # A worker's prefills of the last PREFILL_WINDOW_S show how often a request decoding there will
@@ -52,7 +52,7 @@ def caused_misses(
     tail, g = w.gap_tail(), w.gap_factor()
     width = w.itl_spread.width
 
-    def lost(checks: Sequence[tuple[float, float]], step_s: float, new_step_s: float) -> float:
+    def lost(checks: Sequence[ItlCheck], step_s: float, new_step_s: float) -> float:
         typical = max(step_s * g, w.typical_gap())  # what its gaps take now, as measured too
         without = typical * tail
         with_it = max(new_step_s * g + typical * (tail - 1.0), without)
@@ -142,7 +142,10 @@ def prefills_beside(w: WorkerState, during_s: float, coming_during_s: float = 0.
     """The decodes running on `w` whose ITL SLO is at risk (within twice the step `during_s`
     they see beside a prefill there, as gaps, times the worker's tail), and those to run there
     once their local prefill is done, likewise with the step `coming_during_s` they would see
-    beside it. A loose SLO is not at risk, and a request that can no longer attain has none."""
+    beside it. A loose SLO is not at risk, and a request that can no longer attain has none.
+    A count for the tie-break with its own margin (BESIDE_MARGIN), not a miss chance: the bias
+    of each one's kind of placement (itl_checks) weighs in the expected misses it breaks ties
+    of, not here."""
     tail = BESIDE_MARGIN * w.gap_tail() * w.gap_factor()
     return sum(1 for slo in w.itl_slos() if slo < during_s * tail) + sum(
         1 for slo in w.coming_itl_slos() if slo < coming_during_s * tail

@@ -40,8 +40,9 @@ class Membership:
     def state(self, worker_id: str) -> WorkerState:
         """The books of a worker's current incarnation; a new incarnation (a replacement) gets
         fresh books: its prefix cache and queues start empty, its pairs' health too. How far its
-        predictions erred carries over (the same model on the same kind of device), and its gaps
-        over its steps (the same process and transport)."""
+        predictions erred and their bias per kind of placement carry over, in force from its
+        first decision (the same model on the same kind of device), and its gaps over its steps
+        (the same process and transport): WorkerState.carry."""
         info = self.backend.worker_info(worker_id)
         old = self.states.get(worker_id)
         state = old

@@ -13,6 +13,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -65,7 +66,15 @@ class _Prefill:
 class _Decode:
     context: int
     itl_slo_s: float
-    local: bool = False  # prefilled here (colocated), not its KV from a peer
+    local: bool  # prefilled here (colocated), not its KV from a peer
+
+
+class ItlCheck(NamedTuple):
+    """A request's ITL SLO, and the bias of its kind of placement on its decode worker
+    (WorkerState.itl_bias_factor): what its predicted p99 gap is multiplied by."""
+
+    slo_s: float
+    bias: float
 
 
 class WorkerState:
@@ -121,8 +130,9 @@ class WorkerState:
         since = time.monotonic() - window_s
         return [(n, pairs) for at, n, pairs in self._placed if at >= since and n > 0]
 
-    def add_decode(self, rid: str, context: int, itl_slo_s: float, local: bool = False) -> None:
-        """`local`: it prefilled here (colocated); else its KV came from a peer."""
+    def add_decode(self, rid: str, context: int, itl_slo_s: float, *, local: bool) -> None:
+        """`local`: it prefilled here (colocated); else its KV came from a peer (a handoff that
+        fell back to a prefill here stays one: priced as the handoffs here come)."""
         self._decodes[rid] = _Decode(context, itl_slo_s, local)
 
     def unprotect(self, rid: str) -> None:
@@ -186,18 +196,20 @@ class WorkerState:
         """The ITL SLOs of the requests decoding here that can still attain."""
         return [d.itl_slo_s for d in self._decodes.values() if d.itl_slo_s != float("inf")]
 
-    def itl_checks(self) -> list[tuple[float, float]]:
-        """(ITL SLO, the bias of its kind of placement here: itl_bias_factor) of the requests
-        decoding here that can still attain."""
+    def itl_checks(self) -> list[ItlCheck]:
+        """The requests decoding here that can still attain: their ITL SLOs, with the bias of
+        each one's kind of placement here."""
         f = self._itl_bias_factor
         return [
-            (d.itl_slo_s, f[d.local]) for d in self._decodes.values() if d.itl_slo_s != float("inf")
+            ItlCheck(d.itl_slo_s, f[d.local])
+            for d in self._decodes.values()
+            if d.itl_slo_s != float("inf")
         ]
 
-    def coming_itl_checks(self) -> list[tuple[float, float]]:
+    def coming_itl_checks(self) -> list[ItlCheck]:
         """As itl_checks, for the requests to decode here once their local prefill is done
         (coming_itl_slos): colocated, all of them."""
-        return [(slo, self._itl_bias_factor[True]) for slo in self.coming_itl_slos()]
+        return [ItlCheck(slo, self._itl_bias_factor[True]) for slo in self.coming_itl_slos()]
 
     def coming_itl_slos(self) -> list[float]:
         """The ITL SLOs of the requests to decode here once their local prefill, queued here,

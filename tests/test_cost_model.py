@@ -28,7 +28,7 @@ from router.interference import beside_floor, caused_misses, prefills_beside
 from router.membership import Membership
 from router.metrics import Metrics
 from router.policy import Planner, Policy, PolicyConfig, RequestShape, pick_decode
-from router.pool_state import WorkerState, peer_work
+from router.pool_state import ItlCheck, WorkerState, peer_work
 from router.predictions import PathPrediction, choose, predict_colocated, ttft_tolerance
 from router.spread import MISS_WIDTH, PRIOR_WIDTH, PredictionSpread, miss_chance
 from router.vocab import RoutePath
@@ -82,7 +82,7 @@ def planner(policy: Policy = Policy.AUTO, **kw) -> Planner:
 
 def with_decodes(state: WorkerState, n: int, ctx: int, itl_slo_s: float) -> WorkerState:
     for i in range(n):
-        state.add_decode(f"running-{i}", ctx, itl_slo_s)
+        state.add_decode(f"running-{i}", ctx, itl_slo_s, local=False)
     return state
 
 
@@ -504,28 +504,32 @@ def test_the_gap_tail_delays_a_prefills_steps_as_it_does_the_typical_step():
 
 def test_running_requests_whose_kind_came_late_here_are_counted_as_late_under_new_work():
     """As above, with an ITL SLO of 200 ms: the prefill takes the four requests' p99 gap to
-    110 ms, far under it, and costs them nothing. Requests whose KV came from a peer have come
-    here at twice their predicted p99 gap lately: theirs go to 220 ms from 180 ms, and the same
-    prefill costs about three of them (the miss chances at 1.1 and 0.9 of the SLO). Colocated
-    requests' bias moves those that prefilled here only."""
+    110 ms, far under it, and costs them nothing. Once requests of a kind have come here at
+    twice their predicted p99 gap, theirs go to 220 ms from 180 ms and the same prefill costs
+    each of that kind 0.79 of a miss (the miss chances at 1.1 and 0.9 of the SLO): colocated
+    requests' bias moves those that prefilled here (decoding, or to decode once their local
+    prefill is done) and not those whose KV came from a peer, and the other way round."""
     d = trained("both-0", "both", seed=1)
     d.observe_gaps([0.06] * 90 + [0.09] * 10)
     d.update_tail()
     for i in range(4):
-        d.add_decode(f"received-{i}", 200, 0.2)
+        d.add_decode(f"received-{i}", 200, 0.2, local=False)
     assert caused_misses(d, 0.08, 0.06) == pytest.approx(0.0, abs=0.01)
+    one = 0.883 - 0.094
     for _ in range(5):
-        d.itl_bias[True].observe(0.05, 0.15)  # colocated ones: 3x
+        d.itl_bias[True].observe(0.05, 0.10)  # colocated ones: 2x
     d.update_tail()
+    assert d.itl_checks() == [ItlCheck(0.2, 1.0)] * 4
     assert caused_misses(d, 0.08, 0.06) == pytest.approx(0.0, abs=0.01)
-    for _ in range(5):
-        d.itl_bias[False].observe(0.05, 0.10)
-    d.update_tail()
-    assert d.itl_checks() == [(0.2, pytest.approx(2.0))] * 4
-    assert caused_misses(d, 0.08, 0.06) == pytest.approx(4 * (0.883 - 0.094), abs=0.02)
     d.add_decode("colocated", 200, 0.2, local=True)
-    three = miss_chance(0.11 * 3, 0.2, MISS_WIDTH) - miss_chance(0.09 * 3, 0.2, MISS_WIDTH)
-    assert caused_misses(d, 0.08, 0.06) == pytest.approx(4 * (0.883 - 0.094) + three, abs=0.02)
+    assert caused_misses(d, 0.08, 0.06) == pytest.approx(one, abs=0.01)
+    d.add_prefill("to-decode-here", 64, prefill_pairs(64, 0), local=True, itl_slo_s=0.2)
+    assert d.coming_itl_checks() == [ItlCheck(0.2, pytest.approx(2.0))]
+    assert caused_misses(d, 0.08, 0.06, 0.08) == pytest.approx(2 * one, abs=0.02)
+    for _ in range(5):
+        d.itl_bias[False].observe(0.05, 0.10)  # received ones: 2x too
+    d.update_tail()
+    assert caused_misses(d, 0.08, 0.06, 0.08) == pytest.approx(6 * one, abs=0.05)
 
 
 def test_the_gaps_requests_see_now_floor_a_new_requests_predicted_step():
@@ -772,7 +776,7 @@ def test_workers_on_one_node_measure_how_much_slower_their_steps_run_beside_a_bu
 
     def poll(busy_a: bool) -> None:
         if busy_a:
-            a.add_decode("r", 100, 1.0)
+            a.add_decode("r", 100, 1.0, local=False)
         else:
             a.finish("r")
         slower = 1.3 if busy_a else 1.0
@@ -853,7 +857,7 @@ def test_a_nodes_share_is_measured_for_each_kind_of_peer_work():
     b.set_peer_work(peer_work(b, [a, b]))
     assert b.model.decode_step_s(4, 4 * 400) == pytest.approx(1.1 * alone)
     assert b.shared_slowdown() == pytest.approx(1.3 / 1.1)
-    a.add_decode("d", 100, 1.0)
+    a.add_decode("d", 100, 1.0, local=False)
     assert peer_work(b, [a, b]) is PeerWork.DECODE
     b.info = replace(b.info, node_ip="")
     assert peer_work(b, [a, b]) is PeerWork.IDLE  # its node unknown: it shares with none
@@ -964,7 +968,7 @@ def test_the_first_requests_on_idle_workers_of_both_kinds_form_the_split():
     assert "no prefill" in first.reason
     p, d = by_id[first.chosen.prefill_worker], by_id[first.chosen.decode_worker]
     p.add_prefill("first", 300, prefill_pairs(300, 0))
-    d.add_decode("first", 300, 10.0)
+    d.add_decode("first", 300, 10.0, local=False)
     assert p.local_prefills == 0  # a prefill for a peer is no decode to come
     second = pl.decide(shape(300, seed=11, slo_ttft=20.0, slo_itl=10.0), [a, b], [a, b])
     assert second.chosen.decode_worker == d.worker_id, second.reason

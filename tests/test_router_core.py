@@ -539,3 +539,37 @@ def test_each_kind_of_placement_teaches_its_own_bias_on_its_decode_worker():
     resumed = run(main(lost, ended))
     assert len(lost.lost) == 1 and sum(r.resumed for r in ended.records) == 1
     assert sum(w.itl_bias[k].samples for w in resumed.states.values() for k in (True, False)) == 6
+
+
+def test_a_decoding_request_is_priced_with_the_bias_of_its_kind_of_placement():
+    """On a decode worker whose colocated requests came at 2x their predicted p99 gap and whose
+    received ones at 3x, a colocated request decoding there (from its first token) is checked
+    at 2x in the misses new work would cause, a handoff (from its placement) at 3x."""
+    from router.metrics import Metrics
+    from router.pool_state import ItlCheck
+
+    async def main():
+        backend = FakeBackend(chunk_tokens=1)
+        core = RequestCore(backend, await backend.infos(), RouterConfig(), TOKENIZER, Metrics())
+        await core.refresh()
+        d = core.states["decode-0"]
+        for _ in range(5):
+            d.itl_bias[True].observe(0.05, 0.10)
+            d.itl_bias[False].observe(0.05, 0.15)
+        d.update_tail()
+        seen = {}
+        for path in (RoutePath.COLOCATED, RoutePath.DISAGGREGATED):
+            req = replace(request(path.value, max_tokens=20), path=path)
+            stream = core.generate(req, asyncio.get_running_loop().time())
+            first = await anext(stream)
+            assert first.token_ids
+            seen[path] = d.itl_checks()
+            rest = [c async for c in stream]
+            assert sum(len(c.token_ids) for c in rest) == 19
+        return seen, d
+
+    seen, d = run(main())
+    slo = RouterConfig().slo_itl_s
+    assert seen[RoutePath.COLOCATED] == [ItlCheck(pytest.approx(slo), pytest.approx(2.0))]
+    assert seen[RoutePath.DISAGGREGATED] == [ItlCheck(pytest.approx(slo), pytest.approx(3.0))]
+    assert d.itl_checks() == []

@@ -18,7 +18,7 @@ from tests.test_router_core import TOKENIZER
 def worker(target_s: float | None, slo_s: float | None = None, wid: str = "both-0") -> WorkerState:
     state = WorkerState(replace(fake_info(wid, "both"), step_target_s=target_s))
     if slo_s is not None:
-        state.add_decode("r", 100, slo_s)
+        state.add_decode("r", 100, slo_s, local=False)
     return state
 
 
