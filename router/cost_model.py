@@ -380,6 +380,11 @@ class Bias:
             self._obs.append((predicted_s, measured_s))
             self._fit = None
 
+    @property
+    def trained(self) -> bool:
+        """Whether it has seen enough first tokens to correct anything (else identity)."""
+        return len(self._obs) >= self.min_samples
+
     def _coefficients(self) -> tuple[float, float, float]:
         """(fixed, scale, the largest prediction they hold for)."""
         if self._fit is None:

@@ -162,6 +162,21 @@ class Planner:
         self.demand = DecodeDemand()
         self.decoders_needed = 1  # as of the latest candidates()
 
+    def ttft_bias(self, path: RoutePath) -> Bias:
+        """The TTFT correction `path`'s predictions take: its own, or while it has seen too few
+        first tokens of its own, the other path's. Both are mostly the error of a prefill
+        queue's prediction; with one path corrected and the other not, the one left as the
+        bare model predicts it looks the quicker (on long-prompt, once handoffs' corrections
+        were centred on their first tokens, flex colocated 8-14 requests in a round, 1-7 before:
+        the colocated path had seen too few to correct its own)."""
+        own = self.bias[path]
+        if own.trained:
+            return own
+        other = self.bias[
+            RoutePath.DISAGGREGATED if path is RoutePath.COLOCATED else RoutePath.COLOCATED
+        ]
+        return other if other.trained else own
+
     def candidates(
         self,
         req: RequestShape,
@@ -190,12 +205,12 @@ class Planner:
             for d in decode
         }
         out: list[PathPrediction] = []
+        b = self.ttft_bias(RoutePath.COLOCATED)
         for d in decode:
             with d.model.target_at_most(limits[d.worker_id]):
-                b = self.bias[RoutePath.COLOCATED]
                 out.append(predict_colocated(req, d, b, shared[d.worker_id], width))
         local = {c.decode_worker: c.ttft_s for c in out}
-        b = self.bias[RoutePath.DISAGGREGATED]
+        b = self.ttft_bias(RoutePath.DISAGGREGATED)
         for p in prefill:
             for d in decode:
                 if p.worker_id == d.worker_id:

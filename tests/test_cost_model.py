@@ -331,6 +331,26 @@ def test_measured_ttft_trains_the_bias_of_its_path():
     assert same.ttft_s - same.raw_ttft_s == pytest.approx(0.040, rel=0.01)
 
 
+def test_a_path_with_too_few_first_tokens_of_its_own_takes_the_other_paths_correction():
+    """Handoffs' first tokens came 2x their prediction; no colocated one was seen: a colocated
+    candidate's TTFT is corrected as the handoffs' are (left bare, it would look half as long
+    as it is beside them), until eight colocated first tokens give it its own."""
+    pl = planner()
+    p, d = trained("prefill-0", "prefill"), trained("decode-0", "decode", seed=1)
+    seen = [float(x) for x in np.linspace(0.01, 10.0, 8)]  # first tokens of every size
+    for raw in seen:
+        pl.bias[RoutePath.DISAGGREGATED].observe(raw, 2 * raw)
+    borrowed = {c.path: c for c in pl.decide(shape(300, seed=3), [p], [d]).best}
+    for c in borrowed.values():
+        assert c.ttft_s == pytest.approx(2 * c.raw_ttft_s, rel=0.01)
+    for raw in seen:
+        pl.bias[RoutePath.COLOCATED].observe(raw, raw)
+    own = {c.path: c for c in pl.decide(shape(300, seed=4), [p], [d]).best}
+    assert own[RoutePath.COLOCATED].ttft_s == pytest.approx(own[RoutePath.COLOCATED].raw_ttft_s)
+    handoff = own[RoutePath.DISAGGREGATED]
+    assert handoff.ttft_s == pytest.approx(2 * handoff.raw_ttft_s, rel=0.01)
+
+
 def test_the_bias_scales_an_error_that_grows_with_the_prediction_and_adds_one_that_does_not():
     """Long prompts' first tokens came at half their prediction, short ones' 40 ms late (the
     RPC hop): a mean of measured - predicted would put a short prompt's TTFT below zero; the
