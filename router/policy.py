@@ -166,9 +166,9 @@ class Planner:
         """The TTFT correction `path`'s predictions take: its own, or while it has seen too few
         first tokens of its own, the other path's. Both are mostly the error of a prefill
         queue's prediction; with one path corrected and the other not, the one left as the
-        bare model predicts it looks the quicker (on long-prompt, once handoffs' corrections
-        were centred on their first tokens, flex colocated 8-14 requests in a round, 1-7 before:
-        the colocated path had seen too few to correct its own)."""
+        bare model predicts it would look the quicker for want of first tokens of its own (on
+        long-prompt, flex colocates a few requests a round: too few for a correction of their
+        own)."""
         own = self.bias[path]
         if own.trained:
             return own
