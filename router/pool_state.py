@@ -194,7 +194,7 @@ class WorkerState:
 
     def itl_slos(self) -> list[float]:
         """The ITL SLOs of the requests decoding here that can still attain."""
-        return [d.itl_slo_s for d in self._decodes.values() if d.itl_slo_s != float("inf")]
+        return [c.slo_s for c in self.itl_checks()]
 
     def itl_checks(self) -> list[ItlCheck]:
         """The requests decoding here that can still attain: their ITL SLOs, with the bias of
