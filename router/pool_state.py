@@ -89,8 +89,9 @@ class WorkerState:
         self._prefills: dict[str, _Prefill] = {}
         self._decodes: dict[str, _Decode] = {}
         self.load: WorkerLoad | None = None
-        # (time.monotonic(), gap) of the latest inter-token gaps its requests saw at the router.
-        self._gaps: deque[tuple[float, float]] = deque(maxlen=4096)
+        # (time.monotonic(), gap, whether a prefill was placed here then) of the latest
+        # inter-token gaps its requests saw at the router.
+        self._gaps: deque[tuple[float, float, bool]] = deque(maxlen=4096)
         # (time.monotonic(), p99 gap / median gap) of the latest requests that ended here.
         self._request_tails: deque[tuple[float, float]] = deque(maxlen=256)
         # (time.monotonic(), tokens, pairs) of the latest prefills placed here.
@@ -230,12 +231,18 @@ class WorkerState:
         return min((d.itl_slo_s for d in self._decodes.values()), default=float("inf"))
 
     def observe_gaps(self, gaps: Sequence[float], now: float | None = None) -> None:
-        """Inter-token gaps a request decoding here just saw (measured at the router)."""
+        """Inter-token gaps a request decoding here just saw (measured at the router), each
+        marked with whether a prefill (its own or a peer's, running or queued) was placed here
+        then: the gaps of the steps that ran a chunk beside the decodes, within a chunk's way
+        to the router."""
         t = time.monotonic() if now is None else now
-        self._gaps.extend((t, g) for g in gaps)
+        beside = bool(self._prefills)
+        self._gaps.extend((t, g, beside) for g in gaps)
 
-    def recent_gaps(self, since: float) -> list[float]:
-        return [g for t, g in self._gaps if t >= since]
+    def recent_gaps(self, since: float, beside_prefill: bool | None = None) -> list[float]:
+        """The gaps seen since `since`: all of them, or those seen with (True) or without
+        (False) a prefill placed here."""
+        return [g for t, g, b in self._gaps if t >= since and beside_prefill in (None, b)]
 
     def observe_request(
         self,
