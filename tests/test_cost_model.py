@@ -1477,3 +1477,25 @@ def test_steps_beside_decodes_slower_than_the_fit_price_chunked_prefills_next_to
     for _ in range(MIN_BESIDE_STEPS):
         fresh.observe(StepStat(20, 16, prefill_pairs(16, 0), 4, 4000, 1.0))
     assert fresh.beside_factor == 1.0
+
+
+def test_the_chunk_steps_over_the_fit_are_a_gauge_per_worker_that_leaves_with_it():
+    backend = FakeBackend(num_prefill=0, num_decode=0, num_both=2)
+    metrics = Metrics()
+    m = Membership(
+        backend, [backend.worker_info(w) for w in ("both-0", "both-1")], HandoffHealth(), metrics
+    )
+    a = m.state("both-0")
+    a.model = trained("both-0", "both", seed=4).model
+    pairs = prefill_pairs(16, 1000)
+    slow = StepStat(20, 16, pairs, 4, 4000, 2.0 * true_step(20, pairs, 4000))
+    m.absorb([WorkerLoad("both-0", a.info.role, 4, 0, 0, 0.1, 1000, 1024, 0, steps=(slow,) * 32)])
+    sample = metrics.registry.get_sample_value
+    name = "pdserve_worker_chunk_step_over_fit_ratio"
+    assert sample(name, {"worker": "both-0"}) == pytest.approx(a.model.beside_factor)
+    assert a.model.beside_factor > 1.3
+    assert sample(name, {"worker": "both-1"}) == 1.0  # a fresh model: nothing compared yet
+    backend.decode_ids.remove("both-0")
+    backend.prefill_ids.remove("both-0")
+    m.absorb([])
+    assert sample(name, {"worker": "both-0"}) is None
