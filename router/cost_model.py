@@ -29,15 +29,6 @@ worker's own where it has seen MIN_SUPPORT steps of that kind, else the fit of t
 running the same model on the same kind of device: `kin_of`) that has seen the most, where it has
 seen as many. A step beside a chunk costs no less per step than one of decodes alone.
 
-One line cannot price every shape: a small chunk beside decodes also pays what a large one
-spreads over many tokens (the gather of its prompt's cached KV, each weight read for a handful of
-rows), so the fit, taught mostly by whole prefill steps and decodes alone, prices those steps
-short (135M on a CPU core, a 16-token chunk of a 1,300-token prompt beside one decode: 95 ms
-predicted, about 150 ms measured). The steps that ran a chunk beside decodes are compared with
-the fit as they come (`beside_factor`: the median of measured over predicted over the latest
-BESIDE_WINDOW, once MIN_BESIDE_STEPS have been), and chunked prefills next to decodes, their
-time and the step the decodes see, are priced that many times the fit.
-
 The exposed KV transfer time (first token sampled -> send ended; layer-wise streaming hides the
 rest behind the prefill) is a second linear model, `latency + bytes / bandwidth`, fitted from the
 prefill worker's latest transfer measurements and seeded from a nominal bandwidth.
@@ -75,11 +66,6 @@ SETTLED_STEPS = 100
 # the part of a step that kind prices to come from its own fit (see the module docstring).
 MIN_SUPPORT = 10.0
 PREFILL, DECODE = 0, 1
-# The latest steps that ran a chunk beside decodes the factor on their kind of step takes its
-# median over; it is 1 until MIN_BESIDE_STEPS have been compared, and kept within the bounds.
-BESIDE_WINDOW = 32
-MIN_BESIDE_STEPS = 10
-BESIDE_FACTOR_BOUNDS = (0.5, 3.0)
 # Workers whose devices measured rates within this factor of each other's are of one kind.
 KIN_RATE_RATIO = 2.0
 
@@ -187,18 +173,9 @@ class StepTimeModel:
         self.kin: Sequence[StepTimeModel] = ()
         # Per kind: (the kin priced from, its fit's step count, its coefficients times `scale`).
         self._borrowed: list[tuple[StepTimeModel, int, StepCoefficients] | None] = [None, None]
-        # Measured over predicted (alone) of the latest steps that ran a chunk beside decodes,
-        # once settled, and their median (None: not taken since the last one).
-        self._beside: deque[float] = deque(maxlen=BESIDE_WINDOW)
-        self._beside_factor: float | None = 1.0
 
     def observe(self, s: StepStat, scale: float = 1.0) -> None:
         """A step the worker measured while its steps ran `scale` times slower than alone."""
-        if s.decode_seqs and s.prefill_tokens and self.settled:
-            alone = float(self.alone_s([s])[0])
-            if alone > 0:
-                self._beside.append(s.seconds / scale / alone)
-                self._beside_factor = None
         x = np.array([1.0, s.tokens, s.prefill_pairs, s.decode_context])
         self.fit.observe(x, s.seconds / scale)
         d = self.fit.decay
@@ -227,16 +204,6 @@ class StepTimeModel:
         if held is None or held[0] is not src or held[1] != src.fit.n:
             held = self._borrowed[kind] = (src, src.fit.n, self._scaled(src.fit.w))
         return held[2]
-
-    @property
-    def beside_factor(self) -> float:
-        """How many times the fit the steps that ran a chunk beside decodes took lately (see
-        the module docstring)."""
-        if self._beside_factor is None:
-            f = float(np.median(self._beside)) if len(self._beside) >= MIN_BESIDE_STEPS else 1.0
-            lo, hi = BESIDE_FACTOR_BOUNDS
-            self._beside_factor = min(hi, max(lo, f))
-        return self._beside_factor
 
     @property
     def settled(self) -> bool:
@@ -315,8 +282,7 @@ class StepTimeModel:
             w = self._priced(PREFILL)
             w1, w2 = w.per_token_s, w.per_prefill_pair_s
             per_token = w1 + w2 * pairs / tokens
-            target = self.step_target_s / self.beside_factor  # as the fit prices it
-            fit = (target - fixed) / per_token if per_token > 0 else chunk
+            fit = (self.step_target_s - fixed) / per_token if per_token > 0 else chunk
             chunk = int(min(chunk, max(MIN_CHUNK, fit)))
         return chunk
 
@@ -346,9 +312,6 @@ class StepTimeModel:
             # the target, down to MIN_CHUNK tokens, past which the target gives way.
             at_end = fixed + min(MIN_CHUNK, tokens) * (w1 + 2.0 * w2 * pairs / tokens)
             during = max(during, at_end)
-        if batch > 0:
-            f = self.beside_factor
-            total, during = total * f, during * f
         return total, during
 
 

@@ -87,7 +87,6 @@ class Membership:
                 s.peers_gap_factor = peers
         decoders = [self.state(w) for w in b.decode_ids]
         self.sink.gap_factors({s.worker_id: s.gap_factor() for s in decoders})
-        self.sink.beside_factors({s.worker_id: s.model.beside_factor for s in decoders})
         self.sink.biases(
             {
                 (kind, s.worker_id): s.itl_bias_factor(local)

@@ -217,14 +217,6 @@ class Metrics:
             ("worker",),
             registry=r,
         )
-        self.beside_factor = Gauge(
-            "pdserve_worker_chunk_step_over_fit_ratio",
-            "How many times the step-time model's prediction the steps that ran a prefill "
-            "chunk beside decodes took lately on a worker (the median of the last 32; 1 until "
-            "10): chunked prefills next to its decodes are priced that many times the fit.",
-            ("worker",),
-            registry=r,
-        )
         self.prediction_bias = Gauge(
             "pdserve_prediction_bias_ratio",
             "How many times its prediction the p99 gap of a worker's requests has come lately "
@@ -388,10 +380,6 @@ class Metrics:
         for worker_id, factor in factors.items():
             self.gap_factor.labels(worker_id).set(factor)
 
-    def beside_factors(self, factors: dict[str, float]) -> None:
-        for worker_id, factor in factors.items():
-            self.beside_factor.labels(worker_id).set(factor)
-
     def biases(self, factors: dict[tuple[str, str], float]) -> None:
         for (kind, worker_id), factor in factors.items():
             self.prediction_bias.labels(kind, worker_id).set(factor)
@@ -409,7 +397,6 @@ class Metrics:
         for g, labels in (
             (self.prediction_spread, ("itl_p99", worker_id)),
             (self.gap_factor, (worker_id,)),
-            (self.beside_factor, (worker_id,)),
             *((self.prediction_bias, (kind, worker_id)) for kind, _ in PLACEMENT_KINDS),
         ):
             try:

@@ -92,10 +92,6 @@ class StatsSink(Protocol):
         """worker -> how much longer the gaps its requests see are than its steps
         (WorkerState.gap_factor)."""
 
-    def beside_factors(self, factors: dict[str, float]) -> None:
-        """worker -> how many times its step-time fit the steps that ran a chunk beside
-        decodes took lately (StepTimeModel.beside_factor)."""
-
     def biases(self, factors: dict[tuple[str, str], float]) -> None:
         """(kind, worker) -> how many times their prediction the p99 gaps of the worker's
         requests of that kind (colocated, received) came lately (WorkerState.itl_bias_factor)."""
@@ -154,9 +150,6 @@ class NullSink:
         pass
 
     def gap_factors(self, factors: dict[str, float]) -> None:
-        pass
-
-    def beside_factors(self, factors: dict[str, float]) -> None:
         pass
 
     def biases(self, factors: dict[tuple[str, str], float]) -> None:

@@ -11,9 +11,7 @@ import pytest
 from engine.prefix_hash import block_hashes
 from engine.step_stats import StepStat
 from router.cost_model import (
-    BESIDE_WINDOW,
     DECODE,
-    MIN_BESIDE_STEPS,
     MIN_SUPPORT,
     PREFILL,
     Bias,
@@ -1451,51 +1449,3 @@ def test_a_replacement_keeps_its_predecessors_bias_and_a_removed_worker_leaves_t
     m.absorb([])
     assert sample("pdserve_prediction_bias_ratio", labels) is None
     assert sample("pdserve_prediction_bias_ratio", {**labels, "kind": "received"}) is None
-
-
-def test_steps_beside_decodes_slower_than_the_fit_price_chunked_prefills_next_to_decodes_so():
-    """Small chunks beside decodes take 1.5x what the fit (taught mostly by other shapes) says:
-    once they are most of the latest compared, a chunked prefill next to decodes is
-    priced 1.5x (its time, the step the decodes see), and one on an idle worker as before."""
-    w = trained("both-0", "both", seed=3)
-    pairs = prefill_pairs(512, 1000)
-    total0, during0 = w.model.chunked_s(512, pairs, 4, 4000)
-    idle0 = w.model.chunked_s(512, pairs, 0, 0)[0]
-    assert w.model.beside_factor == pytest.approx(1.0, abs=0.05)  # the fit holds
-    for i in range(BESIDE_WINDOW):
-        chunk_pairs = prefill_pairs(16, 1000 + 16 * i)
-        t = 1.5 * true_step(4 + 16, chunk_pairs, 4000)
-        w.model.observe(StepStat(4 + 16, 16, chunk_pairs, 4, 4000, t))
-    # The fit learns a little of it (those steps are in it too), the factor the rest.
-    assert 1.2 < w.model.beside_factor < 1.6
-    total, during = w.model.chunked_s(512, pairs, 4, 4000)
-    assert during / during0 == pytest.approx(1.5, rel=0.15)
-    assert total / total0 == pytest.approx(1.5, rel=0.15)
-    assert w.model.chunked_s(512, pairs, 0, 0)[0] == pytest.approx(idle0, rel=0.05)
-    # A model not yet settled compares nothing: its factor stays 1.
-    fresh = StepTimeModel(fake_info("both-1", "both"))
-    for _ in range(MIN_BESIDE_STEPS):
-        fresh.observe(StepStat(20, 16, prefill_pairs(16, 0), 4, 4000, 1.0))
-    assert fresh.beside_factor == 1.0
-
-
-def test_the_chunk_steps_over_the_fit_are_a_gauge_per_worker_that_leaves_with_it():
-    backend = FakeBackend(num_prefill=0, num_decode=0, num_both=2)
-    metrics = Metrics()
-    m = Membership(
-        backend, [backend.worker_info(w) for w in ("both-0", "both-1")], HandoffHealth(), metrics
-    )
-    a = m.state("both-0")
-    a.model = trained("both-0", "both", seed=4).model
-    pairs = prefill_pairs(16, 1000)
-    slow = StepStat(20, 16, pairs, 4, 4000, 2.0 * true_step(20, pairs, 4000))
-    m.absorb([WorkerLoad("both-0", a.info.role, 4, 0, 0, 0.1, 1000, 1024, 0, steps=(slow,) * 32)])
-    sample = metrics.registry.get_sample_value
-    name = "pdserve_worker_chunk_step_over_fit_ratio"
-    assert sample(name, {"worker": "both-0"}) == pytest.approx(a.model.beside_factor)
-    assert a.model.beside_factor > 1.3
-    assert sample(name, {"worker": "both-1"}) == 1.0  # a fresh model: nothing compared yet
-    backend.decode_ids.remove("both-0")
-    backend.prefill_ids.remove("both-0")
-    m.absorb([])
-    assert sample(name, {"worker": "both-0"}) is None

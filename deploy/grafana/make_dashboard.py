@@ -197,11 +197,6 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         [q("{{worker}}", "max by (worker) (pdserve_worker_gap_over_step_ratio)")],
     ),
     (
-        "Steps with a chunk beside decodes over the step model, per worker",
-        "short",
-        [q("{{worker}}", "max by (worker) (pdserve_worker_chunk_step_over_fit_ratio)")],
-    ),
-    (
         "Prefix cache hit rate per worker",
         "percentunit",
         [
