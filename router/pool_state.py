@@ -92,6 +92,7 @@ class WorkerState:
         # (time.monotonic(), gap, whether a prefill was placed here then) of the latest
         # inter-token gaps its requests saw at the router.
         self._gaps: deque[tuple[float, float, bool]] = deque(maxlen=4096)
+        self._prefill_ended = -float("inf")  # when the last prefill placed here ended
         # (time.monotonic(), p99 gap / median gap) of the latest requests that ended here.
         self._request_tails: deque[tuple[float, float]] = deque(maxlen=256)
         # (time.monotonic(), tokens, pairs) of the latest prefills placed here.
@@ -154,12 +155,13 @@ class WorkerState:
         if d is not None:
             d.context += tokens
 
-    def done(self, rid: str) -> None:
+    def done(self, rid: str, now: float | None = None) -> None:
         """Forget `rid`'s prefill (its first token came or it ended)."""
-        self._prefills.pop(rid, None)
+        if self._prefills.pop(rid, None) is not None:
+            self._prefill_ended = time.monotonic() if now is None else now
 
     def finish(self, rid: str) -> None:
-        self._prefills.pop(rid, None)
+        self.done(rid)
         self._decodes.pop(rid, None)
 
     @property
@@ -232,12 +234,19 @@ class WorkerState:
 
     def observe_gaps(self, gaps: Sequence[float], now: float | None = None) -> None:
         """Inter-token gaps a request decoding here just saw (measured at the router), each
-        marked with whether a prefill (its own or a peer's, running or queued) was placed here
-        then: the gaps of the steps that ran a chunk beside the decodes, within a chunk's way
-        to the router."""
+        marked with whether another request's prefill (colocated here, or placed here for a
+        peer; running or queued) was placed here while it ran: the gaps of the steps that ran a
+        chunk beside the decodes, within a chunk's way to the router. A gap that began before
+        the last such prefill ended counts as beside it (the step that ended a prompt sends its
+        first token and its neighbours' tokens at once, and the router books the first one
+        first); one seen while a prefill only waits in the worker's queue counts too."""
         t = time.monotonic() if now is None else now
-        beside = bool(self._prefills)
-        self._gaps.extend((t, g, beside) for g in gaps)
+        placed, ended = bool(self._prefills), self._prefill_ended
+        marked, end = [], t
+        for g in reversed(gaps):  # the last gap ends now, each earlier one where the next began
+            marked.append((t, g, placed or end - g <= ended))
+            end -= g
+        self._gaps.extend(reversed(marked))
 
     def recent_gaps(self, since: float, beside_prefill: bool | None = None) -> list[float]:
         """The gaps seen since `since`: all of them, or those seen with (True) or without

@@ -5,9 +5,10 @@ takes about that long (engine/scheduler.py, ChunkSizer). The right target is not
 what a request sees between two tokens is more than one step (the chunk's way to the router, the
 slowest step at a prompt's end, two prefills' tails in one step), and what it must see is its ITL
 SLO at the 99th percentile. So the router, which takes every chunk, measures the gaps per worker,
-each marked with whether a prefill was placed there then (`WorkerState.observe_gaps`): those are
-the gaps of the steps the target bounds. Every `interval_s`, for a worker whose last `window_s`
-hold at least `min_gaps` gaps beside a prefill:
+each marked with whether another request's prefill was placed there then
+(`WorkerState.observe_gaps`): those are the gaps of the steps the target bounds. Every
+`interval_s`, for a worker whose last `window_s` hold at least `min_gaps` gaps beside a prefill
+(the p99 of 30 gaps is about their longest but one: what a short request sees at its own p99):
 
     ratio  = p99 of those gaps / the ITL SLO (the tightest among the requests decoding there
              that can still attain, else the default)
@@ -15,12 +16,13 @@ hold at least `min_gaps` gaps beside a prefill:
     target = clip(target * clip(goal / ratio, 0.7, 1.25), floor * most, most)
 
 that is, a p99 above `goal` of the SLO shrinks the target, one below lets it grow back (cheaper
-prefills: fewer, larger chunks), by at most 30% down and 25% up at a time, never past the step
-whose gaps would take the SLO. Only gaps beside a prefill move it: a window of decodes alone says
-nothing of the chunks (their p99 would grow the target up to that step, where the next prompt's
-chunk steps take the SLO), and a tail the decodes make alone (a batch too large, a busy host)
-does not shrink with the chunks: with the gaps without a prefill as slow as those beside one,
-the target is left. A worker is retargeted at most once per half window, only by more than 5%,
+prefills: fewer, larger chunks), by at most 30% down and 25% up per retarget, never past the
+step whose gaps would take the SLO. Only gaps beside a prefill move it: a window of decodes
+alone says nothing of the chunks (their p99 would grow the target up to that step, where the
+next prompt's chunk steps take the SLO). And a tail the decodes make alone (a batch too large, a
+busy host) does not shrink with the chunks: where the window also holds `min_gaps` gaps without
+a prefill, and their p99 is as long as the p99 beside one, a target the gaps would shrink is
+left. A worker is retargeted at most once per half window, only by more than 5%,
 and from the gaps measured since its last change alone (those under the old target say nothing
 of the new one). A target more than 5% past that step for the SLO of the requests decoding there
 (the server's default SLO may be far looser than what its clients ask for) drops to `start` x it
@@ -44,7 +46,7 @@ _DEAD_BAND = 0.05  # a change of the target by no more than this fraction is not
 class StepTargetConfig:
     interval_s: float = 2.0
     window_s: float = 20.0
-    min_gaps: int = 30  # gaps beside a prefill
+    min_gaps: int = 30  # gaps beside a prefill (and without one, to judge the decodes' own tail)
     goal: float = 0.9  # the p99 gap aimed at, as a fraction of the ITL SLO
     # The least target, and where a target past the step whose gaps take the SLO (the SLO over
     # the worker's gaps over its steps) starts again: fractions of that step.

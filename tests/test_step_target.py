@@ -218,3 +218,34 @@ def test_a_tighter_request_placed_while_a_target_call_is_in_flight_gets_its_targ
     assert backend.step_targets == {"both-0": pytest.approx(0.08)}
     assert core.states["both-0"].model.step_target_s == pytest.approx(0.08)
     assert not core._tighten_next
+
+
+def test_a_few_slow_gaps_without_a_prefill_do_not_hold_a_shrink():
+    """Fewer than min_gaps gaps without a prefill say too little of the decodes' own tail: the
+    slow gaps beside a prefill shrink the target."""
+    tune = StepTargets(1.0)
+    w = worker(0.080, slo_s=0.150, prefilling=False)
+    w.observe_gaps([0.30] * 10, now=50.0)
+    w.add_prefill("p", 512, 1.0)
+    w.observe_gaps([0.30] * 100, now=51.0)
+    assert tune.retarget(w, now=52.0) == pytest.approx(0.7 * 0.080)
+
+
+def test_a_target_past_the_slo_step_drops_even_right_after_a_change():
+    tune = StepTargets(1.0)
+    w = worker(0.800, slo_s=0.150)
+    tune.changed(w.worker_id, now=100.0)
+    assert tune.retarget(w, now=101.0) == pytest.approx(0.8 * 0.150)
+
+
+def test_a_gap_that_began_before_a_prefill_ended_counts_as_beside_it():
+    """A step that ends a colocated prompt sends its first token and its neighbours' tokens at
+    once; the router books the first token (the prefill ends) before the neighbours' gaps come.
+    Those gaps ran beside the chunk; the next ones, begun after, did not."""
+    w = worker(0.080, slo_s=0.150, prefilling=False)
+    w.add_prefill("c", 512, 1.0, local=True, itl_slo_s=0.15)
+    w.done("c", now=10.0)
+    w.observe_gaps([0.20], now=10.05)  # began at 9.85: beside the chunk
+    w.observe_gaps([0.05, 0.05], now=10.15)  # began at 10.05 and 10.10: after it
+    assert w.recent_gaps(0.0, beside_prefill=True) == [0.20]
+    assert w.recent_gaps(0.0, beside_prefill=False) == [0.05, 0.05]
