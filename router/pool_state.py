@@ -89,10 +89,8 @@ class WorkerState:
         self._prefills: dict[str, _Prefill] = {}
         self._decodes: dict[str, _Decode] = {}
         self.load: WorkerLoad | None = None
-        # (time.monotonic(), gap, whether a prefill was placed here then) of the latest
-        # inter-token gaps its requests saw at the router.
-        self._gaps: deque[tuple[float, float, bool]] = deque(maxlen=4096)
-        self._prefill_ended = -float("inf")  # when the last prefill placed here ended
+        # (time.monotonic(), gap) of the latest inter-token gaps its requests saw at the router.
+        self._gaps: deque[tuple[float, float]] = deque(maxlen=4096)
         # (time.monotonic(), p99 gap / median gap) of the latest requests that ended here.
         self._request_tails: deque[tuple[float, float]] = deque(maxlen=256)
         # (time.monotonic(), tokens, pairs) of the latest prefills placed here.
@@ -155,13 +153,12 @@ class WorkerState:
         if d is not None:
             d.context += tokens
 
-    def done(self, rid: str, now: float | None = None) -> None:
+    def done(self, rid: str) -> None:
         """Forget `rid`'s prefill (its first token came or it ended)."""
-        if self._prefills.pop(rid, None) is not None:
-            self._prefill_ended = time.monotonic() if now is None else now
+        self._prefills.pop(rid, None)
 
     def finish(self, rid: str) -> None:
-        self.done(rid)
+        self._prefills.pop(rid, None)
         self._decodes.pop(rid, None)
 
     @property
@@ -233,25 +230,12 @@ class WorkerState:
         return min((d.itl_slo_s for d in self._decodes.values()), default=float("inf"))
 
     def observe_gaps(self, gaps: Sequence[float], now: float | None = None) -> None:
-        """Inter-token gaps a request decoding here just saw (measured at the router), each
-        marked with whether another request's prefill (colocated here, or placed here for a
-        peer; running or queued) was placed here while it ran: the gaps of the steps that ran a
-        chunk beside the decodes, within a chunk's way to the router. A gap that began before
-        the last such prefill ended counts as beside it (the step that ended a prompt sends its
-        first token and its neighbours' tokens at once, and the router books the first one
-        first); one seen while a prefill only waits in the worker's queue counts too."""
+        """Inter-token gaps a request decoding here just saw (measured at the router)."""
         t = time.monotonic() if now is None else now
-        placed, ended = bool(self._prefills), self._prefill_ended
-        marked, end = [], t
-        for g in reversed(gaps):  # the last gap ends now, each earlier one where the next began
-            marked.append((t, g, placed or end - g <= ended))
-            end -= g
-        self._gaps.extend(reversed(marked))
+        self._gaps.extend((t, g) for g in gaps)
 
-    def recent_gaps(self, since: float, beside_prefill: bool | None = None) -> list[float]:
-        """The gaps seen since `since`: all of them, or those seen with (True) or without
-        (False) a prefill placed here."""
-        return [g for t, g, b in self._gaps if t >= since and beside_prefill in (None, b)]
+    def recent_gaps(self, since: float) -> list[float]:
+        return [g for t, g in self._gaps if t >= since]
 
     def observe_request(
         self,

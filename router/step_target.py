@@ -4,11 +4,9 @@ A worker with a step target cuts the prefill chunks it runs beside its decodes s
 takes about that long (engine/scheduler.py, ChunkSizer). The right target is not a fixed number:
 what a request sees between two tokens is more than one step (the chunk's way to the router, the
 slowest step at a prompt's end, two prefills' tails in one step), and what it must see is its ITL
-SLO at the 99th percentile. So the router, which takes every chunk, measures the gaps per worker,
-each marked with whether another request's prefill was placed there then
-(`WorkerState.observe_gaps`): those are the gaps of the steps the target bounds. Every
-`interval_s`, for a worker whose last `window_s` hold at least `min_gaps` gaps beside a prefill
-(the p99 of 30 gaps is about their longest but one: what a short request sees at its own p99):
+SLO at the 99th percentile. So the router, which takes every chunk, measures the gaps per worker
+(`WorkerState.observe_gaps`), and every `interval_s`, for a worker whose last `window_s` hold at
+least `min_gaps` gaps:
 
     ratio  = p99 of those gaps / the ITL SLO (the tightest among the requests decoding there
              that can still attain, else the default)
@@ -16,17 +14,12 @@ each marked with whether another request's prefill was placed there then
     target = clip(target * clip(goal / ratio, 0.7, 1.25), floor * most, most)
 
 that is, a p99 above `goal` of the SLO shrinks the target, one below lets it grow back (cheaper
-prefills: fewer, larger chunks), by at most 30% down and 25% up per retarget, never past the
-step whose gaps would take the SLO. Only gaps beside a prefill move it: a window of decodes
-alone says nothing of the chunks (their p99 would grow the target up to that step, where the
-next prompt's chunk steps take the SLO). And a tail the decodes make alone (a batch too large, a
-busy host) does not shrink with the chunks: where the window also holds `min_gaps` gaps without
-a prefill, and their p99 is as long as the p99 beside one, a target the gaps would shrink is
-left. A worker is retargeted at most once per half window, only by more than 5%,
-and from the gaps measured since its last change alone (those under the old target say nothing
-of the new one). A target more than 5% past that step for the SLO of the requests decoding there
-(the server's default SLO may be far looser than what its clients ask for) drops to `start` x it
-at once.
+prefills: fewer, larger chunks), by at most 30% down and 25% up at a time, never past the step
+whose gaps would take the SLO. A worker is retargeted at most once per half window, only by more
+than 5%, and from the gaps measured since its last change alone (those under the old target say
+nothing of the new one). A target past that step for the SLO of the requests decoding there (the
+server's default SLO may be far looser than what its clients ask for) drops to `start` x it at
+once.
 """
 
 from __future__ import annotations
@@ -39,14 +32,12 @@ import numpy as np
 
 from router.pool_state import WorkerState
 
-_DEAD_BAND = 0.05  # a change of the target by no more than this fraction is not made
-
 
 @dataclass(frozen=True, slots=True)
 class StepTargetConfig:
     interval_s: float = 2.0
     window_s: float = 20.0
-    min_gaps: int = 30  # gaps beside a prefill (and without one, to judge the decodes' own tail)
+    min_gaps: int = 50
     goal: float = 0.9  # the p99 gap aimed at, as a fraction of the ITL SLO
     # The least target, and where a target past the step whose gaps take the SLO (the SLO over
     # the worker's gaps over its steps) starts again: fractions of that step.
@@ -84,18 +75,14 @@ class StepTargets:
         changed = self._changed.get(state.worker_id, -math.inf)
         if now - changed < c.window_s / 2:
             return None
-        since = max(now - c.window_s, changed)  # under the current target
-        beside = state.recent_gaps(since, beside_prefill=True)
-        if len(beside) < c.min_gaps:
+        gaps = state.recent_gaps(max(now - c.window_s, changed))  # under the current target
+        if len(gaps) < c.min_gaps:
             return None
-        p99 = float(np.percentile(beside, 99))
+        p99 = float(np.percentile(gaps, 99))
         factor = min(1.25, max(0.7, c.goal * slo / p99)) if p99 > 0 else 1.25
-        alone = state.recent_gaps(since, beside_prefill=False)
-        if factor < 1 and len(alone) >= c.min_gaps and np.percentile(alone, 99) >= p99:
-            return None  # the chunks do not make the tail: smaller ones would not shorten it
         most = _slo_step(state, slo)
         new = min(most, max(c.floor * most, target * factor))
-        if abs(new / target - 1) <= _DEAD_BAND:
+        if abs(new / target - 1) <= 0.05:
             return None
         return new
 
@@ -103,8 +90,7 @@ class StepTargets:
         """The worker's new step target for a request with ITL SLO `slo_itl_s` that decodes
         there or is placed there (None: leave it): a target past the step whose gaps take that
         SLO (the SLO over the worker's gaps over its steps) drops to `start` x that step at
-        once (more than 5% past: not for the drift of the measured gaps over steps). The router
-        calls it at placement too, before the request's prefill runs:
+        once. The router calls it at placement too, before the request's prefill runs:
         the tuning above sees a request only once it decodes, and its first chunks, and those
         of the prompts queued with it, would run at the old target (a server's default SLO may
         be far looser than what its clients ask for)."""
@@ -112,7 +98,7 @@ class StepTargets:
         if target is None or not math.isfinite(slo_itl_s):
             return None
         most = _slo_step(state, slo_itl_s)
-        return self.config.start * most if target > most * (1 + _DEAD_BAND) else None
+        return self.config.start * most if target > most else None
 
     def changed(self, worker_id: str, now: float | None = None) -> None:
         """The worker took its new target (call once it did)."""

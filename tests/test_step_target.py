@@ -15,18 +15,10 @@ from router.step_target import StepTargetConfig, StepTargets
 from tests.test_router_core import TOKENIZER
 
 
-def worker(
-    target_s: float | None,
-    slo_s: float | None = None,
-    wid: str = "both-0",
-    prefilling: bool = True,
-) -> WorkerState:
-    """`prefilling`: a peer's prefill is placed there, so the gaps it observes are beside one."""
+def worker(target_s: float | None, slo_s: float | None = None, wid: str = "both-0") -> WorkerState:
     state = WorkerState(replace(fake_info(wid, "both"), step_target_s=target_s))
     if slo_s is not None:
         state.add_decode("r", 100, slo_s, local=False)
-    if prefilling:
-        state.add_prefill("p", 512, 1.0)
     return state
 
 
@@ -78,46 +70,6 @@ def test_the_target_is_a_step_whose_gaps_take_the_slo():
     assert tune.for_request(w, 0.150) is None  # under 100 ms already
     w.observe_gaps([0.05] * 100, now=50.0)  # p99 a third of the SLO: grow, to 100 ms at most
     assert tune.retarget(w, now=50.0) == pytest.approx(0.100)
-    w.model.step_target_s = 0.103  # past it by the drift of the gaps over steps alone: kept
-    assert tune.for_request(w, 0.150) is None
-    w.model.step_target_s = 0.110
-    assert tune.for_request(w, 0.150) == pytest.approx(0.8 * 0.100)
-
-
-def test_gaps_without_a_prefill_beside_them_do_not_move_the_target():
-    """The target bounds the steps that run a chunk beside decodes. Gaps of decodes alone, short
-    (no chunk ran) or long (a large batch), say nothing of those steps: the target stays."""
-    tune = StepTargets(1.0)
-    short = worker(0.080, slo_s=0.150, prefilling=False)
-    short.observe_gaps([0.03] * 200, now=50.0)
-    assert tune.retarget(short, now=50.0) is None
-    long = worker(0.080, slo_s=0.150, wid="both-1", prefilling=False)
-    long.observe_gaps([0.30] * 200, now=50.0)
-    assert tune.retarget(long, now=50.0) is None
-    # A prefill placed there: the gaps from then on are beside it, and move the target.
-    long.add_prefill("p", 512, 1.0)
-    long.observe_gaps([0.40] * 50, now=51.0)
-    assert tune.retarget(long, now=52.0) == pytest.approx(0.7 * 0.080)
-
-
-def test_a_tail_as_long_without_a_prefill_as_beside_one_does_not_shrink_the_target():
-    """Gaps of 300 ms beside a prefill, against an SLO of 150 ms: the chunks would be cut, but
-    the gaps without a prefill are as slow (the decodes make the tail): smaller chunks would not
-    shorten it. With those quick, the target shrinks."""
-    tune = StepTargets(1.0)
-    for wid, alone_s, expected in (("both-0", 0.30, None), ("both-1", 0.05, 0.7 * 0.080)):
-        w = worker(0.080, slo_s=0.150, wid=wid, prefilling=False)
-        w.observe_gaps([alone_s] * 100, now=50.0)
-        w.add_prefill("p", 512, 1.0)
-        w.observe_gaps([0.30] * 100, now=51.0)
-        got = tune.retarget(w, now=52.0)
-        assert got == (pytest.approx(expected) if expected is not None else None), wid
-    # Quick beside a prefill, slow alone: the chunks can grow.
-    grow = worker(0.080, slo_s=0.150, wid="both-2", prefilling=False)
-    grow.observe_gaps([0.30] * 100, now=50.0)
-    grow.add_prefill("p", 512, 1.0)
-    grow.observe_gaps([0.05] * 100, now=51.0)
-    assert tune.retarget(grow, now=52.0) == pytest.approx(0.100)
 
 
 def tuned_core(backend: FakeBackend) -> RequestCore:
@@ -128,7 +80,6 @@ def tuned_core(backend: FakeBackend) -> RequestCore:
         infos = [replace(i, step_target_s=0.1) for i in await backend.infos()]
         config = RouterConfig(slo_itl_s=0.15, tune_step_target=True)
         core = RequestCore(backend, infos, config, TOKENIZER)
-        core.states["both-0"].add_prefill("p", 512, 1.0)
         core.states["both-0"].observe_gaps([0.3] * 100)
         await core.refresh()
         return core
@@ -218,34 +169,3 @@ def test_a_tighter_request_placed_while_a_target_call_is_in_flight_gets_its_targ
     assert backend.step_targets == {"both-0": pytest.approx(0.08)}
     assert core.states["both-0"].model.step_target_s == pytest.approx(0.08)
     assert not core._tighten_next
-
-
-def test_a_few_slow_gaps_without_a_prefill_do_not_hold_a_shrink():
-    """Fewer than min_gaps gaps without a prefill say too little of the decodes' own tail: the
-    slow gaps beside a prefill shrink the target."""
-    tune = StepTargets(1.0)
-    w = worker(0.080, slo_s=0.150, prefilling=False)
-    w.observe_gaps([0.30] * 10, now=50.0)
-    w.add_prefill("p", 512, 1.0)
-    w.observe_gaps([0.30] * 100, now=51.0)
-    assert tune.retarget(w, now=52.0) == pytest.approx(0.7 * 0.080)
-
-
-def test_a_target_past_the_slo_step_drops_even_right_after_a_change():
-    tune = StepTargets(1.0)
-    w = worker(0.800, slo_s=0.150)
-    tune.changed(w.worker_id, now=100.0)
-    assert tune.retarget(w, now=101.0) == pytest.approx(0.8 * 0.150)
-
-
-def test_a_gap_that_began_before_a_prefill_ended_counts_as_beside_it():
-    """A step that ends a colocated prompt sends its first token and its neighbours' tokens at
-    once; the router books the first token (the prefill ends) before the neighbours' gaps come.
-    Those gaps ran beside the chunk; the next ones, begun after, did not."""
-    w = worker(0.080, slo_s=0.150, prefilling=False)
-    w.add_prefill("c", 512, 1.0, local=True, itl_slo_s=0.15)
-    w.done("c", now=10.0)
-    w.observe_gaps([0.20], now=10.05)  # began at 9.85: beside the chunk
-    w.observe_gaps([0.05, 0.05], now=10.15)  # began at 10.05 and 10.10: after it
-    assert w.recent_gaps(0.0, beside_prefill=True) == [0.20]
-    assert w.recent_gaps(0.0, beside_prefill=False) == [0.05, 0.05]
