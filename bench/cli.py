@@ -166,12 +166,12 @@ def run(args: argparse.Namespace) -> int:
         log = logs / (f"{policy}.log" if rnd == 0 else f"{policy}-{rnd + 1}.log")
         server = None if args.address else ServerProcess(deployment, policy, log)
         try:
-            address = args.address or server.address  # type: ignore[union-attr]
             info = (
                 server.wait_ready()
                 if server
-                else session.server_info(address, ClientAuth.from_args(args))
+                else session.server_info(args.address, ClientAuth.from_args(args))
             )
+            address = args.address or server.address  # type: ignore[union-attr]
             vocab = info.vocab_size
             if objective is None:
                 objective = session.objective(args, address, reqs, vocab, out)

@@ -321,8 +321,8 @@ def run(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {"mode": "overload", "factor": args.overload, "policy": policy,
                            "deployment": None if args.address else asdict(deployment)}  # fmt: skip
     try:
+        info = server.wait_ready() if server else session.server_info(args.address, auth)
         address = args.address or server.address  # type: ignore[union-attr]
-        info = server.wait_ready() if server else session.server_info(address, auth)
         vocab = info.vocab_size
         # Lengths for the SLO calibration (their 99th-percentile prompt) and the closed loop.
         shapes = trace.synthetic(200, args.prompt_len, args.output_len, 1.0, args.seed)

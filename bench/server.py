@@ -4,8 +4,8 @@ waited for (bounded), and stopped with SIGINT so that it drains."""
 from __future__ import annotations
 
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -72,23 +72,19 @@ class Deployment:
         ]  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_LISTENING = re.compile(r"pdserve listening on [^\s:]+:(\d+)")
+_ADMIN = re.compile(r"admin service \(operators only\) on [^\s:]+:(\d+)")
 
 
 class ServerProcess:
+    """`pdserve serve` in a child process, on ports it picks itself (port 0) and names in its log:
+    a port picked here and bound there later could be taken in between by another process."""
+
     def __init__(self, deployment: Deployment, policy: str, log: Path) -> None:
-        self.port = _free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        self._log = open(log, "w")
         # Its own admin port too (worker pids for the overload run): not the default 50052,
         # which another server on this machine may hold.
-        admin_port = _free_port()
-        self.admin_address = f"127.0.0.1:{admin_port}"
-        self._log = open(log, "w")
-        cmd = [sys.executable, "-m", "router.cli", "serve", "--port", str(self.port),
-               "--admin-port", str(admin_port)]  # fmt: skip
+        cmd = [sys.executable, "-m", "router.cli", "serve", "--port", "0", "--admin-port", "0"]
         self.proc = subprocess.Popen(
             cmd + deployment.args(policy),
             stdout=self._log,
@@ -96,9 +92,37 @@ class ServerProcess:
             start_new_session=True,
         )
         self.log_path = log
+        self.port = 0
+        self.admin_port = 0
+
+    @property
+    def address(self) -> str:
+        if not self.port:
+            raise RuntimeError("the server's port is known once wait_ready() returns")
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def admin_address(self) -> str:
+        if not self.admin_port:
+            raise RuntimeError("the server's admin port is known once wait_ready() returns")
+        return f"127.0.0.1:{self.admin_port}"
+
+    def _ports_from_log(self) -> bool:
+        text = self.log_path.read_text(errors="replace")
+        main, admin = _LISTENING.search(text), _ADMIN.search(text)
+        if main is None or admin is None:
+            return False
+        self.port, self.admin_port = int(main.group(1)), int(admin.group(1))
+        return True
 
     def wait_ready(self, timeout_s: float = 600.0) -> pb.InfoResponse:
         deadline = time.monotonic() + timeout_s
+        while not self._ports_from_log():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pdserve serve exited; see {self.log_path}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not listening in {timeout_s:.0f} s")
+            time.sleep(0.5)
         with grpc.insecure_channel(self.address) as channel:
             stub = pb_grpc.GenerationStub(channel)
             while True:

@@ -9,6 +9,7 @@ import pytest
 
 from bench import cli, session, slo, trace
 from bench.loadgen import RequestResult
+from bench.server import ServerProcess
 
 
 def test_builtin_traces_load_scale_and_draw_the_same_tokens():
@@ -223,3 +224,21 @@ def test_repeated_rounds_report_each_rounds_goodput_and_ratio(monkeypatch, tmp_p
     assert "goodput per round" in capsys.readouterr().out
     # Every round's request records are kept, each with its round.
     assert [x["round"] for x in doc["requests"]] == [1] * 5 + [2] * 5 + [3] * 5
+
+
+def test_bench_server_takes_the_ports_its_log_names(tmp_path):
+    """The bench's server binds ports of its own choosing (--port 0) and the bench reads them
+    from its log: a port picked by the bench and bound later could be taken in between."""
+    log = tmp_path / "serve.log"
+    server = ServerProcess.__new__(ServerProcess)
+    server.log_path, server.port, server.admin_port = log, 0, 0
+    with pytest.raises(RuntimeError, match="wait_ready"):
+        _ = server.address
+    log.write_text("x router.server admin service (operators only) on 127.0.0.1:41234\n")
+    assert not server._ports_from_log()  # not listening yet
+    with log.open("a") as f:
+        f.write(
+            "x router.server pdserve listening on 127.0.0.1:41233 (plaintext; 1 prefill, ...)\n"
+        )
+    assert server._ports_from_log()
+    assert server.address == "127.0.0.1:41233" and server.admin_address == "127.0.0.1:41234"
