@@ -43,6 +43,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=None, help="measure a running server (one policy)")
     add_auth_arguments(p)  # for a running server that asks for TLS or a token
@@ -73,6 +80,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="--step-target-ms for the servers of chunked policies (chunk sizing next to "
         "decodes); auto: each worker's tuned from the ITL p99 its requests see",
+    )
+    p.add_argument(
+        "--prefill-hold-ms",
+        type=_non_negative_float,
+        default=None,
+        help="--prefill-hold-ms for the servers given --step-target-ms (a prompt waits for "
+        "running decodes where no chunk beside them keeps to the step target)",
     )
     p.add_argument("--slo-ttft", type=float, default=None, help="seconds")
     p.add_argument("--slo-itl", type=float, default=None, help="seconds")
@@ -146,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
         policies = policies[:1]
     deployment = Deployment(args.model, args.prefill, args.decode, args.threads, args.kv_cache_gib,
                             args.threshold_tokens, args.threshold_queue,
-                            args.step_target_ms)  # fmt: skip
+                            args.step_target_ms,
+                            prefill_hold_ms=args.prefill_hold_ms)  # fmt: skip
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
     out: dict[str, Any] = {"trace": args.trace, "rate": args.rate, "num_requests": len(reqs),
                            "deployment": None if args.address else asdict(deployment),

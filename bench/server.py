@@ -42,6 +42,7 @@ class Deployment:
     # `pdserve serve --step-target-ms` (a number, or "auto"), for the chunked policies
     step_target_ms: float | str | None = None
     max_pending: int | None = None  # `pdserve serve --max-pending` (None: the server's default)
+    prefill_hold_ms: float | None = None  # `pdserve serve --prefill-hold-ms`, with a step target
 
     def args(self, policy: str) -> list[str]:
         """Every policy gets the same total workers: split into the two pools, all decode
@@ -55,6 +56,8 @@ class Deployment:
         }[layout]
         if self.step_target_ms is not None and "--no-chunked-prefill" not in extra:
             extra = [*extra, "--step-target-ms", str(self.step_target_ms)]
+            if self.prefill_hold_ms is not None:
+                extra = [*extra, "--prefill-hold-ms", str(self.prefill_hold_ms)]
         if self.max_pending is not None:
             extra = [*extra, "--max-pending", str(self.max_pending)]
         return [

@@ -138,10 +138,18 @@ class SchedulerConfig:
     # tokens: long prompts then stretch the running requests' steps to about this, not to a
     # whole budget's worth of prefill. Chunked prefill only. None: the token budget alone.
     step_target_s: float | None = None
+    # With a step target: where even a MIN_CHUNK chunk beside the running decodes took a step
+    # past the target (the step its sizer measured), a prompt waits for them, while they will
+    # all have ended within what is left of this many seconds for each prompt in line: their
+    # steps stay decode-only, and the prompt runs after them at the whole budget. A prompt that
+    # waited this long in all is chunked beside decodes as before. None: prompts never wait.
+    prefill_hold_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.step_target_s is not None and not self.step_target_s > 0:
             raise ValueError(f"step_target_s must be > 0, got {self.step_target_s}")
+        if self.prefill_hold_s is not None and not self.prefill_hold_s >= 0:
+            raise ValueError(f"prefill_hold_s must be >= 0, got {self.prefill_hold_s}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"

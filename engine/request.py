@@ -70,6 +70,8 @@ class Request:
     stop_reason: int | str | None = None
     scheduled_time: float | None = None  # time.monotonic() when first scheduled
     first_token_time: float | None = None  # time.monotonic() when its first output was emitted
+    # Seconds its prefill waited for running decodes to end (SchedulerConfig.prefill_hold_s).
+    held_s: float = 0.0
 
     @property
     def queue_s(self) -> float:

@@ -10,6 +10,8 @@ prefill or decode code path. Within a step:
 With `step_target_s` set, a step that has decodes in it (or runs while a handoff's KV is on its
 way) takes only as many prefill tokens as keep it near that time (a ChunkSizer learns how many
 from the steps just run); any other step takes the whole budget, at full prefill efficiency.
+Where even the smallest chunk takes such a step past the target, with `prefill_hold_s` set the
+prompts wait instead while the running decodes will end within their hold (see `_hold`).
 When blocks run out, the newest running request is preempted: its blocks are freed and it is
 recomputed later from prompt + outputs (recompute preemption).
 
@@ -28,6 +30,11 @@ from engine.config import MIN_CHUNK, SchedulerConfig
 from engine.kv_cache_manager import ComputedBlocks, KVCacheManager, cdiv
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.request import FinishReason, Request, RequestStatus
+
+# How many of the latest smallest-chunk steps set ChunkSizer.floor_s (their median).
+FLOOR_STEPS = 8
+# The weight of each new decode-only step in ChunkSizer.decode_s.
+DECODE_SMOOTHING = 0.2
 
 _FINISH_STATUS = {
     FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
@@ -49,11 +56,35 @@ class ChunkSizer:
         self.target_s = target_s
         self.budget = budget
         self.chunk = min(budget, 4 * MIN_CHUNK)  # a first guess, small: learned up from there
+        # The latest steps that ran a chunk of at most MIN_CHUNK beside decodes (seconds): the
+        # shortest a step with a prefill in it gets here, whatever the target.
+        self._floor: deque[float] = deque(maxlen=FLOOR_STEPS)
+        self.decode_s: float | None = None  # decode-only steps, smoothed
+
+    @property
+    def floor_s(self) -> float | None:
+        """The median of the latest steps that ran the smallest chunks beside decodes."""
+        if not self._floor:
+            return None
+        return sorted(self._floor)[len(self._floor) // 2]
+
+    def fits(self) -> bool:
+        """Whether a step with a chunk beside decodes can keep to the target (unknown: yes)."""
+        floor = self.floor_s
+        return floor is None or floor <= self.target_s
 
     def observe(self, prefill_tokens: int, decodes: int, seconds: float) -> None:
+        if decodes == 0 or seconds <= 0:
+            return
+        if prefill_tokens == 0:
+            old = self.decode_s
+            self.decode_s = seconds if old is None else old + DECODE_SMOOTHING * (seconds - old)
+            return
+        if MIN_CHUNK // 2 <= prefill_tokens <= MIN_CHUNK:
+            self._floor.append(seconds)
         # Only steps that ran decodes next to most of a chunk say what a chunk costs (the tail
         # of a prompt, a few tokens, would say the fixed costs alone).
-        if decodes == 0 or seconds <= 0 or prefill_tokens < max(1, self.chunk // 2):
+        if prefill_tokens < max(1, self.chunk // 2):
             return
         want = prefill_tokens * self.target_s / seconds
         self.chunk = round(max(MIN_CHUNK, min(self.budget, want, 2 * self.chunk)))
@@ -77,6 +108,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        # Steps whose prompts waited for the decodes (SchedulerConfig.prefill_hold_s), and when
+        # the latest such step was scheduled (None: the latest step did not hold).
+        self.num_held_steps = 0
+        self._held_at: float | None = None
         # Requests ended by the scheduler itself (the pool can't hold them), for the engine to
         # report; drained by `take_capacity_finished`.
         self.capacity_finished: list[Request] = []
@@ -151,6 +186,8 @@ class Scheduler:
             # Handoffs whose KV is on its way count too: one that lands during a whole-budget
             # prefill step would wait that step out before its second token.
             budget = min(budget, len(decodes) + self.sizer.chunk)
+        if self._hold(decodes, prefills):
+            budget = len(decodes)  # the decodes alone: no chunk, no admission
         for req in decodes + prefills:
             if budget == 0:
                 break
@@ -182,6 +219,31 @@ class Scheduler:
         out = self._build_output(chunks, preempted)
         self._check_invariants(out)
         return out
+
+    def _hold(self, decodes: list[Request], prefills: list[Request]) -> bool:
+        """Whether this step's prompts wait for the running decodes (see
+        SchedulerConfig.prefill_hold_s): even the smallest chunk beside them took a step past
+        the target, and the longest of them, at the decode steps measured, ends within what is
+        left of the hold of the prompt in line that has waited longest. The time since the
+        previous step held counts against every prompt in line."""
+        now = time.monotonic()
+        in_line = [*prefills, *self.waiting]
+        if self._held_at is not None:
+            for r in in_line:
+                r.held_s += now - self._held_at
+            self._held_at = None
+        limit, sizer = self.config.prefill_hold_s, self.sizer
+        if limit is None or sizer is None or not decodes or not in_line or sizer.fits():
+            return False
+        # Before a decode-only step was measured, the smallest chunk's step (longer) stands in.
+        per_token = sizer.decode_s if sizer.decode_s is not None else sizer.floor_s
+        assert per_token is not None  # not fits(): a floor was measured
+        left = max(r.sampling.max_tokens - r.num_output_tokens for r in decodes)
+        if max(r.held_s for r in in_line) + left * per_token > limit:
+            return False
+        self._held_at = now
+        self.num_held_steps += 1
+        return True
 
     def set_step_target(self, target_s: float | None) -> None:
         """Change the step target while serving (the router tunes it from the inter-token gaps

@@ -219,6 +219,10 @@ OPTIONS: tuple[Option, ...] = (
            "while requests decode, size prefill chunks so a step takes about this long "
            "(chunked prefill only; default: the token budget alone); auto: start at 0.8 x "
            "the ITL SLO and tune each worker's from the ITL p99 its requests see"),
+    Option("prefill_hold_ms", optional(number(0)), None,
+           "with --step-target-ms: where even the smallest chunk beside running decodes takes "
+           "a step past the target, a prompt waits for decodes that will end within this long "
+           "(in all, per prompt) instead of slowing their steps; default: prompts never wait"),
     # policy and SLOs
     Option("policy", choice(*POLICIES), "auto",
            "how each request's path is chosen (auto: the cost model)"),
@@ -362,6 +366,9 @@ class ServeOptions:
                 max_num_seqs=v["max_num_seqs"],
                 enable_chunked_prefill=v["chunked_prefill"],
                 step_target_s=None if step_target is None else step_target / 1000,
+                prefill_hold_s=None
+                if v["prefill_hold_ms"] is None
+                else v["prefill_hold_ms"] / 1000,
             ),
         )
         cluster = ClusterConfig(
@@ -430,5 +437,10 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
     if values["step_target_ms"] is not None and not values["chunked_prefill"]:
         raise OptionError(
             "step_target_ms (--step-target-ms): sizes prefill chunks, so it needs chunked_prefill"
+        )
+    if values["prefill_hold_ms"] is not None and values["step_target_ms"] is None:
+        raise OptionError(
+            "prefill_hold_ms (--prefill-hold-ms): prompts wait where a chunk cannot keep to the "
+            "step target, so it needs step_target_ms"
         )
     return ServeOptions(MappingProxyType(values))

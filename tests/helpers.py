@@ -28,6 +28,7 @@ def make_engine(
     attention_backend: str = "auto",
     step_target_s: float | None = None,
     detokenize: bool = True,
+    prefill_hold_s: float | None = None,
 ) -> LLMEngine:
     cfg = EngineConfig(
         model=ModelConfig(model=name, attention_backend=attention_backend),
@@ -35,7 +36,11 @@ def make_engine(
             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching
         ),
         scheduler=SchedulerConfig(
-            budget, min(max_num_seqs, budget), chunked, step_target_s=step_target_s
+            budget,
+            min(max_num_seqs, budget),
+            chunked,
+            step_target_s=step_target_s,
+            prefill_hold_s=prefill_hold_s,
         ),
         detokenize=detokenize,
     )

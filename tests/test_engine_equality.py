@@ -83,6 +83,21 @@ def test_greedy_matches_transformers_with_chunks_sized_to_a_step_target():
     assert_pool_free(engine)
 
 
+def test_greedy_matches_transformers_with_prompts_waiting_for_decodes():
+    # A target no step can meet and a long hold: prompts wait for the running decodes to end,
+    # then run at the whole budget.
+    engine = make_engine("tiny-llama", block_size=4, budget=64, step_target_s=1e-6,
+                         prefill_hold_s=60.0)  # fmt: skip
+    prompts = random_prompts([5, 9, 200, 150, 120, 8], seed=11)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    got = run_staggered(engine, prompts, params)
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy("tiny-llama", p, MAX_NEW)
+    sizer = engine.scheduler.sizer
+    assert sizer is not None and not sizer.fits() and engine.scheduler.num_held_steps > 0
+    assert_pool_free(engine)
+
+
 def test_greedy_matches_transformers_unchunked():
     engine = make_engine("tiny-llama", block_size=8, budget=16, chunked=False)
     prompts = random_prompts([5, 40, 11], seed=3)

@@ -273,3 +273,91 @@ def test_step_target_holds_while_a_handoffs_kv_is_on_its_way():
     kv_handoff.fail(s, "h")
     s.finish_requests(["h", "p"], FinishReason.ABORT)
     assert s.kv.pool.all_free()
+
+
+def _held_scheduler(hold_s):
+    """A scheduler whose sizer has seen a 16-token chunk beside a decode take 130 ms (past its
+    100 ms target) and decode-only steps take 40 ms."""
+    s = Scheduler(
+        SchedulerConfig(512, 8, True, step_target_s=0.1, prefill_hold_s=hold_s),
+        KVCacheManager(512, 4, True),
+    )
+    assert s.sizer is not None
+    for _ in range(3):
+        s.sizer.observe(16, 1, 0.130)
+        s.sizer.observe(0, 1, 0.040)
+    assert not s.sizer.fits() and s.sizer.floor_s == 0.130
+    return s
+
+
+def _decoding(s, rid, max_tokens):
+    s.add_request(req(rid, 3, max_tokens=max_tokens, start=7000))
+    while s.requests[rid].num_computed_tokens < 3:
+        step(s)
+
+
+def test_a_prompt_waits_for_decodes_that_end_within_its_hold():
+    """Where the smallest chunk beside decodes takes a step past the target, a prompt waits for
+    decodes that will end within its hold: their steps run alone, then the prompt gets the whole
+    budget (no chunk beside a decode at all)."""
+    s = _held_scheduler(hold_s=1.0)
+    _decoding(s, "d", max_tokens=10)  # 9 tokens left at 40 ms: 0.36 s, within the hold
+    s.add_request(req("p", 900, max_tokens=2, start=100))
+    beside = []
+    while "d" in s.requests:
+        out = step(s)
+        ids = {x.request_id for x in out.scheduled}
+        beside.append("p" in ids)
+        assert ids == {"d"} or "d" not in ids
+    assert not any(beside) and s.num_held_steps == len(beside)
+    assert s.requests["p"].num_computed_tokens == 0 and s.requests["p"].held_s >= 0
+    assert step(s).num_batched_tokens == 512  # the decodes ended: the whole budget
+    s.finish_requests(["p"], FinishReason.ABORT)
+    assert s.kv.pool.all_free()
+
+
+def test_a_prompt_does_not_wait_for_decodes_that_outlast_its_hold():
+    s = _held_scheduler(hold_s=1.0)
+    _decoding(s, "d", max_tokens=100)  # 99 tokens left at 40 ms: 4 s, past the hold
+    s.add_request(req("p", 900, max_tokens=2, start=100))
+    out = step(s)
+    assert {x.request_id for x in out.scheduled} == {"d", "p"} and s.num_held_steps == 0
+    s.finish_requests(["d", "p"], FinishReason.ABORT)
+    assert s.kv.pool.all_free()
+
+
+def test_the_time_a_prompt_waited_counts_against_its_hold(monkeypatch):
+    """Each prompt waits at most its hold in all: the time between held steps counts against
+    every prompt in line, and once the longest-waiting one could not see the decodes end
+    within what it has left, its chunks run beside them."""
+    clock = [0.0]
+    monkeypatch.setattr("engine.scheduler.time.monotonic", lambda: clock[0])
+    s = _held_scheduler(hold_s=1.0)
+    _decoding(s, "d", max_tokens=20)  # 19 left at 40 ms: 0.76 s
+    s.add_request(req("p", 900, max_tokens=2, start=100))
+    held = 0
+    for _ in range(19):
+        out = step(s)
+        clock[0] += 0.1  # each step takes 100 ms: the decodes take longer than predicted
+        if "p" in {x.request_id for x in out.scheduled}:
+            break
+        held += 1
+    # Step k holds while waited + 40 ms x tokens left <= 1 s: 0.1 k + 0.04 (19 - k) <= 1, k <= 4.
+    assert held == 5 and abs(s.requests["p"].held_s - 0.5) < 1e-9
+    s.finish_requests(["d", "p"], FinishReason.ABORT)
+    assert s.kv.pool.all_free()
+
+
+def test_no_wait_where_the_smallest_chunk_fits_the_target_or_none_is_set():
+    s = _held_scheduler(hold_s=1.0)
+    s.set_step_target(0.2)  # a 130 ms step beside the decodes keeps to it
+    assert s.sizer is not None and s.sizer.fits()
+    _decoding(s, "d", max_tokens=10)
+    s.add_request(req("p", 900, max_tokens=2, start=100))
+    assert "p" in {x.request_id for x in step(s).scheduled}
+    off = _held_scheduler(hold_s=None)
+    _decoding(off, "d", max_tokens=10)
+    off.add_request(req("p", 900, max_tokens=2, start=100))
+    assert "p" in {x.request_id for x in step(off).scheduled} and off.num_held_steps == 0
+    with pytest.raises(ValueError, match="prefill_hold_s"):
+        SchedulerConfig(512, 8, True, step_target_s=0.1, prefill_hold_s=-1.0)

@@ -53,7 +53,7 @@ def test_the_effective_options_reach_the_server_config(tmp_path):
         tmp_path,
         "prefill: 0\ndecode: 2\ngpus_per_worker: 0.5\nprefill_resources: {a: 1}\n"
         "kv_interface: eth1\nslo_itl_ms: 150\nmax_num_seqs: 8\nadmin_port: -1\n"
-        "replace_dead_workers: false\nstep_target_ms: 120\n",
+        "replace_dead_workers: false\nstep_target_ms: 120\nprefill_hold_ms: 2500\n",
     )
     args = _parse(["serve", "--config", str(path), "--threads", "2"])
     config = serve_options.resolve(args).serve_config()
@@ -65,6 +65,7 @@ def test_the_effective_options_reach_the_server_config(tmp_path):
     assert placement[WorkerRole.DECODE] == Placement(0.5, ())
     assert c.engine.scheduler.max_num_seqs == 8
     assert c.engine.scheduler.step_target_s == pytest.approx(0.12)
+    assert c.engine.scheduler.prefill_hold_s == pytest.approx(2.5)
     assert config.router.slo_itl_s == pytest.approx(0.15)
     assert config.admin_port is None
 
@@ -91,6 +92,7 @@ def _parse(argv):
         ("- decode\n", "must be a mapping of option names to values"),
         ("model: [1\n", "not valid YAML"),
         ("step_target_ms: 100\nchunked_prefill: false\n", "step_target_ms"),
+        ("prefill_hold_ms: 3000\n", "prefill_hold_ms"),
     ],
 )
 def test_a_bad_file_is_refused_at_start_naming_the_field(tmp_path, capsys, text, field):
