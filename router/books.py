@@ -110,7 +110,9 @@ class RequestBooks:
         )
         self.sink.prefill_placed(p.worker_id, p.info.role.value, for_peer=p is not d)
         if p is not d:
-            d.add_decode(self.wid, shape.prompt_len, shape.slo_itl_s, local=False)
+            d.add_decode(
+                self.wid, shape.prompt_len, shape.slo_itl_s, local=False, left=shape.max_tokens
+            )
         p.prefix.insert(shape.hashes)
         d.prefix.insert(shape.hashes)
         if self.late:  # resumed after missing its TTFT SLO
@@ -146,7 +148,8 @@ class RequestBooks:
         assert d is not None and self.shape is not None
         if p is d and not d.decoding(wid):
             d.done(wid)  # colocated: prefilled here; decoding from now on
-            d.add_decode(wid, self.shape.prompt_len, self.shape.slo_itl_s, local=True)
+            shape = self.shape
+            d.add_decode(wid, shape.prompt_len, shape.slo_itl_s, local=True, left=shape.max_tokens)
             if self.late:  # resumed after missing its TTFT SLO
                 d.unprotect(wid)
         elif d.prefilling(wid):

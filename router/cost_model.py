@@ -161,6 +161,13 @@ class StepTimeModel:
         self.fit = OnlineRidge(seed, typical, prior_steps, decay)
         self.budget = info.max_num_batched_tokens
         self.step_target_s = info.step_target_s
+        # Prompts wait for short decodes there (SchedulerConfig.prefill_hold_s) where its
+        # smallest chunks beside decodes took steps past the target (`chunk_floor_s`, polled);
+        # `decode_left`: the most tokens a request decoding there may still take (set by its
+        # WorkerState; 0: unknown). See hold_wait_s.
+        self.hold_s = info.prefill_hold_s
+        self.chunk_floor_s: float | None = None
+        self.decode_left = 0
         # How much slower than alone its steps run now (a busy peer on its node: HostShare); the
         # fit holds its steps alone, predictions are multiplied by this.
         self.scale = 1.0
@@ -297,11 +304,30 @@ class StepTimeModel:
         """How many steps `tokens` prefill tokens take in chunks next to `batch` decodes."""
         return self._plan(tokens, pairs, batch, context)[2] if tokens > 0 else 0
 
+    def hold_wait_s(self, batch: int, context: int) -> float | None:
+        """How long a prompt placed now waits for the `batch` decodes running (of total
+        `context`) to end, where the worker holds prompts for them (SchedulerConfig
+        prefill_hold_s: its smallest chunks beside decodes took steps past the step target, and
+        the longest of them, `decode_left` decode steps, ends within the hold); None where it
+        chunks beside them."""
+        if not batch or not self.decode_left or self.hold_s is None:
+            return None
+        target, floor = self.step_target_s, self.chunk_floor_s
+        if target is None or floor is None or floor <= target:
+            return None
+        wait = self.decode_left * self.decode_step_s(batch, context)
+        return wait if wait <= self.hold_s else None
+
     def chunked_s(self, tokens: int, pairs: float, batch: int, context: int) -> tuple[float, float]:
         """(time to compute `tokens` prefill tokens in chunks next to `batch` decodes of total
-        context `context`, the step time those decodes see meanwhile)."""
+        context `context`, the step time those decodes see meanwhile). Where the worker holds
+        prompts for its decodes (hold_wait_s), the prompts wait them out and then run alone,
+        and the decodes' steps stay their own."""
         if tokens <= 0:
             return 0.0, self.decode_step_s(batch, context)
+        wait = self.hold_wait_s(batch, context)
+        if wait is not None:
+            return wait + self.chunked_s(tokens, pairs, 0, 0)[0], self.decode_step_s(batch, context)
         _, w1, w2, _ = self._priced(PREFILL)
         fixed, chunk, steps = self._plan(tokens, pairs, batch, context)
         total = steps * fixed + w1 * tokens + w2 * pairs

@@ -169,6 +169,13 @@ class Metrics:
             WORKER,
             registry=r,
         )
+        self.prompt_wait_steps = Counter(
+            "pdserve_worker_prompt_wait_steps",
+            "Steps a worker ran its decodes alone while prompts waited for them to end "
+            "(--prefill-hold-ms).",
+            WORKER,
+            registry=r,
+        )
         self.worker_failures = Counter(
             "pdserve_worker_failures",
             "Workers found dead; they leave their pool (and are replaced).",
@@ -347,6 +354,11 @@ class Metrics:
                 (self.prefix_queries, ld.prefix_queries, last.prefix_queries if last else 0),
                 (self.prefix_hits, ld.prefix_hits, last.prefix_hits if last else 0),
                 (self.preemptions, ld.preemptions, last.preemptions if last else 0),
+                (
+                    self.prompt_wait_steps,
+                    ld.prompt_wait_steps,
+                    last.prompt_wait_steps if last else 0,
+                ),
             ):
                 counter.labels(*w).inc(now - before if now >= before else now)
             self.worker_failures.labels(*w)  # exists at 0, so that its first failure is an increase

@@ -67,6 +67,7 @@ class _Decode:
     context: int
     itl_slo_s: float
     local: bool  # prefilled here (colocated), not its KV from a peer
+    left: int = 0  # tokens it may still decode (max_tokens less those come; 0: unknown)
 
 
 class ItlCheck(NamedTuple):
@@ -130,10 +131,20 @@ class WorkerState:
         since = time.monotonic() - window_s
         return [(n, pairs) for at, n, pairs in self._placed if at >= since and n > 0]
 
-    def add_decode(self, rid: str, context: int, itl_slo_s: float, *, local: bool) -> None:
+    def add_decode(
+        self, rid: str, context: int, itl_slo_s: float, *, local: bool, left: int = 0
+    ) -> None:
         """`local`: it prefilled here (colocated); else its KV came from a peer (a handoff that
-        fell back to a prefill here stays one: priced as the handoffs here come)."""
-        self._decodes[rid] = _Decode(context, itl_slo_s, local)
+        fell back to a prefill here stays one: priced as the handoffs here come). `left`: the
+        tokens it may decode (its max_tokens; 0: unknown)."""
+        self._decodes[rid] = _Decode(context, itl_slo_s, local, left)
+        self._decodes_changed()
+
+    def _decodes_changed(self) -> None:
+        """The model prices a prompt's wait for the decodes by the longest of them (0: one of
+        unknown length, which no wait is priced for)."""
+        lefts = [d.left for d in self._decodes.values()]
+        self.model.decode_left = 0 if not lefts or 0 in lefts else max(lefts)
 
     def unprotect(self, rid: str) -> None:
         """`rid` is past its TTFT SLO and can no longer attain: its ITL SLO stops guarding
@@ -152,6 +163,9 @@ class WorkerState:
         d = self._decodes.get(rid)
         if d is not None:
             d.context += tokens
+            if d.left:
+                d.left = max(1, d.left - tokens)
+                self._decodes_changed()
 
     def done(self, rid: str) -> None:
         """Forget `rid`'s prefill (its first token came or it ended)."""
@@ -159,7 +173,8 @@ class WorkerState:
 
     def finish(self, rid: str) -> None:
         self._prefills.pop(rid, None)
-        self._decodes.pop(rid, None)
+        if self._decodes.pop(rid, None) is not None:
+            self._decodes_changed()
 
     @property
     def queued_prefills(self) -> int:
@@ -345,6 +360,7 @@ class WorkerState:
         since the last one then ran HostShare.factor(peer) times slower, which the model learns
         them without)."""
         self.load = load
+        self.model.chunk_floor_s = load.chunk_floor_s
         now = time.monotonic()
         self._decode_steps.extend(
             (now, s.seconds, s.decode_seqs) for s in load.steps if s.decode_seqs

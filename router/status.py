@@ -107,6 +107,12 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
             f"{preempt.get(key, 0):>9.0f} {prefills.get((*key, 'for_peer'), 0):>18.0f} "
             f"{prefills.get((*key, 'local'), 0):>6.0f} {decoding.get(key, 0):>8.0f}"
         )
+    waits = by_labels(after, "pdserve_worker_prompt_wait_steps_total", "worker", "role")
+    if any(waits.values()):
+        lines.append(
+            "steps run with prompts waiting for short decodes: "
+            + ", ".join(f"{k[0]} {v:.0f}" for k, v in sorted(waits.items()) if v)
+        )
     shares = by_labels(after, "pdserve_node_step_share", "node", "peer")
     if shares:
         lines.append(

@@ -44,10 +44,19 @@ def true_step(tokens: int, pairs: float, ctx: int) -> float:
 
 
 def trained(
-    worker_id: str, role: str, seed: int = 0, step_target_s: float | None = None
+    worker_id: str,
+    role: str,
+    seed: int = 0,
+    step_target_s: float | None = None,
+    prefill_hold_s: float | None = None,
 ) -> WorkerState:
     """A worker whose model has seen 300 steps of mixed shapes timed by TRUE (+-2% noise)."""
-    info = replace(fake_info(worker_id, role), block_size=BLOCK, step_target_s=step_target_s)
+    info = replace(
+        fake_info(worker_id, role),
+        block_size=BLOCK,
+        step_target_s=step_target_s,
+        prefill_hold_s=prefill_hold_s,
+    )
     state = WorkerState(info)
     # Its predictions have been seen to hold as well as the models claim (router/spread.py).
     state.itl_spread = PredictionSpread(prior=MISS_WIDTH)
@@ -80,9 +89,11 @@ def planner(policy: Policy = Policy.AUTO, **kw) -> Planner:
     return pl
 
 
-def with_decodes(state: WorkerState, n: int, ctx: int, itl_slo_s: float) -> WorkerState:
+def with_decodes(
+    state: WorkerState, n: int, ctx: int, itl_slo_s: float, left: int = 0
+) -> WorkerState:
     for i in range(n):
-        state.add_decode(f"running-{i}", ctx, itl_slo_s, local=False)
+        state.add_decode(f"running-{i}", ctx, itl_slo_s, local=False, left=left)
     return state
 
 
@@ -422,6 +433,48 @@ def test_a_step_target_the_decodes_alone_nearly_fill_is_not_trusted():
     colo = {b.path: b for b in decision.best}[RoutePath.COLOCATED]
     assert colo.running_itl_s > 0.13 and colo.caused_misses > 30  # of 40
     assert decision.chosen.path is RoutePath.DISAGGREGATED
+
+
+def _holding(left: int, floor_s: float = 0.15) -> WorkerState:
+    """A decode worker with a 120 ms step target that holds prompts up to 5 s for its decodes
+    (prefill_hold_s), its smallest chunks beside decodes polled at `floor_s` a step, and 40
+    requests decoding at 1000 tokens each with `left` tokens still to come."""
+    d = trained("decode-0", "decode", seed=1, step_target_s=0.12, prefill_hold_s=5.0)
+    d.absorb(WorkerLoad("decode-0", d.info.role, 40, 0, 0, 0.1, 1000, 1024, 0,
+                        chunk_floor_s=floor_s))  # fmt: skip
+    return with_decodes(d, 40, 1000, itl_slo_s=0.12, left=left)
+
+
+def test_a_worker_that_holds_prompts_for_short_decodes_prices_a_wait_not_their_misses():
+    """Where the smallest chunk beside its decodes takes a step past the target and they end
+    within the hold, a prompt placed there waits for them and runs alone: its TTFT carries the
+    wait, and the decodes keep their own steps (no misses caused). Where they outlast the hold,
+    or a chunk keeps to the target, the prompt is priced in chunks beside them, as before."""
+    pl = planner()
+    p = trained("prefill-0", "prefill")
+    req = shape(1500, seed=5)
+    held = _holding(left=20)
+    wait = held.model.hold_wait_s(held.batch, held.context)
+    step = held.model.decode_step_s(40, 40 * 1000)
+    assert wait == pytest.approx(20 * step) and wait < 5.0
+    colo = {b.path: b for b in pl.decide(req, [p], [held]).best}[RoutePath.COLOCATED]
+    alone = held.model.chunked_s(1500, prefill_pairs(1500, 0), 0, 0)[0]
+    assert colo.caused_misses < 0.01 and colo.running_itl_s == pytest.approx(step)
+    assert colo.raw_ttft_s == pytest.approx(wait + alone)
+    for d in (_holding(left=100), _holding(left=20, floor_s=0.11)):  # 10 s of decodes; fits
+        assert d.model.hold_wait_s(d.batch, d.context) is None
+        colo = {b.path: b for b in pl.decide(req, [p], [d]).best}[RoutePath.COLOCATED]
+        assert colo.running_itl_s > 0.13 and colo.caused_misses > 30
+    # Each token that comes shortens the wait; a decode of unknown length prices none.
+    held.grow("running-0", 10)
+    assert held.model.decode_left == 20
+    for i in range(1, 40):
+        held.grow(f"running-{i}", 10)
+    assert held.model.decode_left == 10
+    held.add_decode("unknown", 100, 0.12, local=False)
+    assert held.model.hold_wait_s(held.batch, held.context) is None
+    held.finish("unknown")
+    assert held.model.hold_wait_s(held.batch, held.context) is not None
 
 
 def test_auto_stops_choosing_a_pair_whose_handoffs_keep_failing_and_tries_it_again_later():

@@ -204,3 +204,32 @@ def test_every_metric_the_dashboard_alerts_and_status_use_exists():
         m for m in used if m not in known and not any(m.removesuffix(x) in known for x in suffixes)
     }
     assert not missing
+
+
+def test_steps_with_prompts_waiting_count_per_worker_and_show_in_status():
+    """The worker reports its total since start; the counter grows by what it grew, and
+    `pdserve status` names the workers where prompts waited for decodes."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from router import status
+    from router.metrics import Metrics
+    from worker_protocol.messages import WorkerLoad, WorkerRole
+
+    m = Metrics()
+
+    def load(steps):
+        return WorkerLoad("both-0", WorkerRole.BOTH, 1, 0, 0, 0.1, 900, 1000, 0,
+                          prompt_wait_steps=steps)  # fmt: skip
+
+    m.loads([load(5)])
+    m.loads([load(12)])
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): float(s.value)
+        for fam in text_string_to_metric_families(generate_latest(m.registry).decode())
+        for s in fam.samples
+    }
+    waits = status.by_labels(samples, "pdserve_worker_prompt_wait_steps_total", "worker", "role")
+    assert waits == {("both-0", "both"): 12.0}
+    text = status.render(samples, samples, 1.0, "127.0.0.1:0")
+    assert "steps run with prompts waiting for short decodes: both-0 12" in text

@@ -162,6 +162,7 @@ def worker_info(
         vocab_size=engine.vocab_size,
         rate=rate,
         step_target_s=engine.scheduler.sizer.target_s if engine.scheduler.sizer else None,
+        prefill_hold_s=engine.config.scheduler.prefill_hold_s,
         device=engine.runner.device.type,
         **identity,
     )
@@ -192,4 +193,6 @@ def engine_load(engine: LLMEngine, worker_id: str, role: WorkerRole) -> WorkerLo
         preemptions=sched.num_preemptions,
         prefix_queries=pool.stats.queries,
         prefix_hits=pool.stats.hits,
+        chunk_floor_s=sched.sizer.floor_s if sched.sizer else None,
+        prompt_wait_steps=sched.num_held_steps,
     )

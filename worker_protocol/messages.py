@@ -70,6 +70,7 @@ class WorkerInfo:
     vocab_size: int
     rate: DeviceRate
     step_target_s: float | None = None  # SchedulerConfig.step_target_s where chunking is on
+    prefill_hold_s: float | None = None  # SchedulerConfig.prefill_hold_s
     device: str = ""  # the type of device its engine runs on ("cpu", "cuda"; "": unknown)
     incarnation: int = 0  # 0 for the first actor under this id, +1 for each replacement
     node_ip: str = ""  # the address Ray knows the worker's node by
@@ -170,3 +171,9 @@ class WorkerLoad:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_hits: int = 0  # of those, found cached
     incarnation: int = 0  # of the worker that reported it (see WorkerInfo)
+    # The median of its latest steps that ran the smallest chunks beside decodes (ChunkSizer
+    # floor_s; None: none measured, or no step target): past the target, prompts wait for
+    # short decodes there (prefill_hold_s).
+    chunk_floor_s: float | None = None
+    # Steps it ran its decodes alone while prompts waited for them (prefill_hold_s), since start.
+    prompt_wait_steps: int = 0

@@ -177,6 +177,17 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         [q("{{worker}} ({{role}})", "sum by (worker, role) (pdserve_worker_decodes_running)")],
     ),
     (
+        "Steps run with prompts waiting for short decodes (--prefill-hold-ms), per worker",
+        "short",
+        [
+            q(
+                "{{worker}} ({{role}})",
+                "sum by (worker, role) "
+                "(increase(pdserve_worker_prompt_wait_steps_total[$__range]))",
+            )
+        ],
+    ),
+    (
         "Step slowdown beside a busy peer, per node",
         "short",
         [q("{{node}} beside {{peer}}", "max by (node, peer) (pdserve_node_step_share)")],
