@@ -4,6 +4,8 @@ stats sink (deaths, replacements, removals, how many take requests)."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -15,6 +17,10 @@ from router.pool_state import WorkerState, peer_work
 from router.stats import StatsSink
 from router.vocab import PLACEMENT_KINDS
 from worker_protocol.messages import WorkerInfo, WorkerLoad, WorkerRole
+
+log = logging.getLogger("pdserve.router")
+# A worker's steps run with prompts waiting for its decodes are logged at most this often.
+WAIT_LOG_S = 10.0
 
 
 class Membership:
@@ -36,6 +42,8 @@ class Membership:
         self._gone: set[tuple[str, int]] = set()  # (worker, incarnation) out of the pools
         self._deaths_seen = 0  # of backend.dead, already reported
         self._restarts_seen: dict[WorkerRole, int] = {}  # backend.restarts, already reported
+        # Per worker: (when logged, steps run with prompts waiting then).
+        self._waits_logged: dict[str, tuple[float, int]] = {}
 
     def state(self, worker_id: str) -> WorkerState:
         """The books of a worker's current incarnation; a new incarnation (a replacement) gets
@@ -67,6 +75,24 @@ class Membership:
         b = self.backend
         return [self.state(w) for w in b.prefill_ids], [self.state(w) for w in b.decode_ids]
 
+    def _log_waits(self, state: WorkerState, load: WorkerLoad) -> None:
+        """Log a worker's steps run with prompts waiting for its decodes (--prefill-hold-ms)
+        when their count grew, at most every WAIT_LOG_S."""
+        now = time.monotonic()
+        at, seen = self._waits_logged.get(state.worker_id, (-WAIT_LOG_S, 0))
+        if load.prompt_wait_steps <= seen or now - at < WAIT_LOG_S:
+            return
+        self._waits_logged[state.worker_id] = (now, load.prompt_wait_steps)
+        log.info(
+            "%s ran %d steps with prompts waiting for its decodes (%d since start; its smallest "
+            "chunk beside decodes %.0f ms, step target %.0f ms)",
+            state.worker_id,
+            load.prompt_wait_steps - seen,
+            load.prompt_wait_steps,
+            (load.chunk_floor_s or 0.0) * 1000,
+            (state.model.step_target_s or 0.0) * 1000,
+        )
+
     def absorb(self, loads: Sequence[WorkerLoad]) -> None:
         """The workers' polled load, into the books of the incarnation that reported it; then
         what changed in the pools since the last call, to the sink."""
@@ -80,6 +106,7 @@ class Membership:
             if state is not None and state.info.incarnation == load.incarnation:
                 state.absorb(load, peer_work(state, members))
                 state.update_tail()
+                self._log_waits(state, load)
         factors = [f for s in members if (f := s.measured_gap_factor) is not None]
         if factors:  # a worker not yet measured takes what the others did
             peers = float(np.median(factors))

@@ -361,3 +361,17 @@ def test_no_wait_where_the_smallest_chunk_fits_the_target_or_none_is_set():
     assert "p" in {x.request_id for x in step(off).scheduled} and off.num_held_steps == 0
     with pytest.raises(ValueError, match="prefill_hold_s"):
         SchedulerConfig(512, 8, True, step_target_s=0.1, prefill_hold_s=-1.0)
+
+
+def test_the_slowest_of_the_latest_smallest_chunk_steps_decides_whether_a_chunk_fits():
+    """An ITL SLO holds a p99 gap: one smallest-chunk step in eight past the target means chunks
+    beside decodes do not keep to it; it stops counting once eight newer ones came."""
+    sizer = ChunkSizer(target_s=0.1, budget=512)
+    sizer.observe(16, 1, 0.130)
+    for _ in range(7):
+        sizer.observe(16, 1, 0.090)
+    assert sizer.floor_s == 0.130 and not sizer.fits()
+    sizer.observe(12, 2, 0.090)  # a prompt's tail of the smallest chunk counts too
+    assert sizer.floor_s == 0.090 and sizer.fits()
+    sizer.observe(4, 1, 0.5)  # a few tokens: a prompt's last, not a chunk's step
+    assert sizer.fits()

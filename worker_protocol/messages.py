@@ -171,7 +171,7 @@ class WorkerLoad:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_hits: int = 0  # of those, found cached
     incarnation: int = 0  # of the worker that reported it (see WorkerInfo)
-    # The median of its latest steps that ran the smallest chunks beside decodes (ChunkSizer
+    # The longest of its latest steps that ran the smallest chunks beside decodes (ChunkSizer
     # floor_s; None: none measured, or no step target): past the target, prompts wait for
     # short decodes there (prefill_hold_s).
     chunk_floor_s: float | None = None
