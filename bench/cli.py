@@ -156,6 +156,10 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"error: --policy: unknown {unknown}; choose from {list(POLICIES)}")
         return 2
+    if args.prefill_hold_ms is not None and args.step_target_ms is None:
+        print("error: --prefill-hold-ms: prompts wait where a chunk cannot keep to the step "
+              "target, so it needs --step-target-ms")  # fmt: skip
+        return 2
     if args.address:
         policies = policies[:1]
     deployment = Deployment(args.model, args.prefill, args.decode, args.threads, args.kv_cache_gib,

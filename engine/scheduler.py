@@ -56,8 +56,8 @@ class ChunkSizer:
         self.target_s = target_s
         self.budget = budget
         self.chunk = min(budget, 4 * MIN_CHUNK)  # a first guess, small: learned up from there
-        # The latest steps that ran a chunk of at most MIN_CHUNK beside decodes (seconds): as
-        # short as a step with a prefill in it gets here, whatever the target.
+        # The latest steps that ran a chunk of MIN_CHUNK // 2 to MIN_CHUNK tokens beside decodes
+        # (seconds): as short as a step with a prefill in it gets here, whatever the target.
         self._floor: deque[float] = deque(maxlen=FLOOR_STEPS)
         self.decode_s: float | None = None  # decode-only steps, smoothed
 
@@ -112,6 +112,7 @@ class Scheduler:
         # the latest such step was scheduled (None: the latest step did not hold).
         self.num_held_steps = 0
         self._held_at: float | None = None
+        self._held_ids: set[str] = set()  # the prompts in line at it
         # Requests ended by the scheduler itself (the pool can't hold them), for the engine to
         # report; drained by `take_capacity_finished`.
         self.capacity_finished: list[Request] = []
@@ -223,25 +224,32 @@ class Scheduler:
     def _hold(self, decodes: list[Request], prefills: list[Request]) -> bool:
         """Whether this step's prompts wait for the running decodes (see
         SchedulerConfig.prefill_hold_s): even the smallest chunk beside them took a step past
-        the target, and the longest of them, at the decode steps measured, ends within what is
-        left of the hold of the prompt in line that has waited longest. The time since the
-        previous step held counts against every prompt in line."""
+        the target, and the longest of them (and of the handoffs whose KV is on its way, about
+        to decode), at the decode steps measured, ends within what is left of the hold of the
+        prompt in line that has waited longest. The time from a held step to the next counts
+        against every prompt that was in line at it. A request in line that has streamed tokens
+        already (a decode preempted, a handoff whose KV never came) is never held: a wait would
+        be a gap in its stream."""
         now = time.monotonic()
         in_line = [*prefills, *self.waiting]
         if self._held_at is not None:
             for r in in_line:
-                r.held_s += now - self._held_at
-            self._held_at = None
+                if r.request_id in self._held_ids:
+                    r.held_s += now - self._held_at
+            self._held_at, self._held_ids = None, set()
         limit, sizer = self.config.prefill_hold_s, self.sizer
         if limit is None or sizer is None or not decodes or not in_line or sizer.fits():
+            return False
+        if any(r.num_output_tokens for r in in_line):
             return False
         # Before a decode-only step was measured, the smallest chunk's step (longer) stands in.
         per_token = sizer.decode_s if sizer.decode_s is not None else sizer.floor_s
         assert per_token is not None  # not fits(): a floor was measured
-        left = max(r.sampling.max_tokens - r.num_output_tokens for r in decodes)
+        coming = [*decodes, *self.waiting_for_kv.values()]
+        left = max(r.sampling.max_tokens - r.num_output_tokens for r in coming)
         if max(r.held_s for r in in_line) + left * per_token > limit:
             return False
-        self._held_at = now
+        self._held_at, self._held_ids = now, {r.request_id for r in in_line}
         self.num_held_steps += 1
         return True
 

@@ -238,6 +238,17 @@ class StepTimeModel:
         finally:
             self.step_target_s = held
 
+    @contextmanager
+    def decodes_left_at_least(self, tokens: int) -> Iterator[None]:
+        """Predictions within it count one more decode of `tokens` tokens among those a prompt
+        would wait for (a handoff placed there: the worker waits for it too once its KV lands)."""
+        held = self.decode_left
+        self.decode_left = max(held, tokens)
+        try:
+            yield
+        finally:
+            self.decode_left = held
+
     def set_scale(self, scale: float) -> None:
         if scale != self.scale:
             self.scale = scale

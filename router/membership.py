@@ -42,8 +42,8 @@ class Membership:
         self._gone: set[tuple[str, int]] = set()  # (worker, incarnation) out of the pools
         self._deaths_seen = 0  # of backend.dead, already reported
         self._restarts_seen: dict[WorkerRole, int] = {}  # backend.restarts, already reported
-        # Per worker: (when logged, steps run with prompts waiting then).
-        self._waits_logged: dict[str, tuple[float, int]] = {}
+        # Per worker incarnation: (when logged, steps run with prompts waiting then).
+        self._waits_logged: dict[tuple[str, int], tuple[float, int]] = {}
 
     def state(self, worker_id: str) -> WorkerState:
         """The books of a worker's current incarnation; a new incarnation (a replacement) gets
@@ -79,10 +79,11 @@ class Membership:
         """Log a worker's steps run with prompts waiting for its decodes (--prefill-hold-ms)
         when their count grew, at most every WAIT_LOG_S."""
         now = time.monotonic()
-        at, seen = self._waits_logged.get(state.worker_id, (-WAIT_LOG_S, 0))
+        key = (state.worker_id, load.incarnation)
+        at, seen = self._waits_logged.get(key, (-WAIT_LOG_S, 0))
         if load.prompt_wait_steps <= seen or now - at < WAIT_LOG_S:
             return
-        self._waits_logged[state.worker_id] = (now, load.prompt_wait_steps)
+        self._waits_logged[key] = (now, load.prompt_wait_steps)
         log.info(
             "%s ran %d steps with prompts waiting for its decodes (%d since start; its smallest "
             "chunk beside decodes %.0f ms, step target %.0f ms)",

@@ -215,7 +215,13 @@ class Planner:
             for d in decode:
                 if p.worker_id == d.worker_id:
                     continue  # one worker doing both for a request: the colocated candidate
-                with d.model.target_at_most(limits[d.worker_id]):
+                # Its decode on D is one more that prompts there would wait for (none where a
+                # decode of unknown length runs there: no wait is priced then).
+                more = req.max_tokens if d.model.decode_left or not d.batch else 0
+                with (
+                    d.model.target_at_most(limits[d.worker_id]),
+                    d.model.decodes_left_at_least(more),
+                ):
                     c = predict_disaggregated(
                         req, p, d, self.transfer, b, shared[d.worker_id], width
                     )

@@ -143,6 +143,8 @@ class WorkerState:
     def _decodes_changed(self) -> None:
         """The model prices a prompt's wait for the decodes by the longest of them (0: one of
         unknown length, which no wait is priced for)."""
+        if self.model.hold_s is None:
+            return  # the worker never holds prompts: nothing to price
         lefts = [d.left for d in self._decodes.values()]
         self.model.decode_left = 0 if not lefts or 0 in lefts else max(lefts)
 

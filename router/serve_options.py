@@ -221,8 +221,9 @@ OPTIONS: tuple[Option, ...] = (
            "the ITL SLO and tune each worker's from the ITL p99 its requests see"),
     Option("prefill_hold_ms", optional(number(0)), None,
            "with --step-target-ms: where even the smallest chunk beside running decodes takes "
-           "a step past the target, a prompt waits for decodes that will end within this long "
-           "(in all, per prompt) instead of slowing their steps; default: prompts never wait"),
+           "a step past the target (as on a CPU host), prompts wait for decodes that will end "
+           "(at their max_tokens) within this long, in all per prompt, instead of slowing "
+           "their steps; default (or 0): prompts never wait"),
     # policy and SLOs
     Option("policy", choice(*POLICIES), "auto",
            "how each request's path is chosen (auto: the cost model)"),

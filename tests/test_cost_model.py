@@ -477,6 +477,25 @@ def test_a_worker_that_holds_prompts_for_short_decodes_prices_a_wait_not_their_m
     assert held.model.hold_wait_s(held.batch, held.context) is not None
 
 
+def test_a_long_handoff_to_a_worker_holding_prompts_ends_their_wait_in_its_prediction():
+    """A request handed off to a worker that holds prompts is one more decode they would wait
+    for: a short one keeps them waiting (the decodes there see their own steps), a long one
+    lets them run in chunks beside it and the others."""
+    pl = planner()
+    p = trained("prefill-0", "prefill")
+    d = _holding(left=20)
+    d.add_prefill("queued", 800, prefill_pairs(800, 0), local=True, itl_slo_s=0.12)
+    step = d.model.decode_step_s(41, 40 * 1000 + 1500)
+
+    def handoff(max_tokens):
+        cands = pl.candidates(shape(1500, seed=5, max_tokens=max_tokens), [p], [d])
+        return next(c for c in cands if c.path is RoutePath.DISAGGREGATED)
+
+    assert handoff(20).running_itl_s == pytest.approx(step)
+    assert handoff(400).running_itl_s > 0.13
+    assert d.model.decode_left == 20  # as it was
+
+
 def test_auto_stops_choosing_a_pair_whose_handoffs_keep_failing_and_tries_it_again_later():
     p, d = trained("prefill-0", "prefill", seed=3), trained("decode-0", "decode", seed=4)
     with_decodes(d, 8, 512, 1.0)

@@ -310,7 +310,7 @@ def test_a_prompt_waits_for_decodes_that_end_within_its_hold():
         beside.append("p" in ids)
         assert ids == {"d"} or "d" not in ids
     assert not any(beside) and s.num_held_steps == len(beside)
-    assert s.requests["p"].num_computed_tokens == 0 and s.requests["p"].held_s >= 0
+    assert s.requests["p"].num_computed_tokens == 0
     assert step(s).num_batched_tokens == 512  # the decodes ended: the whole budget
     s.finish_requests(["p"], FinishReason.ABORT)
     assert s.kv.pool.all_free()
@@ -375,3 +375,23 @@ def test_the_slowest_of_the_latest_smallest_chunk_steps_decides_whether_a_chunk_
     assert sizer.floor_s == 0.090 and sizer.fits()
     sizer.observe(4, 1, 0.5)  # a few tokens: a prompt's last, not a chunk's step
     assert sizer.fits()
+
+
+def test_no_wait_for_a_request_that_streamed_already_nor_past_a_handoff_to_come():
+    """A preempted decode (or a handoff whose KV never came) back in line has streamed tokens:
+    a wait would be a gap in its stream. A handoff whose KV is on its way decodes soon: a long
+    one ends the wait as a running one does."""
+    s = _held_scheduler(hold_s=1.0)
+    _decoding(s, "d", max_tokens=10)
+    back = req("back", 40, max_tokens=10, start=300)
+    back.append_output(5)  # it streamed a token before it was preempted
+    s.add_request(back)
+    assert "back" in {x.request_id for x in step(s).scheduled} and s.num_held_steps == 0
+    s.finish_requests(["back"], FinishReason.ABORT)
+    s.add_request(req("p", 900, max_tokens=2, start=100))
+    assert {x.request_id for x in step(s).scheduled} == {"d"} and s.num_held_steps == 1
+    assert kv_handoff.reserve(s, req("h", 40, max_tokens=200, start=2000)) is not None
+    assert "p" in {x.request_id for x in step(s).scheduled}  # 200 tokens to come: no wait
+    kv_handoff.fail(s, "h")
+    s.finish_requests(["d", "p", "h"], FinishReason.ABORT)
+    assert s.kv.pool.all_free()
