@@ -161,7 +161,12 @@ def test_counters_move_by_what_was_injected_and_the_alerts_fire(tmp_path, ledger
             assert lost[victim] == 1 and sum(lost.values()) == 1, lost
             for gauge in ("pdserve_requests_pending", "pdserve_requests_active"):
                 assert counters(srv, gauge, "") == {"": 0.0}, gauge  # every request settled
+            # The router reports the restart at its next poll of the workers, after the cluster
+            # saw it: wait for that poll (bounded), then exactly one.
             restarts = counters(srv, "pdserve_worker_restarts_total", "role")
+            while restarts.get("decode", 0) < 1 and time.monotonic() < deadline:
+                time.sleep(0.2)
+                restarts = counters(srv, "pdserve_worker_restarts_total", "role")
             assert restarts == {"decode": 1, "prefill": 0, "both": 0}, restarts
 
             # Prometheus: the matching alerts fire, the others stay quiet.
