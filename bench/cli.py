@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -36,18 +37,18 @@ def _lengths(text: str) -> tuple[int, int]:
     return int(a), int(b or a)
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
-    return value
+def _float_at_least(low: float, strict: bool = False) -> Callable[[str], float]:
+    """An argparse type: a number >= low (> low when `strict`)."""
 
+    def parse(text: str) -> float:
+        value = float(text)
+        if not (value > low if strict else value >= low):
+            raise argparse.ArgumentTypeError(
+                f"must be a number {'>' if strict else '>='} {low:g}, got {text}"
+            )
+        return value
 
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
-    return value
+    return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,14 +77,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold-queue", type=int, default=4)
     p.add_argument(
         "--step-target-ms",
-        type=lambda v: v if v == "auto" else _positive_float(v),
+        type=lambda v: v if v == "auto" else _float_at_least(0, strict=True)(v),
         default=None,
         help="--step-target-ms for the servers of chunked policies (chunk sizing next to "
         "decodes); auto: each worker's tuned from the ITL p99 its requests see",
     )
     p.add_argument(
         "--prefill-hold-ms",
-        type=_non_negative_float,
+        type=_float_at_least(0),
         default=None,
         help="--prefill-hold-ms for the servers given --step-target-ms (a prompt waits for "
         "running decodes where no chunk beside them keeps to the step target)",

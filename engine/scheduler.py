@@ -179,6 +179,10 @@ class Scheduler:
         against every prompt that was in line at it. A request in line that has streamed tokens
         already (a decode preempted, a handoff whose KV never came) is never held: a wait would
         be a gap in its stream."""
+        limit, sizer = self.config.prefill_hold_s, self.sizer
+        if limit is None or sizer is None:  # no hold set, or no target: nothing to count
+            self._held_at = None
+            return False
         now = time.monotonic()
         in_line = [*prefills, *self.waiting]
         if self._held_at is not None:
@@ -186,8 +190,7 @@ class Scheduler:
                 if r.request_id in self._held_ids:
                     r.held_s += now - self._held_at
             self._held_at, self._held_ids = None, set()
-        limit, sizer = self.config.prefill_hold_s, self.sizer
-        if limit is None or sizer is None or not decodes or not in_line or sizer.fits():
+        if not decodes or not in_line or sizer.fits():
             return False
         if any(r.num_output_tokens for r in in_line):
             return False
