@@ -110,6 +110,13 @@ class Scheduler:
         return True
 
     @property
+    def prompt_held_s(self) -> float:
+        """How long the prompt in line that has waited longest for decodes has waited so far
+        (Request.held_s: its share of SchedulerConfig.prefill_hold_s used); 0 with none."""
+        prefills = (r for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
+        return max((r.held_s for r in (*prefills, *self.waiting)), default=0.0)
+
+    @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 

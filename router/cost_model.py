@@ -168,6 +168,9 @@ class StepTimeModel:
         self.hold_s = info.prefill_hold_s
         self.chunk_floor_s: float | None = None
         self.decode_left = 0
+        # How long the prompt in line there that has waited longest for decodes has waited
+        # (polled): what is left of the hold is hold_s less this.
+        self.prompt_held_s = 0.0
         # How much slower than alone its steps run now (a busy peer on its node: HostShare); the
         # fit holds its steps alone, predictions are multiplied by this.
         self.scale = 1.0
@@ -319,15 +322,16 @@ class StepTimeModel:
         """How long a prompt placed now waits for the `batch` decodes running (of total
         `context`) to end, where the worker holds prompts for them (SchedulerConfig
         prefill_hold_s: its smallest chunks beside decodes took steps past the step target, and
-        the longest of them, `decode_left` decode steps, ends within the hold); None where it
-        chunks beside them."""
+        the longest of them, `decode_left` decode steps, ends within what is left of the hold
+        to the prompt in line there that has waited longest); None where it chunks beside
+        them."""
         if not batch or not self.decode_left or self.hold_s is None:
             return None
         target, floor = self.step_target_s, self.chunk_floor_s
         if target is None or floor is None or floor <= target:
             return None
         wait = self.decode_left * self.decode_step_s(batch, context)
-        return wait if wait <= self.hold_s else None
+        return wait if wait <= self.hold_s - self.prompt_held_s else None
 
     def chunked_s(self, tokens: int, pairs: float, batch: int, context: int) -> tuple[float, float]:
         """(time to compute `tokens` prefill tokens in chunks next to `batch` decodes of total
@@ -349,6 +353,10 @@ class StepTimeModel:
             # the target, down to MIN_CHUNK tokens, past which the target gives way.
             at_end = fixed + min(MIN_CHUNK, tokens) * (w1 + 2.0 * w2 * pairs / tokens)
             during = max(during, at_end)
+            if self.chunk_floor_s is not None:
+                # Measured there: the slowest of the latest steps with the smallest chunks
+                # beside decodes (the worker's chunks never shrink past them).
+                during = max(during, self.chunk_floor_s)
         return total, during
 
 

@@ -477,6 +477,36 @@ def test_a_worker_that_holds_prompts_for_short_decodes_prices_a_wait_not_their_m
     assert held.model.hold_wait_s(held.batch, held.context) is not None
 
 
+def test_the_hold_a_waiting_prompt_used_is_not_priced_again():
+    """A prompt in line there that has waited most of its hold (polled) leaves the rest to a
+    prompt placed now: decodes that end within the whole hold but not within what is left are
+    priced with chunks beside them, at the smallest chunks' step measured there."""
+    d = _holding(left=20)  # 20 decode steps: well within 5 s
+    wait = d.model.hold_wait_s(d.batch, d.context)
+    assert wait is not None and wait < 4.0
+    d.absorb(WorkerLoad("decode-0", d.info.role, 40, 1, 0, 0.1, 1000, 1024, 900,
+                        chunk_floor_s=0.15, prompt_held_s=5.0 - wait / 2))  # fmt: skip
+    assert d.model.hold_wait_s(d.batch, d.context) is None
+    _, during = d.model.chunked_s(1500, prefill_pairs(1500, 0), d.batch, d.context)
+    assert during >= 0.15
+
+
+def test_a_chunk_beside_decodes_is_priced_no_quicker_than_the_smallest_chunks_measured():
+    """The fit may price a 16-token chunk beside decodes well under what such steps took there
+    (on a CPU host: 133 ms at the median, past 160 ms often): the decodes beside a chunk see
+    at least the slowest of the latest such steps the worker measured."""
+    d = trained("decode-0", "decode", seed=1, step_target_s=0.12)
+    with_decodes(d, 4, 1000, itl_slo_s=0.15)
+    pairs = prefill_pairs(1500, 0)
+    fitted = d.model.chunked_s(1500, pairs, d.batch, d.context)[1]
+    alone = d.model.chunked_s(1500, pairs, 0, 0)
+    slow = fitted * 1.5
+    d.absorb(WorkerLoad("decode-0", d.info.role, 4, 0, 0, 0.1, 1000, 1024, 0,
+                        chunk_floor_s=slow))  # fmt: skip
+    assert d.model.chunked_s(1500, pairs, d.batch, d.context)[1] == pytest.approx(slow)
+    assert d.model.chunked_s(1500, pairs, 0, 0) == alone  # no decodes beside: as it was
+
+
 def test_a_long_handoff_to_a_worker_holding_prompts_ends_their_wait_in_its_prediction():
     """A request handed off to a worker that holds prompts is one more decode they would wait
     for: a short one keeps them waiting (the decodes there see their own steps), a long one

@@ -177,3 +177,6 @@ class WorkerLoad:
     chunk_floor_s: float | None = None
     # Steps it ran its decodes alone while prompts waited for them (prefill_hold_s), since start.
     prompt_wait_steps: int = 0
+    # How long the prompt in line that has waited longest for decodes has waited so far (its
+    # share of prefill_hold_s used); 0 with none in line.
+    prompt_held_s: float = 0.0
