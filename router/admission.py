@@ -13,12 +13,10 @@ from collections.abc import Iterable
 from router.books import RequestCounts
 from router.core_types import Overloaded, RouterConfig
 from router.policy import Decision, RequestShape
-from router.vocab import RejectReason, RoutePath
+from router.vocab import RejectReason
 
 # The admission margin: a quantile of measured / predicted TTFT over the latest first tokens.
 MARGIN_WINDOW, MARGIN_MIN_SAMPLES, MARGIN_QUANTILE, MARGIN_MAX = 64, 16, 0.9, 4.0
-# A path's own margin comes from its first tokens among this many latest (see ttft_margins).
-MARGIN_SCAN = 4 * MARGIN_WINDOW
 
 
 def refusal(
@@ -61,26 +59,3 @@ def ttft_margin(pairs: Iterable[tuple[float, float]]) -> float:
         return 1.0
     q = statistics.quantiles(ratios, n=100, method="inclusive")[round(MARGIN_QUANTILE * 100) - 1]
     return min(max(q, 1.0), MARGIN_MAX)
-
-
-def ttft_margins(
-    latest: Iterable[tuple[RoutePath, float, float]],
-) -> tuple[float, dict[RoutePath, float]]:
-    """From (path, predicted, measured) TTFTs, latest first: the margin over the latest
-    MARGIN_WINDOW first tokens of all placements, and each path's own over its latest
-    MARGIN_WINDOW, for a path with at least MARGIN_MIN_SAMPLES of them (a path seldom taken is
-    judged by the margin of all). A colocated prediction carries the queue of a worker that
-    decodes and the chunks it cuts beside its decodes, a handoff's the queue of one that
-    prefills: on long-prompt flex's colocations came at up to 2.4x their prediction (p90)
-    where its handoffs came at 1.5x, and one margin over both refused handoffs that would have
-    attained."""
-    every: list[tuple[float, float]] = []
-    own: dict[RoutePath, list[tuple[float, float]]] = {}
-    for path, predicted, measured in latest:
-        if len(every) < MARGIN_WINDOW:
-            every.append((predicted, measured))
-        mine = own.setdefault(path, [])
-        if len(mine) < MARGIN_WINDOW:
-            mine.append((predicted, measured))
-    per_path = {p: ttft_margin(v) for p, v in own.items() if len(v) >= MARGIN_MIN_SAMPLES}
-    return ttft_margin(every), per_path

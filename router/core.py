@@ -30,7 +30,7 @@ from typing import Any
 
 from engine.prefix_hash import block_hashes
 from engine.text_stream import TextStream
-from router.admission import MARGIN_SCAN, refusal, ttft_margins
+from router.admission import MARGIN_WINDOW, refusal, ttft_margin
 from router.books import RequestBooks, RequestCounts
 from router.core_types import (
     Backend,
@@ -219,8 +219,7 @@ class RequestCore:
 
     def _admit(self, shape: RequestShape, decision: Decision, frontend: Frontend) -> None:
         """Raise Overloaded (counted by its reason) when the request is refused."""
-        margin = self.planner.margin(decision.chosen.path)
-        refused = refusal(shape, decision, self.config, self.counts, margin)
+        refused = refusal(shape, decision, self.config, self.counts, self.planner.ttft_margin)
         if refused is not None:
             self.sink.rejected(refused.reason, frontend)
             raise refused
@@ -380,11 +379,10 @@ class RequestCore:
         self.records.append(DecisionRecord(rid, decision, ttft, disturbed))
         latest = itertools.islice(
             (r for r in reversed(self.records) if r.measured_ttft_s and not r.disturbed),
-            MARGIN_SCAN,
+            MARGIN_WINDOW,
         )
-        self.planner.ttft_margin, self.planner.path_margins = ttft_margins(
-            (r.decision.chosen.path, r.decision.chosen.ttft_s, r.measured_ttft_s or 0.0)
-            for r in latest
+        self.planner.ttft_margin = ttft_margin(
+            (r.decision.chosen.ttft_s, r.measured_ttft_s or 0.0) for r in latest
         )
         self.sink.first_token(track.first_token())
         chosen = decision.chosen

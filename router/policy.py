@@ -150,11 +150,8 @@ class Planner:
         self.transfer = transfer
         self.health = health or HandoffHealth()
         self.bias = {RoutePath.COLOCATED: Bias(), RoutePath.DISAGGREGATED: Bias()}
-        # Admission's factor on predicted TTFT (router/admission.py ttft_margins), set by the
-        # core: over the latest first tokens of all placements, and of each path with enough of
-        # its own (see margin()).
+        # Admission's factor on predicted TTFT (router/admission.py ttft_margin), set by the core.
         self.ttft_margin = 1.0
-        self.path_margins: dict[RoutePath, float] = {}
         # How far TTFT predictions came from measured first tokens (trained by the core): the
         # width of every candidate's TTFT miss chance.
         self.ttft_spread = PredictionSpread()
@@ -164,11 +161,6 @@ class Planner:
         # The rate requests arrive and what they decode: how many workers the decodes need.
         self.demand = DecodeDemand()
         self.decoders_needed = 1  # as of the latest candidates()
-
-    def margin(self, path: RoutePath) -> float:
-        """Admission's factor on a `path` placement's predicted TTFT: how late that path's first
-        tokens have come lately, or the margin of all while it has had too few of its own."""
-        return self.path_margins.get(path, self.ttft_margin)
 
     def ttft_bias(self, path: RoutePath) -> Bias:
         """The TTFT correction `path`'s predictions take: its own, or while it has seen too few
@@ -242,10 +234,9 @@ class Planner:
             return out
         # A placement admission would refuse loses the request and runs nothing (one miss, none
         # caused): auto takes another where that is expected to cost less.
+        m = self.ttft_margin
         return [
-            replace(c, refused=True, caused_misses=0.0)
-            if c.shed(req.slo_ttft_s, self.margin(c.path))
-            else c
+            replace(c, refused=True, caused_misses=0.0) if c.shed(req.slo_ttft_s, m) else c
             for c in out
         ]
 
@@ -343,14 +334,9 @@ class Planner:
             )
         shed = sum(c.refused for c in usable)
         if shed and not chosen.refused:
-            times = ", ".join(
-                f"x {self.margin(p):.2f} {p.value}"
-                for p in (RoutePath.COLOCATED, RoutePath.DISAGGREGATED)
-                if any(c.refused and c.path is p for c in usable)
-            )
             parts.append(
-                f"{shed} of {len(usable)} placements admission would refuse (predicted TTFT "
-                f"{times}: how late first tokens have come lately, past the SLO)"
+                f"{shed} of {len(usable)} placements admission would refuse (predicted TTFT x "
+                f"{self.ttft_margin:.2f}, how late first tokens have come lately, past the SLO)"
             )
         if code == "cost_ttft":
             code = _tie_broken(req, chosen, usable, parts)

@@ -1137,16 +1137,6 @@ def test_a_placement_admission_would_refuse_counts_as_a_lost_request():
     assert (late.chosen.prefill_worker or late.chosen.decode_worker) == "both-1", late.reason
     assert 0.3 < late.chosen.caused_misses < 0.5
     assert refusal(req, late, RouterConfig(), RequestCounts(), 3.0) is None
-    # Where only colocations' first tokens came late, only the queued colocation is refused:
-    # the handoff that queues as long on the same prefill is judged by handoffs' own margin.
-    pl.path_margins = {RoutePath.COLOCATED: 3.0, RoutePath.DISAGGREGATED: 1.0}
-    queued = [c for c in pl.candidates(req, [a, b], [a, b]) if c.queue_s > 10.0]
-    assert {(c.path, c.refused) for c in queued} == {
-        (RoutePath.COLOCATED, True),
-        (RoutePath.DISAGGREGATED, False),
-    }
-    assert "x 3.00 colocated:" in pl.decide(req, [a, b], [a, b]).reason
-    pl.path_margins = {}
     # A request resumed after its decode worker died does not pass admission again: nothing is
     # marked refused for it.
     resumed = pl.candidates(req, [a, b], [a, b], admitting=False)

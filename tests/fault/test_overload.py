@@ -16,11 +16,10 @@ import pytest
 
 from bench import cli, loadgen, overload, slo, trace
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from router.admission import ttft_margin, ttft_margins
+from router.admission import ttft_margin
 from router.cluster import ClusterConfig
 from router.core_types import RouterConfig
 from router.server import ServeConfig
-from router.vocab import RoutePath
 from tests.grpc_server import ServerThread
 from tests.test_router_grpc import assert_pools_full
 
@@ -169,18 +168,3 @@ def test_admission_margin_follows_how_late_first_tokens_came():
     late = [(1.0, 1.0)] * 80 + [(1.0, 2.0)] * 20  # one in five came at twice its prediction
     assert ttft_margin(late) == 2.0
     assert ttft_margin([(1.0, 50.0)] * 20) == 4.0  # bounded: strays cannot shut admission
-
-
-def test_each_path_is_admitted_by_how_late_its_own_first_tokens_came():
-    """Colocations whose first tokens came at twice their prediction do not make handoffs,
-    on time, look late: each path with enough first tokens of its own has its own margin; one
-    with too few is judged by the margin of all."""
-    co, dis = RoutePath.COLOCATED, RoutePath.DISAGGREGATED
-    latest = [(dis, 1.0, 1.0)] * 40 + [(co, 1.0, 2.0)] * 20  # latest first
-    every, own = ttft_margins(latest)
-    assert own == {dis: 1.0, co: 2.0} and every == 2.0
-    every, own = ttft_margins([(dis, 1.0, 1.0)] * 40 + [(co, 1.0, 2.0)] * 10)
-    assert own == {dis: 1.0} and every == 2.0  # 10 colocations: too few of their own
-    # The margin of all is over the latest MARGIN_WINDOW; a path's own reaches further back.
-    every, own = ttft_margins([(dis, 1.0, 1.0)] * 64 + [(co, 1.0, 2.0)] * 20)
-    assert every == 1.0 and own == {dis: 1.0, co: 2.0}
