@@ -54,46 +54,23 @@ def caused_misses(
     chances are as wide as the worker's p99 gap predictions have come from its requests'
     measured ones (`itl_spread`): a request predicted past its SLO may still attain, the less
     so the further past it new work takes it."""
-    caused = _lost(w, w.itl_checks(), before_s, during_s)
-    coming = w.coming_itl_checks()
-    if coming and coming_during_s is not None:
-        caused += _lost(w, coming, coming_step(w), coming_during_s)
-    return caused
-
-
-def _lost(w: WorkerState, checks: Sequence[ItlCheck], step_s: float, new_step_s: float) -> float:
-    """The misses among requests with `checks` on `w` whose steps go from `step_s` to
-    `new_step_s` (see caused_misses)."""
     tail, g = w.gap_tail(), w.gap_factor()
     width = w.itl_spread.width
-    typical = max(step_s * g, w.typical_gap())  # what its gaps take now, as measured too
-    without = typical * tail
-    with_it = max(new_step_s * g + typical * (tail - 1.0), without)
-    return sum(
-        max(0.0, miss_chance(with_it * b, slo, width) - miss_chance(without, slo, width))
-        for slo, b in checks
-    )
 
+    def lost(checks: Sequence[ItlCheck], step_s: float, new_step_s: float) -> float:
+        typical = max(step_s * g, w.typical_gap())  # what its gaps take now, as measured too
+        without = typical * tail
+        with_it = max(new_step_s * g + typical * (tail - 1.0), without)
+        return sum(
+            max(0.0, miss_chance(with_it * b, slo, width) - miss_chance(without, slo, width))
+            for slo, b in checks
+        )
 
-def arriving_misses(
-    w: WorkerState, arrivals: float, slo_s: float, step_s: float, during_s: float
-) -> float:
-    """The misses a prefill on `w` causes among the decodes that requests yet to arrive bring
-    there while it runs: `arrivals` of them (the arrival rate, times the share of the decodes
-    `w` takes, times the prefill's time there), each with ITL SLO `slo_s` and received from a
-    peer, seeing steps of `during_s` beside it where they would see `step_s` (a plain decode
-    step) without it. Where even the smallest chunks beside decodes took steps past the
-    target, the worker holds prompts for its decodes: a decode landing during the wait is one
-    more to wait for, and once the wait is over it sees the smallest chunks' step
-    (`chunk_floor_s`), which stands for `during_s` where longer. A worker that takes many
-    handoffs (the decode worker of a split) is seldom without decodes for long: on long-prompt
-    the misses of flex and `auto` fell on the handoffs that landed while a colocated prompt
-    prefilled or waited there."""
-    if arrivals <= 0 or slo_s == float("inf"):
-        return 0.0
-    floor = w.model.chunk_floor_s
-    new = max(during_s, floor) if floor is not None else during_s
-    return arrivals * _lost(w, [ItlCheck(slo_s, w.itl_bias_factor(local=False))], step_s, new)
+    caused = lost(w.itl_checks(), before_s, during_s)
+    coming = w.coming_itl_checks()
+    if coming and coming_during_s is not None:
+        caused += lost(coming, coming_step(w), coming_during_s)
+    return caused
 
 
 def _with_coming(w: WorkerState) -> tuple[int, int]:

@@ -39,12 +39,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from router.capacity import DecodeDemand
-from router.cost_model import Bias, HandoffHealth, TransferTimeModel, prefill_pairs
+from router.cost_model import Bias, HandoffHealth, TransferTimeModel
 from router.interference import shared_misses
 from router.pool_state import WorkerState, peer_work
 from router.predictions import (
     MAX_FAILURE_RATE,
-    Arrivals,
     PathPrediction,
     RequestShape,
     choose,
@@ -205,17 +204,11 @@ class Planner:
             d.worker_id: self.target_for(d, req.slo_itl_s) if self.target_for else None
             for d in decode
         }
-        arriving = self.arrivals(prefill, decode)
-        none = Arrivals(0.0, math.inf)
         out: list[PathPrediction] = []
         b = self.ttft_bias(RoutePath.COLOCATED)
         for d in decode:
             with d.model.target_at_most(limits[d.worker_id]):
-                out.append(
-                    predict_colocated(
-                        req, d, b, shared[d.worker_id], width, arriving.get(d.worker_id, none)
-                    )
-                )
+                out.append(predict_colocated(req, d, b, shared[d.worker_id], width))
         local = {c.decode_worker: c.ttft_s for c in out}
         b = self.ttft_bias(RoutePath.DISAGGREGATED)
         for p in prefill:
@@ -230,14 +223,7 @@ class Planner:
                     d.model.decodes_left_at_least(more),
                 ):
                     c = predict_disaggregated(
-                        req,
-                        p,
-                        d,
-                        self.transfer,
-                        b,
-                        shared[d.worker_id],
-                        width,
-                        arriving.get(p.worker_id, none),
+                        req, p, d, self.transfer, b, shared[d.worker_id], width
                     )
                 rate = self.health.failure_rate(p.worker_id, d.worker_id)
                 if rate > 0:
@@ -253,35 +239,6 @@ class Planner:
             replace(c, refused=True, caused_misses=0.0) if c.shed(req.slo_ttft_s, m) else c
             for c in out
         ]
-
-    def arrivals(
-        self, prefill: Sequence[WorkerState], decode: Sequence[WorkerState]
-    ) -> dict[str, Arrivals]:
-        """For each decode worker, the decodes that requests yet to arrive will bring there:
-        the arrival rate (DecodeDemand) times its share of the decodes running or to come
-        (even shares while none are), landing no sooner than a prompt of the recent mean
-        length arriving now would have its first token on the quickest of the other workers
-        that prefill (its queue, then its prefill); none before the rate is known."""
-        rate = self.demand.rate()
-        if rate <= 0 or not decode:
-            return {}
-        n = round(self.demand.prompt_len())
-        pairs = prefill_pairs(n, 0)
-        first = {
-            p.worker_id: p.model.chunked_s(
-                p.queued_tokens + n, p.queued_pairs + pairs, p.batch, p.context
-            )[0]
-            for p in prefill
-        }
-        load = {d.worker_id: d.batch + d.local_prefills for d in decode}
-        total = sum(load.values())
-        return {
-            w: Arrivals(
-                rate * (k / total if total else 1 / len(load)),
-                min((t for p, t in first.items() if p != w), default=math.inf),
-            )
-            for w, k in load.items()
-        }
 
     def decide(
         self,

@@ -11,11 +11,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import NamedTuple
 
 from router.cost_model import Bias, TransferTimeModel, prefill_pairs
 from router.interference import (
-    arriving_misses,
     beside_floor,
     caused_misses,
     coming_chunk_step,
@@ -190,29 +188,15 @@ class PathPrediction:
         return max(0.0, ttft - 1) + max(0.0, itl - 1)
 
 
-class Arrivals(NamedTuple):
-    """The decodes that requests yet to arrive bring to a worker: `rate` a second, landing no
-    sooner than `landing_s` from now (their prefill elsewhere comes first)."""
-
-    rate: float
-    landing_s: float
-
-    def during(self, start_s: float, end_s: float) -> float:
-        """How many land between `start_s` and `end_s` from now."""
-        return self.rate * max(0.0, end_s - max(start_s, self.landing_s))
-
-
 def predict_colocated(
     req: RequestShape,
     d: WorkerState,
     bias: Bias,
     shared: float = 0.0,
     ttft_width: float = MISS_WIDTH,
-    arrivals: Arrivals | None = None,
 ) -> PathPrediction:
     """`shared`: the misses setting `d` decoding causes on its node's other workers
-    (shared_misses); `ttft_width`: how far TTFT predictions have erred (router/spread.py);
-    `arrivals`: the decodes that requests yet to arrive bring to `d` (see arriving_misses)."""
+    (shared_misses); `ttft_width`: how far TTFT predictions have erred (router/spread.py)."""
     cached = d.cached_tokens(req.hashes, req.prompt_len)
     n = req.prompt_len - cached
     tokens = d.queued_tokens + n
@@ -223,13 +207,6 @@ def predict_colocated(
     itl = d.model.decode_step_s(d.batch + 1, d.context + req.prompt_len + req.max_tokens // 2)
     # The step the requests to decode here after their local prefill see beside this one.
     coming = coming_chunk_step(d, n, prefill_pairs(n, cached))
-    arriving = arriving_misses(
-        d,
-        arrivals.during(total - own, total) if arrivals else 0.0,
-        req.slo_itl_s,
-        coming_step(d, 1, req.prompt_len),
-        during,
-    )
     return PathPrediction(
         path=RoutePath.COLOCATED,
         prefill_worker="",
@@ -245,7 +222,7 @@ def predict_colocated(
         transfer_s=0.0,
         uncached_tokens=n,
         transfer_bytes=0,
-        caused_misses=caused_misses(d, during, before, coming) + shared + arriving,
+        caused_misses=caused_misses(d, during, before, coming) + shared,
         itl_tail=d.gap_tail(),
         itl_floor_s=d.typical_gap(),
         ttft_width=ttft_width,
@@ -266,10 +243,8 @@ def predict_disaggregated(
     bias: Bias,
     shared: float = 0.0,
     ttft_width: float = MISS_WIDTH,
-    p_arrivals: Arrivals | None = None,
 ) -> PathPrediction:
-    """`shared`, `ttft_width`: as for predict_colocated; `p_arrivals`: the decodes that
-    requests yet to arrive bring to `p` (None for a worker that only prefills)."""
+    """`shared`, `ttft_width`: as for predict_colocated."""
     cached_p = p.cached_tokens(req.hashes, req.prompt_len)
     n_p = req.prompt_len - cached_p
     cached_d = d.cached_tokens(req.hashes, req.prompt_len)
@@ -291,14 +266,6 @@ def predict_disaggregated(
     if p.batch or p.local_prefills:  # decoding there, or to decode there (colocated)
         _, p_before = p.model.chunked_s(p.queued_tokens, p.queued_pairs, p.batch, p.context)
         caused += caused_misses(p, p_during, p_before, p_coming)
-    if p_arrivals is not None:
-        caused += arriving_misses(
-            p,
-            p_arrivals.during(total - own, total),
-            req.slo_itl_s,
-            coming_step(p, 1, req.prompt_len),
-            p_during,
-        )
     # On D, prefills queued there (local ones, or a worker that does both prefilling for a peer)
     # share the steps of those already decoding, and of the request once it decodes if they
     # outlast its prefill and transfer.

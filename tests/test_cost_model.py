@@ -29,13 +29,7 @@ from router.membership import Membership
 from router.metrics import Metrics
 from router.policy import Planner, Policy, PolicyConfig, RequestShape, pick_decode
 from router.pool_state import ItlCheck, WorkerState, peer_work
-from router.predictions import (
-    Arrivals,
-    PathPrediction,
-    choose,
-    predict_colocated,
-    ttft_tolerance,
-)
+from router.predictions import PathPrediction, choose, predict_colocated, ttft_tolerance
 from router.spread import MISS_WIDTH, PRIOR_WIDTH, PredictionSpread, miss_chance
 from router.vocab import RoutePath
 from worker_protocol.messages import WorkerInfo, WorkerLoad
@@ -511,64 +505,6 @@ def test_a_chunk_beside_decodes_is_priced_no_quicker_than_the_smallest_chunks_me
                         chunk_floor_s=slow))  # fmt: skip
     assert d.model.chunked_s(1500, pairs, d.batch, d.context)[1] == pytest.approx(slow)
     assert d.model.chunked_s(1500, pairs, 0, 0) == alone  # no decodes beside: as it was
-
-
-def _slow_chunks(worker_id: str, role: str, batch: int) -> WorkerState:
-    """A worker with a 100 ms step target whose smallest chunks beside decodes took 160 ms."""
-    w = trained(worker_id, role, seed=4, step_target_s=0.1)
-    w.absorb(WorkerLoad(worker_id, w.info.role, batch, 0, 0, 0.1, 1000, 1024, 0,
-                        chunk_floor_s=0.16))  # fmt: skip
-    return w
-
-
-def test_decodes_that_land_while_a_colocated_prompt_prefills_count_among_its_misses():
-    """A prompt prefilled on the worker where decodes gather runs its chunks beside the
-    decodes that requests yet to arrive bring there meanwhile: those landing after their own
-    prefill elsewhere (no sooner than the quickest other prefill worker's queue and a prompt
-    of the recent mean length) and before its prefill ends count among the misses it causes,
-    at the arrival rate times that worker's share of the decodes."""
-    pl = planner()
-    p = trained("prefill-0", "prefill", seed=3)
-    d = with_decodes(_slow_chunks("decode-0", "decode", 2), 2, 1000, itl_slo_s=0.15)
-    req = shape(1200, seed=5, max_tokens=30, slo_ttft=30.0, slo_itl=0.15)
-    pl.demand.rate = lambda now=None: 0.0  # type: ignore[method-assign]
-    assert pl.arrivals([p], [d]) == {}
-
-    def colocated() -> PathPrediction:
-        return next(c for c in pl.candidates(req, [p], [d]) if c.path is RoutePath.COLOCATED)
-
-    before = colocated()
-    for i in range(20):
-        pl.demand.arrived(1200, 30, now=time.monotonic() - 20 + i)
-    pl.demand.rate = lambda now=None: 0.5  # type: ignore[method-assign]
-    a = pl.arrivals([p], [d])["decode-0"]
-    lone = p.model.chunked_s(1200, prefill_pairs(1200, 0), 0, 0)[0]
-    assert a.rate == 0.5 and a.landing_s == pytest.approx(lone)  # the only decode worker
-    after = colocated()
-    landed = a.during(before.raw_ttft_s - before.prefill_s, before.raw_ttft_s)
-    assert landed > 0.3  # its chunks beside the decodes take longer than a lone prefill
-    # Each one that lands: a likely miss (160 ms steps against a 150 ms SLO), not a sure one.
-    assert 0.5 * landed < after.caused_misses - before.caused_misses <= landed
-    # A long queue on the prefill worker: what arrives now lands after the prefill is done.
-    p.add_prefill("queued", 8000, prefill_pairs(8000, 0))
-    assert colocated().caused_misses == pytest.approx(before.caused_misses)
-    assert Arrivals(1.0, 5.0).during(2.0, 6.0) == 1.0 and Arrivals(1.0, 5.0).during(0, 4) == 0
-
-
-def test_decodes_go_where_they_gather_and_a_prefill_only_worker_takes_none():
-    """Among workers of both kinds the decodes to come are shared as those running are; a
-    worker that only prefills takes none, so a handoff's prefill there causes no such miss."""
-    pl = planner()
-    pl.demand.rate = lambda now=None: 0.6  # type: ignore[method-assign]
-    pl.demand.prompt_len = lambda now=None: 1000.0  # type: ignore[method-assign]
-    a = _slow_chunks("both-0", "both", 0)
-    b = with_decodes(_slow_chunks("both-1", "both", 3), 3, 1000, itl_slo_s=0.15)
-    arr = pl.arrivals([a, b], [a, b])
-    assert arr["both-0"].rate == 0.0 and arr["both-1"].rate == pytest.approx(0.6)
-    assert arr["both-1"].landing_s < arr["both-0"].landing_s  # via the idle worker: sooner
-    assert set(pl.arrivals([trained("prefill-0", "prefill")], [b])) == {"both-1"}
-    idle = pl.arrivals([a, b], [a, _slow_chunks("both-2", "both", 0)])
-    assert idle["both-0"].rate == idle["both-2"].rate == pytest.approx(0.3)  # none yet: even
 
 
 def test_a_long_handoff_to_a_worker_holding_prompts_ends_their_wait_in_its_prediction():
