@@ -111,10 +111,18 @@ class Scheduler:
 
     @property
     def prompt_held_s(self) -> float:
-        """How long the prompt in line that has waited longest for decodes has waited so far
-        (Request.held_s: its share of SchedulerConfig.prefill_hold_s used); 0 with none."""
+        """How long the prompt in line (waiting, or prefilling in chunks) that has waited
+        longest for decodes has waited so far (Request.held_s: its share of
+        SchedulerConfig.prefill_hold_s used), the held step running now included; 0 with none."""
+        now = time.monotonic()
         prefills = (r for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
-        return max((r.held_s for r in (*prefills, *self.waiting)), default=0.0)
+
+        def held(r: Request) -> float:
+            if self._held_at is not None and r.request_id in self._held_ids:
+                return r.held_s + now - self._held_at
+            return r.held_s
+
+        return max((held(r) for r in (*prefills, *self.waiting)), default=0.0)
 
     @property
     def num_unfinished(self) -> int:

@@ -161,8 +161,9 @@ class StepTimeModel:
         self.fit = OnlineRidge(seed, typical, prior_steps, decay)
         self.budget = info.max_num_batched_tokens
         self.step_target_s = info.step_target_s
-        # Prompts wait for short decodes there (SchedulerConfig.prefill_hold_s) where its
-        # smallest chunks beside decodes took steps past the target (`chunk_floor_s`, polled);
+        # The slowest of its latest smallest-chunk steps beside decodes (`chunk_floor_s`,
+        # polled): decodes beside a chunk see no quicker steps (chunked_s), and prompts wait
+        # for short decodes there (SchedulerConfig.prefill_hold_s) where it passes the target;
         # `decode_left`: the most tokens a request decoding there may still take (set by its
         # WorkerState; 0: unknown). See hold_wait_s.
         self.hold_s = info.prefill_hold_s
@@ -337,7 +338,10 @@ class StepTimeModel:
         """(time to compute `tokens` prefill tokens in chunks next to `batch` decodes of total
         context `context`, the step time those decodes see meanwhile). Where the worker holds
         prompts for its decodes (hold_wait_s), the prompts wait them out and then run alone,
-        and the decodes' steps stay their own."""
+        and the decodes' steps stay their own. The step the decodes see is no quicker than the
+        worker's measured `chunk_floor_s`; the prefill's time is not raised to it: the floor is
+        the slowest of eight such steps, standing for a p99 gap, where the prefill's time is a
+        sum of steps."""
         if tokens <= 0:
             return 0.0, self.decode_step_s(batch, context)
         wait = self.hold_wait_s(batch, context)

@@ -505,6 +505,12 @@ def test_a_chunk_beside_decodes_is_priced_no_quicker_than_the_smallest_chunks_me
                         chunk_floor_s=slow))  # fmt: skip
     assert d.model.chunked_s(1500, pairs, d.batch, d.context)[1] == pytest.approx(slow)
     assert d.model.chunked_s(1500, pairs, 0, 0) == alone  # no decodes beside: as it was
+    d.model.chunk_floor_s = fitted / 2  # a floor under the fitted step changes nothing
+    assert d.model.chunked_s(1500, pairs, d.batch, d.context)[1] == pytest.approx(fitted)
+    d.model.chunk_floor_s, d.model.step_target_s = None, None  # no target: whole-budget chunks
+    plain = d.model.chunked_s(1500, pairs, d.batch, d.context)
+    d.model.chunk_floor_s = 10.0 * plain[1]
+    assert d.model.chunked_s(1500, pairs, d.batch, d.context) == plain
 
 
 def test_a_long_handoff_to_a_worker_holding_prompts_ends_their_wait_in_its_prediction():

@@ -237,3 +237,31 @@ def test_streamed_deltas_equal_final_decode_on_utf8_text(name):
     # The prompts really do split characters across tokens.
     assert len(engine.encode(texts[1])) > len(texts[1])
     assert_pool_free(engine)
+
+
+def test_a_workers_load_reports_its_smallest_chunks_step_and_the_hold_used(monkeypatch):
+    """What the router prices holds and chunks by (WorkerLoad.chunk_floor_s, prompt_held_s)
+    comes from the engine's scheduler as it stands."""
+    from worker_protocol.host import engine_load
+    from worker_protocol.messages import WorkerRole
+
+    clock = [100.0]
+    monkeypatch.setattr("engine.scheduler.time.monotonic", lambda: clock[0])
+    engine = make_engine("tiny-llama", step_target_s=0.1, prefill_hold_s=5.0)
+    sizer = engine.scheduler.sizer
+    assert sizer is not None
+    for _ in range(3):
+        sizer.observe(16, 1, 0.130)  # a 16-token chunk beside a decode: past the target
+        sizer.observe(0, 1, 0.040)
+    d, p = random_prompts([5, 40], seed=3)
+    engine.add_request(d, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    while not any(r.num_output_tokens for r in engine.scheduler.running):
+        engine.step()
+    engine.add_request(p, GREEDY)
+    engine.step()  # held: the decode ends within the hold
+    clock[0] += 0.25
+    load = engine_load(engine, "decode-0", WorkerRole.DECODE)
+    assert load.chunk_floor_s == 0.130 and load.prompt_wait_steps >= 1
+    assert abs(load.prompt_held_s - 0.25) < 1e-9
+    drain(engine)
+    assert_pool_free(engine)

@@ -342,12 +342,17 @@ def test_the_time_a_prompt_waited_counts_against_its_hold(monkeypatch):
         if "p" in {x.request_id for x in out.scheduled}:
             break
         held += 1
+        # What the worker reports (WorkerLoad): waited so far, the held step running included.
+        assert abs(s.prompt_held_s - 0.1 * held) < 1e-9
     # Step k holds while waited + 40 ms x tokens left <= 1 s: 0.1 k + 0.04 (19 - k) <= 1, k <= 4.
     assert held == 5 and abs(s.requests["p"].held_s - 0.5) < 1e-9
-    assert s.prompt_held_s == s.requests["p"].held_s  # what the worker reports (WorkerLoad)
-    s.finish_requests(["p"], FinishReason.ABORT)
-    assert s.prompt_held_s == 0.0  # none in line
-    s.finish_requests(["d"], FinishReason.ABORT)
+    assert s.prompt_held_s == s.requests["p"].held_s  # prefilling in chunks: still in line
+    for _ in range(200):
+        if s.requests["p"].num_output_tokens:
+            break
+        step(s)
+    assert s.requests["p"].held_s >= 0.5 and s.prompt_held_s == 0.0  # decoding: not in line
+    s.finish_requests(["d", "p"], FinishReason.ABORT)
     assert s.kv.pool.all_free()
 
 

@@ -172,11 +172,13 @@ class WorkerLoad:
     prefix_hits: int = 0  # of those, found cached
     incarnation: int = 0  # of the worker that reported it (see WorkerInfo)
     # The longest of its latest steps that ran the smallest chunks beside decodes (ChunkSizer
-    # floor_s; None: none measured, or no step target): past the target, prompts wait for
-    # short decodes there (prefill_hold_s).
+    # floor_s; None: none measured, or no step target): the router prices a chunk beside
+    # decodes there no quicker; past the target, prompts wait for short decodes there
+    # (prefill_hold_s).
     chunk_floor_s: float | None = None
     # Steps it ran its decodes alone while prompts waited for them (prefill_hold_s), since start.
     prompt_wait_steps: int = 0
-    # How long the prompt in line that has waited longest for decodes has waited so far (its
-    # share of prefill_hold_s used); 0 with none in line.
+    # How long the prompt in line (waiting, or prefilling in chunks) that has waited longest
+    # for decodes has waited so far, the held step running included (its share of
+    # prefill_hold_s used); 0 with none in line.
     prompt_held_s: float = 0.0
