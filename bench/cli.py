@@ -51,6 +51,9 @@ def _float_at_least(low: float, strict: bool = False) -> Callable[[str], float]:
     return parse
 
 
+_positive_float = _float_at_least(0, strict=True)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=None, help="measure a running server (one policy)")
     add_auth_arguments(p)  # for a running server that asks for TLS or a token
@@ -77,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold-queue", type=int, default=4)
     p.add_argument(
         "--step-target-ms",
-        type=lambda v: v if v == "auto" else _float_at_least(0, strict=True)(v),
+        type=lambda v: v if v == "auto" else _positive_float(v),
         default=None,
         help="--step-target-ms for the servers of chunked policies (chunk sizing next to "
         "decodes); auto: each worker's tuned from the ITL p99 its requests see",

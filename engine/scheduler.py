@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from engine.chunk_sizer import ChunkSizer
 from engine.config import SchedulerConfig
@@ -115,14 +115,18 @@ class Scheduler:
         longest for decodes has waited so far (Request.held_s: its share of
         SchedulerConfig.prefill_hold_s used), the held step running now included; 0 with none."""
         now = time.monotonic()
-        prefills = (r for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
+        in_line = (*self.running_prefills(), *self.waiting)
+        return max((r.held_s + self._held_now(r, now) for r in in_line), default=0.0)
 
-        def held(r: Request) -> float:
-            if self._held_at is not None and r.request_id in self._held_ids:
-                return r.held_s + now - self._held_at
-            return r.held_s
+    def running_prefills(self) -> Iterator[Request]:
+        """The running requests still prefilling (more than their next token to compute)."""
+        return (r for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
 
-        return max((held(r) for r in (*prefills, *self.waiting)), default=0.0)
+    def _held_now(self, r: Request, now: float) -> float:
+        """The time of the held step running now that counts against `r` (0: not held at it)."""
+        if self._held_at is not None and r.request_id in self._held_ids:
+            return now - self._held_at
+        return 0.0
 
     @property
     def num_unfinished(self) -> int:
@@ -202,8 +206,7 @@ class Scheduler:
         in_line = [*prefills, *self.waiting]
         if self._held_at is not None:
             for r in in_line:
-                if r.request_id in self._held_ids:
-                    r.held_s += now - self._held_at
+                r.held_s += self._held_now(r, now)
             self._held_at, self._held_ids = None, set()
         if not decodes or not in_line or sizer.fits():
             return False

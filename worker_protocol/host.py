@@ -172,11 +172,7 @@ def engine_load(engine: LLMEngine, worker_id: str, role: WorkerRole) -> WorkerLo
     """A worker's load figures, read on the engine thread."""
     sched = engine.scheduler
     queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
-    queued += sum(
-        r.num_tokens - r.num_computed_tokens - 1
-        for r in sched.running
-        if r.num_tokens - r.num_computed_tokens > 1
-    )
+    queued += sum(r.num_tokens - r.num_computed_tokens - 1 for r in sched.running_prefills())
     pool = engine.kv.pool
     return WorkerLoad(
         worker_id=worker_id,
