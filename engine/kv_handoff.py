@@ -20,6 +20,7 @@ engine. The workers' abort paths do it in that order.
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 from engine.kv_cache_manager import cdiv
@@ -33,8 +34,14 @@ class KVReservation(NamedTuple):
     num_cached_tokens: int  # blocks [0, num_cached_tokens / block_size) need no transfer
 
 
-def reserve(sched: Scheduler, req: Request, share: float = 1.0) -> KVReservation | None:
+def reserve(
+    sched: Scheduler, req: Request, share: float = 1.0, due_in_s: float = 0.0
+) -> KVReservation | None:
     """Allocate blocks for `req`'s prompt; None (nothing changed) when slots or blocks lack.
+
+    `due_in_s`: how soon its KV may land (its prefill worker's queue and prefill, as predicted,
+    shortened). Until then the scheduler runs prompts here as if it were not there
+    (Scheduler.kv_due): whole-budget chunks, no wait for its decode. 0: it may land at once.
 
     `share`: the most of the engine's sequence slots and blocks that requests waiting for KV
     may hold together, this one included. An engine that also prefills for peers keeps the
@@ -56,6 +63,7 @@ def reserve(sched: Scheduler, req: Request, share: float = 1.0) -> KVReservation
     if not kv.allocate_slots(req, req.num_tokens - computed.num_tokens, computed):
         return None
     req.status = RequestStatus.WAITING_FOR_KV
+    req.kv_due_at = time.monotonic() + max(0.0, due_in_s)
     sched.requests[req.request_id] = req
     sched.waiting_for_kv[req.request_id] = req
     return KVReservation(req.request_id, tuple(req.block_ids), computed.num_tokens)

@@ -152,11 +152,13 @@ class LLMEngine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         share: float = 1.0,
+        due_in_s: float = 0.0,
     ) -> kv_handoff.KVReservation | None:
-        """Decode side: reserve blocks for a prompt whose KV will arrive; None if full now, or
-        if reservations would hold more than `share` of the slots or blocks (kv_handoff)."""
+        """Decode side: reserve blocks for a prompt whose KV will arrive, expected no sooner than
+        `due_in_s` from now; None if full now, or if reservations would hold more than `share`
+        of the slots or blocks (kv_handoff)."""
         req = self._new_request(prompt, params, request_id, arrival_time)
-        res = kv_handoff.reserve(self.scheduler, req, share)
+        res = kv_handoff.reserve(self.scheduler, req, share, due_in_s)
         if res is not None:
             self.outputs.open(req)
         return res

@@ -72,6 +72,9 @@ class Request:
     first_token_time: float | None = None  # time.monotonic() when its first output was emitted
     # Seconds its prefill waited for running decodes to end (SchedulerConfig.prefill_hold_s).
     held_s: float = 0.0
+    # Waiting for KV (kv_handoff.reserve): time.monotonic() from which its KV may land. Until
+    # then it neither shrinks the prefill chunks here nor holds prompts for its decode.
+    kv_due_at: float = 0.0
 
     @property
     def queue_s(self) -> float:

@@ -7,9 +7,10 @@ prefill or decode code path. Within a step:
      stalls them;
   2. running requests still prefilling continue with the budget left, in admission order;
   3. waiting requests (new or preempted) are admitted with what is left, chunked to fit.
-With `step_target_s` set, a step that has decodes in it (or runs while a handoff's KV is on its
-way) takes only as many prefill tokens as keep it near that time (a ChunkSizer learns how many
-from the steps just run); any other step takes the whole budget, at full prefill efficiency.
+With `step_target_s` set, a step that has decodes in it (or runs while a handoff's KV may land:
+see Request.kv_due_at) takes only as many prefill tokens as keep it near that time (a ChunkSizer
+learns how many from the steps just run); any other step takes the whole budget, at full prefill
+efficiency.
 Where even the smallest chunk takes such a step past the target, with `prefill_hold_s` set the
 prompts wait instead while the running decodes will end within their hold (see `_hold`).
 When blocks run out, the newest running request is preempted: its blocks are freed and it is
@@ -122,6 +123,13 @@ class Scheduler:
         """The running requests still prefilling (more than their next token to compute)."""
         return (r for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
 
+    def kv_due(self) -> Iterator[Request]:
+        """The handoffs waiting for KV that may land now (Request.kv_due_at passed). One due
+        later is still queued or prefilling on its prefill worker: steps here need not make
+        room for it yet, and a prompt here does not wait for its decode."""
+        now = time.monotonic()
+        return (r for r in self.waiting_for_kv.values() if r.kv_due_at <= now)
+
     def _held_now(self, r: Request, now: float) -> float:
         """The time of the held step running now that counts against `r` (0: not held at it)."""
         if self._held_at is not None and r.request_id in self._held_ids:
@@ -151,8 +159,8 @@ class Scheduler:
         prefills: list[Request] = []
         for r in self.running:
             (decodes if len(r.token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
-        if self.sizer is not None and (decodes or self.waiting_for_kv):
-            # Handoffs whose KV is on its way count too: one that lands during a whole-budget
+        if self.sizer is not None and (decodes or any(self.kv_due())):
+            # Handoffs whose KV may land count too: one that lands during a whole-budget
             # prefill step would wait that step out before its second token.
             budget = min(budget, len(decodes) + self.sizer.chunk)
         if self._hold(decodes, prefills):
@@ -192,7 +200,7 @@ class Scheduler:
     def _hold(self, decodes: list[Request], prefills: list[Request]) -> bool:
         """Whether this step's prompts wait for the running decodes (see
         SchedulerConfig.prefill_hold_s): even the smallest chunk beside them took a step past
-        the target, and the longest of them (and of the handoffs whose KV is on its way, about
+        the target, and the longest of them (and of the handoffs whose KV may land now, about
         to decode), at the decode steps measured, ends within what is left of the hold of the
         prompt in line that has waited longest. The time from a held step to the next counts
         against every prompt that was in line at it. A request in line that has streamed tokens
@@ -215,7 +223,7 @@ class Scheduler:
         # Before a decode-only step was measured, the smallest chunk's step (longer) stands in.
         per_token = sizer.decode_s if sizer.decode_s is not None else sizer.floor_s
         assert per_token is not None  # not fits(): a floor was measured
-        coming = [*decodes, *self.waiting_for_kv.values()]
+        coming = [*decodes, *self.kv_due()]
         left = max(r.sampling.max_tokens - r.num_output_tokens for r in coming)
         if max(r.held_s for r in in_line) + left * per_token > limit:
             return False

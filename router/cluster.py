@@ -153,7 +153,7 @@ class Cluster:
         disaggregated = placement.path is RoutePath.DISAGGREGATED
         p = self._prefill_handle(placement.prefill_worker, d) if disaggregated else None
         if p is not None:
-            stream = self._disaggregated(req, p, d, listener)
+            stream = self._disaggregated(req, p, d, listener, placement.kv_due_in_s)
         else:
             if disaggregated:  # its prefill worker left the pool on the way here
                 why = f"{placement.prefill_worker or 'no prefill worker'} is not in the pool"
@@ -191,7 +191,12 @@ class Cluster:
             yield await ref
 
     async def _disaggregated(
-        self, req: WorkRequest, p: WorkerHandle, d: WorkerHandle, listener: HandoffListener
+        self,
+        req: WorkRequest,
+        p: WorkerHandle,
+        d: WorkerHandle,
+        listener: HandoffListener,
+        kv_due_in_s: float = 0.0,
     ) -> AsyncIterator[TokenChunk]:
         t0 = time.monotonic()
         fell: list[tuple[FallbackReason, str]] = []
@@ -202,7 +207,7 @@ class Cluster:
 
         p.active += 1  # from here on a drain of P waits for this request
         try:
-            handed = await self._handoff(req, p, d, fallback, listener)
+            handed = await self._handoff(req, p, d, fallback, listener, kv_due_in_s=kv_due_in_s)
         finally:
             p.active -= 1
         self._check_policy(fell)
@@ -231,8 +236,10 @@ class Cluster:
         fallback: Callable[[FallbackReason, str], None],
         listener: HandoffListener,
         replan: bool = True,
+        kv_due_in_s: float = 0.0,
     ) -> tuple[int | None, TokenLogprobs | None] | None:
-        """Steps 1-2: reserve on D, prefill on P. Returns P's first token and its logprobs
+        """Steps 1-2: reserve on D (the KV expected no sooner than `kv_due_in_s`: Placement),
+        prefill on P. Returns P's first token and its logprobs
         (None: D recomputes in its reserved blocks), or None when nothing was reserved on D.
         When P dies (mid-prefill or mid-transfer), the request is re-planned once onto another
         prefill worker paired with D, else D prefills it."""
@@ -246,7 +253,7 @@ class Cluster:
         timeout = self.config.control_timeout_s
         try:
             target: KVTarget | None = await asyncio.wait_for(
-                d.actor.reserve_kv.remote(req, p.worker_id), timeout
+                d.actor.reserve_kv.remote(req, p.worker_id, kv_due_in_s), timeout
             )
         except ray.exceptions.RayActorError:
             raise  # D died: the request resumes on another decode worker

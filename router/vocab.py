@@ -67,6 +67,9 @@ class Placement:
     request_id: str = field(default_factory=lambda: f"placed-{next(_placements)}")
     prefill_worker: str | None = None  # the disaggregated path's only
     decode_worker: str | None = None
+    # The disaggregated path's only: how soon its KV may land on the decode worker, which until
+    # then runs its own prompts as if the handoff were not coming (engine kv_handoff.reserve).
+    kv_due_in_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.path not in (RoutePath.COLOCATED, RoutePath.DISAGGREGATED):

@@ -46,9 +46,12 @@ class KVReceiverSide:
         async for out in self.aeng.generate(req.prompt_token_ids, req.sampling, req.request_id):
             yield TokenChunk.from_output(out, self.worker_id)
 
-    async def reserve_kv(self, req: WorkRequest, peer_id: str) -> KVTarget | None:
+    async def reserve_kv(
+        self, req: WorkRequest, peer_id: str, due_in_s: float = 0.0
+    ) -> KVTarget | None:
         """Reserve blocks for `req`'s prompt and start receiving its KV from `peer_id` into those
-        past the prefix-cache hit. None: no free blocks or sequence slot now, or reservations
+        past the prefix-cache hit; the KV is expected no sooner than `due_in_s` from now
+        (kv_handoff.reserve). None: no free blocks or sequence slot now, or reservations
         would hold more than `reserve_share` of them (nothing reserved).
         Both happen in one engine call, so an abort (which waits for the engine first) always
         finds the receive registered."""
@@ -57,7 +60,11 @@ class KVReceiverSide:
 
         def reserve(e: LLMEngine) -> KVTarget | None:
             res = e.reserve_for_kv(
-                list(req.prompt_token_ids), req.sampling, rid, share=self.reserve_share
+                list(req.prompt_token_ids),
+                req.sampling,
+                rid,
+                share=self.reserve_share,
+                due_in_s=due_in_s,
             )
             if res is None:
                 return None
