@@ -75,6 +75,7 @@ class FakeBackend:
         self.lose_decode_after = lose_decode_after
         self.lost: list[str] = []  # request ids whose decode worker "died" under them
         self.started: list[str] = []  # request ids, in the order they reached the backend
+        self.placements: list[Placement] = []  # as they reached the backend
         self.closed: list[str] = []  # request ids whose stream ended, for any reason
         self.step_targets: dict[str, float | None] = {}  # as set by the router, by worker
 
@@ -107,6 +108,7 @@ class FakeBackend:
     ) -> AsyncGenerator[TokenChunk, None]:
         rid = placement.request_id
         self.started.append(rid)
+        self.placements.append(placement)
         handoff = on_prefill if placement.path is RoutePath.DISAGGREGATED else None
         try:
             if self.gate is not None:

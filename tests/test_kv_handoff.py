@@ -1,6 +1,8 @@
 """The engine's handoff API: KV prefilled on one engine, copied block by block, decoded on
 another, token for token equal to transformers (the in-process form of the disaggregated path)."""
 
+import time
+
 import pytest
 
 from engine.request import FinishReason
@@ -31,9 +33,13 @@ def copy_blocks(src_engine, src_blocks, dst_engine, dst_blocks):
 def handoff(p_engine, d_engine, prompts, params):
     rids, first = prefill(p_engine, prompts, params)
     outs: dict[str, list[int]] = {}
-    for rid, prompt, sp in zip(rids, prompts, params):
-        res = d_engine.reserve_for_kv(prompt, sp, request_id=rid)
+    for i, (rid, prompt, sp) in enumerate(zip(rids, prompts, params)):
+        # Every other one lands long before it was expected (kv_handoff.reserve's due_in_s):
+        # its tokens are the same.
+        due = 60.0 if i % 2 else 0.0
+        res = d_engine.reserve_for_kv(prompt, sp, request_id=rid, due_in_s=due)
         assert res is not None
+        assert d_engine.scheduler.waiting_for_kv[rid].kv_due_at > time.monotonic() + due - 1
         skip = res.num_cached_tokens // d_engine.config.cache.block_size
         src = p_engine.held_block_ids(rid)
         copy_blocks(p_engine, src[skip:], d_engine, res.block_ids[skip:])

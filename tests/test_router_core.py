@@ -10,7 +10,7 @@ import pytest
 from engine.config import ModelConfig
 from engine.loader import load_tokenizer
 from engine.sampling_params import SamplingParams
-from router.core import RequestCore
+from router.core import KV_DUE_SHARE, RequestCore
 from router.core_types import Overloaded, RouterConfig
 from router.fake_backend import FakeBackend
 from router.request import ParsedRequest
@@ -310,6 +310,26 @@ def test_a_refusal_is_counted_by_its_reason():
             if (other.value, door) != ("queue_full", "grpc"):
                 labels = {"reason": other.value, "frontend": door}
                 assert sample("pdserve_admission_rejections_total", labels) == 0
+
+
+def test_a_handoff_tells_its_decode_worker_how_soon_its_kv_may_land():
+    """A disaggregated placement carries KV_DUE_SHARE of its predicted TTFT (the decode worker
+    runs its own prompts whole until then); a colocated one, none."""
+
+    async def main():
+        backend = FakeBackend(num_prefill=1, num_decode=1)
+        core = await make_core(backend)
+        for path in (RoutePath.DISAGGREGATED, RoutePath.COLOCATED):
+            await consume(core, replace(request(path.value, n=400), path=path))
+            placed, chosen = backend.placements[-1], core.records[-1].decision.chosen
+            assert placed.path is chosen.path is path
+            if path is RoutePath.DISAGGREGATED:
+                assert chosen.ttft_s > 0
+                assert placed.kv_due_in_s == pytest.approx(KV_DUE_SHARE * chosen.ttft_s)
+            else:
+                assert placed.kv_due_in_s == 0.0
+
+    run(main())
 
 
 def test_a_placement_takes_a_path_that_is_taken():

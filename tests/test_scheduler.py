@@ -275,6 +275,28 @@ def test_step_target_holds_while_a_handoffs_kv_is_on_its_way():
     assert s.kv.pool.all_free()
 
 
+def test_a_handoff_whose_kv_is_not_due_yet_leaves_the_chunks_whole(monkeypatch):
+    """A reservation made while its prompt still waits on its prefill worker (the router's
+    Placement.kv_due_in_s) shrinks no chunk here until its KV may land; from then on it does."""
+    clock = [100.0]
+    monkeypatch.setattr("engine.scheduler.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("engine.kv_handoff.time.monotonic", lambda: clock[0])
+    kv = KVCacheManager(512, 4, True)
+    s = Scheduler(SchedulerConfig(512, 8, True, step_target_s=0.1), kv)
+    s.add_request(req("p", 1500, start=1000))
+    assert kv_handoff.reserve(s, req("h", 40), due_in_s=5.0) is not None
+    assert not list(s.kv_due())
+    assert step(s).num_batched_tokens == 512  # its KV comes in 5 s at the soonest: all of it
+    clock[0] += 4.9
+    assert step(s).num_batched_tokens == 512
+    clock[0] += 0.1
+    assert [r.request_id for r in s.kv_due()] == ["h"]
+    assert step(s).num_batched_tokens == 64  # it may land now: a sized chunk
+    kv_handoff.fail(s, "h")
+    s.finish_requests(["h", "p"], FinishReason.ABORT)
+    assert s.kv.pool.all_free()
+
+
 def _held_scheduler(hold_s):
     """A scheduler whose sizer has seen a 16-token chunk beside a decode take 130 ms (past its
     100 ms target) and decode-only steps take 40 ms."""
@@ -400,6 +422,21 @@ def test_no_wait_for_a_request_that_streamed_already_nor_past_a_handoff_to_come(
     assert {x.request_id for x in step(s).scheduled} == {"d"} and s.num_held_steps == 1
     assert kv_handoff.reserve(s, req("h", 40, max_tokens=200, start=2000)) is not None
     assert "p" in {x.request_id for x in step(s).scheduled}  # 200 tokens to come: no wait
+    kv_handoff.fail(s, "h")
+    s.finish_requests(["d", "p", "h"], FinishReason.ABORT)
+    assert s.kv.pool.all_free()
+
+
+def test_a_prompt_does_not_wait_for_a_handoff_whose_kv_is_not_due_yet():
+    """The hold waits for the decodes running and the handoffs that may land now; one whose KV
+    is due later is not about to decode, and its length does not end the wait."""
+    s = _held_scheduler(hold_s=1.0)
+    _decoding(s, "d", max_tokens=10)  # 0.36 s left: within the hold
+    assert (
+        kv_handoff.reserve(s, req("h", 40, max_tokens=200, start=2000), due_in_s=30.0) is not None
+    )
+    s.add_request(req("p", 900, max_tokens=2, start=100))
+    assert {x.request_id for x in step(s).scheduled} == {"d"} and s.num_held_steps == 1
     kv_handoff.fail(s, "h")
     s.finish_requests(["d", "p", "h"], FinishReason.ABORT)
     assert s.kv.pool.all_free()
