@@ -39,9 +39,9 @@ def reserve(
 ) -> KVReservation | None:
     """Allocate blocks for `req`'s prompt; None (nothing changed) when slots or blocks lack.
 
-    `due_in_s`: how soon its KV may land (its prefill worker's queue and prefill, as predicted,
-    shortened). Until then the scheduler runs prompts here as if it were not there
-    (Scheduler.kv_due): whole-budget chunks, no wait for its decode. 0: it may land at once.
+    `due_in_s`: how soon its KV may land. Until then the scheduler sizes chunks and holds
+    prompts as if it were not coming (Scheduler.kv_due): whole-budget chunks, no wait for its
+    decode; its blocks and slot stay reserved. 0: it may land at once.
 
     `share`: the most of the engine's sequence slots and blocks that requests waiting for KV
     may hold together, this one included. An engine that also prefills for peers keeps the
@@ -88,6 +88,7 @@ def fail(sched: Scheduler, request_id: str) -> Request:
     """The transfer failed: free the reserved blocks and recompute the prompt locally."""
     req = sched.waiting_for_kv.pop(request_id)
     sched.kv.free(req)
+    req.kv_due_at = 0.0
     req.num_computed_tokens = 0
     req.status = RequestStatus.WAITING
     sched.waiting.appendleft(req)

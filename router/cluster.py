@@ -289,6 +289,7 @@ class Cluster:
             listener.replanned(p.worker_id, other.worker_id, why, time.monotonic() - t0)
             other.active += 1
             try:
+                # Counts on D at once: the other worker's queue was never predicted.
                 return await self._handoff(req, other, d, fallback, listener, replan=False)
             except BaseException:  # cancelled (the client left): stop the other's prefill too
                 await asyncio.shield(self._abort_on(other, rid))

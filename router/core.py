@@ -306,7 +306,13 @@ class RequestCore:
             request_id=books.wid,
             prefill_worker=chosen.prefill_worker or None,
             decode_worker=chosen.decode_worker,
-            kv_due_in_s=KV_DUE_SHARE * chosen.ttft_s if chosen.prefill_worker else 0.0,
+            # The models' TTFT where a pair's failure risk raised the prediction (a handoff that
+            # goes through is no later for it).
+            kv_due_in_s=(
+                KV_DUE_SHARE * min(chosen.ttft_s, chosen.raw_ttft_s)
+                if chosen.prefill_worker
+                else 0.0
+            ),
         )
         return self.backend.generate(
             req.prompt_token_ids + tuple(emitted), params, placement, handoff

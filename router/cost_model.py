@@ -299,8 +299,9 @@ class StepTimeModel:
         """The prefill chunk next to `batch` decodes whose step costs `fixed` without it."""
         chunk = max(1, self.budget - batch)
         if batch > 0 and self.step_target_s is not None:
-            # The worker sizes chunks next to decodes (and handoffs whose KV is on its way, which
-            # `batch` counts too) so that a step takes its target.
+            # The worker sizes chunks next to decodes (and handoffs whose KV may land, which
+            # `batch` counts from their placement on: sooner than the worker, see Placement
+            # kv_due_in_s) so that a step takes its target.
             w = self._priced(PREFILL)
             w1, w2 = w.per_token_s, w.per_prefill_pair_s
             per_token = w1 + w2 * pairs / tokens

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from dataclasses import dataclass, field
 
 from engine.request import FinishReason  # stop | length | abort: the engine's own, as it ends
@@ -82,6 +83,12 @@ class Placement:
             raise ValueError(
                 f"{self.prefill_worker} cannot hand a prompt's KV to itself: one worker "
                 "prefilling and decoding a request is the colocated path"
+            )
+        if not 0.0 <= self.kv_due_in_s < math.inf:
+            raise ValueError(f"kv_due_in_s must be finite and >= 0, got {self.kv_due_in_s}")
+        if self.kv_due_in_s and self.path is not RoutePath.DISAGGREGATED:
+            raise ValueError(
+                "kv_due_in_s is for a handoff: the colocated path has no KV to wait for"
             )
 
 

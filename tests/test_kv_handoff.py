@@ -1,8 +1,6 @@
 """The engine's handoff API: KV prefilled on one engine, copied block by block, decoded on
 another, token for token equal to transformers (the in-process form of the disaggregated path)."""
 
-import time
-
 import pytest
 
 from engine.request import FinishReason
@@ -33,13 +31,9 @@ def copy_blocks(src_engine, src_blocks, dst_engine, dst_blocks):
 def handoff(p_engine, d_engine, prompts, params):
     rids, first = prefill(p_engine, prompts, params)
     outs: dict[str, list[int]] = {}
-    for i, (rid, prompt, sp) in enumerate(zip(rids, prompts, params)):
-        # Every other one lands long before it was expected (kv_handoff.reserve's due_in_s):
-        # its tokens are the same.
-        due = 60.0 if i % 2 else 0.0
-        res = d_engine.reserve_for_kv(prompt, sp, request_id=rid, due_in_s=due)
+    for rid, prompt, sp in zip(rids, prompts, params):
+        res = d_engine.reserve_for_kv(prompt, sp, request_id=rid)
         assert res is not None
-        assert d_engine.scheduler.waiting_for_kv[rid].kv_due_at > time.monotonic() + due - 1
         skip = res.num_cached_tokens // d_engine.config.cache.block_size
         src = p_engine.held_block_ids(rid)
         copy_blocks(p_engine, src[skip:], d_engine, res.block_ids[skip:])
@@ -49,6 +43,33 @@ def handoff(p_engine, d_engine, prompts, params):
     for rid, toks in drain(d_engine).items():
         outs[rid].extend(toks)
     return [outs[r] for r in rids]
+
+
+def test_kv_landing_before_it_was_due_beside_whole_budget_steps_matches_transformers():
+    """A decode worker with a step target runs its own prompt at the whole budget while a
+    handoff is not yet due; the KV landing early joins that batch, and both answers equal
+    transformers'."""
+    arch = "tiny-llama"
+    p_engine = make_engine(arch, budget=24)
+    # Its sizer starts at 64-token chunks: a reservation that counted would halve the step.
+    d_engine = make_engine(arch, budget=128, step_target_s=0.05)
+    handed, local = random_prompts([29, 200], seed=7)
+    sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    (rid,), first = prefill(p_engine, [handed], [sp])
+    res = d_engine.reserve_for_kv(handed, sp, request_id=rid, due_in_s=60.0)
+    assert res is not None
+    lid = d_engine.add_request(local, sp, request_id="local")
+    assert d_engine.step() == [] and d_engine.scheduler.requests[lid].num_computed_tokens == 128
+    skip = res.num_cached_tokens // d_engine.config.cache.block_size
+    copy_blocks(p_engine, p_engine.held_block_ids(rid)[skip:], d_engine, res.block_ids[skip:])
+    assert p_engine.release_blocks(rid)
+    got = {rid: list(d_engine.kv_arrived(rid, first[rid]).new_token_ids)}
+    for r, toks in drain(d_engine).items():
+        got.setdefault(r, []).extend(toks)
+    assert got[rid] == hf_greedy(arch, handed, MAX_NEW)
+    assert got[lid] == hf_greedy(arch, local, MAX_NEW)
+    assert_pool_free(p_engine)
+    assert_pool_free(d_engine)
 
 
 @pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen2"])

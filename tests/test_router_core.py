@@ -313,8 +313,9 @@ def test_a_refusal_is_counted_by_its_reason():
 
 
 def test_a_handoff_tells_its_decode_worker_how_soon_its_kv_may_land():
-    """A disaggregated placement carries KV_DUE_SHARE of its predicted TTFT (the decode worker
-    runs its own prompts whole until then); a colocated one, none."""
+    """A disaggregated placement carries KV_DUE_SHARE of its predicted TTFT (the models' alone
+    where a pair's failure risk raised it; the decode worker runs its own prompts whole until
+    then); a colocated one, none, and a placement refuses a due time it could not keep."""
 
     async def main():
         backend = FakeBackend(num_prefill=1, num_decode=1)
@@ -325,9 +326,15 @@ def test_a_handoff_tells_its_decode_worker_how_soon_its_kv_may_land():
             assert placed.path is chosen.path is path
             if path is RoutePath.DISAGGREGATED:
                 assert chosen.ttft_s > 0
-                assert placed.kv_due_in_s == pytest.approx(KV_DUE_SHARE * chosen.ttft_s)
+                due = KV_DUE_SHARE * min(chosen.ttft_s, chosen.raw_ttft_s)
+                assert placed.kv_due_in_s == pytest.approx(due) and due > 0
             else:
                 assert placed.kv_due_in_s == 0.0
+        for bad in (-1.0, float("inf"), float("nan")):
+            with pytest.raises(ValueError, match="kv_due_in_s"):
+                Placement(path=RoutePath.DISAGGREGATED, kv_due_in_s=bad)
+        with pytest.raises(ValueError, match="kv_due_in_s"):
+            Placement(path=RoutePath.COLOCATED, kv_due_in_s=1.0)
 
     run(main())
 
