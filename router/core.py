@@ -81,7 +81,7 @@ class RequestCore:
         self.members = Membership(backend, infos, self.health, self.sink)
         self.states = self.members.states  # the books, by worker id (current incarnations)
         self.planner = Planner(config.policy, self.transfer, self.health)
-        self.step_targets = StepTargets(config.slo_itl_s) if config.tune_step_target else None
+        self.step_targets = StepTargets() if config.tune_step_target else None
         if self.step_targets is not None:
             self.planner.target_for = self.step_targets.for_request
         # Step target calls made at placement, in flight, by worker (one each; see _tighten).

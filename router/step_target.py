@@ -8,8 +8,8 @@ SLO at the 99th percentile. So the router, which takes every chunk, measures the
 (`WorkerState.observe_gaps`), and every `interval_s`, for a worker whose last `window_s` hold at
 least `min_gaps` gaps:
 
-    ratio  = p99 of those gaps / the ITL SLO (the tightest among the requests decoding there
-             that can still attain, else the default)
+    ratio  = p99 of those gaps / the ITL SLO (the tightest among the requests that can still
+             attain decoding there, or to decode there once their local prefill is done)
     most   = SLO / the worker's gaps over its steps (WorkerState.gap_factor)
     target = clip(target * clip(goal / ratio, 0.7, 1.25), floor * most, most)
 
@@ -19,7 +19,10 @@ whose gaps would take the SLO. A worker is retargeted at most once per half wind
 than 5%, and from the gaps measured since its last change alone (those under the old target say
 nothing of the new one). A target past that step for the SLO of the requests decoding there (the
 server's default SLO may be far looser than what its clients ask for) drops to `start` x it at
-once.
+once. A worker where no such request decodes, or will, keeps its target: tuned to the server's
+default SLO (far looser than what clients ask for), its floor raised a 70 ms target to 200 ms
+between two placements, and a colocated prompt then decoded beside the next prompt's chunks cut
+to 200 ms steps, past a 145 ms SLO.
 """
 
 from __future__ import annotations
@@ -46,8 +49,7 @@ class StepTargetConfig:
 
 
 class StepTargets:
-    def __init__(self, default_slo_itl_s: float, config: StepTargetConfig | None = None) -> None:
-        self.default_slo_itl_s = default_slo_itl_s
+    def __init__(self, config: StepTargetConfig | None = None) -> None:
         self.config = config or StepTargetConfig()
         self._next = 0.0
         self._changed: dict[str, float] = {}  # worker -> when it was last retargeted
@@ -66,9 +68,11 @@ class StepTargets:
         target = state.model.step_target_s
         if target is None:
             return None
-        slo = state.min_itl_slo_s
+        # The requests decoding there, and those to decode there once their local prefill is
+        # done: a colocated prompt's own decode runs beside the prompts queued after it.
+        slo = min([state.min_itl_slo_s, *state.coming_itl_slos()])
         if not math.isfinite(slo):
-            slo = self.default_slo_itl_s
+            return None  # none to tune for (nor to lose): the gaps were those of requests gone
         drop = self.for_request(state, slo)
         if drop is not None:
             return drop

@@ -1316,7 +1316,7 @@ def test_a_placement_is_predicted_under_the_step_target_it_sets_on_its_decode_wo
     before = colocated(planner())
     assert before.running_itl_s == pytest.approx(0.8, rel=0.05)
     tuned = planner()
-    tuned.target_for = StepTargets(1.0).for_request
+    tuned.target_for = StepTargets().for_request
     after = colocated(tuned)
     assert after.running_itl_s == pytest.approx(0.8 * 0.18, rel=0.1)
     assert after.ttft_s > before.ttft_s  # smaller chunks: more steps

@@ -23,7 +23,7 @@ def worker(target_s: float | None, slo_s: float | None = None, wid: str = "both-
 
 
 def test_a_tail_past_the_slo_shrinks_the_target_and_one_well_under_it_grows_it_back():
-    tune = StepTargets(1.0, StepTargetConfig(window_s=20.0, min_gaps=50))
+    tune = StepTargets(StepTargetConfig(window_s=20.0, min_gaps=50))
     w = worker(0.100, slo_s=0.150)
     w.observe_gaps([0.05] * 50 + [0.30] * 10, now=100.0)  # p99 0.30 s, twice the SLO
     assert tune.retarget(w, now=101.0) == pytest.approx(0.070)  # by 30% at most
@@ -42,7 +42,7 @@ def test_a_tail_past_the_slo_shrinks_the_target_and_one_well_under_it_grows_it_b
 
 
 def test_the_target_stays_within_the_slo_and_needs_enough_gaps():
-    tune = StepTargets(1.0)
+    tune = StepTargets()
     few = worker(0.100, slo_s=0.150, wid="both-1")
     few.observe_gaps([1.0] * 10, now=10.0)
     assert tune.retarget(few, now=11.0) is None  # 10 gaps say too little
@@ -54,15 +54,29 @@ def test_the_target_stays_within_the_slo_and_needs_enough_gaps():
     floor.observe_gaps([3.0] * 100, now=50.0)
     assert tune.retarget(floor, now=50.0) == pytest.approx(0.2 * 0.150)  # no lower than 20%
     assert tune.retarget(worker(None, slo_s=0.15), now=0.0) is None  # no target: untouched
-    idle = worker(0.5, wid="both-4")  # nothing decodes there: the default SLO, 1 s
-    idle.observe_gaps([2.0] * 100, now=0.0)
-    assert tune.retarget(idle, now=1.0) == pytest.approx(0.35)
+
+
+def test_a_worker_with_no_request_to_decode_there_keeps_its_target():
+    """Tuned to the server's default ITL SLO (1 s) when nothing decodes there, a 70 ms target
+    rose to 200 ms (the floor of that SLO) between two placements; a colocated prompt still
+    prefilling there then decoded beside the next prompt's chunks cut to 200 ms steps. Its ITL
+    SLO, and those of the requests decoding there, are what the target is tuned for."""
+    tune = StepTargets()
+    idle = worker(0.070, wid="both-4")
+    idle.observe_gaps([0.05] * 100, now=0.0)
+    assert tune.retarget(idle, now=1.0) is None  # none decodes there, nor will: left as it is
+    idle.add_prefill("c", 1000, 5e5, local=True, itl_slo_s=0.145)  # colocated, prefilling
+    assert tune.retarget(idle, now=1.0) == pytest.approx(0.0875)  # by 25%, for its 145 ms
+    idle.add_decode("d", 100, 0.060, local=False)  # a tighter one decoding: past its 60 ms
+    assert tune.retarget(idle, now=1.0) == pytest.approx(0.8 * 0.060)
+    idle.unprotect("d")  # past its TTFT SLO: the colocated prompt's SLO holds again
+    assert tune.retarget(idle, now=1.0) == pytest.approx(0.0875)
 
 
 def test_the_target_is_a_step_whose_gaps_take_the_slo():
     """A worker whose requests see gaps 1.5x its steps: a request's 150 ms ITL SLO holds its
     gaps, so its target (a step) starts at 0.8 x 100 ms, and grows no further than 100 ms."""
-    tune = StepTargets(1.0)
+    tune = StepTargets()
     w = worker(0.800, slo_s=0.150)
     w._gap_factor = 1.5
     assert tune.for_request(w, 0.150) == pytest.approx(0.8 * 0.100)
@@ -73,13 +87,14 @@ def test_the_target_is_a_step_whose_gaps_take_the_slo():
 
 
 def tuned_core(backend: FakeBackend) -> RequestCore:
-    """A core tuning step targets over one worker that does both (target 100 ms, ITL SLO 150 ms)
-    whose requests saw 100 gaps of 300 ms; after one load poll."""
+    """A core tuning step targets over one worker that does both (target 100 ms), where a request
+    with a 150 ms ITL SLO decodes and requests saw 100 gaps of 300 ms; after one load poll."""
 
     async def main():
         infos = [replace(i, step_target_s=0.1) for i in await backend.infos()]
         config = RouterConfig(slo_itl_s=0.15, tune_step_target=True)
         core = RequestCore(backend, infos, config, TOKENIZER)
+        core.states["both-0"].add_decode("r", 100, 0.15, local=False)
         core.states["both-0"].observe_gaps([0.3] * 100)
         await core.refresh()
         return core
