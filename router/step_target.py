@@ -8,10 +8,10 @@ SLO at the 99th percentile. So the router, which takes every chunk, measures the
 (`WorkerState.observe_gaps`), and every `interval_s`, for a worker whose last `window_s` hold at
 least `min_gaps` gaps:
 
-    ratio  = p99 of those gaps / the ITL SLO (the tightest among the requests that can still
-             attain decoding there, or to decode there once their local prefill is done)
+    ratio  = p99 of those gaps / the ITL SLO (the tightest among the requests decoding there,
+             or queued there for a colocated prefill, that can still attain)
     most   = SLO / the worker's gaps over its steps (WorkerState.gap_factor)
-    target = clip(target * clip(goal / ratio, 0.7, 1.25), floor * most, most)
+    target = clip(target * clip(goal / ratio, 0.7, 1.25), min(target, floor * most), most)
 
 that is, a p99 above `goal` of the SLO shrinks the target, one below lets it grow back (cheaper
 prefills: fewer, larger chunks), by at most 30% down and 25% up at a time, never past the step
@@ -19,10 +19,10 @@ whose gaps would take the SLO. A worker is retargeted at most once per half wind
 than 5%, and from the gaps measured since its last change alone (those under the old target say
 nothing of the new one). A target past that step for the SLO of the requests decoding there (the
 server's default SLO may be far looser than what its clients ask for) drops to `start` x it at
-once. A worker where no such request decodes, or will, keeps its target: tuned to the server's
-default SLO (far looser than what clients ask for), its floor raised a 70 ms target to 200 ms
-between two placements, and a colocated prompt then decoded beside the next prompt's chunks cut
-to 200 ms steps, past a 145 ms SLO.
+once. A worker where no such request decodes, or will, keeps its target: there is nothing there
+to tune for, and tuning it to the server's default SLO (1 s) would set it for requests that are
+not there, past what the next one placed there may ask for. The floor only stops a shrink: a
+target under a loose SLO's floor grows back 25% at a time, as any other.
 """
 
 from __future__ import annotations
@@ -85,7 +85,9 @@ class StepTargets:
         p99 = float(np.percentile(gaps, 99))
         factor = min(1.25, max(0.7, c.goal * slo / p99)) if p99 > 0 else 1.25
         most = _slo_step(state, slo)
-        new = min(most, max(c.floor * most, target * factor))
+        # The floor stops a shrink; it never raises a target (one under a loose SLO's floor,
+        # kept from a tighter request, grows by 25% at most like any other).
+        new = min(most, max(min(target, c.floor * most), target * factor))
         if abs(new / target - 1) <= 0.05:
             return None
         return new

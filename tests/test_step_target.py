@@ -57,10 +57,9 @@ def test_the_target_stays_within_the_slo_and_needs_enough_gaps():
 
 
 def test_a_worker_with_no_request_to_decode_there_keeps_its_target():
-    """Tuned to the server's default ITL SLO (1 s) when nothing decodes there, a 70 ms target
-    rose to 200 ms (the floor of that SLO) between two placements; a colocated prompt still
-    prefilling there then decoded beside the next prompt's chunks cut to 200 ms steps. Its ITL
-    SLO, and those of the requests decoding there, are what the target is tuned for."""
+    """A worker's target is tuned for the ITL SLOs of the requests decoding there and of the
+    colocated prompts queued there, that can still attain; with none, it is left as it is (the
+    server's default SLO, 1 s, would have raised a 70 ms target to its floor, 200 ms)."""
     tune = StepTargets()
     idle = worker(0.070, wid="both-4")
     idle.observe_gaps([0.05] * 100, now=0.0)
@@ -71,6 +70,21 @@ def test_a_worker_with_no_request_to_decode_there_keeps_its_target():
     assert tune.retarget(idle, now=1.0) == pytest.approx(0.8 * 0.060)
     idle.unprotect("d")  # past its TTFT SLO: the colocated prompt's SLO holds again
     assert tune.retarget(idle, now=1.0) == pytest.approx(0.0875)
+    idle.unprotect("c")  # neither can attain any more: nothing to tune for
+    assert tune.retarget(idle, now=1.0) is None
+
+
+def test_a_loose_slo_grows_a_tight_target_by_a_quarter_at_most():
+    """A 70 ms target, kept from a tighter request, under requests with the default 1 s ITL SLO:
+    the floor of that SLO (200 ms) stops a shrink, it does not raise the target; gaps well
+    within the SLO grow it by 25%, and gaps past it leave it."""
+    tune = StepTargets()
+    w = worker(0.070, slo_s=1.0)
+    w.observe_gaps([0.05] * 100, now=0.0)
+    assert tune.retarget(w, now=1.0) == pytest.approx(0.0875)
+    slow = worker(0.070, slo_s=1.0, wid="both-5")
+    slow.observe_gaps([2.0] * 100, now=0.0)
+    assert tune.retarget(slow, now=1.0) is None
 
 
 def test_the_target_is_a_step_whose_gaps_take_the_slo():
