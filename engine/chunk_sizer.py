@@ -40,10 +40,9 @@ class ChunkSizer:
         return max(self._floor) if self._floor else None
 
     def fits(self) -> bool:
-        """Whether steps with a chunk beside decodes were seen to keep to the target: the
-        slowest of the latest smallest-chunk steps did (none measured yet: no)."""
+        """Whether a step with a chunk beside decodes can keep to the target (unknown: yes)."""
         floor = self.floor_s
-        return floor is not None and floor <= self.target_s
+        return floor is None or floor <= self.target_s
 
     def observe(self, prefill_tokens: int, decodes: int, seconds: float) -> None:
         if decodes == 0 or seconds <= 0:

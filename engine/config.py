@@ -139,12 +139,12 @@ class SchedulerConfig:
     # whole budget's worth of prefill. Chunked prefill only. None: the token budget alone.
     step_target_s: float | None = None
     # With a step target: where even a MIN_CHUNK chunk beside the running decodes took a step
-    # past the target (the slowest of the latest such steps its sizer measured), or none has run
-    # beside decodes yet, prompts wait for them, while they will all have ended (at max_tokens)
-    # within what is left of this many seconds to the prompt in line that has waited longest:
-    # their steps stay decode-only, and the prompts run after them at the whole budget. A prompt
-    # that waited this long in all is chunked beside decodes as before. None (or 0): prompts
-    # never wait; without a step target it does nothing.
+    # past the target (the slowest of the latest such steps its sizer measured), prompts wait
+    # for them, while they will all have ended (at max_tokens) within what is left of this many
+    # seconds to the prompt in line that has waited longest: their steps stay decode-only, and
+    # the prompts run after them at the whole budget. A prompt that waited this long in all is
+    # chunked beside decodes as before. None (or 0): prompts never wait; without a step target
+    # it does nothing.
     prefill_hold_s: float | None = None
 
     def __post_init__(self) -> None:

@@ -11,9 +11,8 @@ With `step_target_s` set, a step that has decodes in it (or runs while a handoff
 see Request.kv_due_at) takes only as many prefill tokens as keep it near that time (a ChunkSizer
 learns how many from the steps just run); any other step takes the whole budget, at full prefill
 efficiency.
-Where even the smallest chunk takes such a step past the target (or none has run beside decodes
-yet), with `prefill_hold_s` set the prompts wait instead while the running decodes will end
-within their hold (see `_hold`).
+Where even the smallest chunk takes such a step past the target, with `prefill_hold_s` set the
+prompts wait instead while the running decodes will end within their hold (see `_hold`).
 When blocks run out, the newest running request is preempted: its blocks are freed and it is
 recomputed later from prompt + outputs (recompute preemption).
 
@@ -201,13 +200,12 @@ class Scheduler:
     def _hold(self, decodes: list[Request], prefills: list[Request]) -> bool:
         """Whether this step's prompts wait for the running decodes (see
         SchedulerConfig.prefill_hold_s): even the smallest chunk beside them took a step past
-        the target, or none ran beside decodes yet (the first would cost them a slow step to
-        find out; a hold that gives way measures it), and the longest of them (and of the
-        handoffs whose KV may land now, about to decode), at the decode steps measured, ends
-        within what is left of the hold of the prompt in line that has waited longest. The time
-        from a held step to the next counts against every prompt that was in line at it. A
-        request in line that has streamed tokens already (a decode preempted, a handoff whose KV
-        never came) is never held: a wait would be a gap in its stream."""
+        the target, and the longest of them (and of the handoffs whose KV may land now, about
+        to decode), at the decode steps measured, ends within what is left of the hold of the
+        prompt in line that has waited longest. The time from a held step to the next counts
+        against every prompt that was in line at it. A request in line that has streamed tokens
+        already (a decode preempted, a handoff whose KV never came) is never held: a wait would
+        be a gap in its stream."""
         limit, sizer = self.config.prefill_hold_s, self.sizer
         if limit is None or sizer is None:  # no hold set, or no target: nothing to count
             self._held_at = None
@@ -222,11 +220,9 @@ class Scheduler:
             return False
         if any(r.num_output_tokens for r in in_line):
             return False
-        # Before a decode-only step was measured, the smallest chunk's step (longer) stands in;
-        # with neither, nothing to count the wait with: chunks run beside the decodes.
+        # Before a decode-only step was measured, the smallest chunk's step (longer) stands in.
         per_token = sizer.decode_s if sizer.decode_s is not None else sizer.floor_s
-        if per_token is None:
-            return False
+        assert per_token is not None  # not fits(): a floor was measured
         coming = [*decodes, *self.kv_due()]
         left = max(r.sampling.max_tokens - r.num_output_tokens for r in coming)
         if max(r.held_s for r in in_line) + left * per_token > limit:

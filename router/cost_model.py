@@ -323,15 +323,15 @@ class StepTimeModel:
     def hold_wait_s(self, batch: int, context: int) -> float | None:
         """How long a prompt placed now waits for the `batch` decodes running (of total
         `context`) to end, where the worker holds prompts for them (SchedulerConfig
-        prefill_hold_s: its smallest chunks beside decodes took steps past the step target, or
-        none ran there yet, and the longest of them, `decode_left` decode steps, ends within
-        what is left of the hold to the prompt in line there that has waited longest); None
-        where it chunks beside them."""
+        prefill_hold_s: its smallest chunks beside decodes took steps past the step target, and
+        the longest of them, `decode_left` decode steps, ends within what is left of the hold
+        to the prompt in line there that has waited longest); None where it chunks beside
+        them."""
         if not batch or not self.decode_left or self.hold_s is None:
             return None
         target, floor = self.step_target_s, self.chunk_floor_s
-        if target is None or (floor is not None and floor <= target):
-            return None  # no target, or the smallest chunk was seen to keep to it
+        if target is None or floor is None or floor <= target:
+            return None
         wait = self.decode_left * self.decode_step_s(batch, context)
         return wait if wait <= self.hold_s - self.prompt_held_s else None
 

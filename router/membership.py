@@ -86,11 +86,11 @@ class Membership:
         self._waits_logged[key] = (now, load.prompt_wait_steps)
         log.info(
             "%s ran %d steps with prompts waiting for its decodes (%d since start; its smallest "
-            "chunk beside decodes %s, step target %.0f ms)",
+            "chunk beside decodes %.0f ms, step target %.0f ms)",
             state.worker_id,
             load.prompt_wait_steps - seen,
             load.prompt_wait_steps,
-            "not measured" if load.chunk_floor_s is None else f"{load.chunk_floor_s * 1000:.0f} ms",
+            (load.chunk_floor_s or 0.0) * 1000,
             (state.model.step_target_s or 0.0) * 1000,
         )
 

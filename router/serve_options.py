@@ -221,8 +221,7 @@ OPTIONS: tuple[Option, ...] = (
            "the ITL SLO and tune each worker's from the ITL p99 its requests see"),
     Option("prefill_hold_ms", optional(number(0)), None,
            "with --step-target-ms: where even the smallest chunk beside running decodes takes "
-           "a step past the target (as on a CPU host), or none has run beside decodes yet, "
-           "prompts wait for decodes that will end "
+           "a step past the target (as on a CPU host), prompts wait for decodes that will end "
            "(at their max_tokens) within this long, in all per prompt, instead of slowing "
            "their steps; default (or 0): prompts never wait"),
     # policy and SLOs

@@ -435,10 +435,9 @@ def test_a_step_target_the_decodes_alone_nearly_fill_is_not_trusted():
     assert decision.chosen.path is RoutePath.DISAGGREGATED
 
 
-def _holding(left: int, floor_s: float | None = 0.15) -> WorkerState:
+def _holding(left: int, floor_s: float = 0.15) -> WorkerState:
     """A decode worker with a 120 ms step target that holds prompts up to 5 s for its decodes
-    (prefill_hold_s), its smallest chunks beside decodes polled at `floor_s` a step (None: none
-    ran there yet), and 40
+    (prefill_hold_s), its smallest chunks beside decodes polled at `floor_s` a step, and 40
     requests decoding at 1000 tokens each with `left` tokens still to come."""
     d = trained("decode-0", "decode", seed=1, step_target_s=0.12, prefill_hold_s=5.0)
     d.absorb(WorkerLoad("decode-0", d.info.role, 40, 0, 0, 0.1, 1000, 1024, 0,
@@ -462,10 +461,6 @@ def test_a_worker_that_holds_prompts_for_short_decodes_prices_a_wait_not_their_m
     alone = held.model.chunked_s(1500, prefill_pairs(1500, 0), 0, 0)[0]
     assert colo.caused_misses < 0.01 and colo.running_itl_s == pytest.approx(step)
     assert colo.raw_ttft_s == pytest.approx(wait + alone)
-    # Before any chunk ran beside decodes there the worker holds (engine ChunkSizer.fits), and
-    # the wait is priced the same.
-    unmeasured = _holding(left=20, floor_s=None)
-    assert unmeasured.model.hold_wait_s(unmeasured.batch, unmeasured.context) == pytest.approx(wait)
     for d in (_holding(left=100), _holding(left=20, floor_s=0.11)):  # 10 s of decodes; fits
         assert d.model.hold_wait_s(d.batch, d.context) is None
         colo = {b.path: b for b in pl.decide(req, [p], [d]).best}[RoutePath.COLOCATED]

@@ -392,47 +392,10 @@ def test_no_wait_where_the_smallest_chunk_fits_the_target_or_none_is_set():
         SchedulerConfig(512, 8, True, step_target_s=0.1, prefill_hold_s=-1.0)
 
 
-def test_a_prompt_waits_before_any_chunk_ran_beside_decodes_and_the_first_that_runs_decides():
-    """With a hold set, a worker that has not yet seen a chunk beside decodes does not try one
-    (it would cost their ITL a slow step to learn the floor): the prompt waits for decodes that
-    end within its hold. Decodes that outlast it get a chunk beside them, which measures the
-    floor; one that kept to the target ends the waits."""
-    s = Scheduler(
-        SchedulerConfig(512, 8, True, step_target_s=0.1, prefill_hold_s=1.0),
-        KVCacheManager(512, 4, True),
-    )
-    assert s.sizer is not None and s.sizer.floor_s is None and not s.sizer.fits()
-    _decoding(s, "d", max_tokens=10)
-    s.sizer.observe(0, 1, 0.040)  # decode-only steps: 40 ms
-    s.add_request(req("p", 900, max_tokens=2, start=100))
-    assert {x.request_id for x in step(s).scheduled} == {"d"} and s.num_held_steps == 1
-    s.finish_requests(["d", "p"], FinishReason.ABORT)
-    # No decode-only step measured: no wait can be counted, the chunk runs beside the decode.
-    fresh = Scheduler(
-        SchedulerConfig(512, 8, True, step_target_s=0.1, prefill_hold_s=1.0),
-        KVCacheManager(512, 4, True),
-    )
-    _decoding(fresh, "d", max_tokens=10)
-    assert fresh.sizer is not None and fresh.sizer.decode_s is None
-    fresh.add_request(req("p", 900, max_tokens=2, start=100))
-    assert {x.request_id for x in step(fresh).scheduled} == {"d", "p"}
-    fresh.finish_requests(["d", "p"], FinishReason.ABORT)
-    assert fresh.kv.pool.all_free()
-    # Decodes past the hold: the chunk beside them runs, and a quick one ends the waits.
-    _decoding(s, "long", max_tokens=100)  # 99 tokens at 40 ms: past the hold
-    s.add_request(req("q", 900, max_tokens=2, start=200))
-    assert {x.request_id for x in step(s).scheduled} == {"long", "q"}
-    s.sizer.observe(16, 1, 0.090)
-    assert s.sizer.fits()
-    s.finish_requests(["long", "q"], FinishReason.ABORT)
-    assert s.kv.pool.all_free()
-
-
 def test_the_slowest_of_the_latest_smallest_chunk_steps_decides_whether_a_chunk_fits():
     """An ITL SLO holds a p99 gap: one smallest-chunk step in eight past the target means chunks
     beside decodes do not keep to it; it stops counting once eight newer ones came."""
     sizer = ChunkSizer(target_s=0.1, budget=512)
-    assert sizer.floor_s is None and not sizer.fits()  # none measured: not known to fit
     sizer.observe(16, 1, 0.130)
     for _ in range(7):
         sizer.observe(16, 1, 0.090)
