@@ -42,7 +42,8 @@ class Deployment:
     # `pdserve serve --step-target-ms` (a number, or "auto"), for the chunked policies
     step_target_ms: float | str | None = None
     max_pending: int | None = None  # `pdserve serve --max-pending` (None: the server's default)
-    prefill_hold_ms: float | None = None  # `pdserve serve --prefill-hold-ms`, with a step target
+    # `pdserve serve --prefill-hold-ms` (a number, or "auto"), with a step target
+    prefill_hold_ms: float | str | None = None
 
     def args(self, policy: str) -> list[str]:
         """Every policy gets the same total workers: split into the two pools, all decode

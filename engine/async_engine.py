@@ -96,11 +96,17 @@ class AsyncEngine:
         prompt: Sequence[int],
         params: SamplingParams,
         request_id: str,
+        prefill_hold_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its outputs until it finishes; abort it if the caller stops."""
+        """Add a request and yield its outputs until it finishes; abort it if the caller stops.
+        `prefill_hold_s`: as for LLMEngine.add_request."""
         q = self.open_stream(request_id)
         try:
-            await self.call(lambda e: e.add_request(list(prompt), params, request_id))
+            await self.call(
+                lambda e: e.add_request(
+                    list(prompt), params, request_id, prefill_hold_s=prefill_hold_s
+                )
+            )
         except BaseException:
             self._streams.pop(request_id, None)
             raise

@@ -141,10 +141,11 @@ class SchedulerConfig:
     # With a step target: where even a MIN_CHUNK chunk beside the running decodes took a step
     # past the target (the slowest of the latest such steps its sizer measured), prompts wait
     # for them, while they will all have ended (at max_tokens) within what is left of this many
-    # seconds to the prompt in line that has waited longest: their steps stay decode-only, and
-    # the prompts run after them at the whole budget. A prompt that waited this long in all is
-    # chunked beside decodes as before. None (or 0): prompts never wait; without a step target
-    # it does nothing.
+    # seconds to each prompt in line: their steps stay decode-only, and the prompts run after
+    # them at the whole budget. A prompt that waited this long in all is chunked beside decodes
+    # as before. A request may bring its own (Request.prefill_hold_s: the router derives it
+    # from its TTFT SLO), which this is the default for. None (or 0): prompts never wait;
+    # without a step target it does nothing.
     prefill_hold_s: float | None = None
 
     def __post_init__(self) -> None:

@@ -112,8 +112,13 @@ class LLMEngine:
         params: SamplingParams | None,
         request_id: str | None,
         arrival_time: float | None,
+        prefill_hold_s: float | None = None,
     ) -> Request:
         params = params or SamplingParams()
+        if prefill_hold_s is not None and not 0.0 <= prefill_hold_s < float("inf"):
+            raise InvalidRequestError(
+                "prefill_hold_s", f"must be finite and >= 0 (or None), got {prefill_hold_s}"
+            )
         token_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.validate_prompt(token_ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -126,6 +131,7 @@ class LLMEngine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
+            prefill_hold_s=prefill_hold_s,
         )
 
     def add_request(
@@ -135,10 +141,13 @@ class LLMEngine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         hold_blocks: bool = False,
+        *,
+        prefill_hold_s: float | None = None,
     ) -> str:
         """Queue a request. With `hold_blocks` (prefill role) its blocks outlive its end, until
-        `release_blocks`, so its KV can still be sent."""
-        req = self._new_request(prompt, params, request_id, arrival_time)
+        `release_blocks`, so its KV can still be sent. `prefill_hold_s`: the most its prompt may
+        wait for running decodes (Request.prefill_hold_s; None: the scheduler's own)."""
+        req = self._new_request(prompt, params, request_id, arrival_time, prefill_hold_s)
         req.hold_blocks_on_finish = hold_blocks
         self.scheduler.add_request(req)
         self.outputs.open(req)
@@ -153,11 +162,13 @@ class LLMEngine:
         arrival_time: float | None = None,
         share: float = 1.0,
         due_in_s: float = 0.0,
+        prefill_hold_s: float | None = None,
     ) -> kv_handoff.KVReservation | None:
         """Decode side: reserve blocks for a prompt whose KV will arrive, expected no sooner than
         `due_in_s` from now; None if full now, or if reservations would hold more than `share`
-        of the slots or blocks (kv_handoff)."""
-        req = self._new_request(prompt, params, request_id, arrival_time)
+        of the slots or blocks (kv_handoff). `prefill_hold_s`: as for add_request, should the
+        prompt be prefilled here after all (its KV never came)."""
+        req = self._new_request(prompt, params, request_id, arrival_time, prefill_hold_s)
         res = kv_handoff.reserve(self.scheduler, req, share, due_in_s)
         if res is not None:
             self.outputs.open(req)

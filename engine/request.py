@@ -70,7 +70,9 @@ class Request:
     stop_reason: int | str | None = None
     scheduled_time: float | None = None  # time.monotonic() when first scheduled
     first_token_time: float | None = None  # time.monotonic() when its first output was emitted
-    # Seconds its prefill waited for running decodes to end (SchedulerConfig.prefill_hold_s).
+    # The most its prefill may wait for running decodes to end, in all (None: the scheduler's
+    # SchedulerConfig.prefill_hold_s; 0: never), and the seconds it has waited so far.
+    prefill_hold_s: float | None = None
     held_s: float = 0.0
     # Waiting for KV (kv_handoff.reserve): time.monotonic() from which its KV may land. Until
     # then it neither shrinks the prefill chunks here nor holds prompts for its decode.

@@ -11,8 +11,9 @@ With `step_target_s` set, a step that has decodes in it (or runs while a handoff
 see Request.kv_due_at) takes only as many prefill tokens as keep it near that time (a ChunkSizer
 learns how many from the steps just run); any other step takes the whole budget, at full prefill
 efficiency.
-Where even the smallest chunk takes such a step past the target, with `prefill_hold_s` set the
-prompts wait instead while the running decodes will end within their hold (see `_hold`).
+Where even the smallest chunk takes such a step past the target, with a hold set (a request's
+own, else `prefill_hold_s`) the prompts wait instead while the running decodes will end within
+their hold (see `_hold`).
 When blocks run out, the newest running request is preempted: its blocks are freed and it is
 recomputed later from prompt + outputs (recompute preemption).
 
@@ -111,13 +112,25 @@ class Scheduler:
         return True
 
     @property
-    def prompt_held_s(self) -> float:
-        """How long the prompt in line (waiting, or prefilling in chunks) that has waited
-        longest for decodes has waited so far (Request.held_s: its share of
-        SchedulerConfig.prefill_hold_s used), the held step running now included; 0 with none."""
+    def hold_left_s(self) -> float | None:
+        """What is left of the hold (Request.prefill_hold_s, else SchedulerConfig.prefill_hold_s)
+        to the prompt in line (waiting, or prefilling in chunks) with the least of it, the held
+        step running now counted: how long more prompts here may wait for decodes. 0 where one in
+        line never waits (no hold, or it streamed already); None with no prompt in line."""
         now = time.monotonic()
-        in_line = (*self.running_prefills(), *self.waiting)
-        return max((r.held_s + self._held_now(r, now) for r in in_line), default=0.0)
+        lefts = [self._hold_left(r, now) for r in (*self.running_prefills(), *self.waiting)]
+        if not lefts:
+            return None
+        return 0.0 if None in lefts else max(0.0, min(x for x in lefts if x is not None))
+
+    def _hold_left(self, r: Request, now: float) -> float | None:
+        """What is left of `r`'s hold; None where it never waits: no hold (or one of 0), or it
+        has streamed tokens already (a decode preempted, a handoff whose KV never came), where a
+        wait would be a gap in its stream."""
+        limit = r.prefill_hold_s if r.prefill_hold_s is not None else self.config.prefill_hold_s
+        if not limit or r.num_output_tokens:
+            return None
+        return limit - r.held_s - self._held_now(r, now)
 
     def running_prefills(self) -> Iterator[Request]:
         """The running requests still prefilling (more than their next token to compute)."""
@@ -198,16 +211,14 @@ class Scheduler:
         return out
 
     def _hold(self, decodes: list[Request], prefills: list[Request]) -> bool:
-        """Whether this step's prompts wait for the running decodes (see
-        SchedulerConfig.prefill_hold_s): even the smallest chunk beside them took a step past
-        the target, and the longest of them (and of the handoffs whose KV may land now, about
-        to decode), at the decode steps measured, ends within what is left of the hold of the
-        prompt in line that has waited longest. The time from a held step to the next counts
-        against every prompt that was in line at it. A request in line that has streamed tokens
-        already (a decode preempted, a handoff whose KV never came) is never held: a wait would
-        be a gap in its stream."""
-        limit, sizer = self.config.prefill_hold_s, self.sizer
-        if limit is None or sizer is None:  # no hold set, or no target: nothing to count
+        """Whether this step's prompts wait for the running decodes: even the smallest chunk
+        beside them took a step past the target, and the longest of them (and of the handoffs
+        whose KV may land now, about to decode), at the decode steps measured, ends within what
+        is left of the hold of every prompt in line (`_hold_left`: its own, Request
+        prefill_hold_s, else SchedulerConfig.prefill_hold_s). The time from a held step to the
+        next counts against every prompt that was in line at it."""
+        sizer = self.sizer
+        if sizer is None:  # no target: nothing to count
             self._held_at = None
             return False
         now = time.monotonic()
@@ -218,14 +229,15 @@ class Scheduler:
             self._held_at, self._held_ids = None, set()
         if not decodes or not in_line or sizer.fits():
             return False
-        if any(r.num_output_tokens for r in in_line):
+        lefts = [self._hold_left(r, now) for r in in_line]
+        if None in lefts:
             return False
         # Before a decode-only step was measured, the smallest chunk's step (longer) stands in.
         per_token = sizer.decode_s if sizer.decode_s is not None else sizer.floor_s
         assert per_token is not None  # not fits(): a floor was measured
         coming = [*decodes, *self.kv_due()]
         left = max(r.sampling.max_tokens - r.num_output_tokens for r in coming)
-        if max(r.held_s for r in in_line) + left * per_token > limit:
+        if left * per_token > min(x for x in lefts if x is not None):
             return False
         self._held_at, self._held_ids = now, {r.request_id for r in in_line}
         self.num_held_steps += 1

@@ -147,7 +147,9 @@ class Cluster:
         it touched, so its blocks are freed there. `on_prefill` hears how the handoff went on the
         disaggregated path."""
         rid = placement.request_id
-        req = WorkRequest(rid, tuple(int(t) for t in prompt_token_ids), params)
+        req = WorkRequest(
+            rid, tuple(int(t) for t in prompt_token_ids), params, placement.prefill_hold_s
+        )
         d = self._handle(placement.decode_worker or self._pick(self.decode_ids))
         listener = on_prefill or _NullListener()
         disaggregated = placement.path is RoutePath.DISAGGREGATED

@@ -209,12 +209,15 @@ class RequestCore:
 
     # -- one request -------------------------------------------------------------------------
     def plan(self, req: ParsedRequest) -> tuple[RequestShape, Decision]:
+        slo_ttft_s = (req.slo_ttft_ms / 1000) if req.slo_ttft_ms else self.config.slo_ttft_s
+        share = self.config.prefill_hold_share
         shape = RequestShape(
             prompt_len=len(req.prompt_token_ids),
             hashes=tuple(block_hashes(req.prompt_token_ids, self.block_size)),
             max_tokens=req.sampling.max_tokens,
-            slo_ttft_s=(req.slo_ttft_ms / 1000) if req.slo_ttft_ms else self.config.slo_ttft_s,
+            slo_ttft_s=slo_ttft_s,
             slo_itl_s=(req.slo_itl_ms / 1000) if req.slo_itl_ms else self.config.slo_itl_s,
+            prefill_hold_s=None if share is None else share * slo_ttft_s,
         )
         prefill, decode = self.members.pools()
         if not decode:
@@ -279,7 +282,7 @@ class RequestCore:
         handoff = Handoff(
             books.track, books.wid, chosen, p, d, self.transfer, self.health, self.sink
         )
-        async with aclosing(self._run(req, chosen, books, handoff)) as stream:
+        async with aclosing(self._run(req, shape, chosen, books, handoff)) as stream:
             async for chunk in stream:
                 if books.took(chunk):
                     self._trained(req.request_id, books.first, books.track, shape.slo_ttft_s)
@@ -295,7 +298,12 @@ class RequestCore:
         raise RuntimeError(f"the stream of {req.request_id} ended before it finished")
 
     def _run(
-        self, req: ParsedRequest, chosen: PathPrediction, books: RequestBooks, handoff: Handoff
+        self,
+        req: ParsedRequest,
+        shape: RequestShape,
+        chosen: PathPrediction,
+        books: RequestBooks,
+        handoff: Handoff,
     ) -> AsyncGenerator[TokenChunk, None]:
         """The backend stream for one placement; after a resume, prompt + tokens so far."""
         params, emitted = req.sampling, books.emitted
@@ -313,6 +321,7 @@ class RequestCore:
                 if chosen.prefill_worker
                 else 0.0
             ),
+            prefill_hold_s=shape.prefill_hold_s,
         )
         return self.backend.generate(
             req.prompt_token_ids + tuple(emitted), params, placement, handoff
@@ -332,6 +341,8 @@ class RequestCore:
             prompt_len=len(ids),
             hashes=tuple(block_hashes(ids, self.block_size)),
             max_tokens=req.sampling.max_tokens - len(emitted),
+            # Tokens streamed already: a wait for decodes would be a gap in its stream.
+            prefill_hold_s=0.0 if emitted else shape.prefill_hold_s,
         )
         prefill, decode = self.members.pools()
         return shape, self.planner.decide(shape, prefill, decode, req.path, admitting=False)

@@ -101,6 +101,15 @@ class RouterConfig:
     # Tune each worker's step target from the ITL its requests see (router/step_target.py);
     # the workers must start with chunked prefill and a step target.
     tune_step_target: bool = False
+    # Each request's prompt may wait for the decodes running where it is prefilled (where a
+    # chunk beside them cannot keep to the step target) up to this share of its TTFT SLO
+    # (Placement.prefill_hold_s); None: the workers' own hold (SchedulerConfig.prefill_hold_s).
+    prefill_hold_share: float | None = None
+
+    def __post_init__(self) -> None:
+        share = self.prefill_hold_share
+        if share is not None and not 0.0 <= share <= 1.0:
+            raise ValueError(f"prefill_hold_share must be in [0, 1], got {share}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -169,9 +169,9 @@ class StepTimeModel:
         self.hold_s = info.prefill_hold_s
         self.chunk_floor_s: float | None = None
         self.decode_left = 0
-        # How long the prompt in line there that has waited longest for decodes has waited
-        # (polled): what is left of the hold is hold_s less this.
-        self.prompt_held_s = 0.0
+        # What is left of the hold to the prompt in line there with the least of it (polled,
+        # WorkerLoad.hold_left_s; None: no prompt in line): a prompt placed now waits no longer.
+        self.hold_left_s: float | None = None
         # How much slower than alone its steps run now (a busy peer on its node: HostShare); the
         # fit holds its steps alone, predictions are multiplied by this.
         self.scale = 1.0
@@ -320,32 +320,38 @@ class StepTimeModel:
         """How many steps `tokens` prefill tokens take in chunks next to `batch` decodes."""
         return self._plan(tokens, pairs, batch, context)[2] if tokens > 0 else 0
 
-    def hold_wait_s(self, batch: int, context: int) -> float | None:
+    def hold_wait_s(self, batch: int, context: int, hold_s: float | None = None) -> float | None:
         """How long a prompt placed now waits for the `batch` decodes running (of total
         `context`) to end, where the worker holds prompts for them (SchedulerConfig
         prefill_hold_s: its smallest chunks beside decodes took steps past the step target, and
         the longest of them, `decode_left` decode steps, ends within what is left of the hold
-        to the prompt in line there that has waited longest); None where it chunks beside
-        them."""
-        if not batch or not self.decode_left or self.hold_s is None:
+        to every prompt in line there, this one's `hold_s` included: None, the worker's own);
+        None where it chunks beside them."""
+        limit = hold_s if hold_s is not None else self.hold_s
+        if not batch or not self.decode_left or not limit:
             return None
         target, floor = self.step_target_s, self.chunk_floor_s
         if target is None or floor is None or floor <= target:
             return None
         wait = self.decode_left * self.decode_step_s(batch, context)
-        return wait if wait <= self.hold_s - self.prompt_held_s else None
+        if self.hold_left_s is not None:
+            limit = min(limit, self.hold_left_s)
+        return wait if wait <= limit else None
 
-    def chunked_s(self, tokens: int, pairs: float, batch: int, context: int) -> tuple[float, float]:
+    def chunked_s(
+        self, tokens: int, pairs: float, batch: int, context: int, hold_s: float | None = None
+    ) -> tuple[float, float]:
         """(time to compute `tokens` prefill tokens in chunks next to `batch` decodes of total
         context `context`, the step time those decodes see meanwhile). Where the worker holds
-        prompts for its decodes (hold_wait_s), the prompts wait them out and then run alone,
+        prompts for its decodes (hold_wait_s, with the hold `hold_s` of the prompt placed now;
+        None: the worker's own), the prompts wait them out and then run alone,
         and the decodes' steps stay their own. The step the decodes see is no quicker than the
         worker's measured `chunk_floor_s`; the prefill's time is not raised to it: the floor is
         the slowest of eight such steps, standing for a p99 gap, where the prefill's time is a
         sum of steps."""
         if tokens <= 0:
             return 0.0, self.decode_step_s(batch, context)
-        wait = self.hold_wait_s(batch, context)
+        wait = self.hold_wait_s(batch, context, hold_s)
         if wait is not None:
             return wait + self.chunked_s(tokens, pairs, 0, 0)[0], self.decode_step_s(batch, context)
         _, w1, w2, _ = self._priced(PREFILL)

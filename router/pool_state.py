@@ -363,7 +363,7 @@ class WorkerState:
         them without)."""
         self.load = load
         self.model.chunk_floor_s = load.chunk_floor_s
-        self.model.prompt_held_s = load.prompt_held_s
+        self.model.hold_left_s = load.hold_left_s
         now = time.monotonic()
         self._decode_steps.extend(
             (now, s.seconds, s.decode_seqs) for s in load.steps if s.decode_seqs

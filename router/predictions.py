@@ -46,6 +46,9 @@ class RequestShape:
     max_tokens: int
     slo_ttft_s: float
     slo_itl_s: float
+    # The most its prompt may wait for the decodes running where it is prefilled (Placement
+    # prefill_hold_s; None: each worker's own hold; 0: never).
+    prefill_hold_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,8 +204,9 @@ def predict_colocated(
     n = req.prompt_len - cached
     tokens = d.queued_tokens + n
     pairs = d.queued_pairs + prefill_pairs(n, cached)
-    total, during = d.model.chunked_s(tokens, pairs, d.batch, d.context)
-    own, _ = d.model.chunked_s(n, prefill_pairs(n, cached), d.batch, d.context)
+    hold = req.prefill_hold_s
+    total, during = d.model.chunked_s(tokens, pairs, d.batch, d.context, hold)
+    own, _ = d.model.chunked_s(n, prefill_pairs(n, cached), d.batch, d.context, hold)
     _, before = d.model.chunked_s(d.queued_tokens, d.queued_pairs, d.batch, d.context)
     itl = d.model.decode_step_s(d.batch + 1, d.context + req.prompt_len + req.max_tokens // 2)
     # The step the requests to decode here after their local prefill see beside this one.
@@ -254,9 +258,14 @@ def predict_disaggregated(
     nbytes = n_blocks * bs * d.info.kv_bytes_per_token
     # P's own running decodes (a worker that does both) share its steps with the prefill: it
     # takes longer in chunks, and they see slower steps meanwhile.
-    own, _ = p.model.chunked_s(n_p, prefill_pairs(n_p, cached_p), p.batch, p.context)
+    hold = req.prefill_hold_s
+    own, _ = p.model.chunked_s(n_p, prefill_pairs(n_p, cached_p), p.batch, p.context, hold)
     total, p_during = p.model.chunked_s(
-        p.queued_tokens + n_p, p.queued_pairs + prefill_pairs(n_p, cached_p), p.batch, p.context
+        p.queued_tokens + n_p,
+        p.queued_pairs + prefill_pairs(n_p, cached_p),
+        p.batch,
+        p.context,
+        hold,
     )
     exposed = transfer.seconds(nbytes)
     raw = total + exposed

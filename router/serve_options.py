@@ -158,6 +158,9 @@ class Option:
 PORT = integer(0, 65535)
 OFF_OR_PORT = integer(-1, 65535)
 POLICIES = ("auto", "colocated", "disaggregated", "threshold")
+# `--prefill-hold-ms auto`: a prompt may wait for decodes up to this share of its TTFT SLO,
+# the rest left for its queue and its prefill once they end.
+HOLD_SHARE = 0.5
 # engine.config.DTYPE_CHOICES, spelled out: building the parser must not import torch.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_HELP = (
@@ -219,11 +222,12 @@ OPTIONS: tuple[Option, ...] = (
            "while requests decode, size prefill chunks so a step takes about this long "
            "(chunked prefill only; default: the token budget alone); auto: start at 0.8 x "
            "the ITL SLO and tune each worker's from the ITL p99 its requests see"),
-    Option("prefill_hold_ms", optional(number(0)), None,
+    Option("prefill_hold_ms", optional(auto_or(number(0))), None,
            "with --step-target-ms: where even the smallest chunk beside running decodes takes "
            "a step past the target (as on a CPU host), prompts wait for decodes that will end "
            "(at their max_tokens) within this long, in all per prompt, instead of slowing "
-           "their steps; default (or 0): prompts never wait"),
+           f"their steps; auto: {HOLD_SHARE:g} x each request's TTFT SLO; default (or 0): "
+           "prompts never wait"),
     # policy and SLOs
     Option("policy", choice(*POLICIES), "auto",
            "how each request's path is chosen (auto: the cost model)"),
@@ -354,8 +358,10 @@ class ServeOptions:
         cache = CacheConfig()
         if v["kv_cache_gib"] is not None:
             cache = replace(cache, cpu_kv_cache_gib=v["kv_cache_gib"])
-        step_target = v["step_target_ms"]
-        tune = step_target == "auto"
+        step_target, hold = v["step_target_ms"], v["prefill_hold_ms"]
+        tune, hold_share = step_target == "auto", None
+        if hold == "auto":  # per request, from its TTFT SLO; this default for one without
+            hold_share, hold = HOLD_SHARE, HOLD_SHARE * v["slo_ttft_ms"]
         if tune:
             step_target = 0.8 * v["slo_itl_ms"]  # a first guess, tuned from the measured ITL
         engine = EngineConfig(
@@ -367,9 +373,7 @@ class ServeOptions:
                 max_num_seqs=v["max_num_seqs"],
                 enable_chunked_prefill=v["chunked_prefill"],
                 step_target_s=None if step_target is None else step_target / 1000,
-                prefill_hold_s=None
-                if v["prefill_hold_ms"] is None
-                else v["prefill_hold_ms"] / 1000,
+                prefill_hold_s=None if hold is None else hold / 1000,
             ),
         )
         cluster = ClusterConfig(
@@ -406,6 +410,7 @@ class ServeOptions:
                 slo_itl_s=v["slo_itl_ms"] / 1000,
                 max_pending=v["max_pending"],
                 tune_step_target=tune,
+                prefill_hold_share=hold_share,
             ),
             host=v["host"],
             port=v["port"],

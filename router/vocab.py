@@ -71,6 +71,9 @@ class Placement:
     # The disaggregated path's only: how soon its KV may land on the decode worker, which until
     # then runs its own prompts as if the handoff were not coming (engine kv_handoff.reserve).
     kv_due_in_s: float = 0.0
+    # The most its prompt may wait for the decodes running where it is prefilled (the engine's
+    # Request.prefill_hold_s; None: that worker's own hold; 0: never).
+    prefill_hold_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.path not in (RoutePath.COLOCATED, RoutePath.DISAGGREGATED):
@@ -86,6 +89,10 @@ class Placement:
             )
         if not 0.0 <= self.kv_due_in_s < math.inf:
             raise ValueError(f"kv_due_in_s must be finite and >= 0, got {self.kv_due_in_s}")
+        if self.prefill_hold_s is not None and not 0.0 <= self.prefill_hold_s < math.inf:
+            raise ValueError(
+                f"prefill_hold_s must be finite and >= 0 (or None), got {self.prefill_hold_s}"
+            )
         if self.kv_due_in_s and self.path is not RoutePath.DISAGGREGATED:
             raise ValueError(
                 "kv_due_in_s is for a handoff: the colocated path has no KV to wait for"

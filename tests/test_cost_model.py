@@ -485,10 +485,30 @@ def test_the_hold_a_waiting_prompt_used_is_not_priced_again():
     wait = d.model.hold_wait_s(d.batch, d.context)
     assert wait is not None and wait < 4.0
     d.absorb(WorkerLoad("decode-0", d.info.role, 40, 1, 0, 0.1, 1000, 1024, 900,
-                        chunk_floor_s=0.15, prompt_held_s=5.0 - wait / 2))  # fmt: skip
+                        chunk_floor_s=0.15, hold_left_s=wait / 2))  # fmt: skip
     assert d.model.hold_wait_s(d.batch, d.context) is None
     _, during = d.model.chunked_s(1500, prefill_pairs(1500, 0), d.batch, d.context)
     assert during >= 0.15
+
+
+def test_a_prompts_own_hold_bounds_the_wait_priced_for_it():
+    """A request that brings its own hold (RequestShape.prefill_hold_s, from its TTFT SLO) is
+    priced by it rather than by the worker's: decodes that outlast it are priced with its chunks
+    beside them, ones within it as a wait even past the worker's own hold; 0 prices no wait."""
+    d = _holding(left=20)  # the worker's own hold: 5 s
+    wait = d.model.hold_wait_s(d.batch, d.context)
+    assert wait is not None
+    assert d.model.hold_wait_s(d.batch, d.context, wait / 2) is None
+    assert d.model.hold_wait_s(d.batch, d.context, 0.0) is None
+    assert d.model.hold_wait_s(d.batch, d.context, wait * 1.01) == pytest.approx(wait)
+    long = _holding(left=100)  # 100 decode steps: past the worker's 5 s
+    assert long.model.hold_wait_s(long.batch, long.context) is None
+    assert long.model.hold_wait_s(long.batch, long.context, 60.0) == pytest.approx(5 * wait)
+    pl, p = planner(), trained("prefill-0", "prefill")
+    for hold, waits in ((None, True), (wait / 2, False), (0.0, False)):
+        req = replace(shape(1500, seed=5), prefill_hold_s=hold)
+        colo = {b.path: b for b in pl.decide(req, [p], [d]).best}[RoutePath.COLOCATED]
+        assert (colo.caused_misses < 0.01) is waits and (colo.caused_misses > 30) is not waits
 
 
 def test_a_chunk_beside_decodes_is_priced_no_quicker_than_the_smallest_chunks_measured():

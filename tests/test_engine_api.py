@@ -240,7 +240,7 @@ def test_streamed_deltas_equal_final_decode_on_utf8_text(name):
 
 
 def test_a_workers_load_reports_its_smallest_chunks_step_and_the_hold_used(monkeypatch):
-    """What the router prices holds and chunks by (WorkerLoad.chunk_floor_s, prompt_held_s)
+    """What the router prices holds and chunks by (WorkerLoad.chunk_floor_s, hold_left_s)
     comes from the engine's scheduler as it stands."""
     from worker_protocol.host import engine_load
     from worker_protocol.messages import WorkerRole
@@ -262,6 +262,6 @@ def test_a_workers_load_reports_its_smallest_chunks_step_and_the_hold_used(monke
     clock[0] += 0.25
     load = engine_load(engine, "decode-0", WorkerRole.DECODE)
     assert load.chunk_floor_s == 0.130 and load.prompt_wait_steps >= 1
-    assert abs(load.prompt_held_s - 0.25) < 1e-9
+    assert load.hold_left_s is not None and abs(load.hold_left_s - 4.75) < 1e-9
     drain(engine)
     assert_pool_free(engine)

@@ -5,13 +5,17 @@ gives transformers' greedy tokens, KV moves over one pair either way, and nothin
 import asyncio
 
 import pytest
+import ray
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.sampling_params import SamplingParams
 from router.cluster import Cluster, ClusterConfig
 from router.vocab import Placement, RoutePath
 from tests.helpers import hf_greedy, random_prompts
 from tests.test_cluster import assert_pools_full, gather, leave_after, received, run_one
-from worker_protocol.messages import WorkerRole
+from worker_protocol.messages import WorkerRole, WorkRequest
+
+GREEDY_ONE = SamplingParams(max_tokens=1, temperature=0.0)
 
 MAX_NEW = 10
 COLO, DIS = RoutePath.COLOCATED, RoutePath.DISAGGREGATED
@@ -62,12 +66,28 @@ def test_every_placement_gives_transformers_tokens_and_moves_kv_either_way(clust
     )
     local = ["both-0", "both-1", "both-0"]
     prompts = random_prompts([5 + 4 * i for i in range(len(handoffs) + len(local))], seed=71)
+    # Half of them bring a hold for their prompt (it waits for nothing here: no step target).
     jobs = [
-        run_one(cluster, prompt, DIS, f"flex-dis-{i}", prefill_worker=p, decode_worker=d)
+        run_one(
+            cluster,
+            prompt,
+            DIS,
+            f"flex-dis-{i}",
+            prefill_worker=p,
+            decode_worker=d,
+            prefill_hold_s=5.0 if i % 2 else None,
+        )  # fmt: skip
         for i, ((p, d), prompt) in enumerate(zip(handoffs, prompts))
     ]
     jobs += [
-        run_one(cluster, prompt, COLO, f"flex-colo-{i}", decode_worker=w)
+        run_one(
+            cluster,
+            prompt,
+            COLO,
+            f"flex-colo-{i}",
+            decode_worker=w,
+            prefill_hold_s=5.0 if i % 2 else None,
+        )  # fmt: skip
         for i, (w, prompt) in enumerate(zip(local, prompts[len(handoffs) :]))
     ]
     before = received(cluster)
@@ -102,4 +122,25 @@ def test_every_placement_gives_transformers_tokens_and_moves_kv_either_way(clust
 )
 def test_a_client_leaving_frees_both_sides(cluster, where):
     assert leave_after(cluster, random_prompts([30], seed=72)[0], Placement(**where), 3) >= 3
+    assert_pools_full(cluster)
+
+
+@pytest.mark.timeout(60)
+def test_a_requests_hold_reaches_the_engine_on_every_way_in(cluster):
+    """A WorkRequest's prefill_hold_s reaches the engine's request whichever way it comes in (a
+    local prefill, a prefill for a peer, a reservation for KV): one out of range is refused
+    there, naming the field, and the worker keeps serving."""
+    bad = WorkRequest("bad-hold", (1, 2, 3, 4, 5), GREEDY_ONE, prefill_hold_s=-1.0)
+    w = cluster.actor("both-0")
+    calls = [
+        lambda: ray.get(next(w.generate.options(num_returns="streaming").remote(bad))),
+        lambda: ray.get(w.prefill.remote(bad, "both-1", (0, 1), 0)),
+        lambda: ray.get(w.reserve_kv.remote(bad, "both-1")),
+    ]
+    for call in calls:
+        with pytest.raises(Exception, match="prefill_hold_s"):
+            call()
+    prompt = random_prompts([9], seed=73)[0]
+    got = gather([run_one(cluster, prompt, COLO, "after-bad-hold", decode_worker="both-0")])
+    assert got[0] == hf_greedy("tiny-llama", prompt, MAX_NEW)
     assert_pools_full(cluster)

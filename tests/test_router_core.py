@@ -339,6 +339,35 @@ def test_a_handoff_tells_its_decode_worker_how_soon_its_kv_may_land():
     run(main())
 
 
+def test_a_placement_carries_its_prompts_hold_from_its_ttft_slo():
+    """With a hold share (`--prefill-hold-ms auto`) each placement tells the worker how long its
+    prompt may wait for decodes there: that share of its own TTFT SLO, or of the default; none
+    without a share (the worker's own hold). A request resumed after it streamed tokens may not
+    wait at all: a wait would be a gap in its stream."""
+
+    async def main():
+        backend = FakeBackend(num_decode=2)
+        core = await make_core(backend, prefill_hold_share=0.5, slo_ttft_s=12.0)
+        await consume(core, request("own", slo_ttft_ms=3000))
+        await consume(core, request("default"))
+        assert [p.prefill_hold_s for p in backend.placements] == [1.5, 6.0]
+        plain = FakeBackend(num_decode=2)
+        await consume(await make_core(plain), request("none", slo_ttft_ms=3000))
+        assert plain.placements[-1].prefill_hold_s is None
+        moved = FakeBackend(num_decode=2, lose_decode_after=3)
+        core = await make_core(moved, prefill_hold_share=0.5)
+        await consume(core, request("moved", max_tokens=8, slo_ttft_ms=3000))
+        assert core.resumed == 1
+        assert [p.prefill_hold_s for p in moved.placements] == [1.5, 0.0]
+        for bad in (-1.0, float("inf"), float("nan")):
+            with pytest.raises(ValueError, match="prefill_hold_s"):
+                Placement(path=RoutePath.COLOCATED, prefill_hold_s=bad)
+        with pytest.raises(ValueError, match="prefill_hold_share"):
+            RouterConfig(prefill_hold_share=1.5)
+
+    run(main())
+
+
 def test_a_placement_takes_a_path_that_is_taken():
     assert Placement(path=RoutePath.DISAGGREGATED, request_id="x").prefill_worker is None
     a, b = Placement(path=RoutePath.COLOCATED), Placement(path=RoutePath.COLOCATED)

@@ -363,16 +363,18 @@ def test_the_time_a_prompt_waited_counts_against_its_hold(monkeypatch):
         if "p" in {x.request_id for x in out.scheduled}:
             break
         held += 1
-        # What the worker reports (WorkerLoad): waited so far, the held step running included.
-        assert abs(s.prompt_held_s - 0.1 * held) < 1e-9
+        # What the worker reports (WorkerLoad): the hold less the time waited so far, the held
+        # step running included.
+        assert s.hold_left_s is not None and abs(s.hold_left_s - (1.0 - 0.1 * held)) < 1e-9
     # Step k holds while waited + 40 ms x tokens left <= 1 s: 0.1 k + 0.04 (19 - k) <= 1, k <= 4.
     assert held == 5 and abs(s.requests["p"].held_s - 0.5) < 1e-9
-    assert s.prompt_held_s == s.requests["p"].held_s  # prefilling in chunks: still in line
+    # Prefilling in chunks: still in line.
+    assert s.hold_left_s is not None and abs(s.hold_left_s - 0.5) < 1e-9
     for _ in range(200):
         if s.requests["p"].num_output_tokens:
             break
         step(s)
-    assert s.requests["p"].held_s >= 0.5 and s.prompt_held_s == 0.0  # decoding: not in line
+    assert s.requests["p"].held_s >= 0.5 and s.hold_left_s is None  # decoding: not in line
     s.finish_requests(["d", "p"], FinishReason.ABORT)
     assert s.kv.pool.all_free()
 
@@ -390,6 +392,51 @@ def test_no_wait_where_the_smallest_chunk_fits_the_target_or_none_is_set():
     assert "p" in {x.request_id for x in step(off).scheduled} and off.num_held_steps == 0
     with pytest.raises(ValueError, match="prefill_hold_s"):
         SchedulerConfig(512, 8, True, step_target_s=0.1, prefill_hold_s=-1.0)
+
+
+def test_a_requests_own_hold_stands_in_for_the_schedulers():
+    """A request may bring its own hold (the router's, from its TTFT SLO): a prompt whose own
+    hold outlasts the decodes waits where the scheduler's own would not, one whose hold is 0
+    never waits, and with either in line, every prompt there waits no longer than the least
+    hold left among them (what the worker reports to the router)."""
+    s = _held_scheduler(hold_s=None)  # no hold of its own
+    _decoding(s, "d", max_tokens=10)  # 9 tokens left at 40 ms: 0.36 s
+    p = req("p", 900, max_tokens=2, start=100)
+    p.prefill_hold_s = 1.0
+    s.add_request(p)
+    assert {x.request_id for x in step(s).scheduled} == {"d"} and s.num_held_steps == 1
+    assert s.hold_left_s is not None and 0.9 < s.hold_left_s <= 1.0
+    never = req("never", 20, max_tokens=2, start=2000)
+    never.prefill_hold_s = 0.0
+    s.add_request(never)
+    assert s.hold_left_s == 0.0
+    assert "p" in {x.request_id for x in step(s).scheduled} and s.num_held_steps == 1
+    s.finish_requests(["d", "p", "never"], FinishReason.ABORT)
+    assert s.hold_left_s is None and s.kv.pool.all_free()
+
+    s = _held_scheduler(hold_s=1.0)
+    _decoding(s, "d", max_tokens=10)
+    short = req("short", 900, max_tokens=2, start=100)
+    short.prefill_hold_s = 0.2  # 0.36 s of decodes outlast it
+    s.add_request(short)
+    assert "short" in {x.request_id for x in step(s).scheduled} and s.num_held_steps == 0
+    s.finish_requests(["d", "short"], FinishReason.ABORT)
+    assert s.kv.pool.all_free()
+
+
+def test_a_prompt_that_streamed_already_leaves_no_hold_to_the_line():
+    """A request back in line that streamed tokens never waits, so the worker reports no hold
+    left while it is there: the router prices no wait for a prompt placed behind it."""
+    s = _held_scheduler(hold_s=1.0)
+    _decoding(s, "d", max_tokens=10)
+    s.add_request(req("p", 900, max_tokens=2, start=100))
+    assert s.hold_left_s == 1.0
+    back = req("back", 40, max_tokens=10, start=300)
+    back.append_output(5)
+    s.add_request(back)
+    assert s.hold_left_s == 0.0
+    s.finish_requests(["d", "p", "back"], FinishReason.ABORT)
+    assert s.kv.pool.all_free()
 
 
 def test_the_slowest_of_the_latest_smallest_chunk_steps_decides_whether_a_chunk_fits():

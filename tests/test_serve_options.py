@@ -70,6 +70,18 @@ def test_the_effective_options_reach_the_server_config(tmp_path):
     assert config.admin_port is None
 
 
+def test_a_hold_of_auto_is_a_share_of_each_requests_ttft_slo(tmp_path):
+    """`prefill_hold_ms: auto`: the router gives each placement HOLD_SHARE of its request's TTFT
+    SLO; the workers' own hold (for a request that brings none) is that share of the default."""
+    path = write(tmp_path, "step_target_ms: auto\nprefill_hold_ms: AUTO\nslo_ttft_ms: 8000\n")
+    config = serve_options.resolve(_parse(["serve", "--config", str(path)])).serve_config()
+    assert config.router.prefill_hold_share == serve_options.HOLD_SHARE == 0.5
+    assert config.cluster.engine.scheduler.prefill_hold_s == pytest.approx(4.0)
+    plain = serve_options.resolve(_parse(["serve", "--step-target-ms", "100"])).serve_config()
+    assert plain.router.prefill_hold_share is None
+    assert plain.cluster.engine.scheduler.prefill_hold_s is None
+
+
 def _parse(argv):
     from router.cli import build_parser
 
@@ -93,6 +105,7 @@ def _parse(argv):
         ("model: [1\n", "not valid YAML"),
         ("step_target_ms: 100\nchunked_prefill: false\n", "step_target_ms"),
         ("prefill_hold_ms: 3000\n", "prefill_hold_ms"),
+        ("step_target_ms: 100\nprefill_hold_ms: soon\n", "prefill_hold_ms: must be a number"),
     ],
 )
 def test_a_bad_file_is_refused_at_start_naming_the_field(tmp_path, capsys, text, field):

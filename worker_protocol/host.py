@@ -191,5 +191,5 @@ def engine_load(engine: LLMEngine, worker_id: str, role: WorkerRole) -> WorkerLo
         prefix_hits=pool.stats.hits,
         chunk_floor_s=sched.sizer.floor_s if sched.sizer else None,
         prompt_wait_steps=sched.num_held_steps,
-        prompt_held_s=sched.prompt_held_s,
+        hold_left_s=sched.hold_left_s,
     )

@@ -43,7 +43,9 @@ class KVReceiverSide:
 
     async def generate(self, req: WorkRequest) -> AsyncIterator[TokenChunk]:
         """Colocated path: prefill here, then decode; one chunk per step."""
-        async for out in self.aeng.generate(req.prompt_token_ids, req.sampling, req.request_id):
+        async for out in self.aeng.generate(
+            req.prompt_token_ids, req.sampling, req.request_id, req.prefill_hold_s
+        ):
             yield TokenChunk.from_output(out, self.worker_id)
 
     async def reserve_kv(
@@ -65,6 +67,7 @@ class KVReceiverSide:
                 rid,
                 share=self.reserve_share,
                 due_in_s=due_in_s,
+                prefill_hold_s=req.prefill_hold_s,
             )
             if res is None:
                 return None

@@ -135,9 +135,20 @@ class KVSenderSide:
         queue_s = 0.0
         try:
             q = self.aeng.open_stream(rid)
-            await self.aeng.call(
-                lambda e: e.add_request(list(req.prompt_token_ids), first_params, rid, None, True)
-            )
+            try:
+                await self.aeng.call(
+                    lambda e: e.add_request(
+                        list(req.prompt_token_ids),
+                        first_params,
+                        rid,
+                        None,
+                        True,
+                        prefill_hold_s=req.prefill_hold_s,
+                    )
+                )
+            except BaseException:  # refused (a field out of range): no stream to keep open
+                self.aeng.close_stream(rid)
+                raise
             async for out in self.aeng.stream(rid, q):
                 if out.new_token_ids:
                     first = out.new_token_ids[0]

@@ -84,6 +84,9 @@ class WorkRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
+    # The most its prompt may wait for decodes running where it is prefilled (the engine's
+    # Request.prefill_hold_s; None: that worker's SchedulerConfig.prefill_hold_s; 0: never).
+    prefill_hold_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +181,7 @@ class WorkerLoad:
     chunk_floor_s: float | None = None
     # Steps it ran its decodes alone while prompts waited for them (prefill_hold_s), since start.
     prompt_wait_steps: int = 0
-    # How long the prompt in line (waiting, or prefilling in chunks) that has waited longest
-    # for decodes has waited so far, the held step running included (its share of
-    # prefill_hold_s used); 0 with none in line.
-    prompt_held_s: float = 0.0
+    # What is left of the hold to the prompt in line (waiting, or prefilling in chunks) with
+    # the least of it, the held step running counted (Scheduler.hold_left_s): how long more
+    # the prompts there may wait for decodes; 0 where one never waits; None with none in line.
+    hold_left_s: float | None = None
