@@ -28,7 +28,6 @@ from bench import loadgen, overload, session, slo, trace
 from bench.server import POLICIES, Deployment, ServerProcess
 from pdserve_client import ClientAuth
 from pdserve_client import add_arguments as add_auth_arguments
-from router.serve_options import HOLD_SHARE
 
 FIXED = ("colocated-nochunk", "colocated", "disaggregated", "threshold")
 
@@ -91,8 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=lambda v: "auto" if v.lower() == "auto" else _float_at_least(0)(v),
         default=None,
         help="--prefill-hold-ms for the servers given --step-target-ms (a prompt waits for "
-        "running decodes where no chunk beside them keeps to the step target); auto: "
-        f"{HOLD_SHARE:g} x each request's TTFT SLO",
+        "running decodes where no chunk beside them keeps to the step target); auto: a share "
+        "(half) of each request's TTFT SLO",
     )
     p.add_argument("--slo-ttft", type=float, default=None, help="seconds")
     p.add_argument("--slo-itl", type=float, default=None, help="seconds")

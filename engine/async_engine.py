@@ -96,6 +96,7 @@ class AsyncEngine:
         prompt: Sequence[int],
         params: SamplingParams,
         request_id: str,
+        *,
         prefill_hold_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs until it finishes; abort it if the caller stops.

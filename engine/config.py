@@ -151,8 +151,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.step_target_s is not None and not self.step_target_s > 0:
             raise ValueError(f"step_target_s must be > 0, got {self.step_target_s}")
-        if self.prefill_hold_s is not None and not self.prefill_hold_s >= 0:
-            raise ValueError(f"prefill_hold_s must be >= 0, got {self.prefill_hold_s}")
+        if self.prefill_hold_s is not None and not 0 <= self.prefill_hold_s < float("inf"):
+            raise ValueError(f"prefill_hold_s must be finite and >= 0, got {self.prefill_hold_s}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"

@@ -162,6 +162,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         share: float = 1.0,
         due_in_s: float = 0.0,
+        *,
         prefill_hold_s: float | None = None,
     ) -> kv_handoff.KVReservation | None:
         """Decode side: reserve blocks for a prompt whose KV will arrive, expected no sooner than

@@ -125,8 +125,8 @@ class Scheduler:
 
     def _hold_left(self, r: Request, now: float) -> float | None:
         """What is left of `r`'s hold; None where it never waits: no hold (or one of 0), or it
-        has streamed tokens already (a decode preempted, a handoff whose KV never came), where a
-        wait would be a gap in its stream."""
+        has streamed tokens already (a decode preempted), where a wait would be a gap in its
+        stream."""
         limit = r.prefill_hold_s if r.prefill_hold_s is not None else self.config.prefill_hold_s
         if not limit or r.num_output_tokens:
             return None
@@ -229,15 +229,18 @@ class Scheduler:
             self._held_at, self._held_ids = None, set()
         if not decodes or not in_line or sizer.fits():
             return False
-        lefts = [self._hold_left(r, now) for r in in_line]
-        if None in lefts:
-            return False
+        least = float("inf")
+        for r in in_line:
+            hold = self._hold_left(r, now)
+            if hold is None:  # one that never waits: none does
+                return False
+            least = min(least, hold)
         # Before a decode-only step was measured, the smallest chunk's step (longer) stands in.
         per_token = sizer.decode_s if sizer.decode_s is not None else sizer.floor_s
         assert per_token is not None  # not fits(): a floor was measured
         coming = [*decodes, *self.kv_due()]
         left = max(r.sampling.max_tokens - r.num_output_tokens for r in coming)
-        if left * per_token > min(x for x in lefts if x is not None):
+        if left * per_token > least:
             return False
         self._held_at, self._held_ids = now, {r.request_id for r in in_line}
         self.num_held_steps += 1

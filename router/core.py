@@ -22,6 +22,7 @@ import itertools
 import logging
 import math
 import statistics
+import time
 from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Sequence
 from contextlib import aclosing
@@ -210,20 +211,26 @@ class RequestCore:
     # -- one request -------------------------------------------------------------------------
     def plan(self, req: ParsedRequest) -> tuple[RequestShape, Decision]:
         slo_ttft_s = (req.slo_ttft_ms / 1000) if req.slo_ttft_ms else self.config.slo_ttft_s
-        share = self.config.prefill_hold_share
         shape = RequestShape(
             prompt_len=len(req.prompt_token_ids),
             hashes=tuple(block_hashes(req.prompt_token_ids, self.block_size)),
             max_tokens=req.sampling.max_tokens,
             slo_ttft_s=slo_ttft_s,
             slo_itl_s=(req.slo_itl_ms / 1000) if req.slo_itl_ms else self.config.slo_itl_s,
-            prefill_hold_s=None if share is None else share * slo_ttft_s,
+            prefill_hold_s=self._hold(slo_ttft_s, 0.0),
         )
         prefill, decode = self.members.pools()
         if not decode:
             self.sink.rejected(RejectReason.NO_WORKERS, req.frontend)
             raise NoWorkers("no decode worker is up; the server cannot take requests now")
         return shape, self.planner.decide(shape, prefill, decode, req.path)
+
+    def _hold(self, slo_ttft_s: float, since_arrival_s: float) -> float | None:
+        """How long a request's prompt may wait for decodes where it is prefilled (Placement
+        prefill_hold_s): the hold share of its TTFT SLO, less what it spent since it arrived;
+        None without a share (each worker's own hold)."""
+        share = self.config.prefill_hold_share
+        return None if share is None else max(0.0, share * slo_ttft_s - since_arrival_s)
 
     def _admit(self, shape: RequestShape, decision: Decision, frontend: Frontend) -> None:
         """Raise Overloaded (counted by its reason) when the request is refused."""
@@ -341,8 +348,13 @@ class RequestCore:
             prompt_len=len(ids),
             hashes=tuple(block_hashes(ids, self.block_size)),
             max_tokens=req.sampling.max_tokens - len(emitted),
-            # Tokens streamed already: a wait for decodes would be a gap in its stream.
-            prefill_hold_s=0.0 if emitted else shape.prefill_hold_s,
+            # Tokens streamed already: a wait for decodes would be a gap in its stream; else
+            # what its first placement took counts against its hold.
+            prefill_hold_s=(
+                0.0
+                if emitted
+                else self._hold(shape.slo_ttft_s, time.monotonic() - books.track.arrived)
+            ),
         )
         prefill, decode = self.members.pools()
         return shape, self.planner.decide(shape, prefill, decode, req.path, admitting=False)

@@ -325,17 +325,21 @@ class StepTimeModel:
         `context`) to end, where the worker holds prompts for them (SchedulerConfig
         prefill_hold_s: its smallest chunks beside decodes took steps past the step target, and
         the longest of them, `decode_left` decode steps, ends within what is left of the hold
-        to every prompt in line there, this one's `hold_s` included: None, the worker's own);
-        None where it chunks beside them."""
-        limit = hold_s if hold_s is not None else self.hold_s
-        if not batch or not self.decode_left or not limit:
+        to every prompt in line there, and to the prompt placed now, whose hold is `hold_s`;
+        None: no prompt is placed now, only those in line wait, or else one with the worker's
+        own hold); None where it chunks beside them."""
+        left = self.hold_left_s
+        limit: float | None
+        if hold_s is not None:
+            limit = hold_s if left is None else min(hold_s, left)
+        else:
+            limit = left if left is not None else self.hold_s
+        if not batch or not self.decode_left or not limit or limit <= 0:
             return None
         target, floor = self.step_target_s, self.chunk_floor_s
         if target is None or floor is None or floor <= target:
             return None
         wait = self.decode_left * self.decode_step_s(batch, context)
-        if self.hold_left_s is not None:
-            limit = min(limit, self.hold_left_s)
         return wait if wait <= limit else None
 
     def chunked_s(

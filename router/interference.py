@@ -85,13 +85,16 @@ def coming_step(w: WorkerState, more: int = 0, context: int = 0) -> float:
     return w.model.decode_step_s(batch + more, ctx + context)
 
 
-def coming_chunk_step(w: WorkerState, tokens: int, pairs: float) -> float:
+def coming_chunk_step(
+    w: WorkerState, tokens: int, pairs: float, hold_s: float | None = None
+) -> float:
     """The step the requests to decode on `w` after their local prefill see beside a prefill of
-    `tokens` placed after theirs (chunked to its step target beside them); 0 when none can still
-    attain (nothing to price: no step model call on a decision's path)."""
+    `tokens` placed after theirs (chunked to its step target beside them, or waiting for them
+    within its hold `hold_s`: StepTimeModel.hold_wait_s); 0 when none can still attain
+    (nothing to price: no step model call on a decision's path)."""
     if not w.coming_itl_slos():
         return 0.0
-    return w.model.chunked_s(tokens, pairs, *_with_coming(w))[1]
+    return w.model.chunked_s(tokens, pairs, *_with_coming(w), hold_s)[1]
 
 
 def shared_misses(d: WorkerState, workers: Sequence[WorkerState]) -> float:

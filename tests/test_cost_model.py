@@ -504,6 +504,15 @@ def test_a_prompts_own_hold_bounds_the_wait_priced_for_it():
     long = _holding(left=100)  # 100 decode steps: past the worker's 5 s
     assert long.model.hold_wait_s(long.batch, long.context) is None
     assert long.model.hold_wait_s(long.batch, long.context, 60.0) == pytest.approx(5 * wait)
+    # The prompts in line there bound it too (polled: the least hold left among them); with no
+    # prompt placed now, their holds are what counts, not the worker's own.
+    line = _holding(left=100)
+    line.absorb(WorkerLoad("decode-0", line.info.role, 40, 1, 0, 0.1, 1000, 1024, 900,
+                           chunk_floor_s=0.15, hold_left_s=60.0))  # fmt: skip
+    assert line.model.hold_wait_s(line.batch, line.context) == pytest.approx(5 * wait)
+    line.absorb(WorkerLoad("decode-0", line.info.role, 40, 1, 0, 0.1, 1000, 1024, 900,
+                           chunk_floor_s=0.15, hold_left_s=wait))  # fmt: skip
+    assert line.model.hold_wait_s(line.batch, line.context, 60.0) is None
     pl, p = planner(), trained("prefill-0", "prefill")
     for hold, waits in ((None, True), (wait / 2, False), (0.0, False)):
         req = replace(shape(1500, seed=5), prefill_hold_s=hold)

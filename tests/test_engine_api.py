@@ -239,6 +239,28 @@ def test_streamed_deltas_equal_final_decode_on_utf8_text(name):
     assert_pool_free(engine)
 
 
+def test_a_requests_own_hold_reaches_its_scheduler_request_and_outlives_a_failed_handoff():
+    """add_request and reserve_for_kv give the scheduler's request the hold they were given
+    (None: the scheduler's own); a handoff whose KV never came keeps it for its recompute; one
+    out of range is refused naming the field, and nothing is left behind."""
+    engine = make_engine("tiny-llama")
+    a, b = random_prompts([9, 13], seed=5)
+    engine.add_request(a, GREEDY, "own", prefill_hold_s=2.0)
+    engine.add_request(b, GREEDY, "none")
+    assert engine.scheduler.requests["own"].prefill_hold_s == 2.0
+    assert engine.scheduler.requests["none"].prefill_hold_s is None
+    assert engine.reserve_for_kv(b, GREEDY, "kv", prefill_hold_s=3.0) is not None
+    engine.kv_failed("kv")
+    assert engine.scheduler.requests["kv"].prefill_hold_s == 3.0
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(InvalidRequestError, match="prefill_hold_s"):
+            engine.add_request(a, GREEDY, f"bad-{bad}", prefill_hold_s=bad)
+        with pytest.raises(InvalidRequestError, match="prefill_hold_s"):
+            engine.reserve_for_kv(a, GREEDY, f"bad-kv-{bad}", prefill_hold_s=bad)
+    drain(engine)
+    assert_pool_free(engine)
+
+
 def test_a_workers_load_reports_its_smallest_chunks_step_and_the_hold_used(monkeypatch):
     """What the router prices holds and chunks by (WorkerLoad.chunk_floor_s, hold_left_s)
     comes from the engine's scheduler as it stands."""

@@ -354,11 +354,18 @@ def test_a_placement_carries_its_prompts_hold_from_its_ttft_slo():
         plain = FakeBackend(num_decode=2)
         await consume(await make_core(plain), request("none", slo_ttft_ms=3000))
         assert plain.placements[-1].prefill_hold_s is None
-        moved = FakeBackend(num_decode=2, lose_decode_after=3)
-        core = await make_core(moved, prefill_hold_share=0.5)
-        await consume(core, request("moved", max_tokens=8, slo_ttft_ms=3000))
-        assert core.resumed == 1
-        assert [p.prefill_hold_s for p in moved.placements] == [1.5, 0.0]
+        for share, want in ((0.5, 1.5), (None, None)):  # auto, and a worker's own hold
+            moved = FakeBackend(num_decode=2, lose_decode_after=3)
+            core = await make_core(moved, prefill_hold_share=share)
+            await consume(core, request("moved", max_tokens=8, slo_ttft_ms=3000))
+            assert core.resumed == 1
+            assert [p.prefill_hold_s for p in moved.placements] == [want, 0.0]
+        # Lost before its first token: it may still wait, what its first placement took less.
+        early = FakeBackend(num_decode=2, lose_decode_after=0)
+        core = await make_core(early, prefill_hold_share=0.5)
+        await consume(core, request("early", max_tokens=8, slo_ttft_ms=3000))
+        first, again = (p.prefill_hold_s for p in early.placements)
+        assert core.resumed == 1 and first == 1.5 and again is not None and 1.0 < again < 1.5
         for bad in (-1.0, float("inf"), float("nan")):
             with pytest.raises(ValueError, match="prefill_hold_s"):
                 Placement(path=RoutePath.COLOCATED, prefill_hold_s=bad)

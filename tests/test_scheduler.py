@@ -416,11 +416,13 @@ def test_a_requests_own_hold_stands_in_for_the_schedulers():
 
     s = _held_scheduler(hold_s=1.0)
     _decoding(s, "d", max_tokens=10)
-    short = req("short", 900, max_tokens=2, start=100)
+    s.add_request(req("p", 900, max_tokens=2, start=100))  # the scheduler's 1 s
+    short = req("short", 20, max_tokens=2, start=2000)
     short.prefill_hold_s = 0.2  # 0.36 s of decodes outlast it
     s.add_request(short)
-    assert "short" in {x.request_id for x in step(s).scheduled} and s.num_held_steps == 0
-    s.finish_requests(["d", "short"], FinishReason.ABORT)
+    assert s.hold_left_s == pytest.approx(0.2)
+    assert "p" in {x.request_id for x in step(s).scheduled} and s.num_held_steps == 0
+    s.finish_requests(["d", "p", "short"], FinishReason.ABORT)
     assert s.kv.pool.all_free()
 
 

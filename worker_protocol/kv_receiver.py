@@ -44,7 +44,7 @@ class KVReceiverSide:
     async def generate(self, req: WorkRequest) -> AsyncIterator[TokenChunk]:
         """Colocated path: prefill here, then decode; one chunk per step."""
         async for out in self.aeng.generate(
-            req.prompt_token_ids, req.sampling, req.request_id, req.prefill_hold_s
+            req.prompt_token_ids, req.sampling, req.request_id, prefill_hold_s=req.prefill_hold_s
         ):
             yield TokenChunk.from_output(out, self.worker_id)
 
