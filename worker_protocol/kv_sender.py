@@ -146,7 +146,7 @@ class KVSenderSide:
                         prefill_hold_s=req.prefill_hold_s,
                     )
                 )
-            except BaseException:  # refused (a field out of range): no stream to keep open
+            except BaseException:  # it never got in (refused, or the call failed): no stream
                 self.aeng.close_stream(rid)
                 raise
             async for out in self.aeng.stream(rid, q):
