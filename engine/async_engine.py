@@ -91,6 +91,17 @@ class AsyncEngine:
 
         await self.call(run)
 
+    async def add(self, request_id: str, add: Callable[[LLMEngine], Any]) -> asyncio.Queue[Any]:
+        """Open `request_id`'s stream and run `add(engine)` (which queues the request) on the
+        engine thread; the stream's queue, or the stream closed again if it never got in."""
+        q = self.open_stream(request_id)
+        try:
+            await self.call(add)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return q
+
     async def generate(
         self,
         prompt: Sequence[int],
@@ -101,16 +112,12 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs until it finishes; abort it if the caller stops.
         `prefill_hold_s`: as for LLMEngine.add_request."""
-        q = self.open_stream(request_id)
-        try:
-            await self.call(
-                lambda e: e.add_request(
-                    list(prompt), params, request_id, prefill_hold_s=prefill_hold_s
-                )
-            )
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
+        q = await self.add(
+            request_id,
+            lambda e: e.add_request(
+                list(prompt), params, request_id, prefill_hold_s=prefill_hold_s
+            ),
+        )
         async for out in self.stream(request_id, q):
             yield out
 

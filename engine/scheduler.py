@@ -117,11 +117,21 @@ class Scheduler:
         to the prompt in line (waiting, or prefilling in chunks) with the least of it, the held
         step running now counted: how long more prompts here may wait for decodes. 0 where one in
         line never waits (no hold, or it streamed already); None with no prompt in line."""
-        now = time.monotonic()
-        lefts = [self._hold_left(r, now) for r in (*self.running_prefills(), *self.waiting)]
-        if not lefts:
+        in_line = (*self.running_prefills(), *self.waiting)
+        if not in_line:
             return None
-        return 0.0 if None in lefts else max(0.0, min(x for x in lefts if x is not None))
+        least = self._least_hold_left(in_line, time.monotonic())
+        return 0.0 if least is None else max(0.0, least)
+
+    def _least_hold_left(self, in_line: Iterable[Request], now: float) -> float | None:
+        """The least of `_hold_left` over `in_line`; None as soon as one never waits."""
+        least = float("inf")
+        for r in in_line:
+            hold = self._hold_left(r, now)
+            if hold is None:
+                return None
+            least = min(least, hold)
+        return least
 
     def _hold_left(self, r: Request, now: float) -> float | None:
         """What is left of `r`'s hold; None where it never waits: no hold (or one of 0), or it
@@ -229,12 +239,9 @@ class Scheduler:
             self._held_at, self._held_ids = None, set()
         if not decodes or not in_line or sizer.fits():
             return False
-        least = float("inf")
-        for r in in_line:
-            hold = self._hold_left(r, now)
-            if hold is None:  # one that never waits: none does
-                return False
-            least = min(least, hold)
+        least = self._least_hold_left(in_line, now)
+        if least is None:  # one that never waits: none does
+            return False
         # Before a decode-only step was measured, the smallest chunk's step (longer) stands in.
         per_token = sizer.decode_s if sizer.decode_s is not None else sizer.floor_s
         assert per_token is not None  # not fits(): a floor was measured

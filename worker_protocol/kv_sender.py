@@ -134,21 +134,17 @@ class KVSenderSide:
         first_lp = None
         queue_s = 0.0
         try:
-            q = self.aeng.open_stream(rid)
-            try:
-                await self.aeng.call(
-                    lambda e: e.add_request(
-                        list(req.prompt_token_ids),
-                        first_params,
-                        rid,
-                        None,
-                        True,
-                        prefill_hold_s=req.prefill_hold_s,
-                    )
-                )
-            except BaseException:  # it never got in (refused, or the call failed): no stream
-                self.aeng.close_stream(rid)
-                raise
+            q = await self.aeng.add(
+                rid,
+                lambda e: e.add_request(
+                    list(req.prompt_token_ids),
+                    first_params,
+                    rid,
+                    None,
+                    True,
+                    prefill_hold_s=req.prefill_hold_s,
+                ),
+            )
             async for out in self.aeng.stream(rid, q):
                 if out.new_token_ids:
                     first = out.new_token_ids[0]
