@@ -28,9 +28,11 @@ static-buffer discipline (a replay reads nothing but the buffers) without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -59,11 +61,29 @@ class _Graph:
         return self.out
 
 
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's automatic garbage collection off for the block (as it was after it).
+
+    A collection can start at any Python allocation, the captured forward's own included. One
+    that frees CUDA objects during a capture (a dead engine's graphs and their memory pool, held
+    in a reference cycle) makes CUDA refuse the call inside a destructor, and the process aborts.
+    Garbage made during the block is collected after it."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 class CudaCapture:
     """torch.cuda.CUDAGraph capture: warm up on a side stream, capture into a shared pool.
 
     Capture is thread-local: a worker's KV transfer threads keep using CUDA (their own streams,
-    synchronisations, NCCL) while the engine thread captures."""
+    synchronisations, NCCL) while the engine thread captures. The garbage collector is paused
+    while a graph is captured (`collector_paused`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -79,7 +99,10 @@ class CudaCapture:
                     fn()
             torch.cuda.current_stream().wait_stream(self.side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            with (
+                collector_paused(),
+                torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"),
+            ):
                 out = fn()
             torch.cuda.synchronize(self.device)
         return _Graph(graph, out)

@@ -2,6 +2,8 @@
 (EagerReplay), so padding, the scratch block and the static buffers are checked without a GPU.
 Greedy output must stay equal to transformers' while decode steps replay padded batches."""
 
+import gc
+
 import pytest
 
 from engine import cuda_graphs
@@ -134,3 +136,23 @@ def test_a_hook_asked_for_only_where_wanted_leaves_the_other_steps_to_graphs(rep
     assert not eng.has_unfinished_requests()
     assert layers == list(range(eng.runner.model.num_layers)) * wanted.count(True)
     assert sum(graphs.replays.values()) == wanted.count(False)
+
+
+def test_collector_paused_restores_the_collector_as_it_was():
+    """Captures pause automatic garbage collection (a collection freeing CUDA objects mid-capture
+    aborts the process); the collector is back on after, also when the capture raised, and stays
+    off if it was off."""
+    assert gc.isenabled()
+    with cuda_graphs.collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), cuda_graphs.collector_paused():
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with cuda_graphs.collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

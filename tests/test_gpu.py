@@ -1,8 +1,12 @@
 """The engine on CUDA: same token-for-token contract as on CPU. Skipped without a CUDA device."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
+from engine import cuda_graphs
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -65,4 +69,55 @@ def test_cuda_decode_graphs_replay_the_eager_tokens():
     want = eager.generate(prompts, params)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert graphs.replays[8] > 0 and graphs.replays[1] > 0, graphs.replays
+    assert_pool_free(graphed)
+
+
+class _Cycle:
+    """Garbage only a collection frees: it refers to itself."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        self.graph, self.me = graph, self
+
+
+def test_capture_outlives_garbage_holding_a_graph(monkeypatch):
+    """A collection during a capture that freed a dead engine's graphs (held in a reference
+    cycle) aborted the process. Here the captured forward itself leaves such garbage (a cycle
+    holding a graph with its own memory pool) and collections run at almost every allocation:
+    the collector waits for the capture to end, then frees it."""
+    x = torch.zeros(4, device="cuda")
+    spare = [torch.cuda.CUDAGraph()]
+    with torch.cuda.graph(spare[0]):  # a private pool, released with the graph
+        x.mul_(2)
+    dropped: list[weakref.ref] = []
+    real = cuda_graphs.forward_over
+
+    def forward_over(model, attention, batch):
+        fn = real(model, attention, batch)
+
+        def dropping():
+            if spare and torch.cuda.is_current_stream_capturing():
+                dropped.append(weakref.ref(_Cycle(spare.pop())))
+            return fn()
+
+        return dropping
+
+    monkeypatch.setattr(cuda_graphs, "forward_over", forward_over)
+    threshold = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        graphed = cuda_engine("tiny-llama")
+    finally:
+        gc.set_threshold(*threshold)
+    assert len(dropped) == 1  # the garbage was made inside a capture
+    gc.collect()
+    assert dropped[0]() is None
+    graphs = graphed.runner.graphs
+    assert graphs is not None and graphs.captures == 1
+    monkeypatch.undo()
+    eager = cuda_engine("tiny-llama", eager=True)
+    prompts = random_prompts([5, 17, 40], seed=6)
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    got = graphed.generate(prompts, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in eager.generate(prompts, params)]
+    assert sum(graphs.replays.values()) > 0
     assert_pool_free(graphed)
