@@ -32,6 +32,7 @@ import contextlib
 import copy
 import gc
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -61,21 +62,33 @@ class _Graph:
         return self.out
 
 
+_pause_lock = threading.Lock()
+_pauses = 0  # collector_paused blocks open now, in any thread
+_was_enabled = False  # whether the collector ran before the first of them
+
+
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """Python's automatic garbage collection off for the block (as it was after it).
+    """Python's automatic garbage collection off for the block, back as it was once the last
+    such block open (in any thread) ends.
 
     A collection can start at any Python allocation, the captured forward's own included. One
     that frees CUDA objects during a capture (a dead engine's graphs and their memory pool, held
-    in a reference cycle) makes CUDA refuse the call inside a destructor, and the process aborts.
-    Garbage made during the block is collected after it."""
-    was = gc.isenabled()
-    gc.disable()
+    in a reference cycle) would invalidate the capture, or make CUDA refuse a call inside a
+    destructor and abort the process. Garbage made during the block is collected after it."""
+    global _pauses, _was_enabled
+    with _pause_lock:
+        if _pauses == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _pauses += 1
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        with _pause_lock:
+            _pauses -= 1
+            if _pauses == 0 and _was_enabled:
+                gc.enable()
 
 
 class CudaCapture:

@@ -140,14 +140,21 @@ def test_a_hook_asked_for_only_where_wanted_leaves_the_other_steps_to_graphs(rep
 
 def test_collector_paused_restores_the_collector_as_it_was():
     """Captures pause automatic garbage collection (a collection freeing CUDA objects mid-capture
-    aborts the process); the collector is back on after, also when the capture raised, and stays
-    off if it was off."""
+    invalidates it); the collector is back on after, also when the capture raised, only once
+    the last overlapping pause (another thread's capture) ended, and stays off if it was off."""
     assert gc.isenabled()
     with cuda_graphs.collector_paused():
         assert not gc.isenabled()
     assert gc.isenabled()
     with pytest.raises(RuntimeError), cuda_graphs.collector_paused():
         raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    first, second = cuda_graphs.collector_paused(), cuda_graphs.collector_paused()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # overlapping, not nested: the first ends first
+    assert not gc.isenabled()
+    second.__exit__(None, None, None)
     assert gc.isenabled()
     gc.disable()
     try:

@@ -70,6 +70,7 @@ def test_cuda_decode_graphs_replay_the_eager_tokens():
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert graphs.replays[8] > 0 and graphs.replays[1] > 0, graphs.replays
     assert_pool_free(graphed)
+    assert_pool_free(eager)
 
 
 class _Cycle:
@@ -86,7 +87,8 @@ def test_capture_outlives_garbage_holding_a_graph(monkeypatch):
     the collector waits for the capture to end, then frees it."""
     x = torch.zeros(4, device="cuda")
     spare = [torch.cuda.CUDAGraph()]
-    with torch.cuda.graph(spare[0]):  # a private pool, released with the graph
+    gc.collect()  # earlier tests' engines, before this test's own capture
+    with cuda_graphs.collector_paused(), torch.cuda.graph(spare[0]):  # a pool of its own
         x.mul_(2)
     dropped: list[weakref.ref] = []
     real = cuda_graphs.forward_over
@@ -121,3 +123,4 @@ def test_capture_outlives_garbage_holding_a_graph(monkeypatch):
     assert [r.token_ids for r in got] == [r.token_ids for r in eager.generate(prompts, params)]
     assert sum(graphs.replays.values()) > 0
     assert_pool_free(graphed)
+    assert_pool_free(eager)
