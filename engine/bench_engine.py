@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
                 "output_tokens": toks,
             }
         del paged_model
-        gc.collect()  # the last round's engine (its graphs hold it in a cycle) and KV cache
+        gc.collect()  # the last round's engine and KV cache, whatever cycle may still hold them
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # so that the next round's cache is sized as this one's
     rounds = [{name: r["output_tok_s"] for name, r in run.items()} for run in runs]

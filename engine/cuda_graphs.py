@@ -31,8 +31,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import inspect
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -172,14 +174,25 @@ class DecodeGraphs:
 
     def __init__(self, capture: Capture, sizes: list[int], build: Callable[[int], Forward]):
         """`build(B)` fills the step buffers' first B decode rows with padding and returns the
-        forward over them (reading nothing but the buffers)."""
+        forward over them (reading nothing but the buffers). A bound method (the runner's own)
+        is held weakly: the runner holds these graphs, and a cycle between them would keep a
+        dead runner's model and KV cache (GPU memory) until a garbage collection."""
         self.capture_with = capture
         self.sizes = sizes
-        self.build = build
+        self._build: Callable[[], Callable[[int], Forward] | None] = (
+            weakref.WeakMethod(build) if inspect.ismethod(build) else lambda: build
+        )
         self.graphs: dict[int, Captured] = {}
         self.generation = -1  # the step buffers' generation the graphs were captured on
         self.captures = 0  # times the whole ladder was captured
         self.replays: dict[int, int] = dict.fromkeys(sizes, 0)  # by size
+
+    def build(self, size: int) -> Forward:
+        """The padded forward of `size` rows, from the runner's buffers."""
+        build = self._build()
+        if build is None:
+            raise RuntimeError("the runner these decode graphs belong to is gone")
+        return build(size)
 
     def size_for(self, batch: int) -> int | None:
         """The smallest captured size holding `batch` rows; None past the largest."""

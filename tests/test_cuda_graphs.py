@@ -3,6 +3,7 @@
 Greedy output must stay equal to transformers' while decode steps replay padded batches."""
 
 import gc
+import weakref
 
 import pytest
 
@@ -136,6 +137,17 @@ def test_a_hook_asked_for_only_where_wanted_leaves_the_other_steps_to_graphs(rep
     assert not eng.has_unfinished_requests()
     assert layers == list(range(eng.runner.model.num_layers)) * wanted.count(True)
     assert sum(graphs.replays.values()) == wanted.count(False)
+
+
+def test_a_dead_engine_with_graphs_frees_its_runner_without_a_collection(replayed):
+    """The graphs hold their runner's forward weakly: no cycle keeps a dead runner's model and KV
+    cache (GPU memory on CUDA) until a garbage collection."""
+    e = engine()
+    assert e.runner.graphs is not None and e.runner.graphs.graphs
+    runner, cache = weakref.ref(e.runner), weakref.ref(e.runner.cache.layers[0])
+    with cuda_graphs.collector_paused():
+        del e
+        assert runner() is None and cache() is None
 
 
 def test_collector_paused_restores_the_collector_as_it_was():
