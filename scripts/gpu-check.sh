@@ -57,9 +57,10 @@ timeout 200 $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" -rs \
 check "${PIPESTATUS[0]}"
 
 stamp "engine tests, CUDA as the default device"
-timeout 120 $PY -X faulthandler -m pytest -q -p no:cacheprovider --maxfail=5 -rs tests/test_engine_equality.py \
-    tests/test_engine_api.py tests/test_sampling.py tests/test_async_engine.py \
-    tests/test_kv_handoff.py tests/test_cuda_graphs.py 2>&1 | tee "$out/pytest-engine-cuda.txt" | tail -40
+timeout 120 $PY -X faulthandler -m pytest -q -p no:cacheprovider --maxfail=5 -rs \
+    tests/test_engine_equality.py tests/test_engine_api.py tests/test_sampling.py \
+    tests/test_async_engine.py tests/test_kv_handoff.py tests/test_cuda_graphs.py 2>&1 \
+    | tee "$out/pytest-engine-cuda.txt" | tail -40
 check "${PIPESTATUS[0]}"
 
 model=smollm2-135m
