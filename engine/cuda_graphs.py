@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import inspect
 import logging
 import threading
 import weakref
@@ -75,9 +74,10 @@ def collector_paused() -> Iterator[None]:
     such block open (in any thread) ends.
 
     A collection can start at any Python allocation, the captured forward's own included. One
-    that frees CUDA objects during a capture (a dead engine's graphs and their memory pool, held
-    in a reference cycle) would invalidate the capture, or make CUDA refuse a call inside a
-    destructor and abort the process. Garbage made during the block is collected after it."""
+    that frees CUDA objects during a capture (graphs and their memory pool, tensors, held in a
+    reference cycle that became garbage) would invalidate the capture, or make CUDA refuse a call
+    inside a destructor and abort the process. Garbage made during the block is collected after
+    it."""
     global _pauses, _was_enabled
     with _pause_lock:
         if _pauses == 0:
@@ -173,15 +173,13 @@ class DecodeGraphs:
     """The captured decode steps of one runner, by padded batch size."""
 
     def __init__(self, capture: Capture, sizes: list[int], build: Callable[[int], Forward]):
-        """`build(B)` fills the step buffers' first B decode rows with padding and returns the
-        forward over them (reading nothing but the buffers). A bound method (the runner's own)
-        is held weakly: the runner holds these graphs, and a cycle between them would keep a
-        dead runner's model and KV cache (GPU memory) until a garbage collection."""
+        """`build(B)`, a method of the runner that holds these graphs, fills the step buffers'
+        first B decode rows with padding and returns the forward over them (reading nothing
+        but the buffers). It is held weakly: a cycle between the runner and its graphs would
+        keep a dead runner's model and KV cache (GPU memory) until a garbage collection."""
         self.capture_with = capture
         self.sizes = sizes
-        self._build: Callable[[], Callable[[int], Forward] | None] = (
-            weakref.WeakMethod(build) if inspect.ismethod(build) else lambda: build
-        )
+        self._build = weakref.WeakMethod(build)
         self.graphs: dict[int, Captured] = {}
         self.generation = -1  # the step buffers' generation the graphs were captured on
         self.captures = 0  # times the whole ladder was captured
