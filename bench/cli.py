@@ -37,6 +37,17 @@ def _lengths(text: str) -> tuple[int, int]:
     return int(a), int(b or a)
 
 
+def _rates(text: str) -> list[float]:
+    """An argparse type: comma-separated offered rates, each > 0, sorted ascending."""
+    try:
+        rates = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"comma-separated requests/s, got {text!r}") from e
+    if not rates or not all(0 < r < float("inf") for r in rates):
+        raise argparse.ArgumentTypeError(f"each rate must be > 0, got {text!r}")
+    return sorted(set(rates))
+
+
 def _float_at_least(low: float, strict: bool = False) -> Callable[[str], float]:
     """An argparse type: a number >= low (> low when `strict`)."""
 
@@ -110,6 +121,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--sweep-rate", action="store_true", help="per policy: highest rate at >= 90%% attainment"
     )
     p.add_argument(
+        "--sweep-rates",
+        type=_rates,
+        default=None,
+        metavar="R1,R2,...",
+        help="with --sweep-rate: probe these offered rates (req/s), the same for every policy, "
+        "in place of a binary search between --rate / 4 and --rate x 4 (a search probes other "
+        "rates per policy, and assumes attainment falls with the rate)",
+    )
+    p.add_argument(
         "--repeat",
         type=int,
         default=1,
@@ -131,11 +151,15 @@ def _trace(args: argparse.Namespace) -> list[trace.TraceRequest]:
 
 
 def _sweep(address: str, reqs, vocab: int, objective: slo.Slo, args: Any, policy: str):
+    """Probe offered rates with fresh prompts: `args.sweep_rates` where given (every one, in
+    order), else a binary search of five probes between --rate / 4 and --rate x 4. Returns the
+    highest rate probed at >= 90% attainment (0.0 where none) and every probe's figures."""
+    grid = getattr(args, "sweep_rates", None)
     lo, hi = args.rate / 4, args.rate * 4
     points: list[dict[str, float]] = []  # each probe: its rate, goodput and attainment
     best = 0.0
-    for _ in range(5):
-        mid = (lo * hi) ** 0.5
+    for i in range(len(grid) if grid else 5):
+        mid = grid[i] if grid else (lo * hi) ** 0.5
         # Fresh prompts for every probe: the main run's would hit the prefix cache.
         seed = 3_000_000 + args.seed * 100 + len(points)
         res, wall = session.run_trace(
@@ -146,10 +170,28 @@ def _sweep(address: str, reqs, vocab: int, objective: slo.Slo, args: Any, policy
             {"rate": mid, "goodput_rps": fig["goodput_rps"], "attainment": fig["attainment"]}
         )
         if fig["attainment"] >= 0.9:
-            best, lo = mid, mid
+            best, lo = max(best, mid), mid
         else:
             hi = mid
     return best, points
+
+
+def _report_sweeps(out: dict) -> None:
+    """Each swept policy's attainment at every rate it probed, and its highest rate at >= 90%."""
+    swept = {p: f for p, f in out["policies"].items() if "sweep" in f}
+    if not swept:
+        return
+    rates = sorted({pt["rate"] for f in swept.values() for pt in f["sweep"]})
+    print("attainment per offered rate (req/s); highest rate at >= 90% attainment")
+    print(f"{'policy':<18} " + " ".join(f"{r:>6.2f}" for r in rates) + f" {'highest':>8}")
+    for p, f in swept.items():
+        at = {pt["rate"]: pt["attainment"] for pt in f["sweep"]}
+        cells = [f"{at[r]:>6.0%}" if r in at else f"{'':>6}" for r in rates]
+        print(f"{p:<18} " + " ".join(cells) + f" {f['max_rate_at_90pct']:>8.2f}")
+    top = max(f["max_rate_at_90pct"] for f in swept.values())
+    leaders = [p for p, f in swept.items() if f["max_rate_at_90pct"] == top]
+    out["sweep_highest"] = {"rate": top, "policies": leaders}
+    print(f"highest: {', '.join(leaders)} at {top:.2f} req/s")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -164,6 +206,9 @@ def run(args: argparse.Namespace) -> int:
     if args.prefill_hold_ms is not None and args.step_target_ms is None:
         print("error: --prefill-hold-ms: prompts wait where a chunk cannot keep to the step "
               "target, so it needs --step-target-ms")  # fmt: skip
+        return 2
+    if args.sweep_rates and not args.sweep_rate:
+        print("error: --sweep-rates: the rates a sweep probes, so it needs --sweep-rate")
         return 2
     if args.address:
         policies = policies[:1]
@@ -231,6 +276,7 @@ def run(args: argparse.Namespace) -> int:
             if server is not None:
                 server.stop()
     _report(out, runs, args)
+    _report_sweeps(out)
     if rounds > 1:
         _report_rounds(out)
     if args.json:

@@ -176,6 +176,59 @@ def test_sweep_finds_the_highest_rate_that_attains_90_percent(monkeypatch):
     assert all(p["attainment"] == (1.0 if p["rate"] <= 0.5 else 0.0) for p in points)
 
 
+def test_a_sweep_over_given_rates_probes_each_of_them_and_reports_the_highest(monkeypatch, capsys):
+    # A fake server whose attainment does not fall with the rate: it misses at 1.0 req/s only.
+    probed: list[float] = []
+
+    def fake_run(address, reqs, rate, vocab, args, label, objective=None, seed=None):
+        probed.append(rate)
+        ttft = 5.0 if rate == 1.0 or rate > 1.5 else 0.1
+        return [_result(ttft, [0.01] * 4) for _ in reqs], 10.0
+
+    monkeypatch.setattr(session, "run_trace", fake_run)
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--sweep-rate", "--sweep-rates", "1.5,0.5,1.0,2.0"])
+    assert args.sweep_rates == [0.5, 1.0, 1.5, 2.0]  # sorted, probed low to high
+    reqs = trace.load("mixed", num_requests=5)
+    best, points = cli._sweep("x", reqs, 100, slo.Slo(1.0, 0.1), args, "flex")
+    assert probed == [0.5, 1.0, 1.5, 2.0]  # every rate, whatever the one before attained
+    assert best == 1.5  # the highest rate probed at >= 90%, past a miss at a lower one
+    assert [p["attainment"] for p in points] == [1.0, 0.0, 1.0, 0.0]
+
+    out = {
+        "policies": {
+            "flex": {"max_rate_at_90pct": best, "sweep": points},
+            "auto": {"max_rate_at_90pct": 0.5, "sweep": points[:2]},
+            "threshold": {"goodput_rps": 0.3},  # not swept: not in the table
+        }
+    }
+    cli._report_sweeps(out)
+    text = capsys.readouterr().out
+    assert out["sweep_highest"] == {"rate": 1.5, "policies": ["flex"]}
+    assert "highest: flex at 1.50 req/s" in text
+    row = next(line for line in text.splitlines() if line.startswith("flex"))
+    assert row.split() == ["flex", "100%", "0%", "100%", "0%", "1.50"]
+    assert not any(line.startswith("threshold") for line in text.splitlines())
+
+
+@pytest.mark.parametrize("bad", ["0.5,0", "fast", "", "nan", "1,inf"])
+def test_sweep_rates_that_are_not_positive_numbers_are_refused_naming_the_flag(bad, capsys):
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--sweep-rate", "--sweep-rates", bad])
+    assert "--sweep-rates" in capsys.readouterr().err
+
+
+def test_sweep_rates_without_a_sweep_are_refused(capsys):
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--sweep-rates", "0.5,1"])
+    assert cli.run(args) == 2
+    assert "--sweep-rates" in capsys.readouterr().out
+
+
 def test_every_policy_gets_the_same_total_workers_laid_out_its_own_way():
     from bench.server import POLICIES, Deployment
 
