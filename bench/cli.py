@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
                            "requests": []}  # fmt: skip
     objective: slo.Slo | None = None
     runs: dict[str, list[loadgen.RequestResult]] = {}
-    sweeps: dict[str, list[tuple[float, float]]] = {}
+    sweeps: dict[str, list[dict[str, float]]] = {}
     rounds = max(1, args.repeat)
     if rounds > 1:
         out["rounds"] = [{} for _ in range(rounds)]
@@ -266,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
                 fig["max_rate_at_90pct"], fig["sweep"] = _sweep(
                     address, reqs, vocab, objective, args, policy
                 )
-                sweeps[policy] = [(p["rate"], p["goodput_rps"]) for p in fig["sweep"]]
+                sweeps[policy] = fig["sweep"]
             out["policies"][policy] = fig
             if policy == "disaggregated" and not args.no_baseline:
                 out["baseline"] = _baseline(address, reqs, vocab, args, objective)

@@ -54,15 +54,21 @@ def cdfs(runs: dict[str, list[RequestResult]], out: Path) -> Path:
     return _save(fig, out / "cdf.png")
 
 
-def goodput_vs_rate(sweeps: dict[str, list[tuple[float, float]]], out: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(6, 4))
+def goodput_vs_rate(sweeps: dict[str, list[dict[str, float]]], out: Path) -> Path:
+    """Each swept policy's goodput and attainment at every offered rate it probed."""
+    fig, (a, b) = plt.subplots(2, 1, figsize=(6, 6), sharex=True)
     for policy, points in sweeps.items():
-        pts = sorted(points)
-        ax.plot([r for r, _ in pts], [g for _, g in pts], marker="o", label=policy)
-    ax.set_xlabel("offered rate, requests/s")
-    ax.set_ylabel("goodput, requests/s meeting the SLO")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+        pts = sorted(points, key=lambda p: p["rate"])
+        rates = [p["rate"] for p in pts]
+        a.plot(rates, [p["goodput_rps"] for p in pts], marker="o", label=policy)
+        b.plot(rates, [100 * p["attainment"] for p in pts], marker="o", label=policy)
+    a.set_ylabel("goodput, requests/s meeting the SLO")
+    b.axhline(90, color="grey", linestyle="--", linewidth=1)
+    b.set_ylabel("attainment, %")
+    b.set_xlabel("offered rate, requests/s")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    a.legend(fontsize=8)
     return _save(fig, out / "goodput_vs_rate.png")
 
 

@@ -212,6 +212,18 @@ def test_a_sweep_over_given_rates_probes_each_of_them_and_reports_the_highest(mo
     assert not any(line.startswith("threshold") for line in text.splitlines())
 
 
+def test_the_sweep_plot_draws_goodput_and_attainment_per_rate(tmp_path):
+    from bench import plots
+
+    points = [
+        {"rate": 1.0, "goodput_rps": 0.2, "attainment": 0.4},
+        {"rate": 0.5, "goodput_rps": 0.45, "attainment": 0.95},
+    ]
+    png = plots.goodput_vs_rate({"flex": points, "auto": points[:1]}, tmp_path)
+    assert png == tmp_path / "goodput_vs_rate.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize("bad", ["0.5,0", "fast", "", "nan", "1,inf"])
 def test_sweep_rates_that_are_not_positive_numbers_are_refused_naming_the_flag(bad, capsys):
     parser = argparse.ArgumentParser()
