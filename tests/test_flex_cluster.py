@@ -144,3 +144,61 @@ def test_a_requests_hold_reaches_the_engine_on_every_way_in(cluster):
     got = gather([run_one(cluster, prompt, COLO, "after-bad-hold", decode_worker="both-0")])
     assert got[0] == hf_greedy("tiny-llama", prompt, MAX_NEW)
     assert_pools_full(cluster)
+
+
+@pytest.mark.timeout(60)
+def test_a_handoffs_kv_due_time_reaches_the_decode_workers_engine_through_ray(cluster):
+    """A placement's kv_due_in_s travels from the router's cluster through the decode worker's
+    actor to its engine's reservation (Scheduler.kv_due counts it only from then on), on a
+    worker of both kinds receiving from a peer of the same kind; the tokens stay greedy."""
+
+    def record_reservations(worker) -> None:
+        """(Runs inside the worker's actor; defined here so that it travels by value.) Wrap its
+        engine's reserve_for_kv to keep, per request, how far off its KV was set due."""
+        import time
+
+        engine = worker.engine
+        plain = type(engine).reserve_for_kv.__get__(engine)
+        worker.due_seen = {}
+
+        def reserve_for_kv(prompt, params=None, request_id=None, *args, **kwargs):
+            res = plain(prompt, params, request_id, *args, **kwargs)
+            if res is not None:
+                req = engine.scheduler.requests[request_id]
+                worker.due_seen[request_id] = req.kv_due_at - time.monotonic()
+            return res
+
+        engine.reserve_for_kv = reserve_for_kv
+
+    def stop_recording(worker) -> dict:
+        del worker.engine.reserve_for_kv  # the class's own method again
+        return worker.due_seen
+
+    d = cluster.actor("both-1")
+    before = received(cluster)["both-1"]
+    ray.get(d.__ray_call__.remote(record_reservations), timeout=30)
+    try:
+        prompts = random_prompts([13, 17], seed=74)
+        got = gather(
+            [
+                run_one(
+                    cluster,
+                    prompt,
+                    DIS,
+                    f"due-{i}",
+                    prefill_worker="both-0",
+                    decode_worker="both-1",
+                    kv_due_in_s=due,
+                )
+                for i, (prompt, due) in enumerate(zip(prompts, [2.5, 0.0]))
+            ]
+        )
+    finally:
+        seen = ray.get(d.__ray_call__.remote(stop_recording), timeout=30)
+    assert got == [hf_greedy("tiny-llama", p, MAX_NEW) for p in prompts]
+    after = received(cluster)["both-1"]
+    assert after[0] > before[0] and after[1:] == (before[1] + 2, before[2])  # moved, no fallback
+    assert set(seen) == {"due-0", "due-1"}
+    assert 2.0 < seen["due-0"] <= 2.5  # due 2.5 s after the reservation, less the call's time
+    assert seen["due-1"] <= 0.0  # due at once: counted as landing from the reservation on
+    assert_pools_full(cluster)
