@@ -189,9 +189,12 @@ def _report_sweeps(out: dict) -> None:
         cells = [f"{at[r]:>6.0%}" if r in at else f"{'':>6}" for r in rates]
         print(f"{p:<18} " + " ".join(cells) + f" {f['max_rate_at_90pct']:>8.2f}")
     top = max(f["max_rate_at_90pct"] for f in swept.values())
-    leaders = [p for p, f in swept.items() if f["max_rate_at_90pct"] == top]
+    leaders = [p for p, f in swept.items() if f["max_rate_at_90pct"] == top] if top > 0 else []
     out["sweep_highest"] = {"rate": top, "policies": leaders}
-    print(f"highest: {', '.join(leaders)} at {top:.2f} req/s")
+    if leaders:
+        print(f"highest: {', '.join(leaders)} at {top:.2f} req/s")
+    else:
+        print("highest: none; no policy attained 90% at any rate probed")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -210,6 +210,12 @@ def test_a_sweep_over_given_rates_probes_each_of_them_and_reports_the_highest(mo
     row = next(line for line in text.splitlines() if line.startswith("flex"))
     assert row.split() == ["flex", "100%", "0%", "100%", "0%", "1.50"]
     assert not any(line.startswith("threshold") for line in text.splitlines())
+    # Where nothing attained 90% at any rate, no policy is named the highest.
+    missed = [dict(p, attainment=0.5) for p in points]
+    out = {"policies": {"flex": {"max_rate_at_90pct": 0.0, "sweep": missed}}}
+    cli._report_sweeps(out)
+    assert out["sweep_highest"] == {"rate": 0.0, "policies": []}
+    assert "no policy attained 90%" in capsys.readouterr().out
 
 
 def test_the_sweep_plot_draws_goodput_and_attainment_per_rate(tmp_path):
