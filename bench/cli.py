@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -37,17 +38,6 @@ def _lengths(text: str) -> tuple[int, int]:
     return int(a), int(b or a)
 
 
-def _rates(text: str) -> list[float]:
-    """An argparse type: comma-separated offered rates, each > 0, sorted ascending."""
-    try:
-        rates = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"comma-separated requests/s, got {text!r}") from e
-    if not rates or not all(0 < r < float("inf") for r in rates):
-        raise argparse.ArgumentTypeError(f"each rate must be > 0, got {text!r}")
-    return sorted(set(rates))
-
-
 def _float_at_least(low: float, strict: bool = False) -> Callable[[str], float]:
     """An argparse type: a number >= low (> low when `strict`)."""
 
@@ -63,6 +53,14 @@ def _float_at_least(low: float, strict: bool = False) -> Callable[[str], float]:
 
 
 _positive_float = _float_at_least(0, strict=True)
+
+
+def _rates(text: str) -> list[float]:
+    """An argparse type: comma-separated offered rates, each finite and > 0, sorted ascending."""
+    rates = [_positive_float(v) for v in text.split(",") if v.strip()]
+    if not rates or not all(math.isfinite(r) for r in rates):
+        raise argparse.ArgumentTypeError(f"finite requests/s > 0, comma-separated, got {text!r}")
+    return sorted(set(rates))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -154,25 +152,29 @@ def _sweep(address: str, reqs, vocab: int, objective: slo.Slo, args: Any, policy
     """Probe offered rates with fresh prompts: `args.sweep_rates` where given (every one, in
     order), else a binary search of five probes between --rate / 4 and --rate x 4. Returns the
     highest rate probed at >= 90% attainment (0.0 where none) and every probe's figures."""
-    grid = getattr(args, "sweep_rates", None)
-    lo, hi = args.rate / 4, args.rate * 4
     points: list[dict[str, float]] = []  # each probe: its rate, goodput and attainment
-    best = 0.0
-    for i in range(len(grid) if grid else 5):
-        mid = grid[i] if grid else (lo * hi) ** 0.5
+
+    def probe(rate: float) -> bool:
         # Fresh prompts for every probe: the main run's would hit the prefix cache.
         seed = 3_000_000 + args.seed * 100 + len(points)
         res, wall = session.run_trace(
-            address, reqs, mid, vocab, args, f"{policy} sweep {mid:.2f}/s", objective, seed
+            address, reqs, rate, vocab, args, f"{policy} sweep {rate:.2f}/s", objective, seed
         )
         fig = slo.figures(res, objective, wall)
         points.append(
-            {"rate": mid, "goodput_rps": fig["goodput_rps"], "attainment": fig["attainment"]}
+            {"rate": rate, "goodput_rps": fig["goodput_rps"], "attainment": fig["attainment"]}
         )
-        if fig["attainment"] >= 0.9:
-            best, lo = max(best, mid), mid
-        else:
-            hi = mid
+        return fig["attainment"] >= 0.9
+
+    if args.sweep_rates:
+        for rate in args.sweep_rates:
+            probe(rate)
+    else:
+        lo, hi = args.rate / 4, args.rate * 4
+        for _ in range(5):
+            mid = (lo * hi) ** 0.5
+            lo, hi = (mid, hi) if probe(mid) else (lo, mid)
+    best = max((p["rate"] for p in points if p["attainment"] >= 0.9), default=0.0)
     return best, points
 
 
