@@ -85,6 +85,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument(
+        "--gpus-per-worker",
+        type=_float_at_least(0),
+        default=None,
+        help="--gpus-per-worker for the servers (default: theirs, 1 where CUDA is present); "
+        "a fraction shares one GPU among workers",
+    )
     p.add_argument("--threshold-tokens", type=int, default=512)
     p.add_argument("--threshold-queue", type=int, default=4)
     p.add_argument(
@@ -220,7 +227,8 @@ def run(args: argparse.Namespace) -> int:
     deployment = Deployment(args.model, args.prefill, args.decode, args.threads, args.kv_cache_gib,
                             args.threshold_tokens, args.threshold_queue,
                             args.step_target_ms,
-                            prefill_hold_ms=args.prefill_hold_ms)  # fmt: skip
+                            prefill_hold_ms=args.prefill_hold_ms,
+                            gpus_per_worker=args.gpus_per_worker)  # fmt: skip
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
     out: dict[str, Any] = {"trace": args.trace, "rate": args.rate, "num_requests": len(reqs),
                            "deployment": None if args.address else asdict(deployment),

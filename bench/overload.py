@@ -314,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     deployment = Deployment(args.model, args.prefill, args.decode, args.threads, args.kv_cache_gib,
                             args.threshold_tokens, args.threshold_queue, args.step_target_ms,
-                            args.max_pending)  # fmt: skip
+                            args.max_pending, gpus_per_worker=args.gpus_per_worker)  # fmt: skip
     logs = Path(tempfile.mkdtemp(prefix="pdserve-overload-"))
     server = None if args.address else ServerProcess(deployment, policy, logs / f"{policy}.log")
     auth = ClientAuth.from_args(args)

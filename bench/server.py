@@ -44,6 +44,9 @@ class Deployment:
     max_pending: int | None = None  # `pdserve serve --max-pending` (None: the server's default)
     # `pdserve serve --prefill-hold-ms` (a number, or "auto"), with a step target
     prefill_hold_ms: float | str | None = None
+    # `pdserve serve --gpus-per-worker` (None: the server's default, 1 where CUDA is present);
+    # a fraction lets every policy's workers share the GPUs there are
+    gpus_per_worker: float | None = None
 
     def args(self, policy: str) -> list[str]:
         """Every policy gets the same total workers: split into the two pools, all decode
@@ -61,6 +64,8 @@ class Deployment:
                 extra = [*extra, "--prefill-hold-ms", str(self.prefill_hold_ms)]
         if self.max_pending is not None:
             extra = [*extra, "--max-pending", str(self.max_pending)]
+        if self.gpus_per_worker is not None:
+            extra = [*extra, "--gpus-per-worker", str(self.gpus_per_worker)]
         return [
             "--model", self.model,
             "--prefill", str(prefill),

@@ -263,6 +263,28 @@ def test_every_policy_gets_the_same_total_workers_laid_out_its_own_way():
     assert "flex" in POLICIES
 
 
+def test_bench_gpus_per_worker_reaches_every_policys_server_as_serve_reads_it():
+    from bench import cli
+    from bench.server import POLICIES, Deployment
+    from router.cli import build_parser
+    from router.serve_options import resolve
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert parser.parse_args([]).gpus_per_worker is None
+    for policy in POLICIES:  # unset: the servers' own default, no flag
+        assert "--gpus-per-worker" not in Deployment("tiny-llama", 1, 1, 1, 0.5, 512, 4).args(
+            policy
+        )
+    share = parser.parse_args(["--gpus-per-worker", "0.5"]).gpus_per_worker
+    dep = Deployment("tiny-llama", 1, 1, 1, 0.5, 512, 4, gpus_per_worker=share)
+    for policy in POLICIES:
+        serve = build_parser().parse_args(["serve", *dep.args(policy)])
+        assert resolve(serve).values["gpus_per_worker"] == 0.5, policy
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--gpus-per-worker", "-1"])
+
+
 def test_repeated_rounds_report_each_rounds_goodput_and_ratio(monkeypatch, tmp_path, capsys):
     calls = []
 
