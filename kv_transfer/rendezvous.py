@@ -24,6 +24,7 @@ import torch.distributed as dist
 from kv_transfer.layout import KVLayout, check_compatible
 
 _LAYOUT_KEY = "pdserve/kv_layout/{rank}"
+_DEVICE_KEY = "pdserve/kv_device/{rank}"
 _CHECKED_KEY = "pdserve/kv_checked/{rank}"
 
 
@@ -89,22 +90,47 @@ def join(address: PeerAddress, timeout_s: float) -> dist.TCPStore:
     )
 
 
-def handshake(store: dist.Store, rank: int, layout: KVLayout) -> None:
-    """Exchange layouts; raise LayoutMismatchError on both sides when they differ.
+def handshake(store: dist.Store, rank: int, layout: KVLayout, device_id: str = "") -> str:
+    """Exchange layouts and device identities (`device_identity`); raise LayoutMismatchError on
+    both sides when the layouts differ, else return the peer's device identity.
 
     Both sides publish before either compares, and each confirms it has read the other's layout
     before returning, so the master may drop the store afterwards without cutting the peer off.
     """
+    store.set(_DEVICE_KEY.format(rank=rank), device_id)
     store.set(_LAYOUT_KEY.format(rank=rank), layout.to_json())
     remote = KVLayout.from_json(store.get(_LAYOUT_KEY.format(rank=1 - rank)).decode())
+    remote_device = store.get(_DEVICE_KEY.format(rank=1 - rank)).decode()
     store.set(_CHECKED_KEY.format(rank=rank), "1")
     store.get(_CHECKED_KEY.format(rank=1 - rank))
     check_compatible(layout, remote)
+    return remote_device
+
+
+def device_identity(device: torch.device) -> str:
+    """Which physical GPU a cache lives on, the same in every process that sees that GPU whatever
+    index its CUDA_VISIBLE_DEVICES gives it there (its UUID); "" for a cache on CPU."""
+    if device.type != "cuda":
+        return ""
+    return f"cuda/{torch.cuda.get_device_properties(device).uuid}"
+
+
+def pair_backend(requested: str, local_id: str, remote_id: str) -> str:
+    """One pair's backend, from both sides' device identities, so both sides choose alike.
+
+    auto: nccl between two different GPUs; gloo where either cache is on CPU, or where both are on
+    one GPU (workers given a fraction of a GPU each): NCCL refuses two ranks on one device, so
+    there the KV goes through host memory (staging.py). gloo or nccl: as asked."""
+    if requested != "auto":
+        return requested
+    return "nccl" if local_id and remote_id and local_id != remote_id else "gloo"
 
 
 def choose_backend(requested: str, device: torch.device) -> str:
+    """The configured backend, checked against this side's cache ("auto" stays auto: each pair
+    settles it in `pair_backend`)."""
     if requested == "auto":
-        return "nccl" if device.type == "cuda" else "gloo"
+        return requested
     if requested == "nccl" and device.type != "cuda":
         raise ValueError("the nccl backend needs a CUDA cache")
     if requested not in ("gloo", "nccl"):

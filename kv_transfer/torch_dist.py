@@ -1,5 +1,6 @@
 """The torch.distributed KV connector: paged blocks over point-to-point send/recv, gloo for CPU
-caches and NCCL for CUDA ones, with a process group per peer made on first contact.
+caches and NCCL between two GPUs (gloo through host memory where both ends share one GPU), with a
+process group per peer made on first contact.
 
 Pairing (rendezvous.py): the master side calls `listen(peer_id)` and hands the returned
 `PeerAddress` to the other side; both then call `connect(peer_id, address, is_master)` at the same
@@ -58,9 +59,11 @@ from kv_transfer.rendezvous import (
     PeerAddress,
     choose_backend,
     connect_lanes,
+    device_identity,
     handshake,
     join,
     listen,
+    pair_backend,
 )
 from kv_transfer.sender import LaneSender
 from kv_transfer.table import Role, TrackedConnector, Transfer
@@ -83,7 +86,8 @@ class TorchDistConfig:
     # The interface this worker's store and lanes listen on: the address its node is known by
     # (worker_protocol/address.py). No default: loopback would strand a peer on another node.
     bind_host: str
-    backend: str = "auto"  # "auto" (nccl for a CUDA cache, else gloo), "gloo" or "nccl"
+    # "auto" (per pair: nccl between two GPUs, else gloo; rendezvous.pair_backend), "gloo", "nccl"
+    backend: str = "auto"
     connect_timeout_s: float = 60.0
     io_timeout_s: float = 30.0
     heartbeat_s: float = 1.0
@@ -118,6 +122,7 @@ class TorchDistConnector(TrackedConnector):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.config = config
         self.backend = choose_backend(self.config.backend, self.device)
+        self._device_id = device_identity(self.device)
         checksum = self.config.checksum
         self.checksum = self.device.type == "cpu" if checksum is None else checksum
         self.faults = FaultInjector(self.config.faults) if self.config.faults else None
@@ -155,8 +160,9 @@ class TorchDistConnector(TrackedConnector):
         rank = 0 if is_master else 1
         with self._lock:
             self._stores.append(store)
-        handshake(store, rank, self.layout)
-        lanes = connect_lanes(store, rank, self.backend, self.config.bind_host, timeout)
+        remote_device = handshake(store, rank, self.layout, self._device_id)
+        backend = pair_backend(self.backend, self._device_id, remote_device)
+        lanes = connect_lanes(store, rank, backend, self.config.bind_host, timeout)
         cfg = self.config
         pair = Pair(
             peer_id,

@@ -1,6 +1,6 @@
 """Both paths with the engines and KV on one CUDA device (skipped without CUDA): two workers
-share the GPU, so the KV travels over gloo with CUDA tensors (NCCL refuses two ranks on one
-device)."""
+share the GPU, and the default backend ("auto") settles each pair on gloo with CUDA tensors through
+host memory (NCCL refuses two ranks on one device: with it every handoff failed and fell back)."""
 
 import asyncio
 
@@ -22,7 +22,7 @@ def test_both_paths_on_one_gpu_match_transformers():
         cache=CacheConfig(block_size=16, num_blocks=128),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
     )
-    cfg = ClusterConfig(model="tiny-llama", engine=engine, gpus_per_worker=0.5, kv_backend="gloo")
+    cfg = ClusterConfig(model="tiny-llama", engine=engine, gpus_per_worker=0.5)  # kv_backend auto
     c = Cluster(cfg)
     try:
         prompts = random_prompts([5, 19, 33, 70], seed=81)
@@ -44,6 +44,11 @@ def test_both_paths_on_one_gpu_match_transformers():
         want = [hf_greedy("tiny-llama", p, 10) for p in prompts] * 2
         assert got == want
         assert not c.fallbacks
+        stats = asyncio.run(c.kv_stats())
+        moved = {w: (s.bytes_sent, s.bytes_received, s.ok, s.failed) for w, s in stats.items()}
+        (p,) = c.prefill_ids
+        (d,) = c.decode_ids
+        assert moved[p][0] > 0 and moved[d][1] > 0 and moved[d][2:] == (4, 0), moved
         for load in asyncio.run(c.load()):
             assert load.num_free_blocks == load.num_blocks and load.open_transfers == 0
     finally:

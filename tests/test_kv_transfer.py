@@ -14,6 +14,7 @@ from engine.kv_cache import KVCacheSpec
 from kv_transfer.base import FailureReason, TransferRequest, TransferStatus, send_all_layers
 from kv_transfer.fake import FakeHub
 from kv_transfer.layout import KVLayout, LayoutMismatchError, check_compatible
+from kv_transfer.rendezvous import choose_backend, device_identity, pair_backend
 from kv_transfer.torch_dist import TorchDistConnector
 from tests import kv_peers as kp
 
@@ -273,3 +274,55 @@ def test_torch_dist_unconnected_peer_fails_at_once():
     conn.start_send(req("n", "nobody"), kp.cache(lay, 16, seed=1))
     assert conn.poll("n") is TransferStatus.FAILED
     assert conn.result("n").reason is FailureReason.PEER_DEAD  # type: ignore[union-attr]
+
+
+def test_auto_backend_is_settled_per_pair_from_both_sides_devices():
+    """auto: nccl only between two different GPUs; gloo where a cache is on CPU or both ends are
+    on one GPU (workers given a fraction of a GPU each: NCCL refuses two ranks on one device)."""
+    gpu_a, gpu_b = "cuda/GPU-aaaa", "cuda/GPU-bbbb"
+    assert pair_backend("auto", gpu_a, gpu_b) == "nccl"
+    assert pair_backend("auto", gpu_a, gpu_a) == "gloo"
+    assert pair_backend("auto", "", gpu_a) == pair_backend("auto", gpu_a, "") == "gloo"
+    assert pair_backend("auto", "", "") == "gloo"
+    assert pair_backend("gloo", gpu_a, gpu_b) == "gloo"
+    assert pair_backend("nccl", gpu_a, gpu_a) == "nccl"  # as asked
+    assert device_identity(torch.device("cpu")) == ""
+    assert choose_backend("auto", torch.device("cpu")) == "auto"
+    with pytest.raises(ValueError, match="needs a CUDA cache"):
+        choose_backend("nccl", torch.device("cpu"))
+
+
+@pytest.mark.timeout(120)
+def test_both_ends_of_a_pair_agree_on_the_backend_their_devices_call_for(monkeypatch):
+    """The identities cross in the handshake, and each side's lanes are made with the backend
+    `pair_backend` gives for the two: the same on both sides. (On CPU the lanes are then made with
+    gloo whatever was chosen, and a transfer goes through to show the pair works.)"""
+    import kv_transfer.torch_dist as td
+
+    chosen: list[tuple[int, str]] = []
+    real = td.connect_lanes
+
+    def recording(store, rank, backend, bind_host, timeout_s):
+        chosen.append((rank, backend))
+        return real(store, rank, "gloo", bind_host, timeout_s)
+
+    monkeypatch.setattr(td, "connect_lanes", recording)
+    lay = kp.layout()
+    cases = [("cuda/GPU-aaaa", "cuda/GPU-bbbb", "nccl"), ("cuda/GPU-aaaa", "cuda/GPU-aaaa", "gloo"),
+             ("", "cuda/GPU-aaaa", "gloo"), ("", "", "gloo")]  # fmt: skip
+    for i, (id_a, id_b, want) in enumerate(cases):
+        a, b = kp.connector(lay), kp.connector(lay)
+        a._device_id, b._device_id = id_a, id_b  # as device_identity gives on those devices
+        chosen.clear()
+        try:
+            kp.pair_up(a, "A", b, "B")
+            assert sorted(chosen) == [(0, want), (1, want)], (id_a, id_b)
+            src, dst = kp.cache(lay, 8, seed=i + 1), kp.cache(lay, 8, seed=None)
+            b.start_recv(req(f"t{i}", "A", 30, src=(1, 2), dst=(5, 6)), dst)
+            send_all_layers(a, req(f"t{i}", "B", 30, src=(1, 2), dst=(5, 6)), src)
+            assert b.wait(f"t{i}", 30) is TransferStatus.DONE
+            assert a.wait(f"t{i}", 30) is TransferStatus.DONE
+            kp.assert_blocks_equal(src, dst, (1, 2), (5, 6))
+        finally:
+            a.close()
+            b.close()

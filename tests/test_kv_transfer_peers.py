@@ -5,7 +5,6 @@ CUDA tensors on one GPU; NCCL across two), which run only where GPUs exist."""
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import pytest
 import torch
@@ -125,13 +124,15 @@ def _cuda_roundtrip(p: TorchDistConnector, d: TorchDistConnector, device_p: str,
 @pytest.mark.gpu
 @pytest.mark.timeout(120)
 def test_cuda_cache_over_gloo_on_one_device():
-    cfg = replace(kp.FAST, backend="gloo")
+    """The default backend (auto) settles two caches on one GPU on gloo: NCCL refuses two ranks
+    on one device."""
     p, d = (
-        TorchDistConnector(kp.layout(), "cuda:0", cfg),
-        TorchDistConnector(kp.layout(), "cuda:0", cfg),
+        TorchDistConnector(kp.layout(), "cuda:0", kp.FAST),
+        TorchDistConnector(kp.layout(), "cuda:0", kp.FAST),
     )
     kp.pair_up(p, "P", d, "D")
     try:
+        assert p._pairs["D"].lanes.backend == d._pairs["P"].lanes.backend == "gloo"
         _cuda_roundtrip(p, d, "cuda:0", "cuda:0")
     finally:
         p.close()
@@ -142,13 +143,14 @@ def test_cuda_cache_over_gloo_on_one_device():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @pytest.mark.timeout(120)
 def test_nccl_across_two_devices():
-    cfg = replace(kp.FAST, backend="nccl")
+    """The default backend (auto) settles caches on two GPUs on nccl."""
     p, d = (
-        TorchDistConnector(kp.layout(), "cuda:0", cfg),
-        TorchDistConnector(kp.layout(), "cuda:1", cfg),
+        TorchDistConnector(kp.layout(), "cuda:0", kp.FAST),
+        TorchDistConnector(kp.layout(), "cuda:1", kp.FAST),
     )
     kp.pair_up(p, "P", d, "D")
     try:
+        assert p._pairs["D"].lanes.backend == d._pairs["P"].lanes.backend == "nccl"
         _cuda_roundtrip(p, d, "cuda:0", "cuda:1")
     finally:
         p.close()

@@ -43,8 +43,8 @@ class WorkerSpec:
     kv_host: str | None = None
     pair_timeout_s: float = 10.0  # one pairing attempt with a peer
     kv_faults: FaultPlan | None = None  # faults its KV sends suffer: tests and benches only
-    # KV transfer backend: "auto" (nccl for CUDA caches, gloo for CPU ones) or "gloo"/"nccl".
-    # Two workers on one GPU need "gloo": NCCL refuses two ranks on one device.
+    # KV transfer backend: "auto" (per pair: nccl between two GPUs; gloo where either cache is on
+    # CPU or both share one GPU, where NCCL refuses two ranks) or "gloo"/"nccl" for every pair.
     kv_backend: str = "auto"
 
 
