@@ -362,11 +362,12 @@ def _report(out: dict, runs: dict, args: Any) -> None:
     pol = out["policies"]
     fixed = [pol[p]["goodput_rps"] for p in FIXED if p in pol]
     best_fixed = max(fixed) if fixed else None
-    head = (f"{'policy':<18} {'done':>4} {'fail':>4} {'rej':>4} {'TTFT p50':>8} {'p99':>6} "
-            f"{'ITL p50':>7} {'p99':>6} {'TPOT':>5} {'req/s':>6} {'tok/s':>6} {'attain':>6} "
-            f"{'goodput':>7} {'vs best fixed':>13}")  # fmt: skip
+    head = (f"{'policy':<18} {'done':>4} {'fail':>4} {'rej':>4} {'kvfb':>4} {'TTFT p50':>8} "
+            f"{'p99':>6} {'ITL p50':>7} {'p99':>6} {'TPOT':>5} {'req/s':>6} {'tok/s':>6} "
+            f"{'attain':>6} {'goodput':>7} {'vs best fixed':>13}")  # fmt: skip
     print(
         f"trace {out['trace']}, {out['num_requests']} requests at {out['rate']:g}/s; ms unless said"
+        "; kvfb: handoffs whose KV did not arrive (prefilled again where they decode)"
     )
     print(head)
     for p, f in pol.items():
@@ -376,6 +377,7 @@ def _report(out: dict, runs: dict, args: Any) -> None:
             f"{f['completed']:>4}",
             f"{f['failed']:>4}",
             f"{f['rejected']:>4}",
+            f"{f.get('kv_fallbacks', 0):>4}",
             f"{_ms(f['ttft_s']['p50']):>8}",
             f"{_ms(f['ttft_s']['p99']):>6}",
             f"{_ms(f['itl_s']['p50']):>7}",

@@ -84,7 +84,28 @@ def test_attainment_needs_both_ttft_and_itl():
         wall_s=2.0,
     )
     assert figs["completed"] == 2 and figs["rejected"] == 1 and figs["failed"] == 0
+    assert figs["kv_fallbacks"] == 0
     assert figs["attainment"] == pytest.approx(1 / 3) and figs["goodput_rps"] == 0.5
+    fell_back = _result(0.5, [0.05] * 10)
+    fell_back.kv_fallback = "transfer_failed"
+    figs = slo.figures([fell_back, _result(0.5, [0.05] * 10)], objective, wall_s=2.0)
+    assert figs["kv_fallbacks"] == 1 and figs["attainment"] == 1.0  # counted, not a miss
+
+
+def test_the_table_shows_each_policys_kv_fallbacks(capsys):
+    objective = slo.Slo(ttft_s=1.0, itl_s=0.1)
+    fell_back = [_result(0.5, [0.05] * 10) for _ in range(3)]
+    for r in fell_back[:2]:
+        r.kv_fallback = "pair_not_ready"
+    pol = {"disaggregated": slo.figures(fell_back, objective, 1.0),
+           "flex": slo.figures([_result(0.5, [0.05] * 10)], objective, 1.0)}  # fmt: skip
+    out = {"trace": "mixed", "num_requests": 3, "rate": 1.0, "policies": pol}
+    cli._report(out, {}, argparse.Namespace(long_prompt=512))
+    lines = capsys.readouterr().out.splitlines()
+    head = lines[1].split()
+    col = head.index("kvfb")  # the cells before it are one word each, as in the header
+    rows = {ln.split()[0]: ln.split() for ln in lines[2:]}
+    assert rows["disaggregated"][col] == "2" and rows["flex"][col] == "0"
 
 
 @pytest.mark.timeout(300)
@@ -109,6 +130,7 @@ def test_two_policies_end_to_end(tmp_path):
     assert doc["slo"]["ttft_s"] > 0 and doc["slo"]["itl_s"] > 0
     for fig in doc["policies"].values():
         assert fig["completed"] == 10 and fig["failed"] == fig["rejected"] == 0
+        assert fig["kv_fallbacks"] == 0  # every handoff's KV arrived
         for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
             assert set(fig[key]) == {"p50", "p90", "p99", "mean"}
         assert 0 <= fig["attainment"] <= 1 and fig["throughput_rps"] > 0
