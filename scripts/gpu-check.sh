@@ -5,7 +5,11 @@
 #   2. bench-engine in bfloat16 on the SmolLM2-135M shape, with decode graphs and without;
 #   3. the decode-step sweep on random weights of a Llama-3.1-8B-shaped model (its config written
 #      by engine/decode_sweep.py, no download) at batch 1/16/64/128: ms per step and the fraction
-#      of the HBM roofline (weight + KV bytes read / step time / the measured copy bandwidth).
+#      of the HBM roofline (weight + KV bytes read / step time / the measured copy bandwidth);
+#   4. pdserve bench on the GPU: mixed, 120 requests at 8 req/s, colocated, disaggregated and flex,
+#      two workers sharing the GPU (--gpus-per-worker 0.5); the step fails if any handoff's KV
+#      fell back. Two processes take turns on one GPU, so a request's gap p99 runs several times a
+#      lone one's: the ITL SLO is 8x a lone request's (--slo-itl-scale 8).
 #
 # Two ways to get the dependencies:
 #   - online: scripts/install.sh into .venv with a CUDA build of torch (TORCH_SPEC, TORCH_INDEX_URL);
@@ -13,7 +17,7 @@
 #     installed into /tmp/site (and DIR/ray-slim.tar.xz, Ray unpacked, if Ray is missing).
 # GPU_MODEL=DIR: a model folder's config and tokenizer (no weights); the throughput figures then
 # use random weights of that shape (tokens/s does not depend on the weights' values).
-# GPU_SWEEP=0 leaves out step 3.
+# GPU_SWEEP=0 leaves out step 3, GPU_BENCH=0 step 4 (steps 1, 2 and 4 took 7.5 min on one H200).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-gpu-out}
@@ -94,6 +98,21 @@ if [ "${GPU_SWEEP:-1}" != 0 ]; then
     timeout 180 $PY -m engine.decode_sweep --shape llama-3.1-8b --batches 1,16,64,128 \
         --context 1024 --dtype bfloat16 --json "$out/decode-sweep-8b.json" 2>&1 \
         | tail -8 | tee "$out/decode-sweep-8b.txt"
+    check "${PIPESTATUS[0]}"
+fi
+if [ "${GPU_BENCH:-1}" != 0 ]; then
+    stamp "pdserve bench on CUDA: mixed, 120 requests at 8/s, two workers sharing the GPU"
+    timeout 300 $PY -m router.cli bench --model "$model" --gpus-per-worker 0.5 --trace mixed \
+        --num-requests 120 --rate 8 --policy colocated,disaggregated,flex --no-baseline \
+        --slo-itl-scale 8 --timeout 60 --json "$out/bench-serve-cuda.json" 2>&1 \
+        | grep -v 'req/s]' | tee "$out/bench-serve.txt"
+    check "${PIPESTATUS[0]}"
+    $PY - "$out/bench-serve-cuda.json" <<'EOF' 2>&1 | tee -a "$out/bench-serve.txt"
+import json, sys
+fallbacks = {p: f["kv_fallbacks"] for p, f in json.load(open(sys.argv[1]))["policies"].items()}
+print("handoffs whose KV fell back, per policy:", fallbacks)
+sys.exit(1 if any(fallbacks.values()) else 0)
+EOF
     check "${PIPESTATUS[0]}"
 fi
 stamp "done"
