@@ -55,6 +55,14 @@ def _float_at_least(low: float, strict: bool = False) -> Callable[[str], float]:
 _positive_float = _float_at_least(0, strict=True)
 
 
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
 def _rates(text: str) -> list[float]:
     """An argparse type: comma-separated offered rates, each finite and > 0, sorted ascending."""
     rates = [_positive_float(v) for v in text.split(",") if v.strip()]
@@ -140,6 +148,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="run the policies this many times (each round in another order), and report each "
         "one's goodput and ratio to the best fixed policy of the same round, per round",
+    )
+    p.add_argument(
+        "--warmup",
+        type=_count,
+        default=0,
+        metavar="N",
+        help="before each server's measured run, its first N requests with other prompts, at "
+        "--rate and with the SLO hint, so that every policy is measured after its router has "
+        "seen the workload (step times, transfers); 0: one short request",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="per request, seconds")
@@ -231,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
                             gpus_per_worker=args.gpus_per_worker)  # fmt: skip
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
     out: dict[str, Any] = {"trace": args.trace, "rate": args.rate, "num_requests": len(reqs),
+                           "warmup": args.warmup,
                            "deployment": None if args.address else asdict(deployment),
                            "policies": {},
                            "requests": []}  # fmt: skip
@@ -257,10 +275,7 @@ def run(args: argparse.Namespace) -> int:
             vocab = info.vocab_size
             if objective is None:
                 objective = session.objective(args, address, reqs, vocab, out)
-            warm = [trace.TraceRequest(0.0, 16, 4)]
-            session.run_trace(
-                address, warm, 1.0, vocab, args, "warm-up", seed=2_000_000 + args.seed
-            )
+            _warm_up(address, reqs, vocab, objective, args)
             label = policy if rounds == 1 else f"{policy} (round {rnd + 1}/{rounds})"
             results, wall = session.run_trace(
                 address, reqs, args.rate, vocab, args, label, objective
@@ -352,6 +367,20 @@ def _report_rounds(out: dict) -> None:
         rs = ", ".join(f"{r:.2f}x" for r in ratios) or "-"
         med = f"median {statistics.median(ratios):.2f}x" if ratios else ""
         print(f"  {policy:<18} {each}   vs best fixed: {rs} {med}")
+
+
+def _warm_up(
+    address: str, reqs: list[trace.TraceRequest], vocab: int, objective: slo.Slo, args: Any
+) -> None:
+    """The server's first load, not measured: one short request, or with --warmup N the trace's
+    first N requests (their lengths and spacing, other prompts: no prefix hits in the run)."""
+    seed = 2_000_000 + args.seed
+    if not args.warmup:
+        session.run_trace(address, [trace.TraceRequest(0.0, 16, 4)], 1.0, vocab, args, "warm-up",
+                          seed=seed)  # fmt: skip
+        return
+    session.run_trace(address, reqs[: args.warmup], args.rate, vocab, args, "warm-up", objective,
+                      seed=seed)  # fmt: skip
 
 
 def _ms(v: float | None) -> str:

@@ -341,6 +341,42 @@ def test_repeated_rounds_report_each_rounds_goodput_and_ratio(monkeypatch, tmp_p
     assert [x["round"] for x in doc["requests"]] == [1] * 5 + [2] * 5 + [3] * 5
 
 
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_each_server_is_warmed_up_before_its_measured_run(monkeypatch, tmp_path, warmup):
+    calls = []
+
+    def fake_run(address, reqs, rate, vocab, args, label, objective=None, seed=None):
+        calls.append((label, [(r.prompt_len, r.output_len) for r in reqs], rate, objective, seed))
+        return [_result(0.1, [0.01] * 4) for _ in reqs], 10.0
+
+    class Info:
+        vocab_size = 100
+
+    monkeypatch.setattr(session, "run_trace", fake_run)
+    monkeypatch.setattr(session, "server_info", lambda address, auth: Info())
+    monkeypatch.setattr(session, "objective", lambda *a: slo.Slo(1.0, 0.1))
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    out = tmp_path / "out.json"
+    args = parser.parse_args(
+        ["--address", "x", "--policy", "colocated", "--trace", "mixed", "--num-requests", "5",
+         "--rate", "0.7", "--repeat", "2", "--warmup", str(warmup), "--json", str(out)]
+    )  # fmt: skip
+    assert cli.run(args) == 0
+    labels = [c[0] for c in calls]
+    assert labels == ["warm-up", "colocated (round 1/2)", "warm-up", "colocated (round 2/2)"]
+    run = calls[1]
+    for warm in (calls[0], calls[2]):
+        if warmup:  # the trace's first requests, at its rate, with the SLO hint, other prompts
+            assert warm[1] == run[1][:warmup] and warm[2] == 0.7 and warm[3] == run[3]
+        else:
+            assert warm[1] == [(16, 4)] and warm[2] == 1.0 and warm[3] is None
+        assert warm[4] is not None and warm[4] != run[4]
+    assert json.loads(out.read_text())["warmup"] == warmup
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--warmup", "-1"])
+
+
 def test_bench_server_takes_the_ports_its_log_names(tmp_path):
     """The bench's server binds ports of its own choosing (--port 0) and the bench reads them
     from its log: a port picked by the bench and bound later could be taken in between."""
