@@ -307,13 +307,9 @@ def test_bench_gpus_per_worker_reaches_every_policys_server_as_serve_reads_it():
         parser.parse_args(["--gpus-per-worker", "-1"])
 
 
-def test_repeated_rounds_report_each_rounds_goodput_and_ratio(monkeypatch, tmp_path, capsys):
-    calls = []
-
-    def fake_run(address, reqs, rate, vocab, args, label, objective=None, seed=None):
-        calls.append(label)
-        ttft = 5.0 if "round 2" in label else 0.1  # round 2: none attains
-        return [_result(ttft, [0.01] * 4) for _ in reqs], 10.0
+def _on_a_fake_server(monkeypatch, fake_run) -> argparse.ArgumentParser:
+    """The bench against a running server (--address) whose runs `fake_run` answers, with SLOs of
+    1 s and 100 ms; returns the bench's parser."""
 
     class Info:
         vocab_size = 100
@@ -323,6 +319,18 @@ def test_repeated_rounds_report_each_rounds_goodput_and_ratio(monkeypatch, tmp_p
     monkeypatch.setattr(session, "objective", lambda *a: slo.Slo(1.0, 0.1))
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
+    return parser
+
+
+def test_repeated_rounds_report_each_rounds_goodput_and_ratio(monkeypatch, tmp_path, capsys):
+    calls = []
+
+    def fake_run(address, reqs, rate, vocab, args, label, objective=None, seed=None):
+        calls.append(label)
+        ttft = 5.0 if "round 2" in label else 0.1  # round 2: none attains
+        return [_result(ttft, [0.01] * 4) for _ in reqs], 10.0
+
+    parser = _on_a_fake_server(monkeypatch, fake_run)
     out = tmp_path / "out.json"
     args = parser.parse_args(
         ["--address", "x", "--policy", "colocated", "--num-requests", "5", "--repeat", "3",
@@ -349,14 +357,7 @@ def test_each_server_is_warmed_up_before_its_measured_run(monkeypatch, tmp_path,
         calls.append((label, [(r.prompt_len, r.output_len) for r in reqs], rate, objective, seed))
         return [_result(0.1, [0.01] * 4) for _ in reqs], 10.0
 
-    class Info:
-        vocab_size = 100
-
-    monkeypatch.setattr(session, "run_trace", fake_run)
-    monkeypatch.setattr(session, "server_info", lambda address, auth: Info())
-    monkeypatch.setattr(session, "objective", lambda *a: slo.Slo(1.0, 0.1))
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
+    parser = _on_a_fake_server(monkeypatch, fake_run)
     out = tmp_path / "out.json"
     args = parser.parse_args(
         ["--address", "x", "--policy", "colocated", "--trace", "mixed", "--num-requests", "5",
