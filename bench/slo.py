@@ -58,7 +58,8 @@ def figures(results: Sequence[RequestResult], slo: Slo, wall_s: float) -> dict:
         "completed": len(ok),
         "failed": len(results) - len(ok) - rejected,
         "rejected": rejected,
-        # handed-off requests whose KV did not arrive and were prefilled again where they decode
+        # completed handed-off requests whose KV did not arrive and were prefilled again where they
+        # decode (a request that fails after its fallback counts as failed, not here)
         "kv_fallbacks": sum(1 for r in ok if r.kv_fallback),
         "wall_s": wall_s,
     }

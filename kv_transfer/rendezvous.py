@@ -90,7 +90,7 @@ def join(address: PeerAddress, timeout_s: float) -> dist.TCPStore:
     )
 
 
-def handshake(store: dist.Store, rank: int, layout: KVLayout, device_id: str = "") -> str:
+def handshake(store: dist.Store, rank: int, layout: KVLayout, device_id: str) -> str:
     """Exchange layouts and device identities (`device_identity`); raise LayoutMismatchError on
     both sides when the layouts differ, else return the peer's device identity.
 
@@ -108,8 +108,10 @@ def handshake(store: dist.Store, rank: int, layout: KVLayout, device_id: str = "
 
 
 def device_identity(device: torch.device) -> str:
-    """Which physical GPU a cache lives on, the same in every process that sees that GPU whatever
-    index its CUDA_VISIBLE_DEVICES gives it there (its UUID); "" for a cache on CPU."""
+    """Which GPU a cache lives on, the same in every process that sees that GPU whatever index
+    its CUDA_VISIBLE_DEVICES gives it there (its UUID); "" for a cache on CPU. MIG instances of
+    one GPU have UUIDs of their own, so they look like two GPUs here: where NCCL refuses such a
+    pair, set the backend to gloo."""
     if device.type != "cuda":
         return ""
     return f"cuda/{torch.cuda.get_device_properties(device).uuid}"
@@ -120,10 +122,17 @@ def pair_backend(requested: str, local_id: str, remote_id: str) -> str:
 
     auto: nccl between two different GPUs; gloo where either cache is on CPU, or where both are on
     one GPU (workers given a fraction of a GPU each): NCCL refuses two ranks on one device, so
-    there the KV goes through host memory (staging.py). gloo or nccl: as asked."""
+    there the KV goes through host memory (staging.py). gloo: as asked. nccl: as asked between two
+    GPUs, refused (ValueError, at pairing) where it cannot work, rather than failing every
+    transfer."""
+    two_gpus = bool(local_id and remote_id and local_id != remote_id)
+    if requested == "nccl" and not two_gpus:
+        where = "both caches are on one GPU" if local_id == remote_id else "a cache is on CPU"
+        raise ValueError(f"the nccl backend needs the two caches on two GPUs, but {where}: "
+                         "use auto or gloo")  # fmt: skip
     if requested != "auto":
         return requested
-    return "nccl" if local_id and remote_id and local_id != remote_id else "gloo"
+    return "nccl" if two_gpus else "gloo"
 
 
 def choose_backend(requested: str, device: torch.device) -> str:

@@ -15,7 +15,8 @@ message). Each side decides alone; the wire carries the same bytes either way.
 Where the tensors live:
   - cache on CPU: everything on CPU (gloo);
   - cache on CUDA with nccl: slots on the cache's device, copies on a side stream;
-  - cache on CUDA with gloo (one GPU, two ranks on it, where NCCL refuses): gathered on the device,
+  - cache on CUDA with gloo (both ends on one GPU, where NCCL refuses two ranks; the other end on
+    CPU; or gloo asked for): gathered on the device,
     then moved through pinned host memory, since gloo point-to-point carries host tensors. No
     direct messages here: the cache is not on the wire's device.
 """

@@ -1,6 +1,6 @@
-"""The torch.distributed KV connector: paged blocks over point-to-point send/recv, gloo for CPU
-caches and NCCL between two GPUs (gloo through host memory where both ends share one GPU), with a
-process group per peer made on first contact.
+"""The torch.distributed KV connector: paged blocks over point-to-point send/recv, NCCL between
+two GPUs and gloo otherwise (CPU caches; a CUDA cache through host memory where both ends share one
+GPU or the other end is on CPU), with a process group per peer made on first contact.
 
 Pairing (rendezvous.py): the master side calls `listen(peer_id)` and hands the returned
 `PeerAddress` to the other side; both then call `connect(peer_id, address, is_master)` at the same
@@ -121,7 +121,8 @@ class TorchDistConnector(TrackedConnector):
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.config = config
-        self.backend = choose_backend(self.config.backend, self.device)
+        # "gloo", "nccl", or "auto": then each pair settles it (pair_backend)
+        self.requested_backend = choose_backend(self.config.backend, self.device)
         self._device_id = device_identity(self.device)
         checksum = self.config.checksum
         self.checksum = self.device.type == "cpu" if checksum is None else checksum
@@ -161,7 +162,7 @@ class TorchDistConnector(TrackedConnector):
         with self._lock:
             self._stores.append(store)
         remote_device = handshake(store, rank, self.layout, self._device_id)
-        backend = pair_backend(self.backend, self._device_id, remote_device)
+        backend = pair_backend(self.requested_backend, self._device_id, remote_device)
         lanes = connect_lanes(store, rank, backend, self.config.bind_host, timeout)
         cfg = self.config
         pair = Pair(

@@ -17,7 +17,8 @@
 #     installed into /tmp/site (and DIR/ray-slim.tar.xz, Ray unpacked, if Ray is missing).
 # GPU_MODEL=DIR: a model folder's config and tokenizer (no weights); the throughput figures then
 # use random weights of that shape (tokens/s does not depend on the weights' values).
-# GPU_SWEEP=0 leaves out step 3, GPU_BENCH=0 step 4 (steps 1, 2 and 4 took 7.5 min on one H200).
+# GPU_SWEEP=0 leaves out step 3, GPU_BENCH=0 step 4. On one H200 steps 1 and 2 took 260 s, and the
+# step 4 bench, run by hand, 200 s.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-gpu-out}

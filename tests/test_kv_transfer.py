@@ -285,7 +285,12 @@ def test_auto_backend_is_settled_per_pair_from_both_sides_devices():
     assert pair_backend("auto", "", gpu_a) == pair_backend("auto", gpu_a, "") == "gloo"
     assert pair_backend("auto", "", "") == "gloo"
     assert pair_backend("gloo", gpu_a, gpu_b) == "gloo"
-    assert pair_backend("nccl", gpu_a, gpu_a) == "nccl"  # as asked
+    assert pair_backend("nccl", gpu_a, gpu_b) == "nccl"
+    # nccl asked for where it cannot work: refused at pairing, not a failure per transfer
+    with pytest.raises(ValueError, match="nccl backend needs the two caches on two GPUs.*one GPU"):
+        pair_backend("nccl", gpu_a, gpu_a)
+    with pytest.raises(ValueError, match="a cache is on CPU"):
+        pair_backend("nccl", gpu_a, "")
     assert device_identity(torch.device("cpu")) == ""
     assert choose_backend("auto", torch.device("cpu")) == "auto"
     with pytest.raises(ValueError, match="needs a CUDA cache"):
