@@ -275,12 +275,13 @@ def run(args: argparse.Namespace) -> int:
             vocab = info.vocab_size
             if objective is None:
                 objective = session.objective(args, address, reqs, vocab, out)
-            _warm_up(address, reqs, vocab, objective, args)
+            lone_gap_s = _warm_up(address, reqs, vocab, objective, args)
             label = policy if rounds == 1 else f"{policy} (round {rnd + 1}/{rounds})"
             results, wall = session.run_trace(
                 address, reqs, args.rate, vocab, args, label, objective
             )
             fig = slo.figures(results, objective, wall)
+            fig["lone_gap_s"] = lone_gap_s
             if rounds > 1:
                 out["rounds"][rnd][policy] = fig
             tag = {"policy": policy} if rounds == 1 else {"policy": policy, "round": rnd + 1}
@@ -354,33 +355,39 @@ def _report_rounds(out: dict) -> None:
     print("goodput per round (req/s), and over the best fixed policy of the same round")
     out["spread"] = {}
     for policy in out["policies"]:
-        goods, ratios = [], []
+        goods, ratios, lone = [], [], []
         for rnd in out["rounds"]:
             if policy not in rnd:
                 continue
             goods.append(rnd[policy]["goodput_rps"])
+            lone.append(rnd[policy].get("lone_gap_s"))
             best = max((rnd[p]["goodput_rps"] for p in FIXED if p in rnd), default=0.0)
             if best > 0:
                 ratios.append(rnd[policy]["goodput_rps"] / best)
-        out["spread"][policy] = {"goodput_rps": goods, "vs_best_fixed": ratios}
+        out["spread"][policy] = {"goodput_rps": goods, "vs_best_fixed": ratios,
+                                 "lone_gap_s": lone}  # fmt: skip
         each = ", ".join(f"{g:.3f}" for g in goods)
         rs = ", ".join(f"{r:.2f}x" for r in ratios) or "-"
         med = f"median {statistics.median(ratios):.2f}x" if ratios else ""
-        print(f"  {policy:<18} {each}   vs best fixed: {rs} {med}")
+        gaps = ", ".join(_ms(g) for g in lone)
+        print(f"  {policy:<18} {each}   vs best fixed: {rs} {med}   lone gap ms: {gaps}")
 
 
 def _warm_up(
     address: str, reqs: list[trace.TraceRequest], vocab: int, objective: slo.Slo, args: Any
-) -> None:
-    """The server's first load, not measured: one short request, or with --warmup N the trace's
-    first N requests (their lengths and spacing, other prompts: no prefix hits in the run)."""
+) -> float | None:
+    """The server's first load, not measured: one short request alone, then with --warmup N the
+    trace's first N requests (their lengths and spacing, other prompts: no prefix hits in the run).
+    Returns the lone request's median gap: how fast the host ran just before this policy's run
+    (policies run one after another on a shared host, whose speed can move between them)."""
     seed = 2_000_000 + args.seed
-    if not args.warmup:
-        session.run_trace(address, [trace.TraceRequest(0.0, 16, 4)], 1.0, vocab, args, "warm-up",
-                          seed=seed)  # fmt: skip
-        return
-    session.run_trace(address, reqs[: args.warmup], args.rate, vocab, args, "warm-up", objective,
-                      seed=seed)  # fmt: skip
+    lone, _ = session.run_trace(address, [trace.TraceRequest(0.0, 16, 8)], 1.0, vocab, args,
+                                "warm-up", seed=seed)  # fmt: skip
+    if args.warmup:
+        session.run_trace(address, reqs[: args.warmup], args.rate, vocab, args, "warm-up",
+                          objective, seed=seed + 1)  # fmt: skip
+    gaps = [g for r in lone if r.ok for g in r.itl_s]
+    return statistics.median(gaps) if gaps else None
 
 
 def _ms(v: float | None) -> str:
@@ -393,10 +400,11 @@ def _report(out: dict, runs: dict, args: Any) -> None:
     best_fixed = max(fixed) if fixed else None
     head = (f"{'policy':<18} {'done':>4} {'fail':>4} {'rej':>4} {'kvfb':>4} {'TTFT p50':>8} "
             f"{'p99':>6} {'ITL p50':>7} {'p99':>6} {'TPOT':>5} {'req/s':>6} {'tok/s':>6} "
-            f"{'attain':>6} {'goodput':>7} {'vs best fixed':>13}")  # fmt: skip
+            f"{'attain':>6} {'goodput':>7} {'vs best fixed':>13} {'lone gap':>8}")  # fmt: skip
     print(
         f"trace {out['trace']}, {out['num_requests']} requests at {out['rate']:g}/s; ms unless said"
-        "; kvfb: handoffs whose KV did not arrive (prefilled again where they decode)"
+        "; kvfb: handoffs whose KV did not arrive (prefilled again where they decode); lone gap:"
+        " a lone request's median gap just before the policy's run (the host's speed then)"
     )
     print(head)
     for p, f in pol.items():
@@ -417,6 +425,7 @@ def _report(out: dict, runs: dict, args: Any) -> None:
             f"{f['attainment']:>6.0%}",
             f"{f['goodput_rps']:>7.3f}",
             f"{ratio:>13}",
+            f"{_ms(f.get('lone_gap_s')):>8}",
         ]
         print(" ".join(cells))
     base = out.get("baseline")

@@ -365,15 +365,22 @@ def test_each_server_is_warmed_up_before_its_measured_run(monkeypatch, tmp_path,
     )  # fmt: skip
     assert cli.run(args) == 0
     labels = [c[0] for c in calls]
-    assert labels == ["warm-up", "colocated (round 1/2)", "warm-up", "colocated (round 2/2)"]
-    run = calls[1]
-    for warm in (calls[0], calls[2]):
+    warm_ups = ["warm-up"] * (2 if warmup else 1)  # a lone request, then the trace's first N
+    assert labels == [*warm_ups, "colocated (round 1/2)", *warm_ups, "colocated (round 2/2)"]
+    run = calls[len(warm_ups)]
+    for at in (0, len(warm_ups) + 1):
+        lone = calls[at]
+        assert lone[1] == [(16, 8)] and lone[2] == 1.0 and lone[3] is None
+        assert lone[4] is not None and lone[4] != run[4]
         if warmup:  # the trace's first requests, at its rate, with the SLO hint, other prompts
+            warm = calls[at + 1]
             assert warm[1] == run[1][:warmup] and warm[2] == 0.7 and warm[3] == run[3]
-        else:
-            assert warm[1] == [(16, 4)] and warm[2] == 1.0 and warm[3] is None
-        assert warm[4] is not None and warm[4] != run[4]
-    assert json.loads(out.read_text())["warmup"] == warmup
+            assert warm[4] not in (None, lone[4], run[4])
+    doc = json.loads(out.read_text())
+    assert doc["warmup"] == warmup
+    # The lone request's median gap (the fake's gaps are 10 ms) is kept with each round's figures.
+    assert doc["spread"]["colocated"]["lone_gap_s"] == pytest.approx([0.01, 0.01])
+    assert doc["policies"]["colocated"]["lone_gap_s"] == pytest.approx(0.01)
     with pytest.raises(SystemExit):
         parser.parse_args(["--warmup", "-1"])
 
