@@ -172,10 +172,13 @@ def _trace(args: argparse.Namespace) -> list[trace.TraceRequest]:
     return trace.load(args.trace, args.num_requests, args.scale)
 
 
-def _sweep(address: str, reqs, vocab: int, objective: slo.Slo, args: Any, policy: str):
+def _sweep(
+    address: str, reqs, vocab: int, objective: slo.Slo, args: Any, policy: str, records: list
+):
     """Probe offered rates with fresh prompts: `args.sweep_rates` where given (every one, in
     order), else a binary search of five probes between --rate / 4 and --rate x 4. Returns the
-    highest rate probed at >= 90% attainment (0.0 where none) and every probe's figures."""
+    highest rate probed at >= 90% attainment (0.0 where none) and every probe's figures; each
+    probe's request records go to `records`, tagged with the policy and the probe's rate."""
     points: list[dict[str, float]] = []  # each probe: its rate, goodput and attainment
 
     def probe(rate: float) -> bool:
@@ -188,6 +191,7 @@ def _sweep(address: str, reqs, vocab: int, objective: slo.Slo, args: Any, policy
         points.append(
             {"rate": rate, "goodput_rps": fig["goodput_rps"], "attainment": fig["attainment"]}
         )
+        records.extend(dict(r.to_json(), policy=policy, probe_rate=rate) for r in res)
         return fig["attainment"] >= 0.9
 
     if args.sweep_rates:
@@ -293,8 +297,9 @@ def run(args: argparse.Namespace) -> int:
             runs[policy] = results
             if args.sweep_rate:
                 fig["max_rate_at_90pct"], fig["sweep"] = _sweep(
-                    address, reqs, vocab, objective, args, policy
-                )
+                    address, reqs, vocab, objective, args, policy,
+                    out.setdefault("probe_requests", []),
+                )  # fmt: skip
                 sweeps[policy] = fig["sweep"]
             out["policies"][policy] = fig
             if policy == "disaggregated" and not args.no_baseline:

@@ -189,7 +189,7 @@ def test_sweep_finds_the_highest_rate_that_attains_90_percent(monkeypatch):
     cli.add_arguments(parser)
     args = parser.parse_args(["--rate", "0.4"])
     reqs = trace.load("mixed", num_requests=5)
-    best, points = cli._sweep("x", reqs, 100, slo.Slo(1.0, 0.1), args, "auto")
+    best, points = cli._sweep("x", reqs, 100, slo.Slo(1.0, 0.1), args, "auto", [])
     assert len(points) == 5  # five probes between rate / 4 and rate * 4
     assert all(0.1 - 1e-9 <= p["rate"] <= 1.6 + 1e-9 for p in points)
     assert 0.4 <= best <= 0.5  # the binary search closes in on the edge from below
@@ -213,8 +213,14 @@ def test_a_sweep_over_given_rates_probes_each_of_them_and_reports_the_highest(mo
     args = parser.parse_args(["--sweep-rate", "--sweep-rates", "1.5,0.5,1.0,2.0"])
     assert args.sweep_rates == [0.5, 1.0, 1.5, 2.0]  # sorted, probed low to high
     reqs = trace.load("mixed", num_requests=5)
-    best, points = cli._sweep("x", reqs, 100, slo.Slo(1.0, 0.1), args, "flex")
+    records: list[dict] = []
+    best, points = cli._sweep("x", reqs, 100, slo.Slo(1.0, 0.1), args, "flex", records)
     assert probed == [0.5, 1.0, 1.5, 2.0]  # every rate, whatever the one before attained
+    # Every probe's request records are kept, tagged with the policy and the probe's rate.
+    assert [(r["policy"], r["probe_rate"]) for r in records] == [
+        ("flex", rate) for rate in (0.5, 1.0, 1.5, 2.0) for _ in reqs
+    ]
+    assert all("ttft_s" in r and "itl_s" in r for r in records)
     assert best == 1.5  # the highest rate probed at >= 90%, past a miss at a lower one
     assert [p["attainment"] for p in points] == [1.0, 0.0, 1.0, 0.0]
 
@@ -383,6 +389,24 @@ def test_each_server_is_warmed_up_before_its_measured_run(monkeypatch, tmp_path,
     assert doc["policies"]["colocated"]["lone_gap_s"] == pytest.approx(0.01)
     with pytest.raises(SystemExit):
         parser.parse_args(["--warmup", "-1"])
+
+
+def test_a_sweeps_probe_records_land_in_the_json_beside_the_main_runs(monkeypatch, tmp_path):
+    def fake_run(address, reqs, rate, vocab, args, label, objective=None, seed=None):
+        return [_result(0.1, [0.01] * 4) for _ in reqs], 10.0
+
+    parser = _on_a_fake_server(monkeypatch, fake_run)
+    out = tmp_path / "out.json"
+    args = parser.parse_args(
+        ["--address", "x", "--policy", "flex", "--num-requests", "3", "--sweep-rate",
+         "--sweep-rates", "0.5,1", "--json", str(out)]
+    )  # fmt: skip
+    assert cli.run(args) == 0
+    doc = json.loads(out.read_text())
+    assert len(doc["requests"]) == 3  # the main run's, as before
+    assert [(r["policy"], r["probe_rate"]) for r in doc["probe_requests"]] == [
+        ("flex", 0.5)
+    ] * 3 + [("flex", 1.0)] * 3
 
 
 def test_bench_server_takes_the_ports_its_log_names(tmp_path):
