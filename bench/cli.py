@@ -381,12 +381,13 @@ def _report_rounds(out: dict) -> None:
 def _warm_up(
     address: str, reqs: list[trace.TraceRequest], vocab: int, objective: slo.Slo, args: Any
 ) -> float | None:
-    """The server's first load, not measured: one short request alone, then with --warmup N the
-    trace's first N requests (their lengths and spacing, other prompts: no prefix hits in the run).
+    """The server's first load, not measured: a short request alone (16 prompt tokens, 32 out),
+    then with --warmup N the trace's first N requests (their lengths and spacing, other prompts:
+    no prefix hits in the run).
     Returns the lone request's median gap: how fast the host ran just before this policy's run
     (policies run one after another on a shared host, whose speed can move between them)."""
     seed = 2_000_000 + args.seed
-    lone, _ = session.run_trace(address, [trace.TraceRequest(0.0, 16, 8)], 1.0, vocab, args,
+    lone, _ = session.run_trace(address, [trace.TraceRequest(0.0, 16, 32)], 1.0, vocab, args,
                                 "warm-up", seed=seed)  # fmt: skip
     if args.warmup:
         session.run_trace(address, reqs[: args.warmup], args.rate, vocab, args, "warm-up",
@@ -433,6 +434,16 @@ def _report(out: dict, runs: dict, args: Any) -> None:
             f"{_ms(f.get('lone_gap_s')):>8}",
         ]
         print(" ".join(cells))
+    lone = {p: f.get("lone_gap_s") for p, f in pol.items()}
+    scaled = {}
+    if "slo" in out:
+        objective = slo.Slo(out["slo"]["ttft_s"], out["slo"]["itl_s"], out["slo"]["itl_metric"])
+        scaled = slo.host_scaled({p: runs[p] for p in pol if p in runs}, lone, objective)
+    if scaled:
+        out["host_scaled"] = scaled
+        print("attainment with each policy's SLOs scaled by its lone gap over the mean (the run's "
+              "average host speed): " + ", ".join(f"{p} {v['attainment']:.0%} (x{v['factor']:.2f})"
+                                                  for p, v in scaled.items()))  # fmt: skip
     base = out.get("baseline")
     if base and base.get("itl_s") and "disaggregated" in runs:
         short = [r for r in runs["disaggregated"] if r.ok and r.prompt_len < args.long_prompt]

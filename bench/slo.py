@@ -42,6 +42,25 @@ def attains(r: RequestResult, slo: Slo) -> bool:
     return not gaps or float(np.percentile(gaps, 99)) <= slo.itl_s
 
 
+def host_scaled(
+    runs: dict[str, Sequence[RequestResult]], lone_gap_s: dict[str, float | None], slo: Slo
+) -> dict[str, dict[str, float]]:
+    """Each policy's attainment with both SLOs scaled by its lone request's gap over the mean of
+    every policy's: how it would have fared at the run's average host speed, for a host whose
+    speed moves between policies run one after another. Empty unless every policy has a gap."""
+    gaps = {p: lone_gap_s.get(p) for p in runs}
+    if len(gaps) < 2 or any(g is None or g <= 0 for g in gaps.values()):
+        return {}
+    mean = sum(gaps.values()) / len(gaps)  # type: ignore[arg-type]
+    out = {}
+    for p, results in runs.items():
+        k = gaps[p] / mean  # type: ignore[operator]
+        scaled = Slo(slo.ttft_s * k, slo.itl_s * k, slo.itl_metric)
+        hit = sum(1 for r in results if attains(r, scaled))
+        out[p] = {"factor": k, "attainment": hit / len(results) if results else 0.0}
+    return out
+
+
 def figures(results: Sequence[RequestResult], slo: Slo, wall_s: float) -> dict:
     ok = [r for r in results if r.ok]
     rejected = sum(1 for r in results if r.status == "RESOURCE_EXHAUSTED")

@@ -92,6 +92,30 @@ def test_attainment_needs_both_ttft_and_itl():
     assert figs["kv_fallbacks"] == 1 and figs["attainment"] == 1.0  # counted, not a miss
 
 
+def test_attainment_at_the_runs_average_host_speed_scales_each_policys_slos_by_its_lone_gap(
+    capsys,
+):
+    objective = slo.Slo(ttft_s=1.0, itl_s=0.1)
+    # Every gap 110 ms: past the 100 ms SLO, within it once scaled by 1.2 (a host 20% slower).
+    slow = [_result(0.5, [0.11] * 10) for _ in range(4)]
+    fast = [_result(0.5, [0.09] * 10) for _ in range(2)] + [_result(0.5, [0.11] * 10)] * 2
+    runs = {"flex": slow, "disaggregated": fast}
+    got = slo.host_scaled(runs, {"flex": 0.06, "disaggregated": 0.04}, objective)
+    assert got["flex"]["factor"] == pytest.approx(1.2)
+    assert got["disaggregated"]["factor"] == pytest.approx(0.8)
+    assert got["flex"]["attainment"] == 1.0  # 110 ms <= 120 ms
+    assert got["disaggregated"]["attainment"] == 0.0  # not even 90 ms <= 80 ms
+    assert slo.host_scaled(runs, {"flex": 0.06, "disaggregated": None}, objective) == {}
+    assert slo.host_scaled({"flex": slow}, {"flex": 0.06}, objective) == {}
+    pol = {p: dict(slo.figures(rs, objective, 1.0), lone_gap_s=g)
+           for (p, rs), g in zip(runs.items(), (0.06, 0.04))}  # fmt: skip
+    out = {"trace": "mixed", "num_requests": 4, "rate": 1.0, "policies": pol,
+           "slo": {"ttft_s": 1.0, "itl_s": 0.1, "itl_metric": "itl_p99"}}  # fmt: skip
+    cli._report(out, runs, argparse.Namespace(long_prompt=512))
+    assert out["host_scaled"] == got
+    assert "flex 100% (x1.20), disaggregated 0% (x0.80)" in capsys.readouterr().out
+
+
 def test_the_table_shows_each_policys_kv_fallbacks(capsys):
     objective = slo.Slo(ttft_s=1.0, itl_s=0.1)
     fell_back = [_result(0.5, [0.05] * 10) for _ in range(3)]
@@ -376,7 +400,7 @@ def test_each_server_is_warmed_up_before_its_measured_run(monkeypatch, tmp_path,
     run = calls[len(warm_ups)]
     for at in (0, len(warm_ups) + 1):
         lone = calls[at]
-        assert lone[1] == [(16, 8)] and lone[2] == 1.0 and lone[3] is None
+        assert lone[1] == [(16, 32)] and lone[2] == 1.0 and lone[3] is None
         assert lone[4] is not None and lone[4] != run[4]
         if warmup:  # the trace's first requests, at its rate, with the SLO hint, other prompts
             warm = calls[at + 1]
