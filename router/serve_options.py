@@ -200,6 +200,10 @@ OPTIONS: tuple[Option, ...] = (
            "worker's node by)"),
     Option("kv_host", optional(text), None, "address the KV transfer listens on (overrides "
            "--kv-interface; the same for every worker: for one-node setups)"),
+    Option("kv_backend", choice("auto", "gloo", "nccl"), "auto",
+           "KV transfer backend: auto (per pair: nccl between two GPUs, gloo where both ends "
+           "share a GPU or one is on CPU), or gloo or nccl for every pair (gloo for MIG slices "
+           "of one GPU, which auto takes for two)"),
     Option("pair_timeout", number(0, strict=True), 10.0,
            "seconds one pairing of a prefill and a decode worker may take"),
     Option("start_timeout", number(0, strict=True), 300.0,
@@ -390,6 +394,7 @@ class ServeOptions:
             both_resources=v["workers_resources"],
             kv_interface=v["kv_interface"],
             kv_host=v["kv_host"],
+            kv_backend=v["kv_backend"],
             pair_timeout_s=v["pair_timeout"],
             start_timeout_s=v["start_timeout"],
             replace_dead=v["replace_dead_workers"],

@@ -53,13 +53,15 @@ def test_the_effective_options_reach_the_server_config(tmp_path):
         tmp_path,
         "prefill: 0\ndecode: 2\ngpus_per_worker: 0.5\nprefill_resources: {a: 1}\n"
         "kv_interface: eth1\nslo_itl_ms: 150\nmax_num_seqs: 8\nadmin_port: -1\n"
-        "replace_dead_workers: false\nstep_target_ms: 120\nprefill_hold_ms: 2500\n",
+        "replace_dead_workers: false\nstep_target_ms: 120\nprefill_hold_ms: 2500\n"
+        "kv_backend: gloo\n",
     )
     args = _parse(["serve", "--config", str(path), "--threads", "2"])
     config = serve_options.resolve(args).serve_config()
     c = config.cluster
     assert (c.num_prefill, c.num_decode, c.threads_per_worker) == (0, 2, 2)
     assert c.kv_interface == "eth1" and c.replace_dead is False
+    assert c.pool_config().spec.kv_backend == "gloo"  # every worker's spec carries it
     placement = c.pool_config().placement
     assert placement[WorkerRole.PREFILL] == Placement(0.5, (("a", 1.0),))
     assert placement[WorkerRole.DECODE] == Placement(0.5, ())
