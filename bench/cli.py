@@ -383,9 +383,9 @@ def _warm_up(
 ) -> float | None:
     """The server's first load, not measured: a short request alone (16 prompt tokens, 32 out),
     then with --warmup N the trace's first N requests (their lengths and spacing, other prompts:
-    no prefix hits in the run).
-    Returns the lone request's median gap: how fast the host ran just before this policy's run
-    (policies run one after another on a shared host, whose speed can move between them)."""
+    no prefix hits in the run). Returns the lone request's median gap: how fast the host ran just
+    before this policy's run (policies run one after another on a shared host, whose speed can
+    move between them)."""
     seed = 2_000_000 + args.seed
     lone, _ = session.run_trace(address, [trace.TraceRequest(0.0, 16, 32)], 1.0, vocab, args,
                                 "warm-up", seed=seed)  # fmt: skip
@@ -437,8 +437,8 @@ def _report(out: dict, runs: dict, args: Any) -> None:
     lone = {p: f.get("lone_gap_s") for p, f in pol.items()}
     scaled = {}
     if "slo" in out:
-        objective = slo.Slo(out["slo"]["ttft_s"], out["slo"]["itl_s"], out["slo"]["itl_metric"])
-        scaled = slo.host_scaled({p: runs[p] for p in pol if p in runs}, lone, objective)
+        runs_here = {p: runs[p] for p in pol if p in runs}
+        scaled = slo.host_scaled(runs_here, lone, slo.Slo(**out["slo"]))
     if scaled:
         out["host_scaled"] = scaled
         print("attainment with each policy's SLOs scaled by its lone gap over the mean (the run's "

@@ -48,13 +48,13 @@ def host_scaled(
     """Each policy's attainment with both SLOs scaled by its lone request's gap over the mean of
     every policy's: how it would have fared at the run's average host speed, for a host whose
     speed moves between policies run one after another. Empty unless every policy has a gap."""
-    gaps = {p: lone_gap_s.get(p) for p in runs}
-    if len(gaps) < 2 or any(g is None or g <= 0 for g in gaps.values()):
+    gaps = {p: g for p in runs if (g := lone_gap_s.get(p)) is not None and g > 0}
+    if len(gaps) < 2 or len(gaps) < len(runs):
         return {}
-    mean = sum(gaps.values()) / len(gaps)  # type: ignore[arg-type]
+    mean = sum(gaps.values()) / len(gaps)
     out = {}
     for p, results in runs.items():
-        k = gaps[p] / mean  # type: ignore[operator]
+        k = gaps[p] / mean
         scaled = Slo(slo.ttft_s * k, slo.itl_s * k, slo.itl_metric)
         hit = sum(1 for r in results if attains(r, scaled))
         out[p] = {"factor": k, "attainment": hit / len(results) if results else 0.0}
