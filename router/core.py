@@ -31,7 +31,7 @@ from typing import Any
 
 from engine.prefix_hash import block_hashes
 from engine.text_stream import TextStream
-from router.admission import MARGIN_WINDOW, refusal, ttft_margin
+from router.admission import refusal, ttft_margin
 from router.books import RequestBooks, RequestCounts
 from router.core_types import (
     Backend,
@@ -411,13 +411,11 @@ class RequestCore:
         from another placement than the one predicted)."""
         ttft = track.ttft_s or 0.0
         disturbed = bool(track.kv_fallback or track.replanned_to or track.resumed)
-        self.records.append(DecisionRecord(rid, decision, ttft, disturbed))
-        latest = itertools.islice(
-            (r for r in reversed(self.records) if r.measured_ttft_s and not r.disturbed),
-            MARGIN_WINDOW,
-        )
+        self.records.append(DecisionRecord(rid, decision, ttft, disturbed, slo_ttft_s))
         self.planner.ttft_margin = ttft_margin(
-            (r.decision.chosen.ttft_s, r.measured_ttft_s or 0.0) for r in latest
+            (r.decision.chosen.ttft_s, r.measured_ttft_s, r.slo_ttft_s)
+            for r in reversed(self.records)
+            if r.measured_ttft_s and not r.disturbed
         )
         self.sink.first_token(track.first_token())
         chosen = decision.chosen

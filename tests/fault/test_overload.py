@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 
 import pytest
@@ -162,9 +163,29 @@ def test_overload_takes_one_policy():
 
 
 def test_admission_margin_follows_how_late_first_tokens_came():
-    on_time = [(1.0, 0.9)] * 40
+    slo = 1.5  # (predicted, measured, SLO): every one here near its SLO
+    on_time = [(1.0, 0.9, slo)] * 40
     assert ttft_margin(on_time) == 1.0  # early predictions do not loosen admission
-    assert ttft_margin([(1.0, 3.0)] * 15) == 1.0  # too few first tokens yet
-    late = [(1.0, 1.0)] * 80 + [(1.0, 2.0)] * 20  # one in five came at twice its prediction
+    assert ttft_margin([(1.0, 3.0, slo)] * 7) == 1.0  # too few first tokens yet
+    assert ttft_margin([(1.0, 3.0, slo)] * 8) == 3.0
+    late = [(1.0, 1.0, slo)] * 32 + [(1.0, 2.0, slo)] * 8  # one in five at twice its prediction
     assert ttft_margin(late) == 2.0
-    assert ttft_margin([(1.0, 50.0)] * 20) == 4.0  # bounded: strays cannot shut admission
+    assert ttft_margin([(1.0, 50.0, slo)] * 20) == 4.0  # bounded: strays cannot shut admission
+    # Newest first: the latest 64 count, the older ones' lateness is forgotten.
+    assert ttft_margin([(1.0, 1.0, slo)] * 64 + [(1.0, 3.0, slo)] * 64) == 1.0
+
+
+def test_admission_margin_counts_first_tokens_near_their_slo():
+    """A 3 s first token predicted at 1 s against a 10 s SLO decides nothing: it does not make
+    admission refuse a request predicted at 7 s (what the long-prompt trace showed: short
+    predictions on idle workers ran late by 1.5-2x while those near the SLO came within it)."""
+    slo = 10.0
+    near = [(8.0, 8.8, slo)] * 20  # 1.1x late near the SLO
+    short = [(1.0, 3.0, slo)] * 40  # 3x late, far under it
+    assert ttft_margin(short) == 1.0
+    assert ttft_margin(short + near) == pytest.approx(1.1)
+    assert ttft_margin(near + short) == pytest.approx(1.1)
+    # A first token that came near the SLO counts though its prediction was short; one
+    # without any SLO never does.
+    assert ttft_margin([(2.0, 6.0, slo)] * 8) == 3.0
+    assert ttft_margin([(6.0, 12.0, math.inf)] * 40) == 1.0
