@@ -126,8 +126,13 @@ class PathPrediction:
     @property
     def itl_p99_s(self) -> float:
         """This request's predicted p99 gap: `raw_itl_p99_s` times the bias of such predictions
-        on its decode worker (`itl_bias`)."""
-        return self.raw_itl_p99_s * self.itl_bias
+        on its decode worker (`itl_bias`), and no shorter than its own step as a gap nor the
+        worker's median gap: a p99 is no quicker than the typical gap. A bias below 1 learned
+        from placements predicted high (beside prefills that have since gone) took colocated
+        predictions to 31-46 ms on a worker whose gaps were 60-80 ms (long-prompt, 2-core CPU
+        host), and those placements were taken over quicker handoffs: they missed at 206-247 ms
+        and 16-25 s first tokens."""
+        return max(self.raw_itl_p99_s * self.itl_bias, self.itl_gap_s, self.itl_floor_s)
 
     @property
     def raw_itl_p99_s(self) -> float:

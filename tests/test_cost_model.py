@@ -1480,6 +1480,23 @@ def test_decodes_spread_over_as_many_workers_as_the_rate_needs():
     assert flood.demand.workers_needed([a, b, c], slo) == 1
 
 
+def test_a_bias_below_one_does_not_take_a_p99_gap_under_the_typical_gap():
+    """Colocated requests on both-0 came at a third of their predicted p99 gap (the bias of
+    such predictions, bounded at 1/3): the next colocated prediction is scaled down, but no
+    further than its own step as a gap and the worker's median gap. A p99 under the typical
+    gap is no prediction: it made colocated placements read as sure to attain."""
+    a = trained("both-0", "both")
+    raw = predict_colocated(shape(64), a, Bias()).raw_itl_p99_s
+    for _ in range(6):
+        a.observe_request([raw / 5] * 100, raw, 10.0, local=True, raw_p99_s=raw)
+    a.update_tail()
+    assert a.itl_bias_factor(local=True) == pytest.approx(1 / 3)
+    c = predict_colocated(shape(64), a, Bias())
+    assert c.itl_bias == pytest.approx(1 / 3)
+    assert c.raw_itl_p99_s * c.itl_bias < c.itl_gap_s  # scaled alone, it would pass under
+    assert c.itl_p99_s == pytest.approx(max(c.itl_gap_s, c.itl_floor_s))
+
+
 def test_colocated_requests_that_came_far_over_their_predicted_p99_gap_move_the_next_one():
     """both-1 has a long prompt queued; on both-0, idle, a request would prefill where it
     decodes (the quickest first token), predicted at a p99 gap 1/1.3 of its ITL SLO. Where
