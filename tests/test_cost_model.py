@@ -29,7 +29,13 @@ from router.membership import Membership
 from router.metrics import Metrics
 from router.policy import Planner, Policy, PolicyConfig, RequestShape, pick_decode
 from router.pool_state import ItlCheck, WorkerState, peer_work
-from router.predictions import PathPrediction, choose, predict_colocated, ttft_tolerance
+from router.predictions import (
+    PathPrediction,
+    choose,
+    predict_colocated,
+    predict_disaggregated,
+    ttft_tolerance,
+)
 from router.spread import MISS_WIDTH, PRIOR_WIDTH, PredictionSpread, miss_chance
 from router.vocab import RoutePath
 from worker_protocol.messages import WorkerInfo, WorkerLoad
@@ -72,6 +78,11 @@ def trained(
         t = true_step(batch + chunk, pairs, ctx) * (1 + rng.normal(0, 0.02))
         state.model.observe(StepStat(batch + chunk, chunk, pairs, batch, ctx, t))
     return state
+
+
+def load_of(w: WorkerState, queued_prefill_tokens: int = 0) -> WorkerLoad:
+    """A poll of `w` with nothing but its queued prompt tokens."""
+    return WorkerLoad(w.worker_id, w.info.role, 0, 0, 0, 0.1, 1000, 1024, queued_prefill_tokens)
 
 
 def shape(n: int, seed: int = 0, max_tokens: int = 64, slo_ttft=30.0, slo_itl=10.0):
@@ -1300,7 +1311,6 @@ def test_a_prefill_placed_after_a_colocated_one_counts_the_misses_of_its_decode_
     ms, none (chunks uncut, about a second, would have). Decoding there, the new request only
     adds one to its batch: no miss. A prefill queued there for a peer has no decode to come, and
     one that can no longer attain guards nothing."""
-    from router.predictions import predict_colocated, predict_disaggregated
 
     a = trained("both-0", "both", seed=1, step_target_s=0.2)
     b = trained("both-1", "both", seed=2)
@@ -1478,6 +1488,42 @@ def test_decodes_spread_over_as_many_workers_as_the_rate_needs():
     _arrivals(flood, rate=400.0, seconds=0.5)
     assert flood.demand.p99_gap(a, 400.0, 100, 350) == float("inf")
     assert flood.demand.workers_needed([a, b, c], slo) == 1
+
+
+def test_a_prompt_placed_behind_a_prefill_nearly_done_waits_only_for_what_is_left_of_it():
+    """A poll says how many prompt tokens the worker still has to compute: what the books hold
+    past that was computed, by the oldest prefills first. A prompt placed now then waits for the
+    100 tokens left of the one prefilling, not its whole prompt; a prefill placed too recently to
+    have reached the worker is not counted as begun, and a worker holding more than the books
+    (a recompute) makes none of them further along."""
+    p, d = trained("prefill-0", "prefill"), trained("decode-0", "decode")
+    p.add_prefill("a", 1000, prefill_pairs(1000, 0))
+    p.add_prefill("b", 800, prefill_pairs(800, 0))
+    req, transfer = shape(900, seed=7), TransferTimeModel()
+    before = predict_disaggregated(req, p, d, transfer, Bias())
+    assert p.queued_tokens == 1800
+
+    later = time.monotonic() + 10  # both placed well before the poll
+    p.absorb(load_of(p, 5000), now=later)  # more than the books
+    assert p.queued_tokens == 1800
+    # a: 900 of 1000 computed (the worker counts 99: its last token goes with its first
+    # decode), b waiting whole.
+    p.absorb(load_of(p, 99 + 800), now=later)
+    assert p.queued_tokens == 899
+    pairs = prefill_pairs(1000, 0) * (1 - (901 / 1000) ** 2) + prefill_pairs(800, 0)
+    assert p.queued_pairs == pytest.approx(pairs)
+    after = predict_disaggregated(req, p, d, transfer, Bias())
+    assert after.prefill_s == pytest.approx(before.prefill_s)
+    assert after.queue_s < 0.6 * before.queue_s
+    wait, _ = p.model.chunked_s(899, pairs, 0, 0)
+    assert after.queue_s == pytest.approx(wait, rel=0.05)
+
+    p.add_prefill("c", 500, prefill_pairs(500, 0))  # not yet at the worker at the next poll
+    p.absorb(load_of(p, 99 + 800), now=time.monotonic())
+    assert p.queued_tokens == 899 + 500
+    p.done("a")
+    p.absorb(load_of(p, 0), now=time.monotonic() + 10)
+    assert p.queued_tokens == 2  # b and c computed: one token each until their first tokens
 
 
 def test_a_bias_below_one_does_not_take_a_p99_gap_under_the_typical_gap():
