@@ -7,19 +7,18 @@ its SLO on idle workers is served anyway."""
 
 from __future__ import annotations
 
-import itertools
 import statistics
-from collections.abc import Iterable
+from collections import deque
 
 from router.books import RequestCounts
 from router.core_types import Overloaded, RouterConfig
 from router.policy import Decision, RequestShape
-from router.spread import near_slo
 from router.vocab import RejectReason
 
-# The admission margin: a quantile of measured / predicted TTFT over the latest first tokens
-# predicted (or measured) near their SLO.
-MARGIN_WINDOW, MARGIN_MIN_SAMPLES, MARGIN_QUANTILE, MARGIN_MAX = 64, 8, 0.9, 4.0
+# The admission margin (TtftMargin): a quantile of measured / predicted TTFT over the latest
+# first tokens predicted at MARGIN_NEAR of their SLO or more.
+MARGIN_WINDOW, MARGIN_MIN_SAMPLES, MARGIN_QUANTILE, MARGIN_MAX = 64, 12, 0.9, 4.0
+MARGIN_NEAR = 0.5
 
 
 def refusal(
@@ -51,23 +50,32 @@ def refusal(
     return None
 
 
-def ttft_margin(latest: Iterable[tuple[float, float, float]]) -> float:
-    """From (predicted, measured TTFT, TTFT SLO), newest first: the MARGIN_QUANTILE of measured /
-    predicted over the latest MARGIN_WINDOW whose prediction or first token came near the SLO
-    (spread.near_slo), so that admission judges a prediction as late as most first tokens that
-    could decide an SLO have lately come. Never below 1 (predictions that run early do not
-    loosen admission), never above MARGIN_MAX (a few strays cannot shut it), and 1 until
-    MARGIN_MIN_SAMPLES such first tokens have been seen.
+class TtftMargin:
+    """Admission's factor on predicted TTFT (`value`): the MARGIN_QUANTILE of measured /
+    predicted over the latest MARGIN_WINDOW first tokens whose prediction came near their SLO
+    (at least MARGIN_NEAR of it), so that admission judges a prediction as late as most
+    predictions that could decide an SLO have lately come. Never below 1 (predictions that run
+    early do not loosen admission), never above MARGIN_MAX (a few strays cannot shut it), and 1
+    until MARGIN_MIN_SAMPLES such first tokens have been seen.
 
     On the bare prediction, a request predicted just under its SLO is admitted and misses it
     whenever its first token comes later than predicted: on a shared machine, often. Over every
     first token, the margin is set by the short predictions: on the long-prompt trace (2-core
     CPU host, 15.8 s SLO), first tokens predicted at 3-4 s on idle workers came at 6-7 s, and
     the p90 ratio was 1.6-1.7 where those predicted near the SLO came within 0.5-1.2x of it
-    (p90 1.13): requests predicted at 10 s were refused that would have attained."""
-    near = ((p, m) for p, m, slo in latest if p > 0 and near_slo(p, m, slo))
-    ratios = [m / p for p, m in itertools.islice(near, MARGIN_WINDOW)]
-    if len(ratios) < MARGIN_MIN_SAMPLES:
-        return 1.0
-    q = statistics.quantiles(ratios, n=100, method="inclusive")[round(MARGIN_QUANTILE * 100) - 1]
-    return min(max(q, 1.0), MARGIN_MAX)
+    (p90 1.13): requests predicted at 10 s were refused that would have attained. Which first
+    tokens count is chosen by their prediction alone: chosen by what was measured too, short
+    predictions that ran late would count and those that ran early would not."""
+
+    def __init__(self) -> None:
+        self._ratios: deque[float] = deque(maxlen=MARGIN_WINDOW)
+        self.value = 1.0
+
+    def observe(self, predicted_s: float, measured_s: float, slo_s: float) -> float:
+        """A first token with its prediction and the request's TTFT SLO; the margin now."""
+        if predicted_s > 0 and measured_s > 0 and predicted_s >= MARGIN_NEAR * slo_s:
+            self._ratios.append(measured_s / predicted_s)
+            if len(self._ratios) >= MARGIN_MIN_SAMPLES:
+                q = statistics.quantiles(self._ratios, n=100, method="inclusive")
+                self.value = min(max(q[round(MARGIN_QUANTILE * 100) - 1], 1.0), MARGIN_MAX)
+        return self.value

@@ -31,7 +31,7 @@ from typing import Any
 
 from engine.prefix_hash import block_hashes
 from engine.text_stream import TextStream
-from router.admission import refusal, ttft_margin
+from router.admission import TtftMargin, refusal
 from router.books import RequestBooks, RequestCounts
 from router.core_types import (
     Backend,
@@ -90,6 +90,7 @@ class RequestCore:
         # The tightest ITL SLO asked of a worker while its call was in flight: sent once it ends.
         self._tighten_next: dict[str, float] = {}
         self.records: deque[DecisionRecord] = deque(maxlen=2048)
+        self.margin = TtftMargin()  # admission's, from the first tokens (planner.ttft_margin)
         self.counts = RequestCounts()
         self._poller: asyncio.Task[None] | None = None
         self._ids = itertools.count()  # workers see internal ids: clients' ids may collide
@@ -411,12 +412,9 @@ class RequestCore:
         from another placement than the one predicted)."""
         ttft = track.ttft_s or 0.0
         disturbed = bool(track.kv_fallback or track.replanned_to or track.resumed)
-        self.records.append(DecisionRecord(rid, decision, ttft, disturbed, slo_ttft_s))
-        self.planner.ttft_margin = ttft_margin(
-            (r.decision.chosen.ttft_s, r.measured_ttft_s, r.slo_ttft_s)
-            for r in reversed(self.records)
-            if r.measured_ttft_s and not r.disturbed
-        )
+        self.records.append(DecisionRecord(rid, decision, ttft, disturbed))
+        if not disturbed:
+            self.planner.ttft_margin = self.margin.observe(decision.chosen.ttft_s, ttft, slo_ttft_s)
         self.sink.first_token(track.first_token())
         chosen = decision.chosen
         if not disturbed and (chosen.path is RoutePath.COLOCATED or track.handed_off):

@@ -3,7 +3,6 @@ and how it refuses work."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -145,7 +144,6 @@ class DecisionRecord:
     # A fault had a hand in its first token (a fallback, a re-plan or a resume): its TTFT says
     # little about how the predictions hold, and the admission margin leaves it out.
     disturbed: bool = False
-    slo_ttft_s: float = math.inf  # the request's TTFT SLO
 
 
 @dataclass(frozen=True, slots=True)

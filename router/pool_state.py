@@ -4,7 +4,7 @@ step-time model.
 
 The router is the only one handing work to the pools, so its books are exact and current for
 what it placed (a poll would be a step late); the polled load adds what only the worker knows
-(KV usage, preemptions, its step times, and how far its prefills have come).
+(KV usage, preemptions, its step times, how far each prefill has come).
 """
 
 from __future__ import annotations
@@ -24,9 +24,6 @@ from router.spread import PredictionBias, PredictionSpread
 from router.vocab import PLACEMENT_KINDS
 from worker_protocol.messages import WorkerInfo, WorkerLoad
 
-# A prefill placed this recently may not have reached its worker when a poll reads the worker's
-# queue: how far the prefills have come is read from those placed before (see absorb).
-PLACEMENT_SETTLE_S = 2.0
 # gap_factor: measured once this many gaps and decode steps fall in one window; within [1, this].
 MIN_GAP_FACTOR_SAMPLES = 20
 MAX_GAP_FACTOR = 4.0
@@ -63,8 +60,8 @@ class _Prefill:
     pairs: float
     local: bool = False  # the request decodes here too
     itl_slo_s: float = float("inf")  # ... and its ITL SLO (inf: none, or it can no longer attain)
-    placed_at: float = 0.0  # time.monotonic() when it was placed
     done: int = 0  # of its tokens, those the worker had computed at the latest poll (absorb)
+    seen: bool = False  # a poll found it at the worker
 
     @property
     def left(self) -> int:
@@ -73,7 +70,8 @@ class _Prefill:
     @property
     def pairs_left(self) -> float:
         """Its attention pairs still to compute: a prompt's later tokens hold most of them
-        (causal attention: the first k of n tokens hold about (k / n)^2 of the pairs)."""
+        (causal attention: the first k of n tokens hold about (k / n)^2 of the pairs; more than
+        that where a cached prefix sits before them, so this errs high there)."""
         return self.pairs * (1.0 - (self.done / self.tokens) ** 2) if self.tokens else 0.0
 
 
@@ -138,10 +136,9 @@ class WorkerState:
         itl_slo_s: float = float("inf"),
     ) -> None:
         """`local`: the request decodes here too (colocated), with ITL SLO `itl_slo_s`."""
-        now = time.monotonic()
         slo = itl_slo_s if local else float("inf")
-        self._prefills[rid] = _Prefill(tokens, pairs, local, slo, placed_at=now)
-        self._placed.append((now, tokens, pairs))
+        self._prefills[rid] = _Prefill(tokens, pairs, local, slo)
+        self._placed.append((time.monotonic(), tokens, pairs))
 
     def recent_prefills(self, window_s: float) -> list[tuple[int, float]]:
         """(tokens, pairs) of the prefills placed here in the last `window_s`."""
@@ -214,26 +211,25 @@ class WorkerState:
     def queued_pairs(self) -> float:
         return sum(p.pairs_left for p in self._prefills.values())
 
-    def _progress(self, queued_at_worker: int, now: float) -> None:
-        """How far the prefills placed here have come, from the prompt tokens the worker still
-        had to compute at a poll (WorkerLoad queued_prefill_tokens): what the books hold past that
-        was computed, by the prefills in the order they were placed (the worker's order), the
-        oldest first. Only prefills placed PLACEMENT_SETTLE_S before the poll count (a later one
-        may not have reached the worker); what the worker holds beyond the books (a preempted
-        request's recompute, a prefix the books took as cached) leaves less to count as done,
-        never more. Without it, a prompt placed behind one nearly done was predicted to wait
-        that one's whole prefill: on long-prompt (2-core CPU host, one prefill worker), first
-        tokens predicted behind a queue came at 0.4-0.9x their prediction, and admission
-        refused requests that would have attained."""
-        settled = [p for p in self._prefills.values() if p.placed_at <= now - PLACEMENT_SETTLE_S]
-        excess = sum(p.left for p in settled) - queued_at_worker
-        for p in settled:
-            if excess <= 0:
-                break
-            step = min(excess, p.left - 1)  # one left while it is in the books
-            if step > 0:
-                p.done += step
-                excess -= step
+    def _progress(self, left: Sequence[tuple[str, int]]) -> None:
+        """How far the prefills placed here have come, from a poll's (request id, prompt tokens
+        still to compute) of each request waiting or prefilling at the worker
+        (WorkerLoad.prefills_left), read afresh at every poll (a preempted request starts over).
+        One the poll does not hold has not reached the worker yet (none computed), or, if an
+        earlier poll held it, is computed (one token left until its first token comes); one
+        held with more than the books count (a prefix they took as cached, waiting) has none
+        computed. Without it, a prompt placed behind one nearly done was predicted to wait that
+        one's whole prefill: on long-prompt (2-core CPU host, one prefill worker), first tokens
+        predicted behind a queue came at 0.4-0.9x their prediction, and admission refused
+        requests that would have attained."""
+        at_worker = dict(left)
+        for rid, p in self._prefills.items():
+            n = at_worker.get(rid)
+            if n is not None:
+                p.seen = True
+                p.done = max(0, min(p.tokens - n, p.tokens - 1))
+            elif p.seen:
+                p.done = max(0, p.tokens - 1)
 
     @property
     def busy(self) -> bool:
@@ -278,7 +274,7 @@ class WorkerState:
     def coming_context(self) -> int:
         """The tokens the local prefills queued here compute (their prompts past a prefix-cache
         hit): about the context they decode with, short by the hit."""
-        return sum(p.tokens for p in self._prefills.values() if p.local)  # whole prompts: context
+        return sum(p.tokens for p in self._prefills.values() if p.local)
 
     @property
     def min_itl_slo_s(self) -> float:
@@ -397,17 +393,15 @@ class WorkerState:
         held = self.prefix.match(hashes) * self.info.block_size
         return min(held, max_cacheable_tokens(prompt_len, self.info.block_size))
 
-    def absorb(
-        self, load: WorkerLoad, peer: PeerWork = PeerWork.IDLE, now: float | None = None
-    ) -> None:
+    def absorb(self, load: WorkerLoad, peer: PeerWork = PeerWork.IDLE) -> None:
         """Its polled load; `peer`: the work its peers on the node ran at the poll (its steps
         since the last one then ran HostShare.factor(peer) times slower, which the model learns
-        them without); `now`: the poll's time.monotonic()."""
+        them without)."""
         self.load = load
         self.model.chunk_floor_s = load.chunk_floor_s
         self.model.hold_left_s = load.hold_left_s
-        now = time.monotonic() if now is None else now
-        self._progress(load.queued_prefill_tokens, now)
+        now = time.monotonic()
+        self._progress(load.prefills_left)
         self._decode_steps.extend(
             (now, s.seconds, s.decode_seqs) for s in load.steps if s.decode_seqs
         )

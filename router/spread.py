@@ -30,9 +30,6 @@ PRIOR_WIDTH = 0.25
 PRIOR_WEIGHT = 4
 # Its ceiling: a prediction off by a factor of e, one time in three, still says something.
 MAX_WIDTH = 1.0
-# A prediction counts where it, or what was then measured, came to this share of its SLO (see
-# near_slo).
-NEAR_SLO = 0.5
 # One standard deviation of a normal error covers this share of its absolute values.
 ONE_SIGMA_SHARE = 68.0
 
@@ -49,7 +46,7 @@ class PredictionSpread:
         prior: float = PRIOR_WIDTH,
         prior_weight: int = PRIOR_WEIGHT,
         window: int = 64,
-        near: float = NEAR_SLO,
+        near: float = 0.5,
     ) -> None:
         self.prior, self.prior_weight = prior, prior_weight
         self.near = near
@@ -57,11 +54,9 @@ class PredictionSpread:
         self._width = prior
 
     def observe(self, predicted_s: float, measured_s: float, slo_s: float) -> None:
-        if (
-            predicted_s <= 0
-            or measured_s <= 0
-            or not near_slo(predicted_s, measured_s, slo_s, self.near)
-        ):
+        if predicted_s <= 0 or measured_s <= 0 or not math.isfinite(slo_s):
+            return
+        if max(predicted_s, measured_s) < self.near * slo_s:
             return
         self._errors.append(abs(math.log(measured_s / predicted_s)))
         n, k = len(self._errors), self.prior_weight
@@ -76,13 +71,6 @@ class PredictionSpread:
     @property
     def samples(self) -> int:
         return len(self._errors)
-
-
-def near_slo(predicted_s: float, measured_s: float, slo_s: float, near: float = NEAR_SLO) -> bool:
-    """Whether a prediction came near enough its SLO to say how such predictions decide it:
-    either value at least `near` of the SLO (of a 100 ms first token predicted against a 10 s
-    SLO, a 3x error decides nothing)."""
-    return math.isfinite(slo_s) and max(predicted_s, measured_s) >= near * slo_s
 
 
 def miss_chance(predicted_s: float, slo_s: float, width: float = MISS_WIDTH) -> float:

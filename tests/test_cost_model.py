@@ -80,9 +80,12 @@ def trained(
     return state
 
 
-def load_of(w: WorkerState, queued_prefill_tokens: int = 0) -> WorkerLoad:
-    """A poll of `w` with nothing but its queued prompt tokens."""
-    return WorkerLoad(w.worker_id, w.info.role, 0, 0, 0, 0.1, 1000, 1024, queued_prefill_tokens)
+def load_of(w: WorkerState, *left: tuple[str, int]) -> WorkerLoad:
+    """A poll of `w` with nothing but the prompt tokens its requests still have to compute."""
+    queued = sum(n for _, n in left)
+    return WorkerLoad(
+        w.worker_id, w.info.role, 0, 0, 0, 0.1, 1000, 1024, queued, prefills_left=left
+    )
 
 
 def shape(n: int, seed: int = 0, max_tokens: int = 64, slo_ttft=30.0, slo_itl=10.0):
@@ -1491,11 +1494,11 @@ def test_decodes_spread_over_as_many_workers_as_the_rate_needs():
 
 
 def test_a_prompt_placed_behind_a_prefill_nearly_done_waits_only_for_what_is_left_of_it():
-    """A poll says how many prompt tokens the worker still has to compute: what the books hold
-    past that was computed, by the oldest prefills first. A prompt placed now then waits for the
-    100 tokens left of the one prefilling, not its whole prompt; a prefill placed too recently to
-    have reached the worker is not counted as begun, and a worker holding more than the books
-    (a recompute) makes none of them further along."""
+    """A poll says how many prompt tokens each request at the worker still has to compute. A
+    prompt placed now then waits for the 100 tokens left of the one prefilling, not its whole
+    prompt; one not yet at the worker has
+    none computed, one gone from the worker's queue is computed (one token left until its first
+    token comes), and a preempted one starts over."""
     p, d = trained("prefill-0", "prefill"), trained("decode-0", "decode")
     p.add_prefill("a", 1000, prefill_pairs(1000, 0))
     p.add_prefill("b", 800, prefill_pairs(800, 0))
@@ -1503,27 +1506,27 @@ def test_a_prompt_placed_behind_a_prefill_nearly_done_waits_only_for_what_is_lef
     before = predict_disaggregated(req, p, d, transfer, Bias())
     assert p.queued_tokens == 1800
 
-    later = time.monotonic() + 10  # both placed well before the poll
-    p.absorb(load_of(p, 5000), now=later)  # more than the books
-    assert p.queued_tokens == 1800
-    # a: 900 of 1000 computed (the worker counts 99: its last token goes with its first
-    # decode), b waiting whole.
-    p.absorb(load_of(p, 99 + 800), now=later)
-    assert p.queued_tokens == 899
-    pairs = prefill_pairs(1000, 0) * (1 - (901 / 1000) ** 2) + prefill_pairs(800, 0)
+    p.absorb(load_of(p, ("a", 100), ("b", 800)))  # 900 of a's 1000 computed, b waiting whole
+    assert p.queued_tokens == 100 + 800
+    pairs = prefill_pairs(1000, 0) * (1 - (900 / 1000) ** 2) + prefill_pairs(800, 0)
     assert p.queued_pairs == pytest.approx(pairs)
     after = predict_disaggregated(req, p, d, transfer, Bias())
     assert after.prefill_s == pytest.approx(before.prefill_s)
     assert after.queue_s < 0.6 * before.queue_s
-    wait, _ = p.model.chunked_s(899, pairs, 0, 0)
+    wait, _ = p.model.chunked_s(900, pairs, 0, 0)
     assert after.queue_s == pytest.approx(wait, rel=0.05)
 
-    p.add_prefill("c", 500, prefill_pairs(500, 0))  # not yet at the worker at the next poll
-    p.absorb(load_of(p, 99 + 800), now=time.monotonic())
-    assert p.queued_tokens == 899 + 500
+    p.add_prefill("c", 500, prefill_pairs(500, 0))
+    p.absorb(load_of(p, ("b", 300)))  # a computed, c not yet at the worker
+    assert p.queued_tokens == 1 + 300 + 500
+    p.absorb(load_of(p, ("b", 1200), ("c", 500)))  # b held with a prefix the books took as cached
+    assert p.queued_tokens == 1 + 800 + 500
+    p.absorb(load_of(p, ("c", 100)))
+    assert p.queued_tokens == 1 + 1 + 100
+    p.absorb(load_of(p, ("c", 500)))  # preempted: its tokens to compute again
+    assert p.queued_tokens == 1 + 1 + 500
     p.done("a")
-    p.absorb(load_of(p, 0), now=time.monotonic() + 10)
-    assert p.queued_tokens == 2  # b and c computed: one token each until their first tokens
+    assert p.queued_tokens == 1 + 500
 
 
 def test_a_bias_below_one_does_not_take_a_p99_gap_under_the_typical_gap():
@@ -1540,7 +1543,11 @@ def test_a_bias_below_one_does_not_take_a_p99_gap_under_the_typical_gap():
     c = predict_colocated(shape(64), a, Bias())
     assert c.itl_bias == pytest.approx(1 / 3)
     assert c.raw_itl_p99_s * c.itl_bias < c.itl_gap_s  # scaled alone, it would pass under
-    assert c.itl_p99_s == pytest.approx(max(c.itl_gap_s, c.itl_floor_s))
+    assert c.itl_floor_s == 0 and c.itl_p99_s == pytest.approx(c.itl_gap_s)
+    a.observe_gaps([2 * raw] * 60)  # its requests' gaps lately: twice the step
+    a.update_tail()
+    c = predict_colocated(shape(64), a, Bias())
+    assert c.itl_floor_s == pytest.approx(2 * raw) and c.itl_p99_s >= c.itl_floor_s
 
 
 def test_colocated_requests_that_came_far_over_their_predicted_p99_gap_move_the_next_one():

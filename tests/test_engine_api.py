@@ -261,6 +261,28 @@ def test_a_requests_own_hold_reaches_its_scheduler_request_and_outlives_a_failed
     assert_pool_free(engine)
 
 
+def test_a_workers_load_says_how_far_each_prompt_has_come():
+    """WorkerLoad.prefills_left: each waiting or prefilling request's prompt tokens still to
+    compute, by the request id the router placed it under (its books read how far each
+    prefill has come from it); queued_prefill_tokens counts a running prefill's last token with
+    its first decode."""
+    from worker_protocol.host import engine_load
+    from worker_protocol.messages import WorkerRole
+
+    engine = make_engine("tiny-llama", budget=16, caching=False)
+    a, b = random_prompts([40, 30], seed=4)
+    engine.add_request(a, GREEDY, request_id="a")
+    engine.add_request(b, GREEDY, request_id="b")
+    assert dict(engine_load(engine, "p", WorkerRole.PREFILL).prefills_left) == {"a": 40, "b": 30}
+    engine.step()  # 16 of a's 40
+    load = engine_load(engine, "p", WorkerRole.PREFILL)
+    assert dict(load.prefills_left) == {"a": 24, "b": 30}
+    assert load.queued_prefill_tokens == 23 + 30
+    drain(engine)
+    assert_pool_free(engine)
+    assert engine_load(engine, "p", WorkerRole.PREFILL).prefills_left == ()
+
+
 def test_a_workers_load_reports_its_smallest_chunks_step_and_the_hold_used(monkeypatch):
     """What the router prices holds and chunks by (WorkerLoad.chunk_floor_s, hold_left_s)
     comes from the engine's scheduler as it stands."""

@@ -211,10 +211,6 @@ def test_admission_judges_a_prediction_by_how_late_first_tokens_have_come():
         gate.set()
         assert len(await first) == 4 and len(await admitted) == 4
         assert core.pending == core.active == 0
-        # Each first token is kept with its request's TTFT SLO: the margin counts those that
-        # came near it (admission.ttft_margin).
-        ok = next(r for r in core.records if r.request_id == "ok")
-        assert ok.slo_ttft_s == pytest.approx(slo_ms / 1000) and ok.measured_ttft_s
 
     run(main())
 

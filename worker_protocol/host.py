@@ -171,8 +171,12 @@ def worker_info(
 def engine_load(engine: LLMEngine, worker_id: str, role: WorkerRole) -> WorkerLoad:
     """A worker's load figures, read on the engine thread."""
     sched = engine.scheduler
-    queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
-    queued += sum(r.num_tokens - r.num_computed_tokens - 1 for r in sched.running_prefills())
+    prefilling = list(sched.running_prefills())
+    left = [
+        (r.request_id, r.num_tokens - r.num_computed_tokens) for r in (*sched.waiting, *prefilling)
+    ]
+    # a running prefill's last token is computed with its first decode step
+    queued = sum(n for _, n in left) - len(prefilling)
     pool = engine.kv.pool
     return WorkerLoad(
         worker_id=worker_id,
@@ -184,6 +188,7 @@ def engine_load(engine: LLMEngine, worker_id: str, role: WorkerRole) -> WorkerLo
         num_free_blocks=pool.num_free_blocks,
         num_blocks=pool.num_blocks,
         queued_prefill_tokens=queued,
+        prefills_left=tuple(left),
         held=len(sched.held),
         steps=engine.step_stats.drain(),
         preemptions=sched.num_preemptions,

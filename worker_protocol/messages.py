@@ -185,3 +185,6 @@ class WorkerLoad:
     # the least of it, the held step running counted (Scheduler.hold_left_s): how long more
     # the prompts there may wait for decodes; 0 where one never waits; None with none in line.
     hold_left_s: float | None = None
+    # (request id, prompt tokens not yet computed) of each request waiting or prefilling: how
+    # far each prefill the router placed here has come.
+    prefills_left: tuple[tuple[str, int], ...] = ()

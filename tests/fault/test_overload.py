@@ -17,7 +17,7 @@ import pytest
 
 from bench import cli, loadgen, overload, slo, trace
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from router.admission import ttft_margin
+from router.admission import TtftMargin
 from router.cluster import ClusterConfig
 from router.core_types import RouterConfig
 from router.server import ServeConfig
@@ -162,30 +162,38 @@ def test_overload_takes_one_policy():
     assert cli.run(args) == 2  # refused before any server starts
 
 
+def margin_after(*first_tokens: tuple[float, float, float]) -> float:
+    """Admission's margin after these (predicted, measured TTFT, SLO), oldest first."""
+    m = TtftMargin()
+    for predicted, measured, slo_s in first_tokens:
+        m.observe(predicted, measured, slo_s)
+    return m.value
+
+
 def test_admission_margin_follows_how_late_first_tokens_came():
-    slo = 1.5  # (predicted, measured, SLO): every one here near its SLO
-    on_time = [(1.0, 0.9, slo)] * 40
-    assert ttft_margin(on_time) == 1.0  # early predictions do not loosen admission
-    assert ttft_margin([(1.0, 3.0, slo)] * 7) == 1.0  # too few first tokens yet
-    assert ttft_margin([(1.0, 3.0, slo)] * 8) == 3.0
+    slo = 1.5  # (predicted, measured, SLO): every prediction here near its SLO
+    assert margin_after(*[(1.0, 0.9, slo)] * 40) == 1.0  # early ones do not loosen admission
+    assert margin_after(*[(1.0, 3.0, slo)] * 11) == 1.0  # too few first tokens yet
+    assert margin_after(*[(1.0, 3.0, slo)] * 12) == 3.0
     late = [(1.0, 1.0, slo)] * 32 + [(1.0, 2.0, slo)] * 8  # one in five at twice its prediction
-    assert ttft_margin(late) == 2.0
-    assert ttft_margin([(1.0, 50.0, slo)] * 20) == 4.0  # bounded: strays cannot shut admission
-    # Newest first: the latest 64 count, the older ones' lateness is forgotten.
-    assert ttft_margin([(1.0, 1.0, slo)] * 64 + [(1.0, 3.0, slo)] * 64) == 1.0
+    assert margin_after(*late) == 2.0
+    assert margin_after(*[(1.0, 50.0, slo)] * 20) == 4.0  # bounded: strays cannot shut it
+    assert margin_after(*[(1.0, 1.0, slo)] * 11, (1.0, 4.0, slo)) == 1.0  # nor one stray
+    # The latest 64 count: older lateness is forgotten.
+    assert margin_after(*[(1.0, 3.0, slo)] * 64, *[(1.0, 1.0, slo)] * 64) == 1.0
 
 
-def test_admission_margin_counts_first_tokens_near_their_slo():
+def test_admission_margin_counts_first_tokens_predicted_near_their_slo():
     """A 3 s first token predicted at 1 s against a 10 s SLO decides nothing: it does not make
     admission refuse a request predicted at 7 s (what the long-prompt trace showed: short
-    predictions on idle workers ran late by 1.5-2x while those near the SLO came within it)."""
+    predictions on idle workers ran late by 1.5-2x while those near the SLO came within it).
+    Which count is chosen by the prediction alone: a short one that came late near the SLO
+    does not count (those that came early would not either), nor one without an SLO."""
     slo = 10.0
     near = [(8.0, 8.8, slo)] * 20  # 1.1x late near the SLO
     short = [(1.0, 3.0, slo)] * 40  # 3x late, far under it
-    assert ttft_margin(short) == 1.0
-    assert ttft_margin(short + near) == pytest.approx(1.1)
-    assert ttft_margin(near + short) == pytest.approx(1.1)
-    # A first token that came near the SLO counts though its prediction was short; one
-    # without any SLO never does.
-    assert ttft_margin([(2.0, 6.0, slo)] * 8) == 3.0
-    assert ttft_margin([(6.0, 12.0, math.inf)] * 40) == 1.0
+    assert margin_after(*short) == 1.0
+    assert margin_after(*short, *near) == pytest.approx(1.1)
+    assert margin_after(*near, *short) == pytest.approx(1.1)
+    assert margin_after(*[(2.0, 6.0, slo)] * 20) == 1.0
+    assert margin_after(*[(6.0, 12.0, math.inf)] * 40) == 1.0
