@@ -336,8 +336,8 @@ class Planner:
         if shed and not chosen.refused:
             parts.append(
                 f"{shed} of {len(usable)} placements admission would refuse (predicted TTFT x "
-                f"{self.ttft_margin:.2f}, how late first tokens near their SLO have come lately, "
-                "past the SLO)"
+                f"{self.ttft_margin:.2f}, how late first tokens predicted near their SLO have come "
+                "lately, past the SLO)"
             )
         if code == "cost_ttft":
             code = _tie_broken(req, chosen, usable, parts)

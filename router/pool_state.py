@@ -136,8 +136,7 @@ class WorkerState:
         itl_slo_s: float = float("inf"),
     ) -> None:
         """`local`: the request decodes here too (colocated), with ITL SLO `itl_slo_s`."""
-        slo = itl_slo_s if local else float("inf")
-        self._prefills[rid] = _Prefill(tokens, pairs, local, slo)
+        self._prefills[rid] = _Prefill(tokens, pairs, local, itl_slo_s if local else float("inf"))
         self._placed.append((time.monotonic(), tokens, pairs))
 
     def recent_prefills(self, window_s: float) -> list[tuple[int, float]]:

@@ -151,8 +151,9 @@ class PathPrediction:
 
     def shed(self, slo_ttft_s: float, margin: float) -> bool:
         """Whether admission refuses this placement (router/admission.py): its predicted TTFT,
-        times `margin` (how late first tokens near their SLO have come lately), misses the TTFT
-        SLO, and it would queue (a request that misses on idle workers is served anyway)."""
+        times `margin` (how late first tokens predicted near their SLO have come lately), misses
+        the TTFT SLO, and it would queue (a request that misses on idle workers is served
+        anyway)."""
         return self.ttft_s * margin > slo_ttft_s and self.queue_s > 0
 
     def new_miss(self, req: RequestShape) -> float:
