@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from engine.prefix_hash import max_cacheable_tokens
-from router.cost_model import StepTimeModel
+from router.cost_model import StepTimeModel, prefill_pairs
 from router.host_share import HostShare, PeerWork
 from router.spread import PredictionBias, PredictionSpread
 from router.vocab import PLACEMENT_KINDS
@@ -69,10 +69,12 @@ class _Prefill:
 
     @property
     def pairs_left(self) -> float:
-        """Its attention pairs still to compute: a prompt's later tokens hold most of them
-        (causal attention: the first k of n tokens hold about (k / n)^2 of the pairs; more than
-        that where a cached prefix sits before them, so this errs high there)."""
-        return self.pairs * (1.0 - (self.done / self.tokens) ** 2) if self.tokens else 0.0
+        """Its attention pairs still to compute: those of its last `left` tokens, after the
+        prefix it was placed with (read back from its pairs: prefill_pairs) and what is done."""
+        if not self.done:
+            return self.pairs
+        cached = max(0, round(self.pairs / self.tokens - (self.tokens + 1) / 2))
+        return prefill_pairs(self.left, cached + self.done)
 
 
 @dataclass(slots=True)

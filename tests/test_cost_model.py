@@ -1508,7 +1508,7 @@ def test_a_prompt_placed_behind_a_prefill_nearly_done_waits_only_for_what_is_lef
 
     p.absorb(load_of(p, ("a", 100), ("b", 800)))  # 900 of a's 1000 computed, b waiting whole
     assert p.queued_tokens == 100 + 800
-    pairs = prefill_pairs(1000, 0) * (1 - (900 / 1000) ** 2) + prefill_pairs(800, 0)
+    pairs = prefill_pairs(100, 900) + prefill_pairs(800, 0)  # a's last 100 after its first 900
     assert p.queued_pairs == pytest.approx(pairs)
     after = predict_disaggregated(req, p, d, transfer, Bias())
     assert after.prefill_s == pytest.approx(before.prefill_s)
