@@ -43,14 +43,16 @@ def caused_misses(
     or the former if longer. Taking the new steps alone, a worker whose tail already put its
     requests near their SLO would be seen to lose nothing to one more prefill; multiplying them
     by the tail would count twice a tail that comes from prefill chunks cut to the step target.
-    The p99 gap with the new work is scaled by the bias of the request's kind of placement on
-    `w` (how its requests prefilled there, or with their KV from a peer, came against their
-    predicted p99 gap lately: itl_bias_factor), as the new request's own is; the one without it
-    is not. A bias comes from work that landed beside requests after their placement, which is
-    what the new work is: scaling both, a bias taught by earlier colocations put the requests
-    there past their SLO without new work, and the next colocation beside them cost nothing (on
-    long-prompt at 3fb8eed, colocations beside running requests read 0.00-0.32 misses caused,
-    and flex colocated 14 requests of 40 in a round). The miss
+    What the new work adds to that p99 gap is scaled by the bias of the request's kind of
+    placement on `w` (how its requests prefilled there, or with their KV from a peer, came
+    against their predicted p99 gap lately: itl_bias_factor), as the new request's own gap is;
+    the gap without it is not. Scaling the gap without it too, a bias taught by earlier
+    colocations put the requests there past their SLO without new work, and the next
+    colocation beside them cost nothing (on long-prompt at 3fb8eed, colocations beside running
+    requests read 0.00-0.32 misses caused, and flex colocated 14 requests of 40 in a round);
+    scaling the whole gap with it, work that adds nothing but a decode to the batch cost each
+    request there the bias (on chat at 431f0f0, one more decode on the worker decoding for the
+    split read 3.24 misses caused among the requests there, and flex colocated instead). The miss
     chances are as wide as the worker's p99 gap predictions have come from its requests'
     measured ones (`itl_spread`): a request predicted past its SLO may still attain, the less
     so the further past it new work takes it."""
@@ -60,9 +62,9 @@ def caused_misses(
     def lost(checks: Sequence[ItlCheck], step_s: float, new_step_s: float) -> float:
         typical = max(step_s * g, w.typical_gap())  # what its gaps take now, as measured too
         without = typical * tail
-        with_it = max(new_step_s * g + typical * (tail - 1.0), without)
+        added = max(0.0, new_step_s * g + typical * (tail - 1.0) - without)
         return sum(
-            max(0.0, miss_chance(with_it * b, slo, width) - miss_chance(without, slo, width))
+            miss_chance(without + added * b, slo, width) - miss_chance(without, slo, width)
             for slo, b in checks
         )
 
