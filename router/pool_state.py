@@ -212,6 +212,12 @@ class WorkerState:
     def queued_pairs(self) -> float:
         return sum(p.pairs_left for p in self._prefills.values())
 
+    def queued(self) -> list[tuple[int, float, int]]:
+        """The prefills queued here in the order placed: (prompt tokens and attention pairs
+        still to compute, the context it decodes here with from its first token on: 0 where its
+        KV goes to a peer)."""
+        return [(p.left, p.pairs_left, p.tokens if p.local else 0) for p in self._prefills.values()]
+
     def _progress(self, left: Sequence[tuple[str, int]]) -> None:
         """How far the prefills placed here have come, from a poll's (request id, prompt tokens
         still to compute) of each request waiting or prefilling at the worker

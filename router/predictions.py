@@ -19,6 +19,7 @@ from router.interference import (
     coming_chunk_step,
     coming_step,
     decode_step_beside,
+    prefill_end_s,
     prefills_beside,
 )
 from router.pool_state import WorkerState
@@ -211,7 +212,8 @@ def predict_colocated(
     tokens = d.queued_tokens + n
     pairs = d.queued_pairs + prefill_pairs(n, cached)
     hold = req.prefill_hold_s
-    total, during = d.model.chunked_s(tokens, pairs, d.batch, d.context, hold)
+    _, during = d.model.chunked_s(tokens, pairs, d.batch, d.context, hold)
+    total = prefill_end_s(d, n, prefill_pairs(n, cached), hold)
     own, _ = d.model.chunked_s(n, prefill_pairs(n, cached), d.batch, d.context, hold)
     _, before = d.model.chunked_s(d.queued_tokens, d.queued_pairs, d.batch, d.context)
     itl = d.model.decode_step_s(d.batch + 1, d.context + req.prompt_len + req.max_tokens // 2)
@@ -266,13 +268,14 @@ def predict_disaggregated(
     # takes longer in chunks, and they see slower steps meanwhile.
     hold = req.prefill_hold_s
     own, _ = p.model.chunked_s(n_p, prefill_pairs(n_p, cached_p), p.batch, p.context, hold)
-    total, p_during = p.model.chunked_s(
+    _, p_during = p.model.chunked_s(
         p.queued_tokens + n_p,
         p.queued_pairs + prefill_pairs(n_p, cached_p),
         p.batch,
         p.context,
         hold,
     )
+    total = prefill_end_s(p, n_p, prefill_pairs(n_p, cached_p), hold)
     exposed = transfer.seconds(nbytes)
     raw = total + exposed
     ctx = d.context + req.prompt_len

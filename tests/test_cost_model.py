@@ -1663,3 +1663,34 @@ def test_a_replacement_keeps_its_predecessors_bias_and_a_removed_worker_leaves_t
     m.absorb([])
     assert sample("pdserve_prediction_bias_ratio", labels) is None
     assert sample("pdserve_prediction_bias_ratio", {**labels, "kind": "received"}) is None
+
+
+def test_a_prompt_queued_behind_a_colocated_one_prefills_beside_its_decode():
+    """A prompt placed behind one that decodes where it prefills (colocated) runs its chunks
+    beside that one's decode, sized to the step target, where one placed behind a prompt whose
+    KV goes to a peer runs after it in whole-budget steps: both when the new prompt is to
+    decode there too and when it prefills there for a peer."""
+    pl = planner()
+    w = trained("both-0", "both", seed=1, step_target_s=0.05)
+    d = trained("decode-1", "decode", seed=2)
+    m = w.model
+    req = shape(512, seed=3)
+    ahead, own = prefill_pairs(1024, 0), prefill_pairs(512, 0)
+
+    def prefill_s() -> dict[str, float]:
+        """The time until the prompt is computed on both-0: colocated, and for decode-1."""
+        return {
+            c.path.value: c.queue_s + c.prefill_s
+            for c in pl.candidates(req, [w], [w, d])
+            if w.worker_id in (c.prefill_worker, c.decode_worker)
+        }
+
+    w.add_prefill("for-a-peer", 1024, ahead, local=False)
+    alone = m.chunked_s(1024 + 512, ahead + own, 0, 0)[0]
+    paths = ("colocated", "disaggregated")
+    assert prefill_s() == dict.fromkeys(paths, pytest.approx(alone))
+    w.finish("for-a-peer")
+    w.add_prefill("colocated", 1024, ahead, local=True, itl_slo_s=0.2)
+    beside = m.chunked_s(1024, ahead, 0, 0)[0] + m.chunked_s(512, own, 1, 1024)[0]
+    assert prefill_s() == dict.fromkeys(paths, pytest.approx(beside))
+    assert beside > 1.2 * alone
