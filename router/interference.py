@@ -45,24 +45,24 @@ def caused_misses(
     by the tail would count twice a tail that comes from prefill chunks cut to the step target.
     What the new work adds to that p99 gap is scaled by the bias of the request's kind of
     placement on `w` (how its requests prefilled there, or with their KV from a peer, came
-    against their predicted p99 gap lately: itl_bias_factor), as the new request's own gap is;
-    the gap without it is not. Scaling the gap without it too, a bias taught by earlier
-    colocations put the requests there past their SLO without new work, and the next
-    colocation beside them cost nothing (on long-prompt at 3fb8eed, colocations beside running
-    requests read 0.00-0.32 misses caused, and flex colocated 14 requests of 40 in a round);
-    scaling the whole gap with it, work that adds nothing but a decode to the batch cost each
-    request there the bias (on chat at 431f0f0, one more decode on the worker decoding for the
-    split read 3.24 misses caused among the requests there, and flex colocated instead). The miss
-    chances are as wide as the worker's p99 gap predictions have come from its requests'
-    measured ones (`itl_spread`): a request predicted past its SLO may still attain, the less
-    so the further past it new work takes it."""
+    against their predicted p99 gap lately: itl_bias_factor; the new request's whole predicted
+    p99 gap is scaled by its own); the gap without it is not. Scaling the gap without it too,
+    a bias taught by earlier colocations put the requests there past their SLO without new
+    work, and the next colocation beside them cost nothing (on long-prompt at 3fb8eed,
+    colocations beside running requests read 0.00-0.32 misses caused, and flex colocated 14
+    requests of 40 in a round); scaling the whole gap with it, work that adds nothing but a
+    decode to the batch cost each request there the bias (on chat at 431f0f0, one more decode
+    on the worker decoding for the split read 3.24 misses caused among the requests there, and
+    flex colocated instead). The miss chances are as wide as the worker's p99 gap predictions
+    have come from its requests' measured ones (`itl_spread`): a request predicted past its SLO
+    may still attain, the less so the further past it new work takes it."""
     tail, g = w.gap_tail(), w.gap_factor()
     width = w.itl_spread.width
 
     def lost(checks: Sequence[ItlCheck], step_s: float, new_step_s: float) -> float:
         typical = max(step_s * g, w.typical_gap())  # what its gaps take now, as measured too
         without = typical * tail
-        added = max(0.0, new_step_s * g + typical * (tail - 1.0) - without)
+        added = max(0.0, new_step_s * g - typical)  # the new steps as gaps, over the typical
         return sum(
             miss_chance(without + added * b, slo, width) - miss_chance(without, slo, width)
             for slo, b in checks
@@ -89,20 +89,25 @@ def prefill_end_s(w: WorkerState, tokens: int, pairs: float, hold_s: float | Non
     step target, or down to MIN_CHUNK tokens a step where the worker's smallest chunks beside
     decodes run past it. Priced as one run beside the decodes of now, prompts placed behind
     colocated ones were predicted to prefill as if alone (on bursty at 4253129, four arriving
-    together and colocated on one worker were predicted at 5.2-6.2 s and came at 5.8-15.9 s)."""
+    together and colocated on one worker were predicted at 5.2-6.2 s and came at 5.8-15.9 s).
+    A colocated prompt's decode is taken to outlast the prompts after it (its length is not in
+    the books), and the worker not to hold them for it: the hold counts once, for the decodes
+    running now. With no colocated prompt queued, this is the whole queue's chunked_s."""
     batch, context = w.batch, w.context
     wait = w.model.hold_wait_s(batch, context, hold_s)
     total = 0.0
     if wait is not None:
         total, batch, context = wait, 0, 0
+    no_hold = 0.0  # what is left of the hold is spent (or none was to be had): chunks
     run_tokens, run_pairs = 0, 0.0  # the prompts queued since the latest colocated one
-    for left, left_pairs, decodes_with in w.queued():
-        run_tokens, run_pairs = run_tokens + left, run_pairs + left_pairs
-        if decodes_with:
-            total += w.model.chunked_s(run_tokens, run_pairs, batch, context, 0.0)[0]
+    for q in w.queued():
+        run_tokens, run_pairs = run_tokens + q.left, run_pairs + q.pairs_left
+        if q.decodes_with:
+            total += w.model.chunked_s(run_tokens, run_pairs, batch, context, no_hold)[0]
             run_tokens, run_pairs = 0, 0.0
-            batch, context = batch + 1, context + decodes_with
-    return total + w.model.chunked_s(run_tokens + tokens, run_pairs + pairs, batch, context, 0.0)[0]
+            batch, context = batch + 1, context + q.decodes_with
+    last = w.model.chunked_s(run_tokens + tokens, run_pairs + pairs, batch, context, no_hold)
+    return total + last[0]
 
 
 def coming_step(w: WorkerState, more: int = 0, context: int = 0) -> float:

@@ -85,6 +85,16 @@ class _Decode:
     left: int = 0  # tokens it may still decode (max_tokens less those come; 0: unknown)
 
 
+class Queued(NamedTuple):
+    """A prefill queued on a worker: its prompt tokens and attention pairs still to compute,
+    and the context it decodes there with from its first token on (its prompt past a prefix
+    hit, short by the hit, as coming_context; 0 where its KV goes to a peer)."""
+
+    left: int
+    pairs_left: float
+    decodes_with: int
+
+
 class ItlCheck(NamedTuple):
     """A request's ITL SLO, and the bias of its kind of placement on its decode worker
     (WorkerState.itl_bias_factor): what its predicted p99 gap is multiplied by."""
@@ -212,11 +222,12 @@ class WorkerState:
     def queued_pairs(self) -> float:
         return sum(p.pairs_left for p in self._prefills.values())
 
-    def queued(self) -> list[tuple[int, float, int]]:
-        """The prefills queued here in the order placed: (prompt tokens and attention pairs
-        still to compute, the context it decodes here with from its first token on: 0 where its
-        KV goes to a peer)."""
-        return [(p.left, p.pairs_left, p.tokens if p.local else 0) for p in self._prefills.values()]
+    def queued(self) -> list[Queued]:
+        """The prefills queued here, in the order placed."""
+        return [
+            Queued(p.left, p.pairs_left, p.tokens if p.local else 0)
+            for p in self._prefills.values()
+        ]
 
     def _progress(self, left: Sequence[tuple[str, int]]) -> None:
         """How far the prefills placed here have come, from a poll's (request id, prompt tokens

@@ -287,7 +287,7 @@ def predict_disaggregated(
     # On D, prefills queued there (local ones, or a worker that does both prefilling for a peer)
     # share the steps of those already decoding, and of the request once it decodes if they
     # outlast its prefill and transfer.
-    d_queue_s = d.model.chunked_s(d.queued_tokens, d.queued_pairs, d.batch, d.context)[0]
+    d_queue_s = prefill_end_s(d, 0, 0.0)
     step = decode_step_beside if d_queue_s > raw else (lambda w, n, c: w.model.decode_step_s(n, c))
     itl = step(d, d.batch + 1, ctx + req.max_tokens // 2)
     running = before = 0.0

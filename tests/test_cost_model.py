@@ -1694,3 +1694,32 @@ def test_a_prompt_queued_behind_a_colocated_one_prefills_beside_its_decode():
     beside = m.chunked_s(1024, ahead, 0, 0)[0] + m.chunked_s(512, own, 1, 1024)[0]
     assert prefill_s() == dict.fromkeys(paths, pytest.approx(beside))
     assert beside > 1.2 * alone
+    # A second colocated prompt, then one for a peer: the new prompt runs with the latter,
+    # beside both decodes.
+    two, peer = prefill_pairs(256, 0), prefill_pairs(128, 0)
+    w.add_prefill("colocated-2", 256, two, local=True, itl_slo_s=0.2)
+    w.add_prefill("for-a-peer-2", 128, peer, local=False)
+    chain = (
+        m.chunked_s(1024, ahead, 0, 0)[0]
+        + m.chunked_s(256, two, 1, 1024)[0]
+        + m.chunked_s(128 + 512, peer + own, 2, 1024 + 256)[0]
+    )
+    assert prefill_s() == dict.fromkeys(paths, pytest.approx(chain))
+
+
+def test_prompts_held_for_the_decodes_running_wait_once_then_chunk_beside_those_to_come():
+    """Where the worker holds prompts for its running decodes (they end within the hold), the
+    prompts queued there wait them out once and then run without them; a colocated one among
+    them decodes from its first token on, and the prompts after it chunk beside its decode: the
+    hold is not counted again for it."""
+    pl = planner()
+    held = _holding(left=20)
+    m = held.model
+    wait = m.hold_wait_s(held.batch, held.context)
+    assert wait is not None
+    ahead, own = prefill_pairs(600, 0), prefill_pairs(400, 0)
+    held.add_prefill("colocated", 600, ahead, local=True, itl_slo_s=0.2)
+    c = pl.candidates(shape(400, seed=6), [], [held])[0]
+    expect = wait + m.chunked_s(600, ahead, 0, 0)[0] + m.chunked_s(400, own, 1, 600, 0.0)[0]
+    assert c.queue_s + c.prefill_s == pytest.approx(expect)
+    assert m.chunked_s(400, own, 1, 600)[0] > m.chunked_s(400, own, 1, 600, 0.0)[0]
