@@ -30,6 +30,9 @@ PRIOR_WIDTH = 0.25
 PRIOR_WEIGHT = 4
 # Its ceiling: a prediction off by a factor of e, one time in three, still says something.
 MAX_WIDTH = 1.0
+# A prediction counts where it, or what was then measured, came to this share of its SLO (of a
+# 100 ms first token predicted against a 10 s SLO, a 3x error decides nothing).
+NEAR_SLO = 0.5
 # One standard deviation of a normal error covers this share of its absolute values.
 ONE_SIGMA_SHARE = 68.0
 
@@ -46,7 +49,7 @@ class PredictionSpread:
         prior: float = PRIOR_WIDTH,
         prior_weight: int = PRIOR_WEIGHT,
         window: int = 64,
-        near: float = 0.5,
+        near: float = NEAR_SLO,
     ) -> None:
         self.prior, self.prior_weight = prior, prior_weight
         self.near = near
