@@ -218,7 +218,7 @@ def predict_colocated(
     _, before = d.model.chunked_s(d.queued_tokens, d.queued_pairs, d.batch, d.context)
     itl = d.model.decode_step_s(d.batch + 1, d.context + req.prompt_len + req.max_tokens // 2)
     # The step the requests to decode here after their local prefill see beside this one.
-    coming = coming_chunk_step(d, n, prefill_pairs(n, cached), hold)
+    coming = coming_chunk_step(d, n, prefill_pairs(n, cached))
     return PathPrediction(
         path=RoutePath.COLOCATED,
         prefill_worker="",
@@ -280,7 +280,7 @@ def predict_disaggregated(
     raw = total + exposed
     ctx = d.context + req.prompt_len
     caused = 0.0
-    p_coming = coming_chunk_step(p, n_p, prefill_pairs(n_p, cached_p), hold)
+    p_coming = coming_chunk_step(p, n_p, prefill_pairs(n_p, cached_p))
     if p.batch or p.local_prefills:  # decoding there, or to decode there (colocated)
         _, p_before = p.model.chunked_s(p.queued_tokens, p.queued_pairs, p.batch, p.context)
         caused += caused_misses(p, p_during, p_before, p_coming)

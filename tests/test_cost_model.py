@@ -24,7 +24,7 @@ from router.cost_model import (
 )
 from router.fake_backend import FakeBackend, fake_info
 from router.host_share import HostShare, PeerWork
-from router.interference import beside_floor, caused_misses, prefills_beside
+from router.interference import beside_floor, caused_misses, coming_chunk_step, prefills_beside
 from router.membership import Membership
 from router.metrics import Metrics
 from router.policy import Planner, Policy, PolicyConfig, RequestShape, pick_decode
@@ -1723,3 +1723,24 @@ def test_prompts_held_for_the_decodes_running_wait_once_then_chunk_beside_those_
     expect = wait + m.chunked_s(600, ahead, 0, 0)[0] + m.chunked_s(400, own, 1, 600, 0.0)[0]
     assert c.queue_s + c.prefill_s == pytest.approx(expect)
     assert m.chunked_s(400, own, 1, 600)[0] > m.chunked_s(400, own, 1, 600, 0.0)[0]
+
+
+def test_a_prompt_behind_a_colocated_one_costs_its_decode_chunks_where_the_running_are_waited_for():
+    """The running decodes end within the hold, so a prompt placed now waits for them; a
+    colocated prompt queued ahead of it decodes from its first token on, for all its output,
+    and the worker does not hold the new prompt for that decode: the new prompt's chunks run
+    beside it. Its step is the chunk's, on both paths, and its misses are counted."""
+    pl = planner()
+    held = _holding(left=20)
+    m = held.model
+    assert m.hold_wait_s(held.batch, held.context) is not None
+    held.add_prefill("colocated", 600, prefill_pairs(600, 0), local=True, itl_slo_s=0.13)
+    own = prefill_pairs(400, 0)
+    step = coming_chunk_step(held, 400, own)
+    assert step == pytest.approx(m.chunked_s(400, own, 41, 40 * 1000 + 600, 0.0)[1])
+    assert step >= 0.15 > m.decode_step_s(41, 40 * 1000 + 600)  # the floor measured there
+    # Only the colocated request is at risk: the running ones end before the new prompt runs.
+    req = shape(400, seed=6)
+    for c in pl.candidates(req, [held], [held, trained("decode-1", "decode", seed=2)]):
+        if held.worker_id in (c.prefill_worker, c.decode_worker):
+            assert c.caused_misses > 0.5, (c.path, c.caused_misses)
