@@ -125,7 +125,7 @@ def coming_chunk_step(w: WorkerState, tokens: int, pairs: float) -> float:
     hold it for them. Priced with the prompt's hold against the decodes running now, a prompt
     placed behind them was taken to wait, and cost them nothing (on long-prompt at b2ad1fe,
     two prompts colocated behind one another were predicted at 88 and 66 ms p99 gaps and came
-    at 289 and 292 ms). 0 when none can still attain (nothing to price: no step model call on a
+    at 272 and 276 ms). 0 when none can still attain (nothing to price: no step model call on a
     decision's path)."""
     if not w.coming_itl_slos():
         return 0.0
