@@ -39,8 +39,9 @@ def caused_misses(
     new work, a request's p99 gap is its typical gap (that step as a gap: times the worker's
     gaps over its steps, `gap_factor`; or the measured median gap when longer: `typical_gap`)
     times the worker's measured tail (`gap_tail`); with it, that p99 gap plus what the new
-    steps add to a typical gap: the typical gap grown as the step is predicted to grow with
-    the new work (x new step / step without it), the tail's excess kept as it is (a busy host,
+    steps add to a typical gap: the typical gap grown as the step grows with the new work (x
+    new step / step without it: predicted, or the smallest chunks' step measured there where
+    longer), the tail's excess kept as it is (a busy host,
     other work in the step delays them as much). Taking the new steps alone, a worker whose tail
     already put its requests near their SLO would be seen to lose nothing to one more prefill;
     multiplying them by the tail would count twice a tail that comes from prefill chunks cut to
@@ -69,8 +70,9 @@ def caused_misses(
     def lost(checks: Sequence[ItlCheck], step_s: float, new_step_s: float) -> float:
         typical = max(step_s * g, w.typical_gap())  # what its gaps take now, as measured too
         without = typical * tail
-        # What the new steps add to a typical gap: in proportion to the steps predicted with
-        # and without the new work, where the gaps measured run longer than predicted.
+        # What the new steps add to a typical gap: that gap grown as the step with the new work
+        # over the step without it (where the gaps come as predicted: the new step as a gap,
+        # over the typical gap).
         added = typical * max(0.0, new_step_s / step_s - 1.0) if step_s > 0 else 0.0
         return sum(
             miss_chance(without + added * b, slo, width) - miss_chance(without, slo, width)
@@ -129,9 +131,11 @@ def coming_step(w: WorkerState, more: int = 0, context: int = 0) -> float:
 def coming_chunk_step(w: WorkerState, tokens: int, pairs: float) -> float:
     """The step the requests to decode on `w` after their local prefill see beside a prefill of
     `tokens` placed after theirs: its chunks, sized to the step target, beside their decodes.
-    The worker holds a prompt only for decodes that end within its hold, and theirs have all
-    their output to come (their length is not in the books): as in prefill_end_s, it does not
-    hold it for them. Priced with the prompt's hold against the decodes running now, a prompt
+    The worker holds a prompt only for decodes that end within its hold; their lengths are not
+    in the books, and they are taken, as in prefill_end_s, to outlast it, so that the prompt is
+    not held for them (short outputs are overpriced; nor is the batch taken to shrink where the
+    decodes running now are waited out first). Priced with the prompt's hold against the
+    decodes running now, a prompt
     placed behind them was taken to wait, and cost them nothing (on long-prompt at b2ad1fe,
     two prompts colocated behind one another were predicted at 88 and 66 ms p99 gaps and came
     at 272 and 276 ms). 0 when none can still attain (nothing to price: no step model call on a

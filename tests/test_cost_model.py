@@ -727,9 +727,10 @@ def test_running_requests_whose_kind_came_late_here_are_counted_as_late_under_ne
 
 
 def test_the_gaps_requests_see_now_floor_a_new_requests_predicted_step():
-    """A worker whose steps are filled with prefill chunks (its own or a peer's, at its step
-    target) shows gaps far longer than the decode step the model predicts for its batch: a new
-    request decoding there is predicted to see those, and so to miss an SLO under them."""
+    """A worker whose gaps run far longer than the decode step the model predicts for its batch
+    (its steps filled with prefill chunks, its own or a peer's, or a host slower than the
+    model): a new request decoding there is predicted to see those, and so to miss an SLO under
+    them."""
     pl = planner()
     d = trained("both-0", "both", seed=1)
     req = shape(16, slo_itl=0.24)
