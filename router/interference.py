@@ -38,19 +38,11 @@ def caused_misses(
     more decode makes their batch larger (None: the new work does not reach them). Without the
     new work, a request's p99 gap is its typical gap (that step as a gap: times the worker's
     gaps over its steps, `gap_factor`; or the measured median gap when longer: `typical_gap`)
-    times the worker's measured tail (`gap_tail`); with it, that p99 gap plus what the new
-    steps add to a typical gap: the typical gap grown as the step grows with the new work (x
-    new step / step without it: predicted, or the smallest chunks' step measured there where
-    longer), the tail's excess kept as it is (a busy host,
-    other work in the step delays them as much). Taking the new steps alone, a worker whose tail
-    already put its requests near their SLO would be seen to lose nothing to one more prefill;
-    multiplying them by the tail would count twice a tail that comes from prefill chunks cut to
-    the step target. Taking the new steps as gaps over the measured typical gap, a host whose
-    gaps ran longer than the steps predicted read a prefill's chunks beside the batch as adding
-    nothing (on mixed at a7b9eb7, `auto` colocated 25 requests on the split's decode worker
-    over a sweep, at 0.00-0.07 misses caused there, its steps predicted at 58-152 ms beside
-    them against a median gap of 142 ms; at 1.0 req/s, with 8 of 30 colocated, 25 of the 30
-    missed their ITL SLO, against 4 for the split).
+    times the worker's measured tail (`gap_tail`); with it, the new steps as gaps plus the time
+    the tail adds to a typical gap (a busy host, other work in the step delays them as much),
+    or the former if longer. Taking the new steps alone, a worker whose tail already put its
+    requests near their SLO would be seen to lose nothing to one more prefill; multiplying them
+    by the tail would count twice a tail that comes from prefill chunks cut to the step target.
     What the new work adds to that p99 gap is scaled by the bias of the request's kind of
     placement on `w` (how its requests prefilled there, or with their KV from a peer, came
     against their predicted p99 gap lately: itl_bias_factor; the new request's whole predicted
@@ -70,10 +62,7 @@ def caused_misses(
     def lost(checks: Sequence[ItlCheck], step_s: float, new_step_s: float) -> float:
         typical = max(step_s * g, w.typical_gap())  # what its gaps take now, as measured too
         without = typical * tail
-        # What the new steps add to a typical gap: that gap grown as the step with the new work
-        # over the step without it (where the gaps come as predicted: the new step as a gap,
-        # over the typical gap).
-        added = typical * max(0.0, new_step_s / step_s - 1.0) if step_s > 0 else 0.0
+        added = max(0.0, new_step_s * g - typical)  # the new steps as gaps, over the typical
         return sum(
             miss_chance(without + added * b, slo, width) - miss_chance(without, slo, width)
             for slo, b in checks

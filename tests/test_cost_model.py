@@ -24,13 +24,7 @@ from router.cost_model import (
 )
 from router.fake_backend import FakeBackend, fake_info
 from router.host_share import HostShare, PeerWork
-from router.interference import (
-    beside_floor,
-    caused_misses,
-    coming_chunk_step,
-    coming_step,
-    prefills_beside,
-)
+from router.interference import beside_floor, caused_misses, coming_chunk_step, prefills_beside
 from router.membership import Membership
 from router.metrics import Metrics
 from router.policy import Planner, Policy, PolicyConfig, RequestShape, pick_decode
@@ -721,9 +715,7 @@ def test_running_requests_whose_kind_came_late_here_are_counted_as_late_under_ne
     d.update_tail()
     assert d.itl_bias_factor(local=False) == pytest.approx(3.0)
     assert caused_misses(d, 0.14, 0.06, 0.14) == pytest.approx(6 * one, abs=0.05)
-    # One more decode: a step 2 ms longer for those decoding, one more in the batch of those
-    # to come (the step the model predicts for them, with and without it).
-    assert caused_misses(d, 0.062, 0.06, coming_step(d, 1, 200)) < 0.01
+    assert caused_misses(d, 0.062, 0.06, 0.062) < 0.01  # one more decode: 96 ms at most
 
 
 def test_the_gaps_requests_see_now_floor_a_new_requests_predicted_step():
@@ -741,15 +733,10 @@ def test_the_gaps_requests_see_now_floor_a_new_requests_predicted_step():
     busy = pl.candidates(req, [], [d])[0]
     assert busy.itl_p99_s == pytest.approx(0.26, rel=0.02)
     assert busy.new_miss(req) > 0.6
-    # The requests decoding there see those gaps without new work. Where the books hold the
-    # prefill whose chunks fill those steps, a short prefill's steps, no longer than its, cause
-    # no new misses; where they hold none, the gaps run long for what the step model does not
-    # see (a slower host), and the steps a prefill adds grow them in proportion.
+    # The requests decoding there see those gaps without new work: a short prefill's steps,
+    # under them, cause no new misses.
     with_decodes(d, 4, 200, itl_slo_s=0.3)
-    unseen = pl.candidates(shape(16, seed=2), [], [d])[0].caused_misses
-    d.add_prefill("a-peers", 4096, prefill_pairs(4096, 0), local=False)
     assert pl.candidates(shape(16, seed=2), [], [d])[0].caused_misses < 0.05
-    assert unseen > 1.0
 
 
 def test_the_tail_is_each_requests_own_once_enough_requests_ended():
@@ -1758,22 +1745,3 @@ def test_a_prompt_behind_a_colocated_one_costs_its_decode_chunks_where_the_runni
     for c in pl.candidates(req, [held], [held, trained("decode-1", "decode", seed=2)]):
         if held.worker_id in (c.prefill_worker, c.decode_worker):
             assert c.caused_misses > 0.5, (c.path, c.caused_misses)
-
-
-def test_a_prefill_beside_decodes_whose_gaps_run_longer_than_predicted_grows_them_in_proportion():
-    """A decode worker whose gaps run at twice the steps its model predicts (a busy host), its
-    requests' p99 gaps within their SLO: a short prompt colocated there runs its chunk beside
-    their decodes, a step the model predicts longer than theirs, but under the gaps measured.
-    Grown in proportion, those gaps pass the SLO: the prompt goes to the prefill worker."""
-    pl = planner()
-    p = trained("prefill-0", "prefill")
-    d = trained("decode-0", "decode", seed=1)
-    step = d.model.decode_step_s(20, 20 * 600)
-    with_decodes(d, 20, 600, itl_slo_s=3 * step)
-    d.observe_gaps([2 * step] * 95 + [2.3 * step] * 5)  # p99 2.3 x the step: under the SLO
-    d.update_tail()
-    decision = pl.decide(shape(16, seed=3), [p], [d])
-    colo = {b.path: b for b in decision.best}[RoutePath.COLOCATED]
-    assert step < colo.running_itl_s < 2 * step  # the chunk's step, under the gaps measured
-    assert colo.caused_misses > 10  # of 20
-    assert decision.chosen.path is RoutePath.DISAGGREGATED
