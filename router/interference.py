@@ -20,6 +20,9 @@ BESIDE_SHARE = 0.01
 # A running request's ITL SLO is at risk from chunks beside it when its steps beside them, times
 # the worker's tail, come within this factor of it (see prefills_beside).
 BESIDE_MARGIN = 2.0
+# The hold of a prompt placed behind a colocated one, priced against that one's decode: none
+# (its decode is taken to outlast the hold: see prefill_end_s, coming_chunk_step).
+NO_HOLD = 0.0
 
 
 def caused_misses(
@@ -98,15 +101,14 @@ def prefill_end_s(w: WorkerState, tokens: int, pairs: float, hold_s: float | Non
     total = 0.0
     if wait is not None:
         total, batch, context = wait, 0, 0
-    no_hold = 0.0  # what is left of the hold is spent (or none was to be had): chunks
     run_tokens, run_pairs = 0, 0.0  # the prompts queued since the latest colocated one
     for q in w.queued():
         run_tokens, run_pairs = run_tokens + q.left, run_pairs + q.pairs_left
         if q.decodes_with:
-            total += w.model.chunked_s(run_tokens, run_pairs, batch, context, no_hold)[0]
+            total += w.model.chunked_s(run_tokens, run_pairs, batch, context, NO_HOLD)[0]
             run_tokens, run_pairs = 0, 0.0
             batch, context = batch + 1, context + q.decodes_with
-    last = w.model.chunked_s(run_tokens + tokens, run_pairs + pairs, batch, context, no_hold)
+    last = w.model.chunked_s(run_tokens + tokens, run_pairs + pairs, batch, context, NO_HOLD)
     return total + last[0]
 
 
@@ -124,14 +126,13 @@ def coming_chunk_step(w: WorkerState, tokens: int, pairs: float) -> float:
     in the books, and they are taken, as in prefill_end_s, to outlast it, so that the prompt is
     not held for them (short outputs are overpriced; nor is the batch taken to shrink where the
     decodes running now are waited out first). Priced with the prompt's hold against the
-    decodes running now, a prompt
-    placed behind them was taken to wait, and cost them nothing (on long-prompt at b2ad1fe,
-    two prompts colocated behind one another were predicted at 88 and 66 ms p99 gaps and came
-    at 272 and 276 ms). 0 when none can still attain (nothing to price: no step model call on a
-    decision's path)."""
+    decodes running now, a prompt placed behind them was taken to wait, and cost them nothing
+    (on long-prompt at b2ad1fe, two prompts colocated behind one another were predicted at 88
+    and 66 ms p99 gaps and came at 272 and 276 ms). 0 when none can still attain (nothing to
+    price: no step model call on a decision's path)."""
     if not w.coming_itl_slos():
         return 0.0
-    return w.model.chunked_s(tokens, pairs, *_with_coming(w), 0.0)[1]
+    return w.model.chunked_s(tokens, pairs, *_with_coming(w), NO_HOLD)[1]
 
 
 def shared_misses(d: WorkerState, workers: Sequence[WorkerState]) -> float:
