@@ -311,8 +311,9 @@ class Planner:
         others = [c for c in best if c.path is not chosen.path]
         parts = [
             f"{chosen.path.value}: {_misses(chosen, req)}, predicted TTFT {_ms(chosen.ttft_s)}, "
-            f"ITL p99 {_ms(chosen.itl_p99_s)} (such predictions err by x"
-            f"{math.exp(chosen.ttft_width):.2f} and x{math.exp(chosen.itl_width):.2f} lately)"
+            f"ITL p99 {_ms(chosen.itl_p99_s)} (x{chosen.itl_bias:.2f}, the bias of its kind of "
+            f"placement there; such predictions err by x{math.exp(chosen.ttft_width):.2f} and "
+            f"x{math.exp(chosen.itl_width):.2f} lately)"
         ]
         code = "cost_ttft"
         fewest = min(c.expected_misses(req) for c in usable)
@@ -324,7 +325,10 @@ class Planner:
                 )
                 code = "handoff_failing"
                 continue
-            parts.append(f"vs {o.path.value} {_misses(o, req)}, TTFT {_ms(o.ttft_s)}")
+            parts.append(
+                f"vs {o.path.value} {_misses(o, req)}, TTFT {_ms(o.ttft_s)}, ITL p99 "
+                f"{_ms(o.itl_p99_s)} (x{o.itl_bias:.2f})"
+            )
             its = (c for c in usable if c.path is o.path)
             if not any(c.ties(fewest, req) for c in its) and code == "cost_ttft":
                 code = "cost_misses"  # fewer misses decided, not the TTFT

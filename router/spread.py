@@ -119,11 +119,12 @@ class PredictionBias:
             t = time.monotonic() if now is None else now
             self._errors.append((t, math.log(measured_s / predicted_s)))
 
-    def factor(self, now: float | None = None) -> float:
+    def factor(self, now: float | None = None, default: float = 1.0) -> float:
+        """The bias; `default` with too few recent checks."""
         t = time.monotonic() if now is None else now
         recent = [e for at, e in self._errors if at >= t - self.max_age_s]
         if len(recent) < self.min_samples:
-            return 1.0
+            return default
         return min(MAX_BIAS, max(1.0 / MAX_BIAS, math.exp(float(np.median(recent)))))
 
     @property

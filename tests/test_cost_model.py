@@ -1558,6 +1558,42 @@ def test_a_bias_below_one_does_not_take_a_p99_gap_under_the_typical_gap():
     assert c.itl_floor_s == pytest.approx(2 * raw) and c.itl_p99_s >= c.itl_floor_s
 
 
+def test_a_kind_of_placement_not_checked_lately_takes_the_bias_of_all_the_workers_requests():
+    """On the split's decode worker, the requests whose KV came from prefill-0 have come at 1.6x
+    their predicted p99 gap; none prefilled there lately. Four decode there, already past an
+    ITL SLO of half a step (a new prompt costs them next to nothing). Taking a colocated
+    request's gaps as predicted (a bias of 1 for want of checks), the same worker's steps read
+    0.51 misses of its own against 0.90 handed off, and the request was prefilled there beside
+    the four. Its kind takes the worker's bias until checks of its own come: both read alike,
+    and the prompt goes to the prefill worker."""
+    p, d = trained("prefill-0", "prefill"), trained("decode-0", "decode", seed=1)
+    pl = planner()
+    raw = max(c.raw_itl_p99_s for c in pl.candidates(shape(200, seed=2), [p], [d]))
+    with_decodes(d, 4, 300, 0.5 * raw)
+    req = shape(200, seed=2, slo_ttft=10.0, slo_itl=1.3 * raw)
+    for _ in range(6):
+        d.observe_request([1.6 * raw] * 100, raw, req.slo_itl_s, local=False, raw_p99_s=raw)
+    d.update_tail()
+    assert d.itl_bias[True].samples == 0
+    assert d.itl_bias_factor(local=True) == d.itl_bias_factor(local=False) == pytest.approx(1.6)
+    decision = pl.decide(req, [p], [d])
+    chosen = decision.chosen
+    assert chosen.path is RoutePath.DISAGGREGATED, decision.reason
+    colocated = next(c for c in decision.best if c.path is RoutePath.COLOCATED)
+    assert colocated.itl_bias == pytest.approx(1.6)
+    assert colocated.new_miss(req) == pytest.approx(chosen.new_miss(req), abs=0.01)
+    assert chosen.new_miss(req) > 0.8 and colocated.caused_misses < 0.1
+    assert colocated.prefill_beside == 4 and chosen.prefill_beside == 0
+    assert "ITL p99" in decision.reason.split("vs colocated")[1]
+    # Checks of its own come: colocated requests there came as predicted. Its kind's bias is
+    # its own again (the pooled one, over both kinds, moves too).
+    for _ in range(6):
+        d.observe_request([raw] * 100, raw, req.slo_itl_s, local=True, raw_p99_s=raw)
+    d.update_tail()
+    assert d.itl_bias_factor(local=True) == pytest.approx(1.0)
+    assert d.itl_bias_factor(local=False) == pytest.approx(1.6)
+
+
 def test_colocated_requests_that_came_far_over_their_predicted_p99_gap_move_the_next_one():
     """both-1 has a long prompt queued; on both-0, idle, a request would prefill where it
     decodes (the quickest first token), predicted at a p99 gap 1/1.3 of its ITL SLO. Where

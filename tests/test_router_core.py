@@ -546,7 +546,8 @@ def test_each_kind_of_placement_teaches_its_own_bias_on_its_decode_worker():
     """A request that prefilled on its decode worker teaches that worker's colocated bias, one
     whose KV came from the prefill worker its received bias, each from the p99 gap predicted
     before any bias; one whose handoff fell back teaches neither. After five of a kind the
-    factor moves, and the metrics export it per kind and worker."""
+    factor moves; a kind with fewer takes the worker's, over all its checked requests; the
+    metrics export each per kind and worker."""
     import numpy as np
 
     from router.metrics import Metrics
@@ -584,11 +585,18 @@ def test_each_kind_of_placement_teaches_its_own_bias_on_its_decode_worker():
     # The fake backend's gaps are far under any prediction: the factor stops at its bound.
     factor = min(MAX_BIAS, max(1 / MAX_BIAS, float(np.exp(np.median(errors)))))
     assert d.itl_bias_factor(local=True) == pytest.approx(factor) != 1.0
-    assert d.itl_bias_factor(local=False) == 1.0  # two are too few
+    # Two are too few: the received kind takes the worker's, over all seven.
+    assert d.itl_bias_all.samples == 7
+    pooled = min(
+        MAX_BIAS,
+        max(1 / MAX_BIAS, float(np.exp(np.median([e for _, e in d.itl_bias_all._errors])))),
+    )
+    assert d.itl_bias_factor(local=False) == pytest.approx(pooled) != 1.0
     sample = sink.registry.get_sample_value
     labels = {"kind": "colocated", "worker": "decode-0"}
     assert sample("pdserve_prediction_bias_ratio", labels) == pytest.approx(factor)
-    assert sample("pdserve_prediction_bias_ratio", {**labels, "kind": "received"}) == 1.0
+    received = sample("pdserve_prediction_bias_ratio", {**labels, "kind": "received"})
+    assert received == pytest.approx(pooled)
 
     fell_back = run(main(FakeBackend(fallback=FallbackReason.TRANSFER_FAILED), Ended()))
     assert sum(fell_back.states["decode-0"].itl_bias[k].samples for k in (True, False)) == 5
