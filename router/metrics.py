@@ -228,7 +228,8 @@ class Metrics:
             "pdserve_prediction_bias_ratio",
             "How many times its prediction the p99 gap of a worker's requests has come lately "
             "(the median of measured / predicted of the last 32 within 5 minutes, within "
-            "1/3-3x; 1 with fewer than 5), "
+            "1/3-3x; with fewer than 5 of the kind, the worker's over both kinds; 1 with fewer "
+            "than 5 of those), "
             "by kind: colocated (prefilled on the worker) or received (KV from a peer). The cost "
             "model multiplies its p99 gap predictions of that kind by it.",
             ("kind", "worker"),

@@ -311,8 +311,8 @@ class Planner:
         others = [c for c in best if c.path is not chosen.path]
         parts = [
             f"{chosen.path.value}: {_misses(chosen, req)}, predicted TTFT {_ms(chosen.ttft_s)}, "
-            f"ITL p99 {_ms(chosen.itl_p99_s)} (x{chosen.itl_bias:.2f}, the bias of its kind of "
-            f"placement there; such predictions err by x{math.exp(chosen.ttft_width):.2f} and "
+            f"ITL p99 {_ms(chosen.itl_p99_s)} (bias x{chosen.itl_bias:.2f} included; such "
+            f"predictions err by x{math.exp(chosen.ttft_width):.2f} and "
             f"x{math.exp(chosen.itl_width):.2f} lately)"
         ]
         code = "cost_ttft"
@@ -327,7 +327,7 @@ class Planner:
                 continue
             parts.append(
                 f"vs {o.path.value} {_misses(o, req)}, TTFT {_ms(o.ttft_s)}, ITL p99 "
-                f"{_ms(o.itl_p99_s)} (x{o.itl_bias:.2f})"
+                f"{_ms(o.itl_p99_s)} (bias x{o.itl_bias:.2f} included)"
             )
             its = (c for c in usable if c.path is o.path)
             if not any(c.ties(fewest, req) for c in its) and code == "cost_ttft":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -96,7 +97,7 @@ MAX_BIAS = 3.0
 class PredictionBias:
     """How many times its prediction one kind of measured value has come lately: exp(median of
     ln(measured / predicted)) over the latest `window` checked predictions of the last
-    `max_age_s`, within [1 / MAX_BIAS, MAX_BIAS]; 1 with fewer than `min_samples`.
+    `max_age_s`, within [1 / MAX_BIAS, MAX_BIAS]; `default` (1) with fewer than `min_samples`.
 
     The p99 gap of a request that prefilled on its decode worker came 1.6-2.0x its prediction
     on workers of both kinds (chat and bursty traces on a 2-core CPU host: predicted 95-97 ms,
@@ -121,11 +122,22 @@ class PredictionBias:
 
     def factor(self, now: float | None = None, default: float = 1.0) -> float:
         """The bias; `default` with too few recent checks."""
+        return self._of(self.recent(now), default)
+
+    def pooled(self, others: Iterable[PredictionBias], now: float | None = None) -> float:
+        """The bias over its recent checks and those of `others` together (of the same
+        measured value: each kind of placement's on one worker); 1 with too few."""
+        return self._of([e for b in (self, *others) for e in b.recent(now)], 1.0)
+
+    def recent(self, now: float | None = None) -> list[float]:
+        """ln(measured / predicted) of its checks of the last `max_age_s`."""
         t = time.monotonic() if now is None else now
-        recent = [e for at, e in self._errors if at >= t - self.max_age_s]
-        if len(recent) < self.min_samples:
+        return [e for at, e in self._errors if at >= t - self.max_age_s]
+
+    def _of(self, errors: list[float], default: float) -> float:
+        if len(errors) < self.min_samples:
             return default
-        return min(MAX_BIAS, max(1.0 / MAX_BIAS, math.exp(float(np.median(recent)))))
+        return min(MAX_BIAS, max(1.0 / MAX_BIAS, math.exp(float(np.median(errors)))))
 
     @property
     def samples(self) -> int:

@@ -94,7 +94,8 @@ class StatsSink(Protocol):
 
     def biases(self, factors: dict[tuple[str, str], float]) -> None:
         """(kind, worker) -> how many times their prediction the p99 gaps of the worker's
-        requests of that kind (colocated, received) came lately (WorkerState.itl_bias_factor)."""
+        requests of that kind (colocated, received) came lately; with too few of the kind, all
+        the worker's requests (WorkerState.itl_bias_factor)."""
 
     def fell_back(self, reason: str) -> None: ...
 

@@ -680,8 +680,8 @@ def test_running_requests_whose_kind_came_late_here_are_counted_as_late_under_ne
     requests of a kind have come here at twice their predicted p99 gap, the 80 ms the prefill
     adds reads 160 and their p99 gap 250 ms: the same prefill costs each of that kind a whole
     miss. Colocated requests' bias moves those that prefilled here (decoding, or to decode once
-    their local prefill is done) and not those whose KV came from a peer, and the other way
-    round. The bias scales what the new work adds, not the gap without it: at 3x they are not
+    their local prefill is done) and not those whose KV came from a peer (checked here, as
+    predicted), and the other way round. The bias scales what the new work adds, not the gap without it: at 3x they are not
     lost already (the next colocation free), and one more decode in their batch, a step 2 ms
     longer, costs them next to nothing (scaling the whole gap with it, 92 ms read 276)."""
     d = trained("both-0", "both", seed=1)
@@ -697,6 +697,7 @@ def test_running_requests_whose_kind_came_late_here_are_counted_as_late_under_ne
     assert 0.005 < light < 0.05 and one > 0.99
     assert caused_misses(d, 0.14, 0.06) == pytest.approx(4 * light, abs=0.01)
     for _ in range(5):
+        d.itl_bias[False].observe(0.05, 0.05)  # received ones: as predicted
         d.itl_bias[True].observe(0.05, 0.10)  # colocated ones: 2x
     d.update_tail()
     assert d.itl_checks() == [ItlCheck(0.2, 1.0)] * 4
@@ -706,7 +707,7 @@ def test_running_requests_whose_kind_came_late_here_are_counted_as_late_under_ne
     d.add_prefill("to-decode-here", 64, prefill_pairs(64, 0), local=True, itl_slo_s=0.2)
     assert d.coming_itl_checks() == [ItlCheck(0.2, pytest.approx(2.0))]
     assert caused_misses(d, 0.14, 0.06, 0.14) == pytest.approx(4 * light + 2 * one, abs=0.02)
-    for _ in range(5):
+    for _ in range(20):
         d.itl_bias[False].observe(0.05, 0.10)  # received ones: 2x too
     d.update_tail()
     assert caused_misses(d, 0.14, 0.06, 0.14) == pytest.approx(6 * one, abs=0.05)
@@ -1694,7 +1695,10 @@ def test_a_replacement_keeps_its_predecessors_bias_and_a_removed_worker_leaves_t
     new = m.state("decode-0")
     assert new is not old and new.info.incarnation == 1
     assert new.itl_bias_factor(local=True) == pytest.approx(2.0)
-    assert new.itl_bias_factor(local=False) == 1.0
+    # None received: that kind takes the worker's, over both kinds, carried too.
+    assert new.itl_bias_factor(local=False) == pytest.approx(2.0)
+    new.update_tail()
+    assert new.itl_bias_factor(local=False) == pytest.approx(2.0)
     assert predict_colocated(shape(64), new, Bias()).itl_bias == pytest.approx(2.0)
     backend.decode_ids.remove("decode-0")
     m.absorb([])
