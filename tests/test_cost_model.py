@@ -681,9 +681,10 @@ def test_running_requests_whose_kind_came_late_here_are_counted_as_late_under_ne
     adds reads 160 and their p99 gap 250 ms: the same prefill costs each of that kind a whole
     miss. Colocated requests' bias moves those that prefilled here (decoding, or to decode once
     their local prefill is done) and not those whose KV came from a peer (checked here, as
-    predicted), and the other way round. The bias scales what the new work adds, not the gap without it: at 3x they are not
-    lost already (the next colocation free), and one more decode in their batch, a step 2 ms
-    longer, costs them next to nothing (scaling the whole gap with it, 92 ms read 276)."""
+    predicted), and the other way round. The bias scales what the new work adds, not the gap
+    without it: at 3x they are not lost already (the next colocation free), and one more decode
+    in their batch, a step 2 ms longer, costs them next to nothing (scaling the whole gap with
+    it, 92 ms read 276)."""
     d = trained("both-0", "both", seed=1)
     d.observe_gaps([0.06] * 90 + [0.09] * 10)
     d.update_tail()
