@@ -21,10 +21,11 @@ class PrefillWorker(KVSenderSide, KVEndpoint, EngineHost):
             self.kv_source(), self.kv_host, spec.kv_backend, spec.pair_timeout_s, spec.kv_faults
         )
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, final: bool = True) -> None:
         """Stop a prefill (the client left): `prefill` then returns without a first token, its
-        send ends FAILED and its blocks are freed."""
-        await self.abort_prefill(request_id)
+        send ends FAILED and its blocks are freed. `final`: for good
+        (KVSenderSide.abort_prefill)."""
+        await self.abort_prefill(request_id, final)
 
     def shutdown(self) -> None:
         EngineHost.shutdown(self)

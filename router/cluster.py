@@ -260,7 +260,7 @@ class Cluster:
         except ray.exceptions.RayActorError:
             raise  # D died: the request resumes on another decode worker
         except Exception as exc:  # D did not answer in time: what it may have reserved goes
-            await self._abort_on(d, rid)
+            await self._abort_on(d, rid, final=False)  # D then prefills it under the same id
             fallback(FallbackReason.NO_RESERVATION, f"{d.worker_id}: {type(exc).__name__}: {exc}")
             return None
         if target is None:
@@ -283,7 +283,7 @@ class Cluster:
                 return None, None
             # Re-planned: D's reservation was for P's KV; it is made again for the other's, once
             # D has surely dropped the first (else D prefills it, as without a re-plan).
-            if not await self._abort_on(d, rid):
+            if not await self._abort_on(d, rid, final=False):
                 fallback(FallbackReason.PREFILL_FAILED, why)
                 return None, None
             log.warning("request %s: %s; prefilling again on %s", rid, why, other.worker_id)
@@ -317,10 +317,13 @@ class Cluster:
         ]  # fmt: skip
         return min(ready, key=lambda h: h.active, default=None)
 
-    async def _abort_on(self, h: WorkerHandle, rid: str) -> bool:
-        """Abort `rid` on one worker; False when it did not answer in time (or failed)."""
+    async def _abort_on(self, h: WorkerHandle, rid: str, final: bool = True) -> bool:
+        """Abort `rid` on one worker; False when it did not answer in time (or failed).
+        `final`: for good (the worker then ignores a call for `rid` that Ray runs after the
+        abort); False where the request goes on under the same id on that worker."""
         try:
-            await asyncio.wait_for(h.actor.abort.remote(rid), self.config.control_timeout_s)
+            ref: Any = h.actor.abort.remote(rid, final)
+            await asyncio.wait_for(ref, self.config.control_timeout_s)
             return True
         except Exception as exc:
             log.warning("abort of %s on %s failed: %s: %s", rid, h.worker_id,

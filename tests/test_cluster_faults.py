@@ -135,3 +135,61 @@ def test_broken_pair_is_made_again():
         wait_full(p)
     finally:
         c.shutdown()
+
+
+def stream(method, *args) -> list:
+    """Every chunk of one of a worker's streaming calls (bounded wait)."""
+
+    async def run():
+        return [await ref async for ref in method.options(num_returns="streaming").remote(*args)]
+
+    return asyncio.run(asyncio.wait_for(run(), 30))
+
+
+@pytest.mark.timeout(120)
+def test_calls_that_run_after_their_abort_do_nothing():
+    """Ray runs an async actor's calls out of order, so the router's abort (the client left) may
+    run before the reserve_kv, prefill, generate or finish_handoff it ends. Each of those then
+    does nothing: no reservation or receive is left that nobody will end, and no prompt is
+    computed for nobody. An abort that is not final (the router goes on under the same id on
+    that worker) leaves the id usable: the handoff after it decodes what a local prefill does."""
+    c = make_cluster()
+    try:
+        d, p = c.actor("decode-0"), c.actor("prefill-0")
+        prompt = tuple(random_prompts([40], seed=74)[0])
+        sp = SamplingParams(max_tokens=4, temperature=0.0)
+        late = WorkRequest("late", prompt, sp)
+        ray.get([d.abort.remote("late"), p.abort.remote("late")], timeout=30)  # they run first
+        assert ray.get(d.reserve_kv.remote(late, "prefill-0"), timeout=30) is None
+        load = ray.get(d.load.remote())
+        assert (load.waiting_for_kv, load.open_transfers) == (0, 0)
+        result = ray.get(p.prefill.remote(late, "decode-0", (0, 1, 2), 0), timeout=30)
+        assert (result.first_token, result.error) == (None, "aborted")
+        for chunks in (stream(d.generate, late), stream(d.finish_handoff, "late", 7)):
+            assert [(ch.token_ids, ch.finished, ch.finish_reason) for ch in chunks] == [
+                ((), True, "abort")
+            ]
+        sent = ray.get(p.kv_stats.remote())
+        assert (sent.ok, sent.failed, sent.bytes_sent) == (0, 0, 0)  # no send began
+        wait_full(d)
+        wait_full(p)
+
+        # Not final: a reset before the router goes on with the same id here.
+        ray.get(d.abort.remote("again", False), timeout=30)
+        again = WorkRequest("again", prompt, sp)
+        target = ray.get(d.reserve_kv.remote(again, "prefill-0"), timeout=30)
+        assert target is not None
+        result = ray.get(
+            p.prefill.remote(again, "decode-0", target.dst_block_ids, target.skip_blocks),
+            timeout=30,
+        )
+        assert result.transfer_ok, result.error
+        handed = stream(d.finish_handoff, "again", result.first_token)
+        local = stream(d.generate, WorkRequest("local", prompt, sp))
+        tokens = [[t for ch in chunks for t in ch.token_ids] for chunks in (handed, local)]
+        assert len(tokens[0]) == 4 and tokens[0] == tokens[1]
+        assert not any(ch.kv_recomputed for ch in handed)  # the KV came over the pair
+        wait_full(d)
+        wait_full(p)
+    finally:
+        c.shutdown()

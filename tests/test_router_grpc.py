@@ -74,7 +74,18 @@ def assert_pools_full(srv, within_s: float = 0.0) -> None:
         ]
         if not busy and core.pending == 0 and core.active == 0:
             break
-        assert time.monotonic() < deadline, (busy, core.pending, core.active)
+        assert time.monotonic() < deadline, (
+            [
+                (
+                    ld.worker_id,
+                    f"free {ld.num_free_blocks}/{ld.num_blocks}",
+                    f"running {ld.running} waiting {ld.waiting} held {ld.held}",
+                    f"waiting_for_kv {ld.waiting_for_kv} open_transfers {ld.open_transfers}",
+                )
+                for ld in busy
+            ],
+            f"router pending {core.pending} active {core.active}",
+        )
         time.sleep(0.02)
 
 

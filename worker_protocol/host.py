@@ -24,6 +24,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import SchedulerOutput
 from engine.sampling_params import SamplingParams
 from worker_protocol.address import kv_bind_host, node_ip
+from worker_protocol.ended import EndedRequests
 from worker_protocol.messages import WorkerInfo, WorkerLoad, WorkerRole, WorkerSpec
 
 WARMUP_PROMPT_TOKENS = 8
@@ -45,6 +46,7 @@ class EngineHost:
         self.spec = spec
         self.node_ip = node_ip()
         self.kv_host = kv_bind_host(self.node_ip, spec.kv_interface, spec.kv_host)
+        self.ended = EndedRequests()  # request ids aborted for good here (ended.py)
         # The router detokenizes what workers stream: a worker decodes text only to find stop
         # strings. A prefill worker's steps stream KV layer by layer, which a captured decode
         # graph cannot: it captures none (a worker that does both replays graphs in the steps

@@ -13,6 +13,8 @@ Disaggregated request, in order:
      tokens then stream as for a colocated request.
 The engine runs on its own thread (AsyncEngine); the connector's threads write only into blocks
 reserved for a transfer, which the engine does not read until step 3.
+A call for a request already aborted for good here (Ray ran the abort first: ended.py) does
+nothing: `reserve_kv` reserves nothing, `generate` and `finish_handoff` end at once (abort).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from dataclasses import replace
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
-from engine.outputs import TokenLogprobs
+from engine.outputs import RequestOutput, TokenLogprobs
+from engine.request import FinishReason
 from kv_transfer import TransferRequest, TransferStatus
 from kv_transfer.layout import KVLayout
 from kv_transfer.torch_dist import TorchDistConnector
+from worker_protocol.ended import EndedRequests
 from worker_protocol.messages import KVTarget, TokenChunk, WorkerSpec, WorkRequest
 from worker_protocol.transfer_wait import wait_transfer
 
@@ -37,12 +41,16 @@ class KVReceiverSide:
     aeng: AsyncEngine
     connector: TorchDistConnector
     layout: KVLayout
+    ended: EndedRequests
     # The most of the engine's slots and blocks that reservations may hold (kv_handoff.reserve):
     # all of them on a worker that only decodes.
     reserve_share: float = 1.0
 
     async def generate(self, req: WorkRequest) -> AsyncIterator[TokenChunk]:
         """Colocated path: prefill here, then decode; one chunk per step."""
+        if req.request_id in self.ended:
+            yield self._aborted(req.request_id)
+            return
         async for out in self.aeng.generate(
             req.prompt_token_ids, req.sampling, req.request_id, prefill_hold_s=req.prefill_hold_s
         ):
@@ -58,6 +66,8 @@ class KVReceiverSide:
         Both happen in one engine call, so an abort (which waits for the engine first) always
         finds the receive registered."""
         rid = req.request_id
+        if rid in self.ended:
+            return None
         bs = self.engine.config.cache.block_size
 
         def reserve(e: LLMEngine) -> KVTarget | None:
@@ -100,6 +110,9 @@ class KVReceiverSide:
         first_logprobs: TokenLogprobs | None = None,
     ) -> AsyncIterator[TokenChunk]:
         """Join the batch once the KV is in (or recompute if it never came); stream tokens."""
+        if request_id in self.ended:  # its abort ended the receive and freed the blocks
+            yield self._aborted(request_id)
+            return
         if first_token is None:  # the prefill side failed: nothing more will arrive
             self.connector.abort(request_id)
             self.connector.release(request_id)
@@ -125,6 +138,10 @@ class KVReceiverSide:
         finally:
             self.aeng.close_stream(request_id)
 
+    def _aborted(self, request_id: str) -> TokenChunk:
+        out = RequestOutput(request_id, (), "", True, finish_reason=FinishReason.ABORT)
+        return TokenChunk.from_output(out, self.worker_id)
+
     async def _wait_kv(self, request_id: str) -> bool:
         # The prefill worker has answered by now: its send has ended, so this wait is short.
         timeout = self.spec.kv_transfer_deadline_s + 1.0
@@ -132,8 +149,12 @@ class KVReceiverSide:
         self.connector.release(request_id)
         return status is TransferStatus.DONE
 
-    async def abort_receive(self, request_id: str) -> None:
-        """Abort everywhere here: the receive (before its blocks go), the engine, the stream."""
+    async def abort_receive(self, request_id: str, final: bool = True) -> None:
+        """Abort everywhere here: the receive (before its blocks go), the engine, the stream.
+        `final`: for good, so that a call for it that runs later does nothing (ended.py); not
+        when the router goes on with the same id here (a fallback or a re-plan)."""
+        if final:
+            self.ended.add(request_id)  # before any await: see ended.py
         # A reserve_kv sent before this abort may still be queued on the engine thread: let it
         # run first, so that its receive exists to be ended below.
         await self.aeng.call(lambda e: None)

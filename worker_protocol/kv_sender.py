@@ -12,7 +12,8 @@ One request, in order:
      its deadline) and only then frees the blocks (ownership stays here until the send ended);
   4. it returns the first token and the prefill and transfer times.
 `abort_prefill(request_id)` ends a prefill early: no first token (or, when it came first, the
-send FAILED), the blocks freed once the send has ended.
+send FAILED), the blocks freed once the send has ended. A `prefill` that Ray runs after its
+abort (ended.py) returns at once, without a first token.
 
 A worker class combines this side with EngineHost (its engine, built with `on_layer` =
 `self.on_layer`) and KVEndpoint (its connector); `init_sender` runs before EngineHost's
@@ -33,6 +34,7 @@ from engine.outputs import ScheduledRequest, SchedulerOutput
 from kv_transfer import FailureReason, TransferRequest, TransferStatus
 from kv_transfer.layout import KVLayout
 from kv_transfer.torch_dist import TorchDistConnector
+from worker_protocol.ended import EndedRequests
 from worker_protocol.messages import PrefillResult, WorkerSpec, WorkRequest
 from worker_protocol.transfer_wait import wait_transfer
 
@@ -60,6 +62,7 @@ class KVSenderSide:
     aeng: AsyncEngine
     connector: TorchDistConnector
     layout: KVLayout
+    ended: EndedRequests
 
     def init_sender(self) -> None:
         self._sends: dict[str, _PendingSend] = {}
@@ -123,6 +126,8 @@ class KVSenderSide:
         skip_blocks: int,
     ) -> PrefillResult:
         rid = req.request_id
+        if rid in self.ended:
+            return PrefillResult(rid, None, None, False, 0.0, 0.0, 0, error="aborted")
         with self._lock:
             if rid in self._sends:
                 raise ValueError(f"request_id {rid!r} is already being prefilled here")
@@ -205,11 +210,13 @@ class KVSenderSide:
         reason = res.reason.value if res.reason is not None else None
         return _SendOutcome(status, res.bytes, res.seconds, reason, res.error)
 
-    async def abort_prefill(self, request_id: str) -> None:
+    async def abort_prefill(self, request_id: str, final: bool = True) -> None:
         """Stop a prefill (the client left): `prefill` then returns without a first token (or
         with one and its send FAILED, when the token came first) and its blocks are freed. A
         send under way is ended first: the engine's abort frees the blocks it holds, which the
-        sender must no longer read."""
+        sender must no longer read. `final`: as for KVReceiverSide.abort_receive."""
+        if final:
+            self.ended.add(request_id)  # before any await: see ended.py
 
         def stop_send(e: LLMEngine) -> bool:
             # On the engine thread, between steps: no step can start the send after this.

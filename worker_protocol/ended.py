@@ -1,0 +1,36 @@
+"""The request ids a worker has aborted for good (the client left), so that a call for one of
+them that runs after its abort does nothing.
+
+Ray runs an async actor's calls out of order: an abort sent after a request's `reserve_kv`,
+`generate` or `prefill` may start before it. Without this record the late call would reserve
+blocks (and register a receive) or compute a prompt that nobody will ever end or read.
+
+Each call checks the record before its first await, and `abort` writes it before its first
+await; all of them run on the actor's one event loop, which queues their engine commands in
+that order. So a call either queued its engine command before the abort's (and the abort ends
+what it did) or sees the id ended.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+REMEMBERED = 1 << 16  # the latest ids kept (a few MB at most)
+
+
+class EndedRequests:
+    def __init__(self, remembered: int = REMEMBERED) -> None:
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._remembered = remembered
+
+    def add(self, request_id: str) -> None:
+        self._ids[request_id] = None
+        self._ids.move_to_end(request_id)
+        while len(self._ids) > self._remembered:
+            self._ids.popitem(last=False)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
