@@ -52,7 +52,8 @@ class RequestBooks:
         states: Mapping[str, WorkerState],
         sink: StatsSink,
     ) -> None:
-        self.wid = wid  # the id the workers know it by
+        self.wid = wid  # the id the workers know its current placement by
+        self._first_wid = wid
         self.track = track
         self.first = first  # the decision the client is told about
         self.counts = counts
@@ -177,13 +178,16 @@ class RequestBooks:
 
     def moved(self) -> None:
         """Its decode worker died: the placement leaves the books (so that the next decision
-        sees it gone), and the request counts as resumed."""
+        sees it gone), and the request counts as resumed. The next placement goes by a new id:
+        the old one was aborted for good on the workers that outlived it, which then ignore a
+        call for it (worker_protocol/ended.py)."""
         for w in (self.p, self.d):
             if w is not None:
                 w.finish(self.wid)
         self.track.resumed += 1
         self.counts.resumed += 1
         self._resumed_gap = True
+        self.wid = f"{self._first_wid}/{self.track.resumed}"
 
     @property
     def late(self) -> bool:

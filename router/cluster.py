@@ -143,9 +143,11 @@ class Cluster:
         placement: Placement,
         on_prefill: HandoffListener | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
-        """Stream one request's chunks. Leaving early (or failing) aborts it on every worker
-        it touched, so its blocks are freed there. `on_prefill` hears how the handoff went on the
-        disaggregated path."""
+        """Stream one request's chunks. Leaving early (or failing) aborts it for good on every
+        worker it touched, so its blocks are freed there and a call for it that Ray runs later
+        does nothing: a request resumed after a worker died comes back under a new id
+        (RequestBooks.moved). `on_prefill` hears how the handoff went on the disaggregated
+        path."""
         rid = placement.request_id
         req = WorkRequest(
             rid, tuple(int(t) for t in prompt_token_ids), params, placement.prefill_hold_s

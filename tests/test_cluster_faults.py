@@ -47,7 +47,10 @@ def wait_full(actor, timeout=15.0):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         load = ray.get(actor.load.remote())
-        idle = load.running == load.waiting == load.held == load.open_transfers == 0
+        idle = (
+            load.running == load.waiting == load.waiting_for_kv == load.held == 0
+            and load.open_transfers == 0
+        )
         if load.num_free_blocks == load.num_blocks and idle:
             return load
         time.sleep(0.1)
@@ -152,7 +155,8 @@ def test_calls_that_run_after_their_abort_do_nothing():
     run before the reserve_kv, prefill, generate or finish_handoff it ends. Each of those then
     does nothing: no reservation or receive is left that nobody will end, and no prompt is
     computed for nobody. An abort that is not final (the router goes on under the same id on
-    that worker) leaves the id usable: the handoff after it decodes what a local prefill does."""
+    that worker) ends what the id held and leaves the id usable: the handoff after it decodes
+    what a local prefill does."""
     c = make_cluster()
     try:
         d, p = c.actor("decode-0"), c.actor("prefill-0")
@@ -174,9 +178,13 @@ def test_calls_that_run_after_their_abort_do_nothing():
         wait_full(d)
         wait_full(p)
 
-        # Not final: a reset before the router goes on with the same id here.
-        ray.get(d.abort.remote("again", False), timeout=30)
+        # Not final: a reset of a reservation before the router reserves again under the same
+        # id here (a re-plan).
         again = WorkRequest("again", prompt, sp)
+        assert ray.get(d.reserve_kv.remote(again, "prefill-0"), timeout=30) is not None
+        ray.get(d.abort.remote("again", False), timeout=30)
+        load = ray.get(d.load.remote())
+        assert (load.waiting_for_kv, load.open_transfers) == (0, 0)  # the reset ended both
         target = ray.get(d.reserve_kv.remote(again, "prefill-0"), timeout=30)
         assert target is not None
         result = ray.get(

@@ -5,10 +5,18 @@ Ray runs an async actor's calls out of order: an abort sent after a request's `r
 `generate` or `prefill` may start before it. Without this record the late call would reserve
 blocks (and register a receive) or compute a prompt that nobody will ever end or read.
 
-Each call checks the record before its first await, and `abort` writes it before its first
-await; all of them run on the actor's one event loop, which queues their engine commands in
-that order. So a call either queued its engine command before the abort's (and the abort ends
-what it did) or sees the id ended.
+`reserve_kv`, `prefill` and `generate` check the record before their first await, and `abort`
+writes it before its first await; all of them run on the actor's one event loop, which queues
+their engine commands in that order. So such a call either queued its engine command before
+the abort's (and the abort ends what it did) or sees the id ended. `finish_handoff` checks it
+as it starts too; an abort during its wait for the KV ends the receive and the reservation,
+and its engine command then finds nothing to join (an error, nothing left behind).
+
+Only final aborts write it (the client left, or the placement ended): the router never sends a
+call for that id to that worker again (a resumed request goes by a new id: router/books.py).
+A reset, where the router goes on under the same id on that worker (a fallback after a
+reserve_kv that timed out, a re-plan), writes nothing, so a reserve_kv of the old attempt that
+Ray runs after the reset is not refused. The latest REMEMBERED ids are kept.
 """
 
 from __future__ import annotations

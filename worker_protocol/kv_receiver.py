@@ -63,8 +63,9 @@ class KVReceiverSide:
         past the prefix-cache hit; the KV is expected no sooner than `due_in_s` from now
         (kv_handoff.reserve). None: no free blocks or sequence slot now, or reservations
         would hold more than `reserve_share` of them (nothing reserved).
-        Both happen in one engine call, so an abort (which waits for the engine first) always
-        finds the receive registered."""
+        Both happen in one engine call, so an abort that starts after this call (it waits for
+        the engine first) finds the receive registered; a final one that starts before it makes
+        this call reserve nothing (ended.py)."""
         rid = req.request_id
         if rid in self.ended:
             return None
@@ -155,8 +156,8 @@ class KVReceiverSide:
         when the router goes on with the same id here (a fallback or a re-plan)."""
         if final:
             self.ended.add(request_id)  # before any await: see ended.py
-        # A reserve_kv sent before this abort may still be queued on the engine thread: let it
-        # run first, so that its receive exists to be ended below.
+        # A reserve_kv that started before this abort may still be queued on the engine thread:
+        # let it run first, so that its receive exists to be ended below.
         await self.aeng.call(lambda e: None)
         self.connector.abort(request_id)
         self.connector.release(request_id)  # a no-op when no receive was registered
