@@ -35,15 +35,14 @@ class BothWorker(KVSenderSide, KVReceiverSide, KVEndpoint, EngineHost):
             self.kv_source(), self.kv_host, spec.kv_backend, spec.pair_timeout_s, spec.kv_faults
         )
 
-    async def abort(self, request_id: str, final: bool = True) -> None:
+    async def abort(self, request_id: str) -> None:
         """Abort `request_id` here, as the side it is on: a prefill for a peer (its send ends
         FAILED and `prefill` frees the blocks) or a request decoding here (its receive, engine
-        request and stream). `final`: for good, whichever side a late call would be on
-        (ended.py)."""
+        request and stream). For good, whichever side a late call would be on (ended.py)."""
         if self.sending(request_id):
-            await self.abort_prefill(request_id, final)
+            await self.abort_prefill(request_id)
         else:
-            await self.abort_receive(request_id, final)
+            await self.abort_receive(request_id)
 
     def shutdown(self) -> None:
         EngineHost.shutdown(self)

@@ -17,10 +17,10 @@ class DecodeWorker(KVReceiverSide, KVEndpoint, EngineHost):
         EngineHost.__init__(self, worker_id, spec, incarnation)
         self.init_endpoint(self.kv_source(), self.kv_host, spec.kv_backend, spec.pair_timeout_s)
 
-    async def abort(self, request_id: str, final: bool = True) -> None:
-        """Abort everywhere here: the receive (before its blocks go), the engine, the stream.
-        `final`: for good (KVReceiverSide.abort_receive)."""
-        await self.abort_receive(request_id, final)
+    async def abort(self, request_id: str) -> None:
+        """Abort everywhere here, for good: the receive (before its blocks go), the engine, the
+        stream (KVReceiverSide.abort_receive)."""
+        await self.abort_receive(request_id)
 
     def shutdown(self) -> None:
         EngineHost.shutdown(self)

@@ -21,11 +21,10 @@ class PrefillWorker(KVSenderSide, KVEndpoint, EngineHost):
             self.kv_source(), self.kv_host, spec.kv_backend, spec.pair_timeout_s, spec.kv_faults
         )
 
-    async def abort(self, request_id: str, final: bool = True) -> None:
+    async def abort(self, request_id: str) -> None:
         """Stop a prefill (the client left): `prefill` then returns without a first token, its
-        send ends FAILED and its blocks are freed. `final`: for good
-        (KVSenderSide.abort_prefill)."""
-        await self.abort_prefill(request_id, final)
+        send ends FAILED and its blocks are freed; for good (KVSenderSide.abort_prefill)."""
+        await self.abort_prefill(request_id)
 
     def shutdown(self) -> None:
         EngineHost.shutdown(self)

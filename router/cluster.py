@@ -21,6 +21,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -156,8 +157,12 @@ class Cluster:
         listener = on_prefill or _NullListener()
         disaggregated = placement.path is RoutePath.DISAGGREGATED
         p = self._prefill_handle(placement.prefill_worker, d) if disaggregated else None
+        # The ids it goes by on its workers: a reset on D (an abort before the router goes on
+        # with it there) moves it to a new one, as a worker ignores an id it aborted
+        # (worker_protocol/ended.py).
+        ids = [rid]
         if p is not None:
-            stream = self._disaggregated(req, p, d, listener, placement.kv_due_in_s)
+            stream = self._disaggregated(req, p, d, listener, placement.kv_due_in_s, ids)
         else:
             if disaggregated:  # its prefill worker left the pool on the way here
                 why = f"{placement.prefill_worker or 'no prefill worker'} is not in the pool"
@@ -176,18 +181,20 @@ class Cluster:
         finally:
             d.active -= 1
             if not finished:
-                await asyncio.shield(self._abort(rid, p, d))
+                await asyncio.shield(self._abort(ids, p, d))
 
-    async def _abort(self, rid: str, p: WorkerHandle | None, d: WorkerHandle) -> None:
+    async def _abort(self, ids: list[str], p: WorkerHandle | None, d: WorkerHandle) -> None:
         handles = [d] + ([p] if p is not None else [])
         timeout = self.config.control_timeout_s
+        calls = [(h, rid) for h in handles for rid in ids]
         results = await asyncio.gather(
-            *(asyncio.wait_for(h.actor.abort.remote(rid), timeout) for h in handles),
+            *(asyncio.wait_for(h.actor.abort.remote(rid), timeout) for h, rid in calls),
             return_exceptions=True,
         )
-        for r in results:
+        for (h, rid), r in zip(calls, results):
             if isinstance(r, BaseException) and not isinstance(r, ray.exceptions.RayActorError):
-                log.warning("abort of %s failed: %s: %s", rid, type(r).__name__, r)
+                log.warning("abort of %s on %s failed: %s: %s", rid, h.worker_id,
+                            type(r).__name__, r)  # fmt: skip
 
     async def _stream(self, method: Any, *args: Any) -> AsyncIterator[TokenChunk]:
         gen = method.options(num_returns="streaming").remote(*args)
@@ -200,7 +207,8 @@ class Cluster:
         p: WorkerHandle,
         d: WorkerHandle,
         listener: HandoffListener,
-        kv_due_in_s: float = 0.0,
+        kv_due_in_s: float,
+        ids: list[str],
     ) -> AsyncIterator[TokenChunk]:
         t0 = time.monotonic()
         fell: list[tuple[FallbackReason, str]] = []
@@ -211,14 +219,15 @@ class Cluster:
 
         p.active += 1  # from here on a drain of P waits for this request
         try:
-            handed = await self._handoff(req, p, d, fallback, listener, kv_due_in_s=kv_due_in_s)
+            handed = await self._handoff(req, p, d, fallback, listener, ids, kv_due_in_s)
         finally:
             p.active -= 1
         self._check_policy(fell)
+        live = replace(req, request_id=ids[-1])  # after any reset on D, its new id
         if handed is None:  # nothing reserved on D: it prefills the prompt as a new request
-            stream = self._stream(d.actor.generate, req)
+            stream = self._stream(d.actor.generate, live)
         else:  # D joins it with P's first token, or recomputes it in the blocks it reserved
-            stream = self._stream(d.actor.finish_handoff, req.request_id, *handed)
+            stream = self._stream(d.actor.finish_handoff, live.request_id, *handed)
         async for chunk in stream:
             if chunk.kv_recomputed and not fell:  # P's send ended well, D's receive did not
                 fallback(FallbackReason.TRANSFER_FAILED, f"the KV never reached {d.worker_id}")
@@ -239,14 +248,16 @@ class Cluster:
         d: WorkerHandle,
         fallback: Callable[[FallbackReason, str], None],
         listener: HandoffListener,
-        replan: bool = True,
+        ids: list[str],
         kv_due_in_s: float = 0.0,
+        replan: bool = True,
     ) -> tuple[int | None, TokenLogprobs | None] | None:
         """Steps 1-2: reserve on D (the KV expected no sooner than `kv_due_in_s`: Placement),
         prefill on P. Returns P's first token and its logprobs
         (None: D recomputes in its reserved blocks), or None when nothing was reserved on D.
         When P dies (mid-prefill or mid-transfer), the request is re-planned once onto another
-        prefill worker paired with D, else D prefills it."""
+        prefill worker paired with D, else D prefills it. A reset on D (an abort before going on
+        there) appends the request's next id to `ids`, which it goes on under."""
         pairs, rid, t0 = self.pools.pairs, req.request_id, time.monotonic()
         if not pairs.connected(p.worker_id, d.worker_id):
             st = pairs.state(p.worker_id, d.worker_id)
@@ -262,7 +273,8 @@ class Cluster:
         except ray.exceptions.RayActorError:
             raise  # D died: the request resumes on another decode worker
         except Exception as exc:  # D did not answer in time: what it may have reserved goes
-            await self._abort_on(d, rid, final=False)  # D then prefills it under the same id
+            await self._abort_on(d, rid)
+            _renew(ids)  # D prefills it under a new id
             fallback(FallbackReason.NO_RESERVATION, f"{d.worker_id}: {type(exc).__name__}: {exc}")
             return None
         if target is None:
@@ -283,20 +295,22 @@ class Cluster:
             if other is None:
                 fallback(FallbackReason.PREFILL_FAILED, why)
                 return None, None
-            # Re-planned: D's reservation was for P's KV; it is made again for the other's, once
-            # D has surely dropped the first (else D prefills it, as without a re-plan).
-            if not await self._abort_on(d, rid, final=False):
+            # Re-planned: D's reservation was for P's KV; it is made again for the other's, under
+            # a new id, once D has surely dropped the first (else D prefills it, as without a
+            # re-plan).
+            if not await self._abort_on(d, rid):
                 fallback(FallbackReason.PREFILL_FAILED, why)
                 return None, None
+            again = replace(req, request_id=_renew(ids))
             log.warning("request %s: %s; prefilling again on %s", rid, why, other.worker_id)
             self.replans += 1
             listener.replanned(p.worker_id, other.worker_id, why, time.monotonic() - t0)
             other.active += 1
             try:
                 # Counts on D at once: the other worker's queue was never predicted.
-                return await self._handoff(req, other, d, fallback, listener, replan=False)
+                return await self._handoff(again, other, d, fallback, listener, ids, replan=False)
             except BaseException:  # cancelled (the client left): stop the other's prefill too
-                await asyncio.shield(self._abort_on(other, rid))
+                await asyncio.shield(self._abort_on(other, again.request_id))
                 raise
             finally:
                 other.active -= 1
@@ -319,13 +333,11 @@ class Cluster:
         ]  # fmt: skip
         return min(ready, key=lambda h: h.active, default=None)
 
-    async def _abort_on(self, h: WorkerHandle, rid: str, final: bool = True) -> bool:
-        """Abort `rid` on one worker; False when it did not answer in time (or failed).
-        `final`: for good (the worker then ignores a call for `rid` that Ray runs after the
-        abort); False where the request goes on under the same id on that worker."""
+    async def _abort_on(self, h: WorkerHandle, rid: str) -> bool:
+        """Abort `rid` on one worker, for good (it then ignores a call for `rid` that Ray runs
+        after the abort); False when it did not answer in time (or failed)."""
         try:
-            ref: Any = h.actor.abort.remote(rid, final)
-            await asyncio.wait_for(ref, self.config.control_timeout_s)
+            await asyncio.wait_for(h.actor.abort.remote(rid), self.config.control_timeout_s)
             return True
         except Exception as exc:
             log.warning("abort of %s on %s failed: %s: %s", rid, h.worker_id,
@@ -418,3 +430,9 @@ class Cluster:
 
     def shutdown(self) -> None:
         self.pools.shutdown()
+
+
+def _renew(ids: list[str]) -> str:
+    """The next id a request goes by on its workers after a reset; appended to `ids`."""
+    ids.append(f"{ids[0]}.{len(ids)}")
+    return ids[-1]

@@ -154,9 +154,8 @@ def test_calls_that_run_after_their_abort_do_nothing():
     """Ray runs an async actor's calls out of order, so the router's abort (the client left) may
     run before the reserve_kv, prefill, generate or finish_handoff it ends. Each of those then
     does nothing: no reservation or receive is left that nobody will end, and no prompt is
-    computed for nobody. An abort that is not final (the router goes on under the same id on
-    that worker) ends what the id held and leaves the id usable: the handoff after it decodes
-    what a local prefill does."""
+    computed for nobody. The router goes on with a request on a worker after aborting it there
+    under a new id: the handoff under it decodes what a local prefill does."""
     c = make_cluster()
     try:
         d, p = c.actor("decode-0"), c.actor("prefill-0")
@@ -178,13 +177,15 @@ def test_calls_that_run_after_their_abort_do_nothing():
         wait_full(d)
         wait_full(p)
 
-        # Not final: a reset of a reservation before the router reserves again under the same
-        # id here (a re-plan).
+        # A reset (an abort before the router goes on with the request here, as in a re-plan)
+        # ends what the id held and the id for good; the request goes on under a new one.
         again = WorkRequest("again", prompt, sp)
         assert ray.get(d.reserve_kv.remote(again, "prefill-0"), timeout=30) is not None
-        ray.get(d.abort.remote("again", False), timeout=30)
+        ray.get(d.abort.remote("again"), timeout=30)
         load = ray.get(d.load.remote())
-        assert (load.waiting_for_kv, load.open_transfers) == (0, 0)  # the reset ended both
+        assert (load.waiting_for_kv, load.open_transfers) == (0, 0)
+        assert ray.get(d.reserve_kv.remote(again, "prefill-0"), timeout=30) is None
+        again = WorkRequest("again.1", prompt, sp)
         target = ray.get(d.reserve_kv.remote(again, "prefill-0"), timeout=30)
         assert target is not None
         result = ray.get(
@@ -192,7 +193,7 @@ def test_calls_that_run_after_their_abort_do_nothing():
             timeout=30,
         )
         assert result.transfer_ok, result.error
-        handed = stream(d.finish_handoff, "again", result.first_token)
+        handed = stream(d.finish_handoff, "again.1", result.first_token)
         local = stream(d.generate, WorkRequest("local", prompt, sp))
         tokens = [[t for ch in chunks for t in ch.token_ids] for chunks in (handed, local)]
         assert len(tokens[0]) == 4 and tokens[0] == tokens[1]

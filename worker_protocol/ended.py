@@ -12,11 +12,11 @@ the abort's (and the abort ends what it did) or sees the id ended. `finish_hando
 as it starts too; an abort during its wait for the KV ends the receive and the reservation,
 and its engine command then finds nothing to join (an error, nothing left behind).
 
-Only final aborts write it (the client left, or the placement ended): the router never sends a
-call for that id to that worker again (a resumed request goes by a new id: router/books.py).
-A reset, where the router goes on under the same id on that worker (a fallback after a
-reserve_kv that timed out, a re-plan), writes nothing, so a reserve_kv of the old attempt that
-Ray runs after the reset is not refused. The latest REMEMBERED ids are kept.
+Every abort writes it, so the router never sends a call for an id to a worker after aborting
+it there: a request resumed after a worker died goes by a new id (router/books.py), and so does
+one the router goes on with on a worker after an abort there (a local prefill after a
+reserve_kv that timed out, a re-plan onto another prefill worker: router/cluster.py). The
+latest REMEMBERED ids are kept.
 """
 
 from __future__ import annotations

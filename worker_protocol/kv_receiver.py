@@ -64,8 +64,8 @@ class KVReceiverSide:
         (kv_handoff.reserve). None: no free blocks or sequence slot now, or reservations
         would hold more than `reserve_share` of them (nothing reserved).
         Both happen in one engine call, so an abort that starts after this call (it waits for
-        the engine first) finds the receive registered; a final one that starts before it makes
-        this call reserve nothing (ended.py)."""
+        the engine first) finds the receive registered; one that starts before it makes this call
+        reserve nothing (ended.py)."""
         rid = req.request_id
         if rid in self.ended:
             return None
@@ -150,12 +150,10 @@ class KVReceiverSide:
         self.connector.release(request_id)
         return status is TransferStatus.DONE
 
-    async def abort_receive(self, request_id: str, final: bool = True) -> None:
-        """Abort everywhere here: the receive (before its blocks go), the engine, the stream.
-        `final`: for good, so that a call for it that runs later does nothing (ended.py); not
-        when the router goes on with the same id here (a fallback or a re-plan)."""
-        if final:
-            self.ended.add(request_id)  # before any await: see ended.py
+    async def abort_receive(self, request_id: str) -> None:
+        """Abort everywhere here, for good: the receive (before its blocks go), the engine, the
+        stream; a call for it that runs later does nothing (ended.py)."""
+        self.ended.add(request_id)  # before any await: see ended.py
         # A reserve_kv that started before this abort may still be queued on the engine thread:
         # let it run first, so that its receive exists to be ended below.
         await self.aeng.call(lambda e: None)

@@ -210,13 +210,13 @@ class KVSenderSide:
         reason = res.reason.value if res.reason is not None else None
         return _SendOutcome(status, res.bytes, res.seconds, reason, res.error)
 
-    async def abort_prefill(self, request_id: str, final: bool = True) -> None:
+    async def abort_prefill(self, request_id: str) -> None:
         """Stop a prefill (the client left): `prefill` then returns without a first token (or
         with one and its send FAILED, when the token came first) and its blocks are freed. A
         send under way is ended first: the engine's abort frees the blocks it holds, which the
-        sender must no longer read. `final`: as for KVReceiverSide.abort_receive."""
-        if final:
-            self.ended.add(request_id)  # before any await: see ended.py
+        sender must no longer read. For good: a `prefill` for it that runs later does nothing
+        (ended.py)."""
+        self.ended.add(request_id)  # before any await: see ended.py
 
         def stop_send(e: LLMEngine) -> bool:
             # On the engine thread, between steps: no step can start the send after this.
