@@ -26,6 +26,7 @@ from typing import Any
 
 import ray
 
+from engine.async_engine import EngineDeadError
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from kv_transfer import TransferStats
@@ -178,6 +179,10 @@ class Cluster:
             if not self.pools.note_failure(d, exc):
                 raise
             raise WorkerLost(d.worker_id, f"{type(exc).__name__}") from exc
+        except EngineDeadError as exc:
+            # Its engine stopped (a resize removed it: its drain saw nothing running there just
+            # before this request reached it): it resumes on another worker.
+            raise WorkerLost(d.worker_id, "its engine stopped") from exc
         finally:
             d.active -= 1
             if not finished:

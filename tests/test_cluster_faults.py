@@ -10,7 +10,9 @@ import ray
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
 from router.cluster import Cluster, ClusterConfig
+from router.errors import WorkerLost
 from router.vocab import FallbackReason, Placement, RoutePath
+from router.workers import WorkerStatus
 from tests.helpers import random_prompts
 from worker_protocol.messages import WorkRequest
 
@@ -200,5 +202,37 @@ def test_calls_that_run_after_their_abort_do_nothing():
         assert not any(ch.kv_recomputed for ch in handed)  # the KV came over the pair
         wait_full(d)
         wait_full(p)
+    finally:
+        c.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_request_that_meets_a_worker_stopped_by_a_resize_resumes_rather_than_fails():
+    """A resize stops a worker's engine once its drain sees nothing running there; a request
+    placed on it a moment before (its placement raced the drain) then meets a stopped engine.
+    That reads as a lost worker, which the router resumes on another, on either path: not as
+    the request's own error."""
+    c = make_cluster()
+    try:
+        h = c.pools.workers["decode-0"]
+        h.status = WorkerStatus.DRAINING  # as Pools.scale marks it
+        ray.get(h.actor.shutdown.remote(), timeout=30)  # as Pools._retire does, drained
+        prompt = random_prompts([20], seed=75)[0]
+        sp = SamplingParams(max_tokens=4, temperature=0.0)
+
+        async def run(path: RoutePath, rid: str) -> None:
+            placement = Placement(
+                path=path, request_id=rid, prefill_worker="prefill-0", decode_worker="decode-0"
+            )
+            async for _ in c.generate(prompt, sp, placement):
+                pass
+
+        for path in (RoutePath.COLOCATED, RoutePath.DISAGGREGATED):
+            with pytest.raises(WorkerLost):
+                asyncio.run(asyncio.wait_for(run(path, path.value), 30))
+        # The handoff could not reserve on the stopped worker and fell back to it.
+        assert [(rid, why) for rid, why, _ in c.fallbacks] == [
+            ("disaggregated", FallbackReason.NO_RESERVATION)
+        ]
     finally:
         c.shutdown()
