@@ -83,6 +83,7 @@ class Cluster:
         self.fallback_counts = {r: 0 for r in FallbackReason}
         self.replans = 0  # requests prefilled again on another prefill worker after one died
         self._rr = itertools.count()
+        self._target_seq = itertools.count(1)  # numbers the step targets sent (from 1)
 
     # -- the Backend the request core drives -----------------------------------------------------
     @property
@@ -386,7 +387,9 @@ class Cluster:
 
     # -- reading -----------------------------------------------------------------------------
     def set_step_target(self, worker_id: str, target_s: float | None) -> Awaitable[None]:
-        ref: Any = self._handle(worker_id).actor.set_step_target.remote(target_s)  # sent now
+        """Sent now, numbered: a worker ignores a target sent before the latest it took."""
+        seq = next(self._target_seq)
+        ref: Any = self._handle(worker_id).actor.set_step_target.remote(target_s, seq)
         return asyncio.wait_for(ref, self.config.control_timeout_s)
 
     async def kv_stats(self) -> dict[str, TransferStats]:

@@ -94,6 +94,8 @@ class RequestCore:
         self.counts = RequestCounts()
         self._poller: asyncio.Task[None] | None = None
         self._ids = itertools.count()  # workers see internal ids: clients' ids may collide
+        self._targets_sent = itertools.count(1)  # numbers the step target calls
+        self._latest_target: dict[str, int] = {}  # by worker: the number of the latest sent
 
     @property
     def pending(self) -> int:
@@ -175,23 +177,33 @@ class RequestCore:
         if waiting is not None:
             self._tighten(decode_worker, waiting)
 
-    def _send_target(self, worker_id: str, target_s: float) -> Awaitable[None]:
-        """The backend's call, or its failure to leave (a worker just gone), to be awaited."""
+    def _send_target(self, worker_id: str, target_s: float) -> Awaitable[int]:
+        """The backend's call, or its failure to leave (a worker just gone), to be awaited; it
+        gives the call's number (rising with each one sent)."""
+        n = next(self._targets_sent)
+        self._latest_target[worker_id] = n
         try:
-            return self.backend.set_step_target(worker_id, target_s)
+            call = self.backend.set_step_target(worker_id, target_s)
         except Exception as exc:
             failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             failed.set_exception(exc)
-            return failed
+            call = failed
+
+        async def numbered() -> int:
+            await call
+            return n
+
+        return numbered()
 
     async def _set_targets(
         self,
         moves: list[tuple[WorkerState, float]],
         why: str,
-        calls: list[Awaitable[None]] | None = None,
+        calls: list[Awaitable[int]] | None = None,
     ) -> None:
         """Send each worker its new target (unless `calls` already did) and record those that
-        took it within 5 s."""
+        took it within 5 s, unless a newer one was sent there meanwhile (it records itself: the
+        worker ignores an older one that Ray runs after it, Cluster.set_step_target)."""
         assert self.step_targets is not None
         if calls is None:
             calls = [self._send_target(s.worker_id, t) for s, t in moves]
@@ -202,6 +214,8 @@ class RequestCore:
             if isinstance(res, BaseException):  # a worker mid-restart: tried again later
                 log.warning("step target of %s not set: %s: %s", state.worker_id,
                             type(res).__name__, res)  # fmt: skip
+                continue
+            if res != self._latest_target.get(state.worker_id):
                 continue
             log.info("step target of %s: %.0f -> %.0f ms (%s)",
                      state.worker_id, (state.model.step_target_s or 0) * 1000,

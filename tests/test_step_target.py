@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
+from engine.async_engine import AsyncEngine
 from router.core import RequestCore
 from router.core_types import RouterConfig
 from router.fake_backend import FakeBackend, fake_info
 from router.pool_state import WorkerState
 from router.step_target import StepTargetConfig, StepTargets
+from tests.helpers import make_engine
 from tests.test_router_core import TOKENIZER
+from worker_protocol.host import EngineHost
 
 
 def worker(target_s: float | None, slo_s: float | None = None, wid: str = "both-0") -> WorkerState:
@@ -198,3 +202,58 @@ def test_a_tighter_request_placed_while_a_target_call_is_in_flight_gets_its_targ
     assert backend.step_targets == {"both-0": pytest.approx(0.08)}
     assert core.states["both-0"].model.step_target_s == pytest.approx(0.08)
     assert not core._tighten_next
+
+
+def test_a_target_call_that_ends_after_a_newer_one_is_not_recorded():
+    """Two step targets sent to one worker, the older answering last (Ray may run a worker's
+    calls out of order, and the worker then ignores the older: EngineHost.set_step_target):
+    the router keeps the newer as the worker's target."""
+
+    class Reordered(FakeBackend):
+        def set_step_target(self, worker_id: str, target_s: float | None):
+            gate = self.gates[len(self.sent)]
+            self.sent.append(target_s)
+
+            async def later() -> None:
+                await gate.wait()
+
+            return later()
+
+    async def main():
+        backend = Reordered(num_prefill=0, num_decode=0, num_both=1)
+        backend.gates, backend.sent = [asyncio.Event(), asyncio.Event()], []
+        infos = [replace(i, step_target_s=0.8) for i in await backend.infos()]
+        core = RequestCore(backend, infos, RouterConfig(slo_itl_s=1.0, tune_step_target=True),
+                           TOKENIZER)  # fmt: skip
+        state = core.states["both-0"]
+        older = asyncio.ensure_future(core._set_targets([(state, 0.4)], "older"))
+        await asyncio.sleep(0.01)
+        newer = asyncio.ensure_future(core._set_targets([(state, 0.2)], "newer"))
+        await asyncio.sleep(0.01)
+        assert backend.sent == [0.4, 0.2]
+        backend.gates[1].set()
+        await newer
+        backend.gates[0].set()
+        await older
+        return state.model.step_target_s
+
+    assert asyncio.run(asyncio.wait_for(main(), 30)) == pytest.approx(0.2)
+
+
+def test_a_worker_ignores_a_step_target_sent_before_the_latest_it_took():
+    """The worker's side, on a real engine: numbered calls run out of order leave the newest
+    target in force; an unnumbered call is always taken."""
+    host = SimpleNamespace(_target_seq=0, aeng=AsyncEngine(make_engine()))
+    sched = host.aeng.engine.scheduler
+
+    async def main() -> list[float | None]:
+        seen = []
+        for target, seq in [(0.05, 2), (0.5, 1), (0.08, 3), (0.3, 0)]:
+            await EngineHost.set_step_target(host, target, seq)
+            seen.append(sched.sizer.target_s if sched.sizer else None)
+        return seen
+
+    try:
+        assert asyncio.run(asyncio.wait_for(main(), 30)) == [0.05, 0.05, 0.08, 0.3]
+    finally:
+        host.aeng.shutdown()

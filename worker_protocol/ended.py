@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-REMEMBERED = 1 << 16  # the latest ids kept (a few MB at most)
+REMEMBERED = 1 << 16  # the latest ids kept (about 10 MB at most)
 
 
 class EndedRequests:

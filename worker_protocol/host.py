@@ -47,6 +47,7 @@ class EngineHost:
         self.node_ip = node_ip()
         self.kv_host = kv_bind_host(self.node_ip, spec.kv_interface, spec.kv_host)
         self.ended = EndedRequests()  # request ids aborted for good here (ended.py)
+        self._target_seq = 0  # the number of the latest step target taken
         # The router detokenizes what workers stream: a worker decodes text only to find stop
         # strings. A prefill worker's steps stream KV layer by layer, which a captured decode
         # graph cannot: it captures none (a worker that does both replays graphs in the steps
@@ -103,9 +104,15 @@ class EngineHost:
             n += len(out.new_token_ids)
         return n
 
-    async def set_step_target(self, target_s: float | None) -> None:
+    async def set_step_target(self, target_s: float | None, seq: int = 0) -> None:
         """The step target the router tunes from the gaps this worker's requests see (see
-        Scheduler.set_step_target)."""
+        Scheduler.set_step_target). `seq`: the router's number for the call, rising with each
+        one it sends; Ray may run them out of order (ended.py), and one numbered below the
+        latest taken is stale and changes nothing (0: unnumbered, always taken)."""
+        if seq:
+            if seq <= self._target_seq:
+                return
+            self._target_seq = seq  # before the await: the engine takes them in this order
         await self.aeng.call(lambda e: e.scheduler.set_step_target(target_s))
 
     def open_transfers(self) -> int:
