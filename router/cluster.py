@@ -198,7 +198,8 @@ class Cluster:
             return_exceptions=True,
         )
         for (h, rid), r in zip(calls, results):
-            if isinstance(r, BaseException) and not isinstance(r, ray.exceptions.RayActorError):
+            gone = (ray.exceptions.RayActorError, EngineDeadError)  # nothing left to abort
+            if isinstance(r, BaseException) and not isinstance(r, gone):
                 log.warning("abort of %s on %s failed: %s: %s", rid, h.worker_id,
                             type(r).__name__, r)  # fmt: skip
 
@@ -278,6 +279,8 @@ class Cluster:
             )
         except ray.exceptions.RayActorError:
             raise  # D died: the request resumes on another decode worker
+        except EngineDeadError as exc:  # D's engine stopped (a resize): as if it died
+            raise WorkerLost(d.worker_id, "its engine stopped") from exc
         except Exception as exc:  # D did not answer in time: what it may have reserved goes
             await self._abort_on(d, rid)
             _renew(ids)  # D prefills it under a new id
@@ -293,7 +296,8 @@ class Cluster:
                 limit,
             )
         except Exception as exc:  # P died, timed out or failed
-            died = self.pools.note_failure(p, exc)
+            # A stopped engine (a resize removed P as the request reached it) counts as a death.
+            died = self.pools.note_failure(p, exc) or isinstance(exc, EngineDeadError)
             if not died:
                 await self._abort_on(p, rid)  # it may still be prefilling: stop it
             why = f"{p.worker_id} -> {d.worker_id}: {type(exc).__name__}: {exc}"
@@ -305,8 +309,11 @@ class Cluster:
             # a new id, once D has surely dropped the first (else D prefills it, as without a
             # re-plan).
             if not await self._abort_on(d, rid):
+                # The abort may still land there: D prefills it as a new request, under a new id
+                # (the late abort frees the reservation).
                 fallback(FallbackReason.PREFILL_FAILED, why)
-                return None, None
+                _renew(ids)
+                return None
             again = replace(req, request_id=_renew(ids))
             log.warning("request %s: %s; prefilling again on %s", rid, why, other.worker_id)
             self.replans += 1

@@ -230,9 +230,6 @@ def test_a_request_that_meets_a_worker_stopped_by_a_resize_resumes_rather_than_f
         for path in (RoutePath.COLOCATED, RoutePath.DISAGGREGATED):
             with pytest.raises(WorkerLost):
                 asyncio.run(asyncio.wait_for(run(path, path.value), 30))
-        # The handoff could not reserve on the stopped worker and fell back to it.
-        assert [(rid, why) for rid, why, _ in c.fallbacks] == [
-            ("disaggregated", FallbackReason.NO_RESERVATION)
-        ]
+        assert not c.fallbacks  # the handoff's reserve_kv met it: lost, not a fallback there
     finally:
         c.shutdown()
