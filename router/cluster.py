@@ -83,7 +83,6 @@ class Cluster:
         self.fallback_counts = {r: 0 for r in FallbackReason}
         self.replans = 0  # requests prefilled again on another prefill worker after one died
         self._rr = itertools.count()
-        self._target_seq = itertools.count(1)  # numbers the step targets sent (from 1)
 
     # -- the Backend the request core drives -----------------------------------------------------
     @property
@@ -197,8 +196,8 @@ class Cluster:
             *(asyncio.wait_for(h.actor.abort.remote(rid), timeout) for h, rid in calls),
             return_exceptions=True,
         )
+        gone = (ray.exceptions.RayActorError, EngineDeadError)  # nothing left to abort
         for (h, rid), r in zip(calls, results):
-            gone = (ray.exceptions.RayActorError, EngineDeadError)  # nothing left to abort
             if isinstance(r, BaseException) and not isinstance(r, gone):
                 log.warning("abort of %s on %s failed: %s: %s", rid, h.worker_id,
                             type(r).__name__, r)  # fmt: skip
@@ -277,10 +276,8 @@ class Cluster:
             target: KVTarget | None = await asyncio.wait_for(
                 d.actor.reserve_kv.remote(req, p.worker_id, kv_due_in_s), timeout
             )
-        except ray.exceptions.RayActorError:
-            raise  # D died: the request resumes on another decode worker
-        except EngineDeadError as exc:  # D's engine stopped (a resize): as if it died
-            raise WorkerLost(d.worker_id, "its engine stopped") from exc
+        except (ray.exceptions.RayActorError, EngineDeadError):
+            raise  # D died or its engine stopped: the request resumes on another (generate)
         except Exception as exc:  # D did not answer in time: what it may have reserved goes
             await self._abort_on(d, rid)
             _renew(ids)  # D prefills it under a new id
@@ -393,10 +390,10 @@ class Cluster:
         )  # fmt: skip
 
     # -- reading -----------------------------------------------------------------------------
-    def set_step_target(self, worker_id: str, target_s: float | None) -> Awaitable[None]:
-        """Sent now, numbered: a worker ignores a target sent before the latest it took."""
-        seq = next(self._target_seq)
-        ref: Any = self._handle(worker_id).actor.set_step_target.remote(target_s, seq)
+    def set_step_target(
+        self, worker_id: str, target_s: float | None, seq: int = 0
+    ) -> Awaitable[None]:
+        ref: Any = self._handle(worker_id).actor.set_step_target.remote(target_s, seq)  # sent now
         return asyncio.wait_for(ref, self.config.control_timeout_s)
 
     async def kv_stats(self) -> dict[str, TransferStats]:

@@ -178,12 +178,12 @@ class RequestCore:
             self._tighten(decode_worker, waiting)
 
     def _send_target(self, worker_id: str, target_s: float) -> Awaitable[int]:
-        """The backend's call, or its failure to leave (a worker just gone), to be awaited; it
-        gives the call's number (rising with each one sent)."""
+        """The backend's call, numbered (rising with each one sent), or its failure to leave (a
+        worker just gone), to be awaited; it gives the call's number."""
         n = next(self._targets_sent)
         self._latest_target[worker_id] = n
         try:
-            call = self.backend.set_step_target(worker_id, target_s)
+            call = self.backend.set_step_target(worker_id, target_s, n)
         except Exception as exc:
             failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             failed.set_exception(exc)

@@ -71,10 +71,13 @@ class Backend(Protocol):
 
     async def infos(self) -> list[WorkerInfo]: ...
 
-    def set_step_target(self, worker_id: str, target_s: float | None) -> Awaitable[None]:
+    def set_step_target(
+        self, worker_id: str, target_s: float | None, seq: int = 0
+    ) -> Awaitable[None]:
         """Retarget a worker's prefill chunks next to its decodes (engine.Scheduler). The call
-        leaves when this is called, ahead of any later call to that worker; the awaitable ends
-        once the worker took the target."""
+        leaves when this is called; the awaitable ends once the worker has it. `seq` numbers the
+        calls (rising): a worker ignores one numbered below the latest it took, as Ray may run
+        its calls out of order (0: unnumbered)."""
 
 
 class Overloaded(Exception):

@@ -86,7 +86,9 @@ class FakeBackend:
     def _ids(self) -> list[str]:
         return list(dict.fromkeys([*self.prefill_ids, *self.decode_ids]))
 
-    def set_step_target(self, worker_id: str, target_s: float | None) -> Awaitable[None]:
+    def set_step_target(
+        self, worker_id: str, target_s: float | None, seq: int = 0
+    ) -> Awaitable[None]:
         self.step_targets[worker_id] = target_s
         return asyncio.sleep(0)
 

@@ -129,7 +129,9 @@ def test_the_core_sends_a_retargeted_worker_its_new_step_target():
 
 def test_a_worker_that_does_not_take_its_new_target_keeps_its_old_one():
     class Refusing(FakeBackend):
-        async def set_step_target(self, worker_id: str, target_s: float | None) -> None:
+        async def set_step_target(
+            self, worker_id: str, target_s: float | None, seq: int = 0
+        ) -> None:
             raise RuntimeError("mid-restart")
 
     # The call fails: logged, nothing recorded, polling goes on.
@@ -173,7 +175,7 @@ def test_a_tighter_request_placed_while_a_target_call_is_in_flight_gets_its_targ
     ends, the second goes (one call per worker at a time)."""
 
     class Slow(FakeBackend):
-        def set_step_target(self, worker_id: str, target_s: float | None):
+        def set_step_target(self, worker_id: str, target_s: float | None, seq: int = 0):
             async def later() -> None:
                 await self.answer.wait()
                 self.step_targets[worker_id] = target_s
@@ -210,7 +212,7 @@ def test_a_target_call_that_ends_after_a_newer_one_is_not_recorded():
     the router keeps the newer as the worker's target."""
 
     class Reordered(FakeBackend):
-        def set_step_target(self, worker_id: str, target_s: float | None):
+        def set_step_target(self, worker_id: str, target_s: float | None, seq: int = 0):
             gate = self.gates[len(self.sent)]
             self.sent.append(target_s)
 

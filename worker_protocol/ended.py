@@ -39,6 +39,3 @@ class EndedRequests:
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._ids
-
-    def __len__(self) -> int:
-        return len(self._ids)
