@@ -41,18 +41,21 @@ class KVEndpoint:
         )
         self.connector = TorchDistConnector(self.layout, source.device, config)
 
-    async def listen(self, peer_id: str) -> PeerAddress:
-        return await asyncio.to_thread(self.connector.listen, peer_id)
+    async def listen(self, peer_id: str, attempt: int = 0) -> PeerAddress:
+        return await asyncio.to_thread(self.connector.listen, peer_id, attempt)
 
-    async def connect(self, peer_id: str, address: PeerAddress, is_master: bool) -> None:
-        await asyncio.to_thread(self.connector.connect, peer_id, address, is_master)
+    async def connect(
+        self, peer_id: str, address: PeerAddress, is_master: bool, attempt: int = 0
+    ) -> None:
+        await asyncio.to_thread(self.connector.connect, peer_id, address, is_master, attempt)
 
     def connected(self, peer_id: str) -> bool:
         return self.connector.connected(peer_id)
 
-    async def disconnect(self, peer_id: str) -> None:
-        """Close the pair with `peer_id` (its running transfers end FAILED)."""
-        await asyncio.to_thread(self.connector.disconnect, peer_id)
+    async def disconnect(self, peer_id: str, attempt: int | None = None) -> None:
+        """Close the pair with `peer_id` (its running transfers end FAILED); `attempt`: see
+        torch_dist.py's docstring."""
+        await asyncio.to_thread(self.connector.disconnect, peer_id, attempt)
 
     def kv_stats(self) -> TransferStats:
         return self.connector.stats()

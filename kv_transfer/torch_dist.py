@@ -8,6 +8,14 @@ time. The two exchange `KVLayout`s through the pair's TCPStore and refuse a mism
 LayoutMismatchError naming the fields, before any process group exists. A pool grows by pairing
 the new worker with the peers it needs; nobody else's groups are touched.
 
+Attempts: a router numbers its pairing attempts (`attempt`, increasing) and passes the number to
+every `listen`, `connect` and `disconnect` of one attempt. An attempt it gave up on may still be
+running here, its calls arriving in any order after the next attempt's (a timed-out `connect`
+blocked in its handshake, a call delayed in the actor's queue). A `disconnect(peer, n)` ends
+every attempt before n: their later `listen`s and `connect`s raise StalePairing, and a `connect`
+of theirs that completes after it closes the pair it made instead of installing it. So a late
+call can neither take the new attempt's place nor close what it made.
+
 Per layer, a transfer's source blocks are gathered (`index_select`) into one contiguous message;
 the receiver lands it in a staging tensor and scatters it (`index_copy_`) into its destination
 blocks. `send_layer(tid, i)` queues layer i, so it goes out while the producer computes layer i+1.
@@ -109,6 +117,10 @@ class TorchDistConfig:
             raise ValueError(f"max_message_bytes must be >= 1, got {self.max_message_bytes}")
 
 
+class StalePairing(RuntimeError):
+    """A pairing call of an attempt that a newer one has replaced."""
+
+
 class TorchDistConnector(TrackedConnector):
     def __init__(
         self,
@@ -128,39 +140,49 @@ class TorchDistConnector(TrackedConnector):
         self.checksum = self.device.type == "cpu" if checksum is None else checksum
         self.faults = FaultInjector(self.config.faults) if self.config.faults else None
         self._lock = threading.Lock()  # guards the fields below; never held across a wait
-        self._pairs: dict[str, Pair] = {}
-        self._listening: dict[str, dist.TCPStore] = {}
+        self._pairs: dict[str, tuple[int, Pair]] = {}  # peer -> (attempt, pair)
+        self._listening: dict[str, tuple[int, dist.TCPStore]] = {}
+        # Per peer, attempts before this one are stale (raised by disconnect).
+        self._floor: dict[str, int] = {}
         # A master's store must outlive the handshake: the peer may still be reading from it.
-        self._stores: list[dist.Store] = []
+        # Kept per peer until the pair is replaced or disconnected.
+        self._stores: dict[str, dist.Store] = {}
         # A closing peer answers CLOSE at once unless it is hung; then give up quickly.
         self._join_s = max(2.0, 2 * self.config.heartbeat_s)
         _LIVE.add(self)
 
     # ---- pairing ----
 
-    def listen(self, peer_id: str) -> PeerAddress:
+    def listen(self, peer_id: str, attempt: int = 0) -> PeerAddress:
         """Host the rendezvous for `peer_id` (this side will be master) and return its address."""
         store, address = listen(self.config.bind_host, self.config.connect_timeout_s)
         with self._lock:
-            self._listening[peer_id] = store
+            self._check_attempt(peer_id, attempt)
+            self._listening[peer_id] = (attempt, store)
         return address
 
-    def connect(self, peer_id: str, address: PeerAddress, is_master: bool) -> None:
+    def connect(
+        self, peer_id: str, address: PeerAddress, is_master: bool, attempt: int = 0
+    ) -> None:
         """Pair with `peer_id`; blocks until the peer has called connect too (or times out).
-        Raises LayoutMismatchError when the layouts differ."""
+        Raises LayoutMismatchError when the layouts differ, StalePairing when a newer attempt
+        has begun (see the module's docstring)."""
         timeout = self.config.connect_timeout_s
         with self._lock:
+            self._check_attempt(peer_id, attempt)
             old = self._pairs.get(peer_id)
-            if old is not None and old.alive:
+            if old is not None and old[1].alive:
                 raise ValueError(f"already connected to {peer_id!r}")
-            store: dist.Store | None = self._listening.pop(peer_id, None) if is_master else None
+            store: dist.Store | None = None
+            if is_master:
+                listening = self._listening.get(peer_id)
+                if listening is not None and listening[0] == attempt:
+                    store = self._listening.pop(peer_id)[1]
         if store is None:
             if is_master:
                 raise ValueError(f"call listen({peer_id!r}) before connecting as master")
             store = join(address, timeout)
         rank = 0 if is_master else 1
-        with self._lock:
-            self._stores.append(store)
         remote_device = handshake(store, rank, self.layout, self._device_id)
         backend = pair_backend(self.requested_backend, self._device_id, remote_device)
         lanes = connect_lanes(store, rank, backend, self.config.bind_host, timeout)
@@ -183,24 +205,51 @@ class TorchDistConnector(TrackedConnector):
         )
         pair.start({"send": LaneSender(pair).run, "recv": LaneReceiver(pair).run})
         with self._lock:
-            self._pairs[peer_id] = pair
+            stale = attempt < self._floor.get(peer_id, 0)
+            old = self._pairs.get(peer_id)
+            if not stale and old is not None and old[1].alive:
+                stale = True  # another connect of this attempt got there first
+            if not stale:
+                self._pairs[peer_id] = (attempt, pair)
+                self._stores[peer_id] = store
+        if stale:
+            pair.close(join_s=self._join_s)
+            raise StalePairing(f"pairing attempt {attempt} with {peer_id!r} was replaced")
+
+    def _check_attempt(self, peer_id: str, attempt: int) -> None:
+        floor = self._floor.get(peer_id, 0)
+        if attempt < floor:
+            raise StalePairing(
+                f"pairing attempt {attempt} with {peer_id!r} was replaced by attempt {floor}"
+            )
 
     def connected(self, peer_id: str) -> bool:
         pair = self._pair(peer_id)
         return pair is not None and pair.alive
 
-    def disconnect(self, peer_id: str) -> None:
-        """Fail this peer's running transfers (ABORTED) and close the pair."""
+    def disconnect(self, peer_id: str, attempt: int | None = None) -> None:
+        """Fail this peer's running transfers (ABORTED) and close the pair. With `attempt`, also
+        end every pairing attempt before it; a pair made by a newer attempt is left alone."""
         with self._lock:
-            pair = self._pairs.pop(peer_id, None)
+            if attempt is not None:
+                self._floor[peer_id] = max(self._floor.get(peer_id, 0), attempt)
+            current = self._pairs.get(peer_id)
+            if current is not None and attempt is not None and current[0] > attempt:
+                return  # made by a newer attempt than this call knows of
+            self._pairs.pop(peer_id, None)
+            self._stores.pop(peer_id, None)
+            listening = self._listening.get(peer_id)
+            if listening is not None and (attempt is None or listening[0] < attempt):
+                del self._listening[peer_id]  # its socket closes with the store
         for rec in self._table.running(peer_id):
             self._table.fail(rec, FailureReason.ABORTED, "disconnected from the peer")
-        if pair is not None:
-            pair.close(join_s=self._join_s)
+        if current is not None:
+            current[1].close(join_s=self._join_s)
 
     def _pair(self, peer_id: str) -> Pair | None:
         with self._lock:
-            return self._pairs.get(peer_id)
+            entry = self._pairs.get(peer_id)
+        return None if entry is None else entry[1]
 
     # ---- transfers ----
 
@@ -239,9 +288,10 @@ class TorchDistConnector(TrackedConnector):
         for rec in self._table.running():
             self._table.fail(rec, FailureReason.ABORTED, "connector closed")
         with self._lock:
-            pairs = list(self._pairs.values())
+            pairs = [pair for _, pair in self._pairs.values()]
             self._pairs.clear()
             self._listening.clear()
+            self._stores.clear()
         for pair in pairs:
             pair.close(join_s=self._join_s)
         # Dropping the last references destroys the process groups now, while the interpreter

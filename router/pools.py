@@ -81,6 +81,9 @@ class Pools:
         self.dead: list[str] = []  # ids of workers found dead, in the order found
         self.restarts: dict[WorkerRole, int] = {r: 0 for r in WorkerRole}
         self._next = {r: itertools.count() for r in WorkerRole}
+        # Pairing calls carry their attempt's number (kv_transfer/torch_dist.py: a late call of
+        # an attempt given up on is refused rather than undoing a newer one).
+        self._attempts = itertools.count(1)
         self._lock = threading.RLock()
         self._resize = asyncio.Lock()
         self._closing = False
@@ -200,18 +203,19 @@ class Pools:
             log.warning("warm-up of %s failed: %s: %s", h.worker_id, type(exc).__name__, exc)
 
     async def _connect(self, a: str, b: str) -> None:
-        """Make the pair of `a` and `b`: both ends first drop what is left of an earlier one (an
-        attempt that timed out may have finished late), then one listens (a dedicated decode
-        worker, else the other end's peer that is not a dedicated prefill worker, else the lower
-        id) and both connect."""
+        """Make the pair of `a` and `b`: both ends first drop what is left of an earlier one and
+        end the attempts before this one (one that timed out may still be running there), then
+        one listens (a dedicated decode worker, else the other end's peer that is not a
+        dedicated prefill worker, else the lower id) and both connect."""
         ah, bh = self.workers[a], self.workers[b]
-        await asyncio.gather(ah.actor.disconnect.remote(b), bh.actor.disconnect.remote(a))
+        n = next(self._attempts)
+        await asyncio.gather(ah.actor.disconnect.remote(b, n), bh.actor.disconnect.remote(a, n))
         if _listens_first(bh, ah):
             ah, bh = bh, ah
-        address = await ah.actor.listen.remote(bh.worker_id)
+        address = await ah.actor.listen.remote(bh.worker_id, n)
         await asyncio.gather(
-            ah.actor.connect.remote(bh.worker_id, address, True),
-            bh.actor.connect.remote(ah.worker_id, address, False),
+            ah.actor.connect.remote(bh.worker_id, address, True, n),
+            bh.actor.connect.remote(ah.worker_id, address, False, n),
         )
 
     # -- death ---------------------------------------------------------------------------------
@@ -360,8 +364,9 @@ class Pools:
         self._drop(h)
         peers = [p for p in self.live() if p.role in PEERS[h.role]]
         timeout = self.config.control_timeout_s
+        n = next(self._attempts)  # ends any attempt with it still running on a peer
         await asyncio.gather(
-            *(asyncio.wait_for(p.actor.disconnect.remote(h.worker_id), timeout) for p in peers),
+            *(asyncio.wait_for(p.actor.disconnect.remote(h.worker_id, n), timeout) for p in peers),
             return_exceptions=True,
         )
 

@@ -4,8 +4,10 @@ test_kv_transfer_peers.py)."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from kv_transfer.base import FailureReason, TransferRequest, TransferStatus, sen
 from kv_transfer.fake import FakeHub
 from kv_transfer.layout import KVLayout, LayoutMismatchError, check_compatible
 from kv_transfer.rendezvous import choose_backend, device_identity, pair_backend
-from kv_transfer.torch_dist import TorchDistConnector
+from kv_transfer.torch_dist import StalePairing, TorchDistConnector
 from tests import kv_peers as kp
 
 SRC = (7, 2, 11, 3, 0)  # non-contiguous, unordered
@@ -266,6 +268,71 @@ def test_torch_dist_block_count_mismatch(pd):
     assert d.wait("m", 10) is TransferStatus.FAILED and p.wait("m", 10) is TransferStatus.FAILED
     assert d.result("m").reason is FailureReason.MISMATCH  # type: ignore[union-attr]
     assert torch.count_nonzero(dst.layers[0]) == 0
+
+
+def _transfer_goes_through(p: TorchDistConnector, d: TorchDistConnector, tid: str) -> None:
+    src, dst = kp.cache(p.layout, 16, seed=7), kp.cache(d.layout, 16, seed=None)
+    d.start_recv(req(tid, "P"), dst)
+    send_all_layers(p, req(tid, "D"), src)
+    assert d.wait(tid, 10) is TransferStatus.DONE and p.wait(tid, 10) is TransferStatus.DONE
+    kp.assert_blocks_equal(src, dst, SRC, DST)
+
+
+@pytest.mark.timeout(90)
+def test_a_pairing_attempt_replaced_while_it_connects_cannot_undo_the_next():
+    """A router gives up on attempt 1 while its connect is still running on the workers, and
+    starts attempt 2 (disconnect, listen, connect, all numbered 2). Attempt 1's calls that end or
+    arrive late neither install a pair nor close attempt 2's."""
+    lay = kp.layout()
+    p, d = kp.connector(lay), kp.connector(lay)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            address = d.listen("P", 1)
+            late_master = pool.submit(d.connect, "P", address, True, 1)  # waits for P
+            time.sleep(0.2)
+            assert not late_master.done()
+            d.disconnect("P", 2)  # attempt 2 begins on D while attempt 1 still waits there
+            # Attempt 1 completes its handshake late: D closes the pair it made, unused.
+            late_peer = pool.submit(p.connect, "D", address, False, 1)
+            with pytest.raises(StalePairing, match="attempt 1 with 'P' was replaced"):
+                late_master.result(timeout=30)
+            late_peer.result(timeout=30)  # P's end had no word of attempt 2 yet
+            assert not d.connected("P")
+            deadline = time.monotonic() + 10  # P's end hears the close
+            while p.connected("D") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not p.connected("D")
+            # Attempt 2 on P's end, then the pair.
+            p.disconnect("D", 2)
+            address = d.listen("P", 2)
+            peer = pool.submit(p.connect, "D", address, False, 2)
+            d.connect("P", address, True, 2)
+            peer.result(timeout=30)
+        # Attempt 1's calls that arrive now are refused, and its disconnect leaves the pair be.
+        with pytest.raises(StalePairing):
+            d.listen("P", 1)
+        with pytest.raises(StalePairing):
+            p.connect("D", address, False, 1)
+        d.disconnect("P", 1)
+        p.disconnect("D", 1)
+        assert p.connected("D") and d.connected("P")
+        _transfer_goes_through(p, d, "after")
+    finally:
+        p.close()
+        d.close()
+
+
+def test_disconnect_closes_a_rendezvous_nobody_joined():
+    lay = kp.layout()
+    d = kp.connector(lay)
+    try:
+        address = d.listen("P", 3)
+        socket.create_connection((address.host, address.port), timeout=2).close()  # listening
+        d.disconnect("P", 4)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((address.host, address.port), timeout=2)
+    finally:
+        d.close()
 
 
 def test_torch_dist_unconnected_peer_fails_at_once():
