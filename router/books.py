@@ -177,10 +177,10 @@ class RequestBooks:
             )
 
     def moved(self) -> None:
-        """Its decode worker died: the placement leaves the books (so that the next decision
-        sees it gone), and the request counts as resumed. The next placement goes by a new id:
-        the old one was aborted for good on the workers that outlived it, which then ignore a
-        call for it (worker_protocol/ended.py)."""
+        """A worker of its placement was lost: the placement leaves the books (so that the next
+        decision sees it gone), and the request counts as resumed. The next placement goes by a
+        new id: the old one was aborted for good on the workers that outlived it, which then
+        ignore a call for it (worker_protocol/ended.py)."""
         for w in (self.p, self.d):
             if w is not None:
                 w.finish(self.wid)

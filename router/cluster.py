@@ -170,7 +170,19 @@ class Cluster:
                 self._fallback(req, FallbackReason.NO_PREFILL_WORKER, why, 0.0, listener)
             stream = self._stream(d.actor.generate, req)
         finished = False
+        # Counted first, then checked: a resize that marks either worker DRAINING after the
+        # check waits for this request; one that did so before (the request was placed just
+        # before it began, and its drain may find the worker idle) sends it elsewhere before
+        # anything runs there.
         d.active += 1
+        if p is not None:
+            p.active += 1  # until its handoff ends (_disaggregated)
+        leaving = [h for h in (d, p) if h is not None and h.status is not WorkerStatus.READY]
+        if leaving:
+            d.active -= 1
+            if p is not None:
+                p.active -= 1
+            raise WorkerLost(leaving[0].worker_id, "it is leaving its pool")
         try:
             async for chunk in stream:
                 finished = chunk.finished
@@ -223,8 +235,7 @@ class Cluster:
             fell.append((reason, detail))
             self._fallback(req, reason, detail, time.monotonic() - t0, listener)
 
-        p.active += 1  # from here on a drain of P waits for this request
-        try:
+        try:  # P's drain waits for this request until here (counted in generate)
             handed = await self._handoff(req, p, d, fallback, listener, ids, kv_due_in_s)
         finally:
             p.active -= 1

@@ -352,8 +352,8 @@ class RequestCore:
     def _resumed(
         self, req: ParsedRequest, shape: RequestShape, books: RequestBooks, lost: WorkerLost
     ) -> tuple[RequestShape, Decision]:
-        """Its decode worker died: it leaves that placement, and is planned again from its
-        prompt and the tokens already streamed."""
+        """A worker of its placement was lost (died, stopped, or leaving its pool): it leaves
+        that placement, and is planned again from its prompt and the tokens already streamed."""
         emitted = books.emitted
         log.warning("request %s: %s; resuming after %d tokens", req.request_id, lost, len(emitted))
         books.moved()

@@ -7,11 +7,11 @@ from router.vocab import FailureReason
 
 
 class WorkerLost(RuntimeError):
-    """The decode worker streaming a request died; it has left its pool. The request may resume
-    elsewhere from its prompt and the tokens already streamed."""
+    """A worker of a request's placement died, stopped, or is leaving its pool. The request may
+    resume elsewhere from its prompt and the tokens already streamed."""
 
     def __init__(self, worker_id: str, cause: str) -> None:
-        super().__init__(f"worker {worker_id} died: {cause}")
+        super().__init__(f"worker {worker_id} lost: {cause}")
         self.worker_id = worker_id
 
 

@@ -212,14 +212,13 @@ def test_calls_that_run_after_their_abort_do_nothing():
 
 @pytest.mark.timeout(120)
 def test_a_request_that_meets_a_worker_stopped_by_a_resize_resumes_rather_than_fails():
-    """A resize stops a worker's engine once its drain sees nothing running there; a request
-    placed on it a moment before (its placement raced the drain) then meets a stopped engine.
-    That reads as a lost worker, which the router resumes on another, on either path: not as
-    the request's own error."""
+    """A request that meets a stopped engine (a resize stops one once its drain sees nothing
+    running there) reads that as a lost worker, which the router resumes on another, on either
+    path: not as the request's own error. Here the handle still reads READY, as it would for a
+    request that passed the check in generate before the drain began."""
     c = make_cluster()
     try:
         h = c.pools.workers["decode-0"]
-        h.status = WorkerStatus.DRAINING  # as Pools.scale marks it
         ray.get(h.actor.shutdown.remote(), timeout=30)  # as Pools._retire does, drained
         prompt = random_prompts([20], seed=75)[0]
         sp = SamplingParams(max_tokens=4, temperature=0.0)
@@ -235,5 +234,49 @@ def test_a_request_that_meets_a_worker_stopped_by_a_resize_resumes_rather_than_f
             with pytest.raises(WorkerLost):
                 asyncio.run(asyncio.wait_for(run(path, path.value), 30))
         assert not c.fallbacks  # the handoff's reserve_kv met it: lost, not a fallback there
+    finally:
+        c.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_request_placed_just_before_a_resize_began_goes_elsewhere_before_it_starts():
+    """A resize marks the workers it removes DRAINING and waits for what runs there; a request
+    placed a moment before (the planner saw the worker READY) is not counted there yet, so the
+    drain may find the worker idle. It must not start there: it leaves at once, as a lost
+    worker (the router resumes it elsewhere), whichever of its two workers is leaving, and
+    nothing reached that worker."""
+    c = make_cluster()
+    try:
+        prompt = random_prompts([20], seed=77)[0]
+        sp = SamplingParams(max_tokens=4, temperature=0.0)
+        p, d = c.pools.workers["prefill-0"], c.pools.workers["decode-0"]
+
+        async def run(path: RoutePath, rid: str) -> list[int]:
+            placement = Placement(
+                path=path, request_id=rid, prefill_worker="prefill-0", decode_worker="decode-0"
+            )
+            return [t async for ch in c.generate(prompt, sp, placement) for t in ch.token_ids]
+
+        seen = [wait_full(h.actor).prefix_queries for h in (p, d)]  # the warm-up's, if any
+        cases = [
+            (d, RoutePath.COLOCATED),
+            (d, RoutePath.DISAGGREGATED),
+            (p, RoutePath.DISAGGREGATED),
+        ]
+        for i, (leaving, path) in enumerate(cases):
+            leaving.status = WorkerStatus.DRAINING  # as Pools.scale marks it
+            with pytest.raises(WorkerLost, match=f"{leaving.worker_id} lost: it is leaving its"):
+                asyncio.run(asyncio.wait_for(run(path, f"r{i}"), 30))
+            assert p.active == d.active == 0
+            leaving.status = WorkerStatus.READY
+        assert not c.fallbacks
+        # Nothing was sent there: no prompt, no transfer.
+        assert [wait_full(h.actor).prefix_queries for h in (p, d)] == seen
+        assert ray.get(d.actor.kv_stats.remote()).ok == 0
+        # Back in the pool, the same ids would serve: none of them was ended there.
+        assert len(asyncio.run(run(RoutePath.DISAGGREGATED, "r1"))) == 4
+        assert ray.get(d.actor.kv_stats.remote()).ok == 1
+        wait_full(d.actor)
+        wait_full(p.actor)
     finally:
         c.shutdown()
