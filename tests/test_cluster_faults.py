@@ -211,6 +211,35 @@ def test_calls_that_run_after_their_abort_do_nothing():
 
 
 @pytest.mark.timeout(120)
+def test_an_abort_while_a_handoff_waits_for_its_kv_ends_it_as_aborted():
+    """finish_handoff waits on the decode worker for the KV; the client leaves meanwhile and the
+    router's abort ends the receive and the reservation. The wait then ends at once, and the
+    stream ends as aborted (not as an error from an engine that no longer knows the request),
+    with every block free."""
+    c = make_cluster()
+    try:
+        prompt = random_prompts([24], seed=78)[0]
+        req, d, p, target = reserve(c, "wait", prompt)
+
+        async def run():
+            gen = d.finish_handoff.options(num_returns="streaming").remote("wait", 7)
+            await asyncio.sleep(0.5)  # it waits for KV that no prefill sends
+            t0 = time.monotonic()
+            await d.abort.remote("wait")
+            return [await ref async for ref in gen], time.monotonic() - t0
+
+        chunks, took = asyncio.run(asyncio.wait_for(run(), 30))
+        assert [(ch.token_ids, ch.finished, ch.finish_reason) for ch in chunks] == [
+            ((), True, "abort")
+        ]
+        assert took < 3  # not at the transfer's 5 s deadline
+        wait_full(d)
+        wait_full(p)
+    finally:
+        c.shutdown()
+
+
+@pytest.mark.timeout(120)
 def test_a_request_that_meets_a_worker_stopped_by_a_resize_resumes_rather_than_fails():
     """A request that meets a stopped engine (a resize stops one once its drain sees nothing
     running there) reads that as a lost worker, which the router resumes on another, on either

@@ -118,6 +118,9 @@ class KVReceiverSide:
             self.connector.abort(request_id)
             self.connector.release(request_id)
         ok = first_token is not None and await self._wait_kv(request_id)
+        if request_id in self.ended:  # aborted during the wait: the abort freed everything
+            yield self._aborted(request_id)
+            return
         q = self.aeng.open_stream(request_id)
         try:
             if ok:
@@ -146,7 +149,12 @@ class KVReceiverSide:
     async def _wait_kv(self, request_id: str) -> bool:
         # The prefill worker has answered by now: its send has ended, so this wait is short.
         timeout = self.spec.kv_transfer_deadline_s + 1.0
-        status = await wait_transfer(self.connector, request_id, timeout)
+        try:
+            status = await wait_transfer(self.connector, request_id, timeout)
+        except KeyError:
+            if request_id in self.ended:  # its abort ended and released the receive meanwhile
+                return False
+            raise
         self.connector.release(request_id)
         return status is TransferStatus.DONE
 
