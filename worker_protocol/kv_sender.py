@@ -10,7 +10,9 @@ One request, in order:
      transfer of layer i overlaps the compute of layers i+1..;
   3. the first token is sampled; the worker waits for the send to end (DONE or FAILED, within
      its deadline) and only then frees the blocks (ownership stays here until the send ended);
-  4. it returns the first token and the prefill and transfer times.
+  4. it returns the first token and the prefill and transfer times at once: the engine frees
+     the blocks between steps, and on a busy worker the step running then (other prompts'
+     prefill) may take seconds, which the first token does not wait for.
 `abort_prefill(request_id)` ends a prefill early: no first token (or, when it came first, the
 send FAILED), the blocks freed once the send has ended. A `prefill` that Ray runs after its
 abort (ended.py) returns at once, without a first token.
@@ -23,12 +25,14 @@ constructor, since the engine thread may call the hook as soon as it exists.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.llm_engine import LLMEngine
 from engine.outputs import ScheduledRequest, SchedulerOutput
 from kv_transfer import FailureReason, TransferRequest, TransferStatus
@@ -37,6 +41,8 @@ from kv_transfer.torch_dist import TorchDistConnector
 from worker_protocol.ended import EndedRequests
 from worker_protocol.messages import PrefillResult, WorkerSpec, WorkRequest
 from worker_protocol.transfer_wait import wait_transfer
+
+log = logging.getLogger(__name__)
 
 
 class _SendOutcome(NamedTuple):
@@ -174,8 +180,10 @@ class KVSenderSide:
             if pending is not None and pending.started and self._live_send(rid):
                 self.connector.abort(rid)  # returns once the sender no longer reads the blocks
                 self.connector.release(rid)
-            # The send has ended (or never started): only now may the blocks go.
-            await self.aeng.call(lambda e: e.release_blocks(rid))
+            # The send has ended (or never started): only now may the blocks go (step 4).
+            self.aeng.call_threadsafe(lambda e: e.release_blocks(rid)).add_done_callback(
+                _release_failed
+            )
         return PrefillResult(
             request_id=rid,
             first_token=first,
@@ -233,3 +241,9 @@ class KVSenderSide:
                 await asyncio.to_thread(self.connector.abort, request_id)
         finally:
             await self.aeng.abort(request_id)
+
+
+def _release_failed(fut: Future[bool]) -> None:
+    exc = fut.exception()
+    if exc is not None and not isinstance(exc, EngineDeadError):  # a stopped engine freed all
+        log.warning("freeing a prefill's blocks failed: %s: %s", type(exc).__name__, exc)

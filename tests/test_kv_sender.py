@@ -1,0 +1,59 @@
+"""The sending side of a prefill (worker_protocol/kv_sender.py) on a real engine, in process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from engine.async_engine import AsyncEngine
+from engine.sampling_params import SamplingParams
+from tests.helpers import assert_pool_free, hf_greedy, make_engine, random_prompts
+from worker_protocol.ended import EndedRequests
+from worker_protocol.kv_sender import KVSenderSide
+from worker_protocol.messages import PrefillResult, WorkRequest
+
+STEP_S = 1.0  # each engine step lasts this long at least: a busy worker's prefill steps
+
+
+class Sender(KVSenderSide):
+    def __init__(self, aeng: AsyncEngine) -> None:
+        self.init_sender()
+        self.aeng, self.engine, self.ended = aeng, aeng.engine, EndedRequests()
+
+
+def test_a_first_token_does_not_wait_for_the_step_that_runs_after_it():
+    """A prompt's last chunk shares a step with the start of another prompt, whose further steps
+    then run. Its first token goes back once its send has ended (none here: the decode side
+    holds the prompt), not after the next step; the engine frees its blocks after that step."""
+    eng = make_engine("tiny-llama", budget=24)
+    run_step = eng.step
+
+    def slow_step(*args, **kwargs):
+        out = run_step(*args, **kwargs)
+        time.sleep(STEP_S)
+        return out
+
+    eng.step = slow_step  # type: ignore[method-assign]
+    host = Sender(AsyncEngine(eng))
+    short, long = random_prompts([10, 60], seed=5)  # steps: 10 + 14, 24, 22
+    sp = SamplingParams(max_tokens=4, temperature=0.0)
+
+    async def main() -> tuple[PrefillResult, float, PrefillResult]:
+        t0 = time.monotonic()
+        first = asyncio.ensure_future(host.prefill(WorkRequest("a", tuple(short), sp), "D", (), 0))
+        other = asyncio.ensure_future(host.prefill(WorkRequest("b", tuple(long), sp), "D", (), 0))
+        a = await first
+        took = time.monotonic() - t0
+        return a, took, await other
+
+    try:
+        a, took, b = asyncio.run(asyncio.wait_for(main(), 60))
+        assert a.first_token == hf_greedy("tiny-llama", short, 1)[0]
+        assert b.first_token == hf_greedy("tiny-llama", long, 1)[0]
+        assert took < 1.6 * STEP_S, f"{took:.2f} s: it waited for the step after its own"
+        deadline = time.monotonic() + 10
+        while not eng.kv.pool.all_free() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        host.aeng.shutdown()
+    assert_pool_free(eng)
