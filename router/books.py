@@ -177,7 +177,7 @@ class RequestBooks:
             )
 
     def moved(self) -> None:
-        """A worker of its placement was lost: the placement leaves the books (so that the next
+        """Its decode worker was lost: the placement leaves the books (so that the next
         decision sees it gone), and the request counts as resumed. The next placement goes by a
         new id: the old one was aborted for good on the workers that outlived it, which then
         ignore a call for it (worker_protocol/ended.py)."""

@@ -158,6 +158,22 @@ class Cluster:
         listener = on_prefill or _NullListener()
         disaggregated = placement.path is RoutePath.DISAGGREGATED
         p = self._prefill_handle(placement.prefill_worker, d) if disaggregated else None
+        # Counted first, then checked: a resize that marks a worker DRAINING after the check
+        # waits for this request; one that did so before (the request was placed just before
+        # it began, and its drain may find the worker idle) keeps it from starting there. A
+        # leaving D sends it elsewhere; a leaving P leaves its prompt to D.
+        d.active += 1
+        if p is not None:
+            p.active += 1  # until its handoff ends (_disaggregated)
+        if d.status is not WorkerStatus.READY:
+            d.active -= 1
+            if p is not None:
+                p.active -= 1
+            raise WorkerLost(d.worker_id, _why_gone(d))
+        gone = None
+        if p is not None and p.status is not WorkerStatus.READY:
+            p.active -= 1
+            gone, p = f"{p.worker_id}: {_why_gone(p)}", None
         # The ids it goes by on its workers: a reset on D (an abort before the router goes on
         # with it there) moves it to a new one, as a worker ignores an id it aborted
         # (worker_protocol/ended.py).
@@ -166,23 +182,12 @@ class Cluster:
             stream = self._disaggregated(req, p, d, listener, placement.kv_due_in_s, ids)
         else:
             if disaggregated:  # its prefill worker left the pool on the way here
-                why = f"{placement.prefill_worker or 'no prefill worker'} is not in the pool"
+                why = (
+                    gone or f"{placement.prefill_worker or 'no prefill worker'} is not in the pool"
+                )
                 self._fallback(req, FallbackReason.NO_PREFILL_WORKER, why, 0.0, listener)
             stream = self._stream(d.actor.generate, req)
         finished = False
-        # Counted first, then checked: a resize that marks either worker DRAINING after the
-        # check waits for this request; one that did so before (the request was placed just
-        # before it began, and its drain may find the worker idle) sends it elsewhere before
-        # anything runs there.
-        d.active += 1
-        if p is not None:
-            p.active += 1  # until its handoff ends (_disaggregated)
-        leaving = [h for h in (d, p) if h is not None and h.status is not WorkerStatus.READY]
-        if leaving:
-            d.active -= 1
-            if p is not None:
-                p.active -= 1
-            raise WorkerLost(leaving[0].worker_id, "it is leaving its pool")
         try:
             async for chunk in stream:
                 finished = chunk.finished
@@ -315,24 +320,34 @@ class Cluster:
                 return None, None
             # Re-planned: D's reservation was for P's KV; it is made again for the other's, under
             # a new id, once D has surely dropped the first (else D prefills it, as without a
-            # re-plan).
-            if not await self._abort_on(d, rid):
-                # The abort may still land there: D prefills it as a new request, under a new id
-                # (the late abort frees the reservation).
-                fallback(FallbackReason.PREFILL_FAILED, why)
-                _renew(ids)
-                return None
-            again = replace(req, request_id=_renew(ids))
-            log.warning("request %s: %s; prefilling again on %s", rid, why, other.worker_id)
-            self.replans += 1
-            listener.replanned(p.worker_id, other.worker_id, why, time.monotonic() - t0)
+            # re-plan). Counted on the other first: a drain of it waits for this request.
             other.active += 1
             try:
-                # Counts on D at once: the other worker's queue was never predicted.
-                return await self._handoff(again, other, d, fallback, listener, ids, replan=False)
-            except BaseException:  # cancelled (the client left): stop the other's prefill too
-                await asyncio.shield(self._abort_on(other, again.request_id))
-                raise
+                if not await self._abort_on(d, rid):
+                    # The abort may still land there: D prefills it as a new request, under a
+                    # new id (the late abort frees the reservation).
+                    fallback(FallbackReason.PREFILL_FAILED, why)
+                    _renew(ids)
+                    return None
+                if other.status is not WorkerStatus.READY:  # a resize began meanwhile
+                    fallback(
+                        FallbackReason.PREFILL_FAILED,
+                        f"{why}; {other.worker_id}: {_why_gone(other)}",
+                    )
+                    _renew(ids)
+                    return None
+                again = replace(req, request_id=_renew(ids))
+                log.warning("request %s: %s; prefilling again on %s", rid, why, other.worker_id)
+                self.replans += 1
+                listener.replanned(p.worker_id, other.worker_id, why, time.monotonic() - t0)
+                try:
+                    # Counts on D at once: the other worker's queue was never predicted.
+                    return await self._handoff(
+                        again, other, d, fallback, listener, ids, replan=False
+                    )
+                except BaseException:  # cancelled (the client left): stop its prefill too
+                    await asyncio.shield(self._abort_on(other, again.request_id))
+                    raise
             finally:
                 other.active -= 1
         listener.prefilled(result)
@@ -453,6 +468,10 @@ class Cluster:
 
     def shutdown(self) -> None:
         self.pools.shutdown()
+
+
+def _why_gone(h: WorkerHandle) -> str:
+    return "it is leaving its pool" if h.status is WorkerStatus.DRAINING else "not in its pool"
 
 
 def _renew(ids: list[str]) -> str:

@@ -256,8 +256,9 @@ class RequestCore:
 
     async def generate(self, req: ParsedRequest, arrived: float) -> AsyncGenerator[CoreChunk, None]:
         """Run one admitted request; raises Overloaded before any work is done. If its decode
-        worker dies, it resumes on another from its prompt and the tokens already streamed
-        (greedy output is unchanged; a seeded sample continues with a fresh generator)."""
+        worker dies or leaves its pool (WorkerLost), it resumes on another from its prompt
+        and the tokens already streamed (greedy output is unchanged; a seeded sample continues
+        with a fresh generator)."""
         shape, decision = self.plan(req)
         self._admit(shape, decision, req.frontend)
         self.planner.demand.arrived(shape.prompt_len, shape.max_tokens)  # taken: it will decode
@@ -352,8 +353,8 @@ class RequestCore:
     def _resumed(
         self, req: ParsedRequest, shape: RequestShape, books: RequestBooks, lost: WorkerLost
     ) -> tuple[RequestShape, Decision]:
-        """A worker of its placement was lost (died, stopped, or leaving its pool): it leaves
-        that placement, and is planned again from its prompt and the tokens already streamed."""
+        """Its decode worker was lost (died, stopped, or leaving its pool): it leaves that
+        placement, and is planned again from its prompt and the tokens already streamed."""
         emitted = books.emitted
         log.warning("request %s: %s; resuming after %d tokens", req.request_id, lost, len(emitted))
         books.moved()

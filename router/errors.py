@@ -7,8 +7,8 @@ from router.vocab import FailureReason
 
 
 class WorkerLost(RuntimeError):
-    """A worker of a request's placement died, stopped, or is leaving its pool. The request may
-    resume elsewhere from its prompt and the tokens already streamed."""
+    """The decode worker streaming a request died, stopped, or is leaving its pool. The request
+    may resume elsewhere from its prompt and the tokens already streamed."""
 
     def __init__(self, worker_id: str, cause: str) -> None:
         super().__init__(f"worker {worker_id} lost: {cause}")

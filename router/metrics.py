@@ -127,7 +127,7 @@ class Metrics:
         )
         self.resumed = Counter(
             "pdserve_requests_resumed",
-            "Requests moved to another decode worker after one died.",
+            "Requests moved to another decode worker after theirs died or left its pool.",
             registry=r,
         )
         self.running = Gauge(

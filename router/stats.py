@@ -30,7 +30,7 @@ class RequestRecord:
     e2e_s: float  # arrival -> last token (or the end)
     queue_s: float  # arrival on the worker that prefilled it -> first scheduled there
     prefill_s: float | None  # first scheduled -> first token on the prefilling worker
-    resumed: int  # times it moved to another decode worker after one died
+    resumed: int  # times it moved to another decode worker after its own died or left
 
 
 @dataclass(frozen=True, slots=True)

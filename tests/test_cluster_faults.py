@@ -13,7 +13,7 @@ from router.cluster import Cluster, ClusterConfig
 from router.errors import WorkerLost
 from router.vocab import FallbackReason, Placement, RoutePath
 from router.workers import WorkerStatus
-from tests.helpers import random_prompts
+from tests.helpers import hf_greedy, random_prompts
 from worker_protocol.messages import WorkRequest
 
 BLOCK = 4
@@ -268,12 +268,12 @@ def test_a_request_that_meets_a_worker_stopped_by_a_resize_resumes_rather_than_f
 
 
 @pytest.mark.timeout(120)
-def test_a_request_placed_just_before_a_resize_began_goes_elsewhere_before_it_starts():
+def test_a_request_placed_just_before_a_resize_began_does_not_start_on_the_leaving_worker():
     """A resize marks the workers it removes DRAINING and waits for what runs there; a request
     placed a moment before (the planner saw the worker READY) is not counted there yet, so the
-    drain may find the worker idle. It must not start there: it leaves at once, as a lost
-    worker (the router resumes it elsewhere), whichever of its two workers is leaving, and
-    nothing reached that worker."""
+    drain may find the worker idle. It must not start there: with its decode worker leaving it
+    leaves at once, as a lost worker (the router resumes it elsewhere); with its prefill worker
+    leaving, its decode worker prefills it. Nothing reaches the leaving worker."""
     c = make_cluster()
     try:
         prompt = random_prompts([20], seed=77)[0]
@@ -286,24 +286,30 @@ def test_a_request_placed_just_before_a_resize_began_goes_elsewhere_before_it_st
             )
             return [t async for ch in c.generate(prompt, sp, placement) for t in ch.token_ids]
 
-        seen = [wait_full(h.actor).prefix_queries for h in (p, d)]  # the warm-up's, if any
-        cases = [
-            (d, RoutePath.COLOCATED),
-            (d, RoutePath.DISAGGREGATED),
-            (p, RoutePath.DISAGGREGATED),
-        ]
-        for i, (leaving, path) in enumerate(cases):
-            leaving.status = WorkerStatus.DRAINING  # as Pools.scale marks it
-            with pytest.raises(WorkerLost, match=f"{leaving.worker_id} lost: it is leaving its"):
-                asyncio.run(asyncio.wait_for(run(path, f"r{i}"), 30))
+        seen_p = wait_full(p.actor).prefix_queries  # the warm-up's
+        d.status = WorkerStatus.DRAINING  # as Pools.scale marks it
+        for path in (RoutePath.COLOCATED, RoutePath.DISAGGREGATED):
+            with pytest.raises(WorkerLost, match="decode-0 lost: it is leaving its pool"):
+                asyncio.run(asyncio.wait_for(run(path, path.value), 30))
             assert p.active == d.active == 0
-            leaving.status = WorkerStatus.READY
-        assert not c.fallbacks
-        # Nothing was sent there: no prompt, no transfer.
-        assert [wait_full(h.actor).prefix_queries for h in (p, d)] == seen
+        d.status = WorkerStatus.READY
+        seen_d = wait_full(d.actor).prefix_queries
+        p.status = WorkerStatus.DRAINING
+        local = asyncio.run(asyncio.wait_for(run(RoutePath.DISAGGREGATED, "p-leaving"), 30))
+        assert p.active == d.active == 0
+        p.status = WorkerStatus.READY
+        assert [(rid, why.value, detail) for rid, why, detail in c.fallbacks] == [
+            ("p-leaving", "no_prefill_worker", "prefill-0: it is leaving its pool")
+        ]
+        # Nothing reached P; D computed the one prompt; no KV moved.
+        assert wait_full(p.actor).prefix_queries == seen_p
+        assert wait_full(d.actor).prefix_queries == seen_d + len(prompt)
         assert ray.get(d.actor.kv_stats.remote()).ok == 0
-        # Back in the pool, the same ids would serve: none of them was ended there.
-        assert len(asyncio.run(run(RoutePath.DISAGGREGATED, "r1"))) == 4
+        assert local == hf_greedy("tiny-llama", prompt, 4)
+        # Back in the pool, an id sent nowhere before serves as any: the KV moves.
+        prompt = random_prompts([24], seed=79)[0]
+        handed = asyncio.run(run(RoutePath.DISAGGREGATED, "disaggregated"))
+        assert handed == hf_greedy("tiny-llama", prompt, 4)
         assert ray.get(d.actor.kv_stats.remote()).ok == 1
         wait_full(d.actor)
         wait_full(p.actor)
