@@ -10,7 +10,10 @@ prefill or decode code path. Within a step:
 With `step_target_s` set, a step that has decodes in it (or runs while a handoff's KV may land:
 see Request.kv_due_at) takes only as many prefill tokens as keep it near that time (a ChunkSizer
 learns how many from the steps just run); any other step takes the whole budget, at full prefill
-efficiency.
+efficiency, except that a step of prompts alone (no decodes) that completes a prompt takes no
+more tokens of the prompts behind it than their share of a step's fixed cost buys
+(engine/prompt_steps.py: on a CPU a few, so a prompt's first token does not wait for a full
+budget of the next prompts' chunks; on a GPU the budget fills).
 Where even the smallest chunk takes such a step past the target, with a hold set (a request's
 own, else `prefill_hold_s`) the prompts wait instead while the running decodes will end within
 their hold (see `_hold`).
@@ -32,6 +35,7 @@ from engine.chunk_sizer import ChunkSizer
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import ComputedBlocks, KVCacheManager, cdiv
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.prompt_steps import PromptStepCost
 from engine.request import FinishReason, Request, RequestStatus
 
 _FINISH_STATUS = {
@@ -50,6 +54,7 @@ class Scheduler:
             if config.step_target_s is not None and config.enable_chunked_prefill
             else None
         )
+        self.prompt_steps = PromptStepCost()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Disaggregated decode side: blocks reserved, KV on its way (see kv_handoff.py).
@@ -188,6 +193,9 @@ class Scheduler:
             budget = min(budget, len(decodes) + self.sizer.chunk)
         if self._hold(decodes, prefills):
             budget = len(decodes)  # the decodes alone: no chunk, no admission
+        # Prompts alone: once one completes in this step, the later ones take at most this.
+        behind = len(prefills) + len(self.waiting) - 1
+        fill_cap = None if decodes else self.prompt_steps.fill_cap(behind)
         for req in decodes + prefills:
             if budget == 0:
                 break
@@ -212,9 +220,11 @@ class Scheduler:
             else:
                 chunks[req.request_id] = n
                 budget -= n
+                if fill_cap is not None and n == req.num_tokens - req.num_computed_tokens:
+                    budget = min(budget, fill_cap)  # it completes here (decodes: none)
 
         if not preempted:
-            budget = self._admit_waiting(budget, chunks)
+            budget = self._admit_waiting(budget, chunks, fill_cap)
 
         out = self._build_output(chunks, preempted)
         self._check_invariants(out)
@@ -269,7 +279,9 @@ class Scheduler:
             self.sizer.target_s = target_s
 
     def observe_step(self, prefill_tokens: int, decodes: int, seconds: float) -> None:
-        """What the step just run cost: teaches the chunk sizer (a no-op without a target)."""
+        """What the step just run cost: teaches the chunk sizer (a no-op without a target) and
+        what a step of prompts alone costs."""
+        self.prompt_steps.observe(prefill_tokens, decodes, seconds)
         if self.sizer is not None:
             self.sizer.observe(prefill_tokens, decodes, seconds)
 
@@ -286,7 +298,7 @@ class Scheduler:
     def num_seq_slots_used(self) -> int:
         return len(self.running) + len(self.waiting_for_kv)
 
-    def _admit_waiting(self, budget: int, chunks: dict[str, int]) -> int:
+    def _admit_waiting(self, budget: int, chunks: dict[str, int], fill_cap: int | None) -> int:
         admitted = 0
         while self.waiting and budget > 0 and self.num_seq_slots_used < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -318,6 +330,8 @@ class Scheduler:
             chunks[req.request_id] = n
             admitted += 1
             budget = max(0, budget - n)
+            if fill_cap is not None and n == remaining:
+                budget = min(budget, fill_cap)  # it completes here
         return budget
 
     def _build_output(self, chunks: dict[str, int], preempted: list[str]) -> SchedulerOutput:

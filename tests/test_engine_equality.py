@@ -98,6 +98,29 @@ def test_greedy_matches_transformers_with_prompts_waiting_for_decodes():
     assert_pool_free(engine)
 
 
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen3"])
+def test_greedy_matches_transformers_with_prompts_completing_alone(arch):
+    """On a compute-bound host a step of prompts alone that completes one takes no tokens of the
+    next (engine/prompt_steps.py; the cap is set here, as a tiny model's steps never ask for
+    it): one prompt completes per step until decodes run beside them."""
+    engine = make_engine(arch, block_size=4, budget=64, max_num_seqs=8)
+    steps = engine.scheduler.prompt_steps
+    steps.observe = lambda *args: None  # type: ignore[method-assign]
+    steps.fixed_tokens = 0.0
+    prompts = random_prompts(LENGTHS, seed=17)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    rids = [engine.add_request(p, params) for p in prompts]
+    first = engine.step()
+    assert [out.request_id for out in first] == rids[:1]  # 3 tokens, then nothing of the next
+    toks = {out.request_id: list(out.new_token_ids) for out in first}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            toks.setdefault(out.request_id, []).extend(out.new_token_ids)
+    for p, rid in zip(prompts, rids):
+        assert toks[rid] == hf_greedy(arch, p, MAX_NEW), f"prompt of {len(p)} tokens"
+    assert_pool_free(engine)
+
+
 def test_greedy_matches_transformers_unchunked():
     engine = make_engine("tiny-llama", block_size=8, budget=16, chunked=False)
     prompts = random_prompts([5, 40, 11], seed=3)

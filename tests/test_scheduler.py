@@ -488,3 +488,62 @@ def test_a_prompt_does_not_wait_for_a_handoff_whose_kv_is_not_due_yet():
     kv_handoff.fail(s, "h")
     s.finish_requests(["d", "p", "h"], FinishReason.ABORT)
     assert s.kv.pool.all_free()
+
+
+def teach(s: Scheduler, fixed_s: float, per_token_s: float, sizes=(8, 16, 32, 64) * 2) -> None:
+    for n in sizes:
+        s.observe_step(n, 0, fixed_s + per_token_s * n)
+
+
+def test_prompt_steps_fit_their_cost_and_cap_the_fill_by_the_prompts_behind():
+    s = make()
+    ps = s.prompt_steps
+    for n in (8, 16, 32):  # too few steps to fit
+        s.observe_step(n, 0, 0.02 + 0.003 * n)
+    assert ps.fill_cap(1) is None
+    s.observe_step(40, 2, 5.0)  # steps with decodes say nothing of prompts alone
+    teach(s, 0.02, 0.003)
+    assert ps.fixed_s == pytest.approx(0.02) and ps.per_token_s == pytest.approx(0.003)
+    # 20 ms of fixed cost is 6.7 tokens' worth, for each prompt behind the one that completes.
+    assert (ps.fill_cap(1), ps.fill_cap(3)) == (6, 20)
+    ps.reset()
+    assert ps.fill_cap(1) is None
+    # Where tokens cost nothing but jitter (a tiny model), or too little spread: no cap.
+    jitter = make()
+    for i, n in enumerate((8, 16, 32, 64) * 2):
+        jitter.observe_step(n, 0, 0.002 + (0.0005 if i % 3 == 0 else 0.0))
+    assert jitter.prompt_steps.fill_cap(1) is None
+    flat = make()
+    teach(flat, 0.02, 0.003, sizes=(40, 48, 56, 64) * 2)
+    assert flat.prompt_steps.fill_cap(1) is None
+
+
+def test_a_step_of_prompts_that_completes_one_takes_at_most_the_cap_of_the_next():
+    """On a compute-bound host the first prompt's last chunk runs with few tokens of the prompts
+    behind it (its first token does not wait for their chunks); beside decodes, and before the
+    cost is known, the budget fills as always."""
+    s = make(budget=64)
+    teach(s, 0.02, 0.003)  # 6.7 tokens a prompt behind
+    s.add_request(req("a", 20, max_tokens=2))
+    s.add_request(req("b", 30, max_tokens=2, start=100))
+    s.add_request(req("c", 12, max_tokens=2, start=200))
+    out = step(s)  # two prompts behind a: 13 tokens of them
+    assert [(x.request_id, len(x.token_ids)) for x in out.scheduled] == [("a", 20), ("b", 13)]
+    out = step(s)  # a decodes beside them: no cap
+    assert [(x.request_id, len(x.token_ids)) for x in out.scheduled] == [
+        ("a", 1),
+        ("b", 17),
+        ("c", 12),
+    ]
+    unknown = make(budget=64)
+    for r in (req("a", 20, max_tokens=2), req("b", 30, 2, 100), req("c", 12, 2, 200)):
+        unknown.add_request(r)
+    out = step(unknown)
+    assert [(x.request_id, len(x.token_ids)) for x in out.scheduled] == [
+        ("a", 20),
+        ("b", 30),
+        ("c", 12),
+    ]
+    for sched in (s, unknown):
+        sched.finish_requests(list(sched.requests), FinishReason.ABORT)
+        assert sched.kv.pool.all_free()

@@ -28,6 +28,11 @@ from worker_protocol.ended import EndedRequests
 from worker_protocol.messages import WorkerInfo, WorkerLoad, WorkerRole, WorkerSpec
 
 WARMUP_PROMPT_TOKENS = 8
+# Then prompts alone of these sizes (up to the token budget), one step each, so that the
+# scheduler knows from the first request what a step of prompts costs (engine/prompt_steps.py).
+# The first round runs first shapes (slow once) and teaches nothing; the next two teach.
+WARMUP_PROMPT_STEPS = (16, 32, 64, 128)
+WARMUP_ROUNDS = 3
 
 
 class EngineHost:
@@ -94,14 +99,36 @@ class EngineHost:
 
     async def warmup(self) -> int:
         """Run one short greedy request through the engine, so that the first request routed
-        here does not pay for first-call allocations; its blocks are freed when it ends.
-        Returns the tokens it produced."""
+        here does not pay for first-call allocations, then a few rounds of prompts alone of
+        growing size (WARMUP_PROMPT_STEPS, up to the token budget), which teach the scheduler
+        what such steps cost (engine/prompt_steps.py); their blocks are freed when they end.
+        Returns the tokens the first produced."""
         vocab = self.engine.vocab_size
         prompt = [(7 * i + 1) % vocab for i in range(WARMUP_PROMPT_TOKENS)]
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         n = 0
         async for out in self.aeng.generate(prompt, params, f"warmup-{self.worker_id}"):
             n += len(out.new_token_ids)
+        eng = self.engine
+        largest = min(
+            eng.config.scheduler.max_num_batched_tokens,  # one step each
+            eng.max_model_len - 1,
+            eng.kv.pool.num_blocks * eng.kv.block_size // 2,
+        )
+        sizes = [size for size in WARMUP_PROMPT_STEPS if size <= largest]
+        one = replace(params, max_tokens=1)
+        for r in range(WARMUP_ROUNDS if len(sizes) > 1 else 0):
+            for i, size in enumerate(sizes):
+                # Distinct tokens from the first and from each other: nothing of them is cached.
+                k = r * len(sizes) + i
+                prompt = [(11 * j + 3 + k) % vocab for j in range(size)]
+                async for _ in self.aeng.generate(prompt, one, f"warmup-{self.worker_id}-{k}"):
+                    pass
+            if r == 0:
+                await self.aeng.call(lambda e: e.scheduler.prompt_steps.reset())
+        # The router learns its step times from serving steps only: these ran first shapes
+        # (slow once), beside the other workers' warm-ups.
+        await self.aeng.call(lambda e: e.step_stats.drain())
         return n
 
     async def set_step_target(self, target_s: float | None, seq: int = 0) -> None:
