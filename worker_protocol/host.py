@@ -30,9 +30,8 @@ from worker_protocol.messages import WorkerInfo, WorkerLoad, WorkerRole, WorkerS
 WARMUP_PROMPT_TOKENS = 8
 # Then prompts alone of these sizes (up to the token budget), one step each, so that the
 # scheduler knows from the first request what a step of prompts costs (engine/prompt_steps.py).
-# The first round runs first shapes (slow once) and teaches nothing; the next two teach.
-WARMUP_PROMPT_STEPS = (16, 32, 64, 128)
-WARMUP_ROUNDS = 3
+WARMUP_PROMPT_STEPS = (8, 16, 32, 64)
+WARMUP_ROUNDS = 2
 
 
 class EngineHost:
@@ -117,6 +116,8 @@ class EngineHost:
         )
         sizes = [size for size in WARMUP_PROMPT_STEPS if size <= largest]
         one = replace(params, max_tokens=1)
+        # The first request's steps ran first (slow once): they teach nothing.
+        await self.aeng.call(lambda e: e.scheduler.prompt_steps.reset())
         for r in range(WARMUP_ROUNDS if len(sizes) > 1 else 0):
             for i, size in enumerate(sizes):
                 # Distinct tokens from the first and from each other: nothing of them is cached.
@@ -124,8 +125,6 @@ class EngineHost:
                 prompt = [(11 * j + 3 + k) % vocab for j in range(size)]
                 async for _ in self.aeng.generate(prompt, one, f"warmup-{self.worker_id}-{k}"):
                     pass
-            if r == 0:
-                await self.aeng.call(lambda e: e.scheduler.prompt_steps.reset())
         # The router learns its step times from serving steps only: these ran first shapes
         # (slow once), beside the other workers' warm-ups.
         await self.aeng.call(lambda e: e.step_stats.drain())
