@@ -17,6 +17,8 @@ import ray
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from kv_transfer.faults import FaultKind, FaultPlan
 from router.cluster import Cluster
+from router.vocab import FallbackReason
+from router.workers import WorkerStatus
 from tests.fault.clusters import MAX_NEW, MODEL, cluster, pools_full, received, run
 from tests.helpers import hf_greedy, random_prompts
 from worker_protocol.messages import WorkerRole
@@ -130,5 +132,52 @@ def test_killed_mid_prefill_the_request_is_replanned_onto_another_prefill_worker
         assert out == [hf_greedy(MODEL, prompt, MAX_NEW)]
         ledger.add(completed=2)
         replanned(c, old, heard, ledger)
+    finally:
+        c.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_a_re_plan_onto_a_worker_a_resize_began_to_remove_leaves_the_prompt_to_the_decode_worker(
+    ledger,
+):
+    """The re-plan after prefill-0 dies picks prefill-1; a resize marks prefill-1 DRAINING while
+    the router still waits for the decode worker to drop the first reservation. The request
+    must not start on prefill-1 (its drain may already have found it idle): the decode worker
+    prefills it, and prefill-1 never saw it."""
+    c = cluster(FaultPlan(FaultKind.KILL, every=2, after_layers=LAYERS // 2), num_prefill=2)
+    try:
+        prompt = random_prompts([251], seed=174)[0]
+        old = c.worker_info("prefill-0").pid
+        p1 = c.pools.workers["prefill-1"]
+        heard = Heard()
+        ledger.add(sent=2)
+        warm_up(c)
+        abort_on = c._abort_on
+
+        async def resize_meanwhile(h, rid):
+            if h.worker_id == "decode-0":
+                p1.status = WorkerStatus.DRAINING  # as Pools.scale marks it
+            return await abort_on(h, rid)
+
+        c._abort_on = resize_meanwhile  # type: ignore[method-assign]
+        got = asyncio.run(
+            asyncio.wait_for(
+                run(c, prompt, "struck", prefill_worker="prefill-0", on_prefill=heard), 60
+            )
+        )
+        c._abort_on = abort_on  # type: ignore[method-assign]
+        p1.status = WorkerStatus.READY
+        assert got == hf_greedy(MODEL, prompt, MAX_NEW)
+        ledger.add(completed=2, injected=1)
+        assert c.replans == 0 and not heard.replans and p1.active == 0
+        assert heard.fallbacks == [FallbackReason.PREFILL_FAILED]
+        assert "prefill-1: it is leaving its pool" in c.fallbacks[0][2]
+        sent = asyncio.run(c.kv_stats())["prefill-1"]
+        assert (sent.ok, sent.failed) == (0, 0)  # prefill-1 sent nothing
+        deadline = time.monotonic() + 60  # the dead one comes back under its id
+        while "prefill-0" not in c.prefill_ids or c.worker_info("prefill-0").pid == old:
+            assert time.monotonic() < deadline, "prefill-0 was not replaced"
+            time.sleep(0.1)
+        pools_full(c)
     finally:
         c.shutdown()
