@@ -205,10 +205,10 @@ class TorchDistConnector(TrackedConnector):
         )
         pair.start({"send": LaneSender(pair).run, "recv": LaneReceiver(pair).run})
         with self._lock:
-            stale = attempt < self._floor.get(peer_id, 0)
             old = self._pairs.get(peer_id)
-            if not stale and old is not None and old[1].alive:
-                stale = True  # another connect of this attempt got there first
+            # Replaced meanwhile (a newer attempt's disconnect ran), or another connect of this
+            # attempt got there first.
+            stale = attempt < self._floor.get(peer_id, 0) or (old is not None and old[1].alive)
             if not stale:
                 self._pairs[peer_id] = (attempt, pair)
                 self._stores[peer_id] = store

@@ -192,18 +192,21 @@ class Cluster:
             async for chunk in stream:
                 finished = chunk.finished
                 yield chunk
-        except ray.exceptions.RayActorError as exc:
-            if not self.pools.note_failure(d, exc):
-                raise
-            raise WorkerLost(d.worker_id, f"{type(exc).__name__}") from exc
-        except EngineDeadError as exc:
-            # Its engine stopped (a resize removed it: its drain saw nothing running there just
-            # before this request reached it): it resumes on another worker.
-            raise WorkerLost(d.worker_id, "its engine stopped") from exc
+        except _GONE as exc:
+            if not self._lost(d, exc):
+                raise  # another actor died under this call
+            why = "its engine stopped" if isinstance(exc, EngineDeadError) else type(exc).__name__
+            raise WorkerLost(d.worker_id, why) from exc
         finally:
             d.active -= 1
             if not finished:
                 await asyncio.shield(self._abort(ids, p, d))
+
+    def _lost(self, h: WorkerHandle, exc: BaseException) -> bool:
+        """Whether `exc`, raised by a call to `h`, says `h` is gone: its actor died (it then
+        leaves its pool: Pools.note_failure), or its engine stopped (a resize removed it as the
+        call reached it). Either way its requests go on elsewhere."""
+        return self.pools.note_failure(h, exc) or isinstance(exc, EngineDeadError)
 
     async def _abort(self, ids: list[str], p: WorkerHandle | None, d: WorkerHandle) -> None:
         handles = [d] + ([p] if p is not None else [])
@@ -213,9 +216,8 @@ class Cluster:
             *(asyncio.wait_for(h.actor.abort.remote(rid), timeout) for h, rid in calls),
             return_exceptions=True,
         )
-        gone = (ray.exceptions.RayActorError, EngineDeadError)  # nothing left to abort
         for (h, rid), r in zip(calls, results):
-            if isinstance(r, BaseException) and not isinstance(r, gone):
+            if isinstance(r, BaseException) and not isinstance(r, _GONE):  # gone: nothing left
                 log.warning("abort of %s on %s failed: %s: %s", rid, h.worker_id,
                             type(r).__name__, r)  # fmt: skip
 
@@ -292,7 +294,7 @@ class Cluster:
             target: KVTarget | None = await asyncio.wait_for(
                 d.actor.reserve_kv.remote(req, p.worker_id, kv_due_in_s), timeout
             )
-        except (ray.exceptions.RayActorError, EngineDeadError):
+        except _GONE:
             raise  # D died or its engine stopped: the request resumes on another (generate)
         except Exception as exc:  # D did not answer in time: what it may have reserved goes
             await self._abort_on(d, rid)
@@ -309,8 +311,7 @@ class Cluster:
                 limit,
             )
         except Exception as exc:  # P died, timed out or failed
-            # A stopped engine (a resize removed P as the request reached it) counts as a death.
-            died = self.pools.note_failure(p, exc) or isinstance(exc, EngineDeadError)
+            died = self._lost(p, exc)
             if not died:
                 await self._abort_on(p, rid)  # it may still be prefilling: stop it
             why = f"{p.worker_id} -> {d.worker_id}: {type(exc).__name__}: {exc}"
@@ -468,6 +469,10 @@ class Cluster:
 
     def shutdown(self) -> None:
         self.pools.shutdown()
+
+
+# What a call to a worker raises when the worker is gone: its actor died, or its engine stopped.
+_GONE = (ray.exceptions.RayActorError, EngineDeadError)
 
 
 def _why_gone(h: WorkerHandle) -> str:

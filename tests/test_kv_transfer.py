@@ -218,6 +218,14 @@ def test_torch_dist_concurrent_both_directions_and_2x2_pairs():
         c.close()
 
 
+def _transfer_goes_through(p: TorchDistConnector, d: TorchDistConnector, tid: str) -> None:
+    src, dst = kp.cache(p.layout, 16, seed=7), kp.cache(d.layout, 16, seed=None)
+    d.start_recv(req(tid, "P"), dst)
+    send_all_layers(p, req(tid, "D"), src)
+    assert d.wait(tid, 10) is TransferStatus.DONE and p.wait(tid, 10) is TransferStatus.DONE
+    kp.assert_blocks_equal(src, dst, SRC, DST)
+
+
 @pytest.mark.timeout(60)
 def test_torch_dist_abort_and_timeout_leave_the_pair_usable(pd):
     p, d = pd
@@ -251,11 +259,7 @@ def test_torch_dist_abort_and_timeout_leave_the_pair_usable(pd):
     p.start_send(req("d", "D"), src)
     assert p.wait("d", 10) is TransferStatus.FAILED
     # The lanes are still in step: a full transfer goes through, bit for bit.
-    fresh = kp.cache(d.layout, 16, seed=None)
-    d.start_recv(req("e", "P"), fresh)
-    send_all_layers(p, req("e", "D"), src)
-    assert d.wait("e", 10) is TransferStatus.DONE and p.wait("e", 10) is TransferStatus.DONE
-    kp.assert_blocks_equal(src, fresh, SRC, DST)
+    _transfer_goes_through(p, d, "e")
     assert p.stats().failed == 4 and d.stats().ok == 1
 
 
@@ -268,14 +272,6 @@ def test_torch_dist_block_count_mismatch(pd):
     assert d.wait("m", 10) is TransferStatus.FAILED and p.wait("m", 10) is TransferStatus.FAILED
     assert d.result("m").reason is FailureReason.MISMATCH  # type: ignore[union-attr]
     assert torch.count_nonzero(dst.layers[0]) == 0
-
-
-def _transfer_goes_through(p: TorchDistConnector, d: TorchDistConnector, tid: str) -> None:
-    src, dst = kp.cache(p.layout, 16, seed=7), kp.cache(d.layout, 16, seed=None)
-    d.start_recv(req(tid, "P"), dst)
-    send_all_layers(p, req(tid, "D"), src)
-    assert d.wait(tid, 10) is TransferStatus.DONE and p.wait(tid, 10) is TransferStatus.DONE
-    kp.assert_blocks_equal(src, dst, SRC, DST)
 
 
 @pytest.mark.timeout(90)
