@@ -161,11 +161,14 @@ class RequestBooks:
         tells that worker's tail what its gaps were, and its spread and the bias of its kind
         (prefilled there, or its KV from the prefill worker: not one that fell back to a prefill
         on the decode worker or was replanned) how they came against the p99 gap predicted at
-        its placement."""
+        its placement, where that prediction is one to check (PathPrediction.itl_checkable)."""
         self.track.ended(reason, cached_prompt_tokens)
         self.ended = True
         d, c, shape = self.d, self.chosen, self.shape  # set together by `place`
         if d is not None and c is not None and shape is not None and not self.track.resumed:
+            if not c.itl_checkable:
+                d.observe_request(self.track.itl_s)  # its tail only
+                return
             local = c.path is RoutePath.COLOCATED
             kind = None if self.track.kv_fallback or self.track.replanned_to else local
             d.observe_request(

@@ -93,10 +93,10 @@ class PathPrediction:
     # its steps put at risk: what the tie-break keeps low.
     prefill_beside: int = 0
     # Where the decode worker stands among those the tie-break prefers for decoding: a dedicated
-    # decode worker (False, False, 0) first, then workers of both kinds where no prefill runs
-    # (this one's, colocated, or others queued there), then those where one does; of each, the
-    # one with the most decodes running or to come first (-decodes): decodes gather, the others
-    # stay free to prefill.
+    # decode worker (False, False, 0) first, one where a prefill runs (this one's, colocated, or
+    # others queued there) after it, then workers of both kinds where no prefill runs, then
+    # those where one does; of these, the one with the most decodes running or to come first
+    # (-decodes): decodes gather, the others stay free to prefill.
     decode_lean: tuple[bool, bool, int] = (False, False, 0)
     # Admission would refuse this placement (`shed`): to the goodput, the new request is lost.
     refused: bool = False
@@ -144,6 +144,17 @@ class PathPrediction:
         too."""
         beside = self.itl_beside_s * self.itl_gap_factor
         return max(max(self.itl_gap_s, self.itl_floor_s) * self.itl_tail, beside)
+
+    @property
+    def itl_checkable(self) -> bool:
+        """Whether what its request's p99 gap then comes to may teach the bias and spread of such
+        predictions: made with the decode worker's gaps measured (its median gap as the floor,
+        their tail). One made before (the first requests a worker decodes, or after a quiet
+        spell) lacks what the later ones hold, and its error is not theirs: on bursty at c9aa841
+        (2-core CPU host), the first burst's gaps came 1.3-3.3x their prediction without floor or
+        tail, and the next burst's, with both and that bias (x1.2-2.1), at 0.3-0.9x: every
+        placement read as an ITL miss, and the choice among them as a tie."""
+        return self.itl_floor_s > 0
 
     @property
     def itl_gap_s(self) -> float:
@@ -243,7 +254,7 @@ def predict_colocated(
         itl_gap_factor=d.gap_factor(),
         itl_bias=d.itl_bias_factor(local=True),
         prefill_beside=prefills_beside(d, during, coming),
-        decode_lean=_lean(d, prefills_there=True),
+        decode_lean=_lean(d, prefills_there=_prefills_beside_coming(d, own, req)),
     )
 
 
@@ -352,15 +363,32 @@ def choose(cands: Sequence[PathPrediction], req: RequestShape) -> PathPrediction
     return min(eligible(cands, req), key=lambda c: c.tie_break(req))
 
 
+def _prefills_beside_coming(d: WorkerState, own_s: float, req: RequestShape) -> bool:
+    """Whether prefilling `req` on its decode worker `d` (colocated, its prefill `own_s` long)
+    runs a prefill beside the decodes to come there: always on a worker of both kinds (it
+    breaks the split), and on a dedicated decode worker where it takes longer than the request's
+    ITL SLO or others are queued there. One shorter than that pushes no decode that comes
+    meanwhile past its SLO: a short prompt prefilled there is a step's work, and takes the
+    quicker first token."""
+    if d.info.role == WorkerRole.BOTH:
+        return True
+    return own_s > req.slo_itl_s or d.queued_prefills > 0
+
+
 def _lean(d: WorkerState, prefills_there: bool) -> tuple[bool, bool, int]:
-    """See PathPrediction.decode_lean: a worker of both kinds where no prefill runs comes before
-    one where one does (`prefills_there`: the request's own, colocated, or others queued there:
-    its decodes would run beside them, and a worker that prefills and decodes breaks the split);
-    then one that gathers decodes while it has room (a free sequence slot, KV under
+    """See PathPrediction.decode_lean: a dedicated decode worker comes first, then a worker of
+    both kinds; of each, one where no prefill runs comes before one where one does
+    (`prefills_there`: the request's own, colocated (see _prefills_beside_coming), or others
+    queued there: its decodes would run beside them, and a worker that prefills and decodes
+    breaks the split; on dedicated pools at 1P+1D, with every other component tied on idle
+    workers, the quicker first token decided, and `auto` colocated a 918-token prompt of a
+    burst on the decode worker in both rounds of bursty at c9aa841, beside the decodes of the
+    requests that came right after it); then, of workers
+    of both kinds, one that gathers decodes while it has room (a free sequence slot, KV under
     GATHER_MAX_LOAD), past which it comes last, the fullest last. Its decodes count those
     running and those to come: the requests it prefills to decode itself."""
     if d.info.role != WorkerRole.BOTH:
-        return False, False, 0
+        return False, prefills_there, 0
     n = d.batch + d.local_prefills
     room = n + 1 <= d.info.max_num_seqs and d.load_score < GATHER_MAX_LOAD
     return True, prefills_there, -n if room else n

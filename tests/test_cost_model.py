@@ -873,6 +873,82 @@ def test_decodes_go_to_a_dedicated_decode_worker_before_one_of_both_kinds():
     assert chosen.decode_worker == "decode-0" and chosen.decode_lean == (False, False, 0), chosen
 
 
+def test_on_a_tie_a_dedicated_decode_worker_takes_a_handoff_before_a_prefill_of_its_own():
+    """Idle 1P+1D: prefilling on the decode worker comes a transfer sooner, and nothing tells
+    the two apart on misses. The prompt goes to the prefill worker: its prefill on the decode
+    worker would outlast an ITL SLO, beside the decodes to come there (the split from the first
+    request on). A short prompt, a step's work there, takes the quicker first token."""
+    pl = planner()
+    p, d = trained("prefill-0", "prefill"), trained("decode-0", "decode", seed=1)
+    req = shape(900, seed=3, slo_itl=0.2)
+    decision = pl.decide(req, [p], [d])
+    colocated = next(c for c in decision.best if c.path is RoutePath.COLOCATED)
+    chosen = decision.chosen
+    assert chosen.path is RoutePath.DISAGGREGATED, decision.reason
+    assert colocated.ttft_s < chosen.ttft_s  # it was the quicker, within the tolerance
+    assert colocated.expected_misses(req) == pytest.approx(chosen.expected_misses(req), abs=0.01)
+    assert colocated.decode_lean == (False, True, 0) and chosen.decode_lean == (False, False, 0)
+    assert colocated.prefill_s > req.slo_itl_s
+    short = shape(16, seed=3, slo_itl=0.2)
+    assert pl.decide(short, [p], [d]).chosen.path is RoutePath.COLOCATED
+    # Where it saves enough of the first token, the decode worker prefills the long one too.
+    p.add_prefill("queued", 4000, prefill_pairs(4000, 0))
+    assert pl.decide(req, [p], [d]).chosen.path is RoutePath.COLOCATED
+
+
+def _finish(d: WorkerState, p: WorkerState, req: RequestShape, chosen, gaps: list[float]) -> None:
+    """Books `chosen` for `req` and ends it with `gaps` as its inter-token gaps."""
+    from collections import deque
+    from unittest.mock import Mock
+
+    from router.books import RequestBooks, RequestCounts
+    from router.tracker import Tracker
+    from router.vocab import FinishReason, Frontend
+
+    track = Tracker("r", 0.0, chosen.path.value, Frontend.GRPC, req.prompt_len, chosen.ttft_s)
+    track.itl_s = list(gaps)
+    states = {d.worker_id: d, p.worker_id: p}
+    books = RequestBooks("r", track, Mock(), RequestCounts(), deque(), states, Mock())
+    with books:
+        books.place(req, chosen)
+        books.finished(FinishReason.LENGTH, 0)
+
+
+def test_a_p99_gap_predicted_before_the_workers_gaps_were_measured_teaches_no_bias():
+    """The first request on the split's decode worker was predicted without its median gap or
+    their tail, and came at 2.5x: that error is the missing floor and tail, which the next
+    predictions hold. It teaches the worker's tail, not the bias or the spread of its kind of
+    prediction; a request placed once the gaps are measured teaches both."""
+    from worker_protocol.messages import WorkerRole
+
+    pl = planner()
+    p = trained("prefill-0", WorkerRole.PREFILL)
+    d = trained("decode-0", WorkerRole.DECODE, seed=1)
+    raw = max(c.raw_itl_p99_s for c in pl.candidates(shape(200, seed=2), [p], [d]))
+    req = shape(200, seed=2, slo_ttft=10.0, slo_itl=3 * raw)
+
+    def handoff():
+        return next(c for c in pl.candidates(req, [p], [d]) if c.path is RoutePath.DISAGGREGATED)
+
+    cold = handoff()
+    assert not cold.itl_checkable
+    for _ in range(6):
+        _finish(d, p, req, cold, [2.5 * cold.itl_p99_s] * 50)
+    d.update_tail()
+    assert d.itl_bias[False].samples == 0 and d.itl_spread.samples == 0
+    assert d.itl_bias_factor(local=False) == 1.0 and len(d._request_tails) == 6
+    d.observe_gaps([cold.itl_p99_s] * 60)
+    d.update_tail()
+    warm = handoff()
+    assert warm.itl_checkable and warm.itl_floor_s > 0
+    for _ in range(6):
+        _finish(d, p, req, warm, [2.0 * warm.raw_itl_p99_s] * 50)
+    d.update_tail()
+    assert d.itl_bias[False].samples == 6 and d.itl_spread.samples == 6
+    assert d.itl_bias_factor(local=False) == pytest.approx(2.0)
+    assert p.queued_prefills == d.batch == 0  # the books settled
+
+
 def test_the_bias_of_one_prompt_size_adds_and_stops_scaling_past_what_it_saw():
     """A path that saw short prompts only, each 40 ms late: the error adds (a 2 s prediction
     becomes 2.04 s, not 2 s times the short prompts' ratio); one that saw predictions up to 1 s

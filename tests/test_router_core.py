@@ -46,6 +46,13 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 
+async def gaps_measured(core) -> None:
+    """Serve one request of 60 tokens, then poll: the decode worker's gaps are measured, and the
+    p99 gaps predicted from then on are checked as requests end (PathPrediction.itl_checkable)."""
+    await consume(core, request("gaps", max_tokens=60))
+    await core.refresh()
+
+
 def test_a_full_queue_is_refused_at_once_and_frees_when_requests_move_on():
     async def main():
         gate = asyncio.Event()
@@ -435,8 +442,10 @@ def test_a_request_that_ends_tells_its_decode_worker_its_own_tail():
 
 def test_ended_requests_teach_the_spread_of_the_predictions_near_their_slo():
     """Each first token trains how far TTFT predictions come from measured ones, each ended
-    request how far its decode worker's predicted p99 gap came from its measured one: each
-    against its own SLO (here 10 us, which any measurement passes), not far under it."""
+    request how far its decode worker's predicted p99 gap came from its measured one, where it
+    was predicted with the worker's gaps measured (a first request's, predicted without them,
+    teaches none): each against its own SLO (here 10 us, which any measurement passes), not far
+    under it."""
     import numpy as np
 
     from router.stats import NullSink
@@ -455,12 +464,16 @@ def test_ended_requests_teach_the_spread_of_the_predictions_near_their_slo():
         core = RequestCore(backend, await backend.infos(), RouterConfig(), TOKENIZER, sink=sink)
         await core.refresh()
         await consume(core, request("ttft", max_tokens=20, slo_ttft_ms=0.01))
+        # Predicted before any gaps were measured there: it teaches no spread.
+        await consume(core, replace(request("cold", max_tokens=20), slo_itl_ms=0.01))
+        assert sum(w.itl_spread.samples for w in core.states.values()) == 0
+        await gaps_measured(core)
         await consume(core, replace(request("itl", max_tokens=20), slo_itl_ms=0.01))
         await consume(core, request("loose", max_tokens=20))  # default SLOs: far under them
         return core
 
     core = run(main())
-    ttft, itl, _ = core.records
+    ttft, _, _, itl, _ = core.records
     spread = core.planner.ttft_spread
     assert spread.samples == 1
     measured, predicted = ttft.measured_ttft_s, ttft.decision.chosen.ttft_s
@@ -526,6 +539,7 @@ def test_the_spreads_of_the_predictions_are_exported_per_kind_and_decode_worker(
         await core.refresh()
         sample = metrics.registry.get_sample_value
         before = sample("pdserve_prediction_spread", {"kind": "ttft", "worker": ""})
+        await gaps_measured(core)
         await consume(core, replace(request("itl", max_tokens=20), slo_itl_ms=0.01))
         await consume(core, request("ttft", max_tokens=20, slo_ttft_ms=0.01))
         await core.refresh()
@@ -563,9 +577,11 @@ def test_each_kind_of_placement_teaches_its_own_bias_on_its_decode_worker():
             super().finished(record)
             self.records.append(record)
 
-    async def main(backend, sink):
+    async def main(backend, sink, lose_after=None):
         core = RequestCore(backend, await backend.infos(), RouterConfig(), TOKENIZER, sink)
         await core.refresh()
+        await gaps_measured(core)
+        backend.lose_decode_after = lose_after
         for i, path in enumerate([RoutePath.COLOCATED] * 5 + [RoutePath.DISAGGREGATED] * 2):
             await consume(core, replace(request(f"r{i}", max_tokens=20), path=path))
         await core.refresh()
@@ -576,7 +592,8 @@ def test_each_kind_of_placement_teaches_its_own_bias_on_its_decode_worker():
     d = core.states["decode-0"]
     assert d.itl_bias[True].samples == 5 and d.itl_bias[False].samples == 2
     assert core.states["prefill-0"].itl_bias[True].samples == 0
-    colocated = [r for r in core.records if r.decision.chosen.path is RoutePath.COLOCATED]
+    placed = [r for r in core.records if r.request_id != "gaps"]
+    colocated = [r for r in placed if r.decision.chosen.path is RoutePath.COLOCATED]
     errors = [e for _, e in d.itl_bias[True]._errors]
     for r, e in zip(colocated, errors, strict=True):
         gaps = next(x.itl_s for x in sink.records if x.request_id == r.request_id)
@@ -603,10 +620,13 @@ def test_each_kind_of_placement_teaches_its_own_bias_on_its_decode_worker():
     d = replanned.states["decode-0"]
     assert (d.itl_bias[True].samples, d.itl_bias[False].samples) == (5, 0)
     assert sum(r.disturbed for r in replanned.records) == 2
-    lost, ended = FakeBackend(num_decode=2, lose_decode_after=5), Ended()
-    resumed = run(main(lost, ended))
+    lost, ended = FakeBackend(num_decode=2), Ended()
+    resumed = run(main(lost, ended, lose_after=5))
     assert len(lost.lost) == 1 and sum(r.resumed for r in ended.records) == 1
-    assert sum(w.itl_bias[k].samples for w in resumed.states.values() for k in (True, False)) == 6
+    checked = {r.request_id for r in resumed.records if r.decision.chosen.itl_checkable}
+    assert {rid.split("#")[0] for rid in lost.lost} <= checked  # it would have taught
+    taught = sum(w.itl_bias[k].samples for w in resumed.states.values() for k in (True, False))
+    assert taught == len(checked) - 1
 
 
 def test_a_decoding_request_is_priced_with_the_bias_of_its_kind_of_placement():
