@@ -129,6 +129,12 @@ def _tie_broken(
         )
         return "cost_prefill_beside"
     both, prefills, lean = chosen.decode_lean
+    if not both and not prefills and quickest.decode_lean[1]:
+        parts.append(
+            f"prefilled on {chosen.prefill_worker}, not beside the decodes to come on "
+            f"{quickest.decode_worker} ({where}, TTFT {_ms(quickest.ttft_s)})"
+        )
+        return "cost_split"
     there = f"{-lean} decodes running or to come there" if both else "a dedicated decode worker"
     if both and not prefills and quickest.decode_lean[1]:
         there += ", no prefill"

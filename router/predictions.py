@@ -193,7 +193,8 @@ class PathPrediction:
         """Among candidates tied on expected misses and about as quick a first token (see `choose`):
         the prefill beside the fewest running decodes whose SLO it puts at risk (`prefill_beside`:
         prefills placed beside decodes come again and again, and their p99 gaps pass the SLO more
-        often than the step model predicts), then a dedicated decode worker, then a worker of both
+        often than the step model predicts), then a dedicated decode worker (handing off to it
+        before prefilling there a prompt whose compute outlasts its ITL SLO), then a worker of both
         kinds where no prefill runs, then the one with the most decodes running or to come
         (`decode_lean`: decodes gather where decodes run and prefills go where none do, the split a
         disaggregated deployment makes, from the first request on, until the expected misses or the
@@ -254,7 +255,7 @@ def predict_colocated(
         itl_gap_factor=d.gap_factor(),
         itl_bias=d.itl_bias_factor(local=True),
         prefill_beside=prefills_beside(d, during, coming),
-        decode_lean=_lean(d, prefills_there=_prefills_beside_coming(d, own, req)),
+        decode_lean=_lean(d, prefills_there=_prefills_beside_coming(d, n, cached, req)),
     )
 
 
@@ -363,16 +364,16 @@ def choose(cands: Sequence[PathPrediction], req: RequestShape) -> PathPrediction
     return min(eligible(cands, req), key=lambda c: c.tie_break(req))
 
 
-def _prefills_beside_coming(d: WorkerState, own_s: float, req: RequestShape) -> bool:
-    """Whether prefilling `req` on its decode worker `d` (colocated, its prefill `own_s` long)
-    runs a prefill beside the decodes to come there: always on a worker of both kinds (it
-    breaks the split), and on a dedicated decode worker where it takes longer than the request's
-    ITL SLO or others are queued there. One shorter than that pushes no decode that comes
-    meanwhile past its SLO: a short prompt prefilled there is a step's work, and takes the
-    quicker first token."""
+def _prefills_beside_coming(d: WorkerState, n: int, cached: int, req: RequestShape) -> bool:
+    """Whether prefilling `req` on its decode worker `d` (colocated: `n` tokens past a `cached`
+    prefix) runs a prefill beside the decodes to come there: always on a worker of both kinds
+    (it breaks the split), and on a dedicated decode worker where its compute alone takes
+    longer than the request's ITL SLO, or others are queued there. One shorter than that pushes
+    no decode that comes meanwhile past its SLO: a short prompt prefilled there is a step's
+    work, and takes the quicker first token."""
     if d.info.role == WorkerRole.BOTH:
         return True
-    return own_s > req.slo_itl_s or d.queued_prefills > 0
+    return d.model.prefill_s(n, cached) > req.slo_itl_s or d.queued_prefills > 0
 
 
 def _lean(d: WorkerState, prefills_there: bool) -> tuple[bool, bool, int]:

@@ -888,6 +888,8 @@ def test_on_a_tie_a_dedicated_decode_worker_takes_a_handoff_before_a_prefill_of_
     assert colocated.ttft_s < chosen.ttft_s  # it was the quicker, within the tolerance
     assert colocated.expected_misses(req) == pytest.approx(chosen.expected_misses(req), abs=0.01)
     assert colocated.decode_lean == (False, True, 0) and chosen.decode_lean == (False, False, 0)
+    assert decision.reason_code == "cost_split", decision.reason
+    assert "prefilled on prefill-0, not beside the decodes to come on decode-0" in decision.reason
     assert colocated.prefill_s > req.slo_itl_s
     short = shape(16, seed=3, slo_itl=0.2)
     assert pl.decide(short, [p], [d]).chosen.path is RoutePath.COLOCATED

@@ -488,17 +488,22 @@ def test_ended_requests_teach_the_spread_of_the_predictions_near_their_slo():
 
 
 def test_a_resumed_request_teaches_no_spread_its_gaps_across_two_workers():
-    """Its gaps came from two decode workers and a resume: neither worker's spread learns them."""
+    """Its gaps came from two decode workers and a resume: neither worker's spread learns them,
+    though both workers' gaps were measured when it was placed (its prediction one to check)."""
 
     async def main():
         backend = FakeBackend(num_decode=2, lose_decode_after=3)
         core = RequestCore(backend, await backend.infos(), RouterConfig(), TOKENIZER)
         await core.refresh()
+        for w in core.states.values():
+            w.observe_gaps([0.001] * 60)
+            w.update_tail()
         await consume(core, replace(request("moved", max_tokens=30), slo_itl_ms=0.01))
         return core
 
     core = run(main())
     assert core.resumed == 1
+    assert core.records[-1].decision.chosen.itl_checkable
     assert sum(w.itl_spread.samples for w in core.states.values()) == 0
 
 
