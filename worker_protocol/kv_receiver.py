@@ -149,12 +149,11 @@ class KVReceiverSide:
     async def _wait_kv(self, request_id: str) -> bool:
         # The prefill worker has answered by now: its send has ended, so this wait is short.
         timeout = self.spec.kv_transfer_deadline_s + 1.0
-        try:
-            status = await wait_transfer(self.connector, request_id, timeout)
-        except KeyError:
-            if request_id in self.ended:  # its abort ended and released the receive meanwhile
-                return False
-            raise
+        status = await wait_transfer(
+            self.connector, request_id, timeout, lambda: request_id in self.ended
+        )
+        if request_id in self.ended:  # its abort ends the receive and releases it
+            return False
         self.connector.release(request_id)
         return status is TransferStatus.DONE
 
@@ -163,8 +162,11 @@ class KVReceiverSide:
         stream; a call for it that runs later does nothing (ended.py)."""
         self.ended.add(request_id)  # before any await: see ended.py
         # A reserve_kv that started before this abort may still be queued on the engine thread:
-        # let it run first, so that its receive exists to be ended below.
-        await self.aeng.call(lambda e: None)
-        self.connector.abort(request_id)
-        self.connector.release(request_id)  # a no-op when no receive was registered
+        # let it run first, so that its receive exists to be ended below. The receive ends
+        # whatever that call does: a wait for it (_wait_kv) has stopped at the mark above.
+        try:
+            await self.aeng.call(lambda e: None)
+        finally:
+            self.connector.abort(request_id)
+            self.connector.release(request_id)  # a no-op when no receive was registered
         await self.aeng.abort(request_id)

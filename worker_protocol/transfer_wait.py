@@ -5,21 +5,30 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from kv_transfer import TransferStatus
 from kv_transfer.torch_dist import TorchDistConnector
 
 
 async def wait_transfer(
-    connector: TorchDistConnector, rid: str, timeout_s: float
+    connector: TorchDistConnector,
+    rid: str,
+    timeout_s: float,
+    ended: Callable[[], bool] = lambda: False,
 ) -> TransferStatus:
     """Poll `rid` until it ends or `timeout_s` passes; one still running then is aborted. The
-    status it ended with (its record stays: the caller reads or releases it)."""
+    status it ended with (its record stays: the caller reads or releases it). FAILED, unpolled,
+    once `ended()` is true: something else (an abort) is ending the transfer, and releases its
+    record (a poll may no longer find it)."""
     deadline = time.monotonic() + timeout_s
-    status = connector.poll(rid)
-    while not status.finished and time.monotonic() < deadline:
-        await asyncio.sleep(0.002)
+    while True:
+        if ended():
+            return TransferStatus.FAILED
         status = connector.poll(rid)
+        if status.finished or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(0.002)
     if not status.finished:
         connector.abort(rid)
         status = connector.poll(rid)
