@@ -373,7 +373,7 @@ def _prefills_beside_coming(d: WorkerState, n: int, cached: int, req: RequestSha
     work, and takes the quicker first token."""
     if d.info.role == WorkerRole.BOTH:
         return True
-    return d.model.prefill_s(n, cached) > req.slo_itl_s or d.queued_prefills > 0
+    return d.queued_prefills > 0 or d.model.prefill_s(n, cached) > req.slo_itl_s
 
 
 def _lean(d: WorkerState, prefills_there: bool) -> tuple[bool, bool, int]:
@@ -381,13 +381,13 @@ def _lean(d: WorkerState, prefills_there: bool) -> tuple[bool, bool, int]:
     both kinds; of each, one where no prefill runs comes before one where one does
     (`prefills_there`: the request's own, colocated (see _prefills_beside_coming), or others
     queued there: its decodes would run beside them, and a worker that prefills and decodes
-    breaks the split; on dedicated pools at 1P+1D, with every other component tied on idle
-    workers, the quicker first token decided, and `auto` colocated a 918-token prompt of a
+    breaks the split). Without it on dedicated pools, at 1P+1D with every other component tied
+    on idle workers, the quicker first token decided: `auto` colocated a 918-token prompt of a
     burst on the decode worker in both rounds of bursty at c9aa841, beside the decodes of the
-    requests that came right after it); then, of workers
-    of both kinds, one that gathers decodes while it has room (a free sequence slot, KV under
-    GATHER_MAX_LOAD), past which it comes last, the fullest last. Its decodes count those
-    running and those to come: the requests it prefills to decode itself."""
+    requests right after it. Then, of workers of both kinds, one that gathers decodes while it
+    has room (a free sequence slot, KV under GATHER_MAX_LOAD), past which it comes last, the
+    fullest last. Its decodes count those running and those to come: the requests it prefills
+    to decode itself."""
     if d.info.role != WorkerRole.BOTH:
         return False, prefills_there, 0
     n = d.batch + d.local_prefills
