@@ -14,6 +14,7 @@ enough in size for a fit that explains them, the steps fill as before.
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 
 # The latest steps of prompts alone that the fit uses.
@@ -54,17 +55,12 @@ class PromptStepCost:
         self._fit()
 
     def _fit(self) -> None:
-        n = len(self._steps)
         xs = [x for x, _ in self._steps]
-        if n < MIN_STEPS or max(xs) < SPREAD * min(xs):
+        if len(xs) < MIN_STEPS or max(xs) < SPREAD * min(xs):
             return
-        mx = sum(xs) / n
-        my = sum(y for _, y in self._steps) / n
-        sxx = sum((x - mx) ** 2 for x in xs)
-        sxy = sum((x - mx) * (y - my) for x, y in self._steps)
-        syy = sum((y - my) ** 2 for _, y in self._steps)
-        b = sxy / sxx
-        a = my - b * mx
+        ys = [y for _, y in self._steps]
+        b, a = statistics.linear_regression(xs, ys)
         self.fixed_s, self.per_token_s = a, b
-        explained = sxy * sxy / (sxx * syy) if syy > 0 else 0.0
-        self.fixed_tokens = None if b <= 0 or explained < R2 else max(0.0, a / b)
+        # b > 0: the times vary, so their correlation with the tokens is defined.
+        explained = statistics.correlation(xs, ys) ** 2 if b > 0 else 0.0
+        self.fixed_tokens = None if explained < R2 else max(0.0, a / b)

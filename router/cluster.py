@@ -324,17 +324,16 @@ class Cluster:
             # re-plan). Counted on the other first: a drain of it waits for this request.
             other.active += 1
             try:
+                # Else D prefills it as a new request, under a new id: where the abort may
+                # still land there (it frees the reservation late), or a resize began to
+                # remove the other meanwhile.
+                stay = None
                 if not await self._abort_on(d, rid):
-                    # The abort may still land there: D prefills it as a new request, under a
-                    # new id (the late abort frees the reservation).
-                    fallback(FallbackReason.PREFILL_FAILED, why)
-                    _renew(ids)
-                    return None
-                if other.status is not WorkerStatus.READY:  # a resize began meanwhile
-                    fallback(
-                        FallbackReason.PREFILL_FAILED,
-                        f"{why}; {other.worker_id}: {_why_gone(other)}",
-                    )
+                    stay = why
+                elif other.status is not WorkerStatus.READY:
+                    stay = f"{why}; {other.worker_id}: {_why_gone(other)}"
+                if stay is not None:
+                    fallback(FallbackReason.PREFILL_FAILED, stay)
                     _renew(ids)
                     return None
                 again = replace(req, request_id=_renew(ids))
