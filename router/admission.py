@@ -3,7 +3,10 @@
 is full, or when the chosen path's predicted TTFT, times how late first tokens predicted near
 their SLO have come against their predictions lately (the margin), misses the request's TTFT SLO
 and waiting would help (the predicted queue time is what pushes it over). A request that misses
-its SLO on idle workers is served anyway."""
+its SLO on idle workers is served anyway. And, where RouterConfig.decode_rate_admission is on,
+when taking it sets a rate of requests at which the decodes' p99 gap passes its ITL SLO in
+steady state over every count of the workers that may decode (router/capacity.py): the rate
+taken then settles where the decodes hold the SLO."""
 
 from __future__ import annotations
 
@@ -46,6 +49,16 @@ def refusal(
             f"({chosen.queue_s * 1000:.0f} ms of it queueing)",
             # the queue to drain before it would pass
             min(chosen.queue_s, chosen.ttft_s - shape.slo_ttft_s / margin),
+        )
+    over = decision.overload
+    if c.decode_rate_admission and over is not None:
+        workers = "worker" if over.workers == 1 else f"{over.workers} workers"
+        return Overloaded(
+            RejectReason.DECODE_RATE,
+            f"requests come at {over.rate:.2f}/s with this one: decodes on {workers} would see "
+            f"p99 gaps of {over.p99_s * 1000:.0f} ms in steady state, past the ITL SLO "
+            f"{shape.slo_itl_s * 1000:.0f} ms",
+            1.0 / over.rate,  # the mean gap between requests taken: the rate eases by then
         )
     return None
 

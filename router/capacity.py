@@ -21,66 +21,97 @@ The prompts must still be prefilled somewhere. Where every worker that can prefi
 decode too, each prompt's chunks run beside decodes, which cost the requests there their p99 gap
 whatever batch they were spared (BENCHMARKS.md). So where no dedicated prefill worker remains,
 the worker able to prefill with the fewest decodes stays out of those the decodes spread over:
-two workers of both kinds keep the split."""
+two workers of both kinds keep the split.
+
+Past what the decodes can hold, no placement helps: at the rate requests are taken, every count
+of the workers that may decode gives a steady-state batch whose p99 gap passes the ITL SLO, and
+every request decoding then misses it. Admission (router/admission.py) refuses a request whose
+taking would set such a rate (`overload`): the rate taken then settles where the decodes hold
+the SLO, and those taken attain it rather than all missing together. Where prompts cannot be
+prefilled beside decodes (a CPU host: one 80-token prompt costs a decode step several ITL SLOs),
+a pair of workers is the split, and this is what keeps it serving within the SLO at a rate past
+its decode worker's."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from router.host_share import PeerWork
 from router.pool_state import WorkerState
 
-# The arrivals of the last WINDOW_S set the rate, once MIN_ARRIVALS came (before: one worker).
-WINDOW_S = 60.0
+# The arrivals of the last WINDOW_S set the rate, once MIN_ARRIVALS came (before: one worker),
+# over the time since the oldest of them, but never less than MIN_SPAN_S: a burst after a quiet
+# spell reads as what it adds over that span, not as the rate within it. The window is about
+# twice a request's life on a decode worker (100-200 tokens at 50-100 ms a gap): the time its
+# batch takes to settle at a new rate.
+WINDOW_S = 20.0
+MIN_SPAN_S = 10.0
 MIN_ARRIVALS = 8
 # Fixed-point iterations for the steady-state batch (it settles in a few; one still moving after
 # these, or past the worker's max_num_seqs, grows without end).
 ITERATIONS = 30
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeOverload:
+    """A rate of requests taken (one more counted) that the decodes cannot hold: at best, over
+    `workers` of those that may decode, their p99 gap in steady state is `p99_s`."""
+
+    rate: float
+    workers: int
+    p99_s: float
+
+
 class DecodeDemand:
-    def __init__(self, window_s: float = WINDOW_S, min_arrivals: int = MIN_ARRIVALS) -> None:
-        self.window_s, self.min_arrivals = window_s, min_arrivals
+    def __init__(
+        self,
+        window_s: float = WINDOW_S,
+        min_arrivals: int = MIN_ARRIVALS,
+        min_span_s: float = MIN_SPAN_S,
+    ) -> None:
+        self.window_s, self.min_arrivals, self.min_span_s = window_s, min_arrivals, min_span_s
         # (time.monotonic(), prompt tokens, max_tokens) of the requests taken within the window
-        # (older ones leave as it moves on), and when the first of all came.
+        # (older ones leave as it moves on).
         self._arrivals: deque[tuple[float, int, int]] = deque()
-        self._first: float | None = None
-        self._outputs: deque[int] = deque(maxlen=64)  # tokens of the latest requests that ended
+        # (tokens decoded, max_tokens) of the latest requests that ended
+        self._outputs: deque[tuple[int, int]] = deque(maxlen=64)
 
     def arrived(self, prompt_len: int, max_tokens: int, now: float | None = None) -> None:
-        t = time.monotonic() if now is None else now
-        if self._first is None:
-            self._first = t
-        self._arrivals.append((t, prompt_len, max_tokens))
+        self._arrivals.append((time.monotonic() if now is None else now, prompt_len, max_tokens))
 
-    def ended(self, output_tokens: int) -> None:
-        if output_tokens > 0:
-            self._outputs.append(output_tokens)
+    def ended(self, output_tokens: int, max_tokens: int) -> None:
+        if output_tokens > 0 and max_tokens > 0:
+            self._outputs.append((output_tokens, max_tokens))
 
     def _recent(self, now: float) -> deque[tuple[float, int, int]]:
         while self._arrivals and self._arrivals[0][0] < now - self.window_s:
             self._arrivals.popleft()
         return self._arrivals
 
-    def rate(self, now: float | None = None) -> float:
-        """Requests per second over the window (or since the first arrival, if sooner); 0 with
-        fewer than `min_arrivals`."""
+    def rate(self, now: float | None = None, extra: int = 0) -> float:
+        """Requests per second taken within the window, over the time since the oldest of them
+        (at least `min_span_s`), with `extra` more taken now; 0 with fewer than
+        `min_arrivals`."""
         now = time.monotonic() if now is None else now
         recent = self._recent(now)
-        if len(recent) < self.min_arrivals or self._first is None:
+        if len(recent) < self.min_arrivals:
             return 0.0
-        span = min(self.window_s, now - self._first)
-        return len(recent) / span if span > 0 else 0.0
+        return (len(recent) + extra) / max(now - recent[0][0], self.min_span_s)
 
     def output_len(self, now: float | None = None) -> float:
-        """Tokens a request decodes: the mean of those that ended lately, else of what the
-        recent ones asked for."""
-        if self._outputs:
-            return sum(self._outputs) / len(self._outputs)
+        """Tokens a request decodes: what the recent ones asked for (max_tokens), times the
+        share of what they asked for that the latest requests to end decoded. Not the mean of
+        those that ended: short ones end first, and that mean runs short while a rate rises."""
         recent = self._recent(time.monotonic() if now is None else now)
-        return sum(a[2] for a in recent) / len(recent) if recent else 0.0
+        if not recent:
+            return 0.0
+        asked = sum(a[2] for a in recent) / len(recent)
+        if not self._outputs:
+            return asked
+        return asked * sum(o for o, _ in self._outputs) / sum(m for _, m in self._outputs)
 
     def prompt_len(self, now: float | None = None) -> float:
         recent = self._recent(time.monotonic() if now is None else now)
@@ -106,6 +137,20 @@ class DecodeDemand:
             batch = max(1, round(n))
         return float("inf")  # still moving: a batch that keeps growing
 
+    def decoders(
+        self, prefill: Sequence[WorkerState], decode: Sequence[WorkerState]
+    ) -> list[WorkerState]:
+        """The workers the decodes may spread over, those with the most decodes first: every
+        decode worker, but where every worker able to prefill decodes too, the one of them
+        with the fewest decodes stays out, free to prefill."""
+        gathering = sorted(decode, key=lambda d: -(d.batch + d.local_prefills))
+        decoding = {id(d) for d in decode}
+        if prefill and all(id(p) in decoding for p in prefill) and len(gathering) > 1:
+            able = {id(p) for p in prefill}
+            free = next(d for d in reversed(gathering) if id(d) in able)
+            gathering = [d for d in gathering if d is not free]
+        return gathering
+
     def needed(
         self,
         prefill: Sequence[WorkerState],
@@ -113,16 +158,26 @@ class DecodeDemand:
         slo_itl_s: float,
         now: float | None = None,
     ) -> list[WorkerState]:
-        """The decode workers the decodes need now (`workers_needed`), those with the most
-        decodes first; where every worker able to prefill decodes too, the one of them with the
-        fewest decodes stays out, free to prefill."""
-        gathering = sorted(decode, key=lambda d: -(d.batch + d.local_prefills))
-        decoding = {id(d) for d in decode}
-        if prefill and all(id(p) in decoding for p in prefill) and len(gathering) > 1:
-            able = {id(p) for p in prefill}
-            free = next(d for d in reversed(gathering) if id(d) in able)
-            gathering = [d for d in gathering if d is not free]
+        """The decode workers the decodes need now (`workers_needed`) of `decoders`."""
+        gathering = self.decoders(prefill, decode)
         return gathering[: self.workers_needed(gathering, slo_itl_s, now)]
+
+    def _p99_per_count(
+        self, workers: Sequence[WorkerState], rate: float, now: float | None
+    ) -> Iterator[tuple[int, float]]:
+        """For k = 1.. len(workers): k and the p99 gap in steady state with the decodes at
+        `rate` over the first k."""
+        out_len = self.output_len(now)
+        context = self.prompt_len(now) + out_len / 2
+        for k in range(1, len(workers) + 1):
+            chosen = workers[:k]
+            yield (
+                k,
+                max(
+                    self.p99_gap(w, rate / k, out_len, context, _node_share(w, chosen))
+                    for w in chosen
+                ),
+            )
 
     def workers_needed(
         self, workers: Sequence[WorkerState], slo_itl_s: float, now: float | None = None
@@ -133,19 +188,25 @@ class DecodeDemand:
         rate = self.rate(now)
         if rate <= 0 or not workers:
             return 1
-        out_len = self.output_len(now)
-        context = self.prompt_len(now) + out_len / 2
         best, best_p99 = 1, float("inf")
-        for k in range(1, len(workers) + 1):
-            chosen = workers[:k]
-            p99 = max(
-                self.p99_gap(w, rate / k, out_len, context, _node_share(w, chosen)) for w in chosen
-            )
+        for k, p99 in self._p99_per_count(workers, rate, now):
             if p99 <= slo_itl_s:
                 return k
             if p99 < best_p99:
                 best, best_p99 = k, p99
         return best
+
+    def overload(
+        self, workers: Sequence[WorkerState], slo_itl_s: float, now: float | None = None
+    ) -> DecodeOverload | None:
+        """Whether taking one more request sets a rate the decodes cannot hold: with it counted,
+        the p99 gap in steady state passes `slo_itl_s` over every count of `workers`; then
+        what they would see at best. None while the rate is not known."""
+        rate = self.rate(now, extra=1)
+        if rate <= 0 or not workers:
+            return None
+        k, p99 = min(self._p99_per_count(workers, rate, now), key=lambda kp: kp[1])
+        return DecodeOverload(rate, k, p99) if p99 > slo_itl_s else None
 
 
 def _node_share(w: WorkerState, decoding: Sequence[WorkerState]) -> float:

@@ -314,7 +314,7 @@ class RequestCore:
                 if chunk.finished or text.stop_hit is not None:
                     final = self._summary(req, books.first, chosen, chunk, text, books.track)
                     books.finished(final.finish_reason, chunk.num_cached_tokens)
-                    self.planner.demand.ended(books.track.output_tokens)
+                    self.planner.demand.ended(books.track.output_tokens, shape.max_tokens)
                 yield CoreChunk(req.request_id, chunk.token_ids, delta, chunk.logprobs, final)
                 if final is not None:
                     return  # closing the stream aborts a worker still running it

@@ -108,6 +108,9 @@ class RouterConfig:
     # chunk beside them cannot keep to the step target) up to this share of its TTFT SLO
     # (Placement.prefill_hold_s); None: the workers' own hold (SchedulerConfig.prefill_hold_s).
     prefill_hold_share: float | None = None
+    # Refuse a request whose taking sets a rate of requests at which the decodes' p99 gap
+    # passes its ITL SLO in steady state (router/capacity.py DecodeDemand.overload).
+    decode_rate_admission: bool = True
 
     def __post_init__(self) -> None:
         share = self.prefill_hold_share

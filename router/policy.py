@@ -38,7 +38,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from router.capacity import DecodeDemand
+from router.capacity import DecodeDemand, DecodeOverload
 from router.cost_model import Bias, HandoffHealth, TransferTimeModel
 from router.interference import shared_misses
 from router.pool_state import WorkerState, peer_work
@@ -76,6 +76,9 @@ class Decision:
     best: tuple[PathPrediction, ...]  # the best candidate of each path; the chosen for its own
     reason: str  # in words, for logs and the client
     reason_code: str  # a short label, for metrics
+    # Taking the request sets a rate of requests the decodes cannot hold (admission refuses it;
+    # router/capacity.py DecodeDemand.overload); None: they can, or the rate is not known.
+    overload: DecodeOverload | None = None
 
 
 def pick_decode(req: RequestShape, decode: Sequence[WorkerState], margin: float) -> WorkerState:
@@ -274,7 +277,10 @@ class Planner:
         # predicted for the placement it got).
         chosen = decision.chosen
         best = tuple(chosen if b.path is chosen.path else b for b in decision.best)
-        return replace(decision, best=best)
+        overload = None
+        if admitting:
+            overload = self.demand.overload(self.demand.decoders(prefill, decode), req.slo_itl_s)
+        return replace(decision, best=best, overload=overload)
 
     def _find(self, cands: list[PathPrediction], path: RoutePath, p: str, d: str) -> PathPrediction:
         return next(

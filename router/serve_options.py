@@ -241,6 +241,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("slo_itl_ms", number(0, strict=True), 1000.0, "default ITL SLO"),
     Option("max_pending", integer(1), 256,
            "requests waiting for a first token before RESOURCE_EXHAUSTED"),
+    Option("decode_rate_admission", flag, True,
+           "refuse a request (RESOURCE_EXHAUSTED, decode_rate) while requests come faster "
+           "than the decodes hold its ITL SLO in steady state, as the step-time model "
+           "predicts, so that those taken attain it rather than all missing", boolean=True),
     # addresses and ports
     Option("host", text, "127.0.0.1", "address the gRPC, HTTP, admin and metrics ports bind"),
     Option("port", PORT, 50051, "gRPC port (pdserve.v1.Generation)"),
@@ -414,6 +418,7 @@ class ServeOptions:
                 slo_ttft_s=v["slo_ttft_ms"] / 1000,
                 slo_itl_s=v["slo_itl_ms"] / 1000,
                 max_pending=v["max_pending"],
+                decode_rate_admission=v["decode_rate_admission"],
                 tune_step_target=tune,
                 prefill_hold_share=hold_share,
             ),

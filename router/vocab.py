@@ -45,6 +45,7 @@ class RejectReason(enum.Enum):
 
     QUEUE_FULL = "queue_full"  # too many requests wait for a first token, or run
     SLO = "slo"  # its predicted TTFT misses its SLO, and waiting would help
+    DECODE_RATE = "decode_rate"  # requests come faster than the decodes hold the ITL SLO
     CLIENT_LIMIT = "client_limit"  # its client already runs as many requests as it may
     NO_WORKERS = "no_workers"  # no decode worker is up
 

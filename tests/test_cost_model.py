@@ -10,6 +10,10 @@ import pytest
 
 from engine.prefix_hash import block_hashes
 from engine.step_stats import StepStat
+from router.admission import refusal
+from router.books import RequestCounts
+from router.capacity import MIN_SPAN_S, DecodeDemand
+from router.core_types import RouterConfig
 from router.cost_model import (
     DECODE,
     MIN_SUPPORT,
@@ -37,7 +41,7 @@ from router.predictions import (
     ttft_tolerance,
 )
 from router.spread import MISS_WIDTH, PRIOR_WIDTH, PredictionSpread, miss_chance
-from router.vocab import RoutePath
+from router.vocab import RejectReason, RoutePath
 from worker_protocol.messages import WorkerInfo, WorkerLoad
 
 # The "true" step time of the injected workers: 20 ms + 2 ms/token + attention terms.
@@ -1529,7 +1533,7 @@ def _arrivals(pl: Planner, rate: float, seconds: float = 10.0) -> None:
     now = time.monotonic()
     for i in range(int(rate * seconds)):
         pl.demand.arrived(300, 100, now=now - seconds + i / rate)
-        pl.demand.ended(100)
+        pl.demand.ended(100, 100)
 
 
 def test_decodes_spread_over_as_many_workers_as_the_rate_needs():
@@ -1579,6 +1583,65 @@ def test_decodes_spread_over_as_many_workers_as_the_rate_needs():
     _arrivals(flood, rate=400.0, seconds=0.5)
     assert flood.demand.p99_gap(a, 400.0, 100, 350) == float("inf")
     assert flood.demand.workers_needed([a, b, c], slo) == 1
+
+
+def test_a_rate_the_decodes_cannot_hold_marks_the_decision_for_refusal():
+    """One dedicated decode worker whose step at batch 15 holds the ITL SLO (at 0.9). At 1
+    req/s of 100-token requests its steady-state batch holds it: nothing to refuse. At 4 req/s
+    its batch would grow to about 40, and so does every count of the workers that may decode
+    (one): the decision carries the overload (the rate with this request, the p99 gap at best),
+    and admission refuses it, naming the ITL SLO. Where the decodes may spread over two workers
+    that hold it between them, nothing is refused. Before eight requests came, the rate is not
+    known: nothing is refused. A request resumed elsewhere is not admitted again: no overload."""
+    p, d = trained("prefill-0", "prefill", seed=1), trained("decode-0", "decode", seed=2)
+    slo = d.model.decode_step_s(15, 15 * 400) / 0.9
+    req = shape(16, seed=8, slo_ttft=20.0, slo_itl=slo)
+
+    slow = planner()
+    _arrivals(slow, rate=1.0)
+    assert slow.decide(req, [p], [d]).overload is None
+
+    fast = planner()
+    _arrivals(fast, rate=4.0)
+    decision = fast.decide(req, [p], [d])
+    over = decision.overload
+    assert over is not None and over.workers == 1, decision.reason
+    assert over.rate == pytest.approx(4.1, rel=0.05)  # 40 in 10 s, and this one
+    assert over.p99_s > 1.5 * slo
+    refused = refusal(req, decision, RouterConfig(), RequestCounts(), 1.0)
+    assert refused is not None and refused.reason is RejectReason.DECODE_RATE
+    assert f"past the ITL SLO {slo * 1000:.0f} ms" in str(refused)
+    assert refused.retry_after_s == pytest.approx(1 / over.rate)
+    off = RouterConfig(decode_rate_admission=False)
+    assert refusal(req, decision, off, RequestCounts(), 1.0) is None
+
+    d2 = trained("decode-1", "decode", seed=3)
+    assert fast.decide(req, [p], [d, d2]).overload is None
+    assert planner().decide(req, [p], [d]).overload is None
+    assert fast.decide(req, [p], [d], admitting=False).overload is None
+
+
+def test_the_rate_taken_reads_a_burst_over_at_least_the_minimum_span():
+    """Ten requests within a second after a quiet spell read as 1 req/s (over MIN_SPAN_S), not
+    10; at a steady 2 req/s the rate is 2 once the window fills; arrivals older than the window
+    leave it. What a request decodes is what the recent ones asked for, times the share of it
+    that the latest to end decoded: the first to end being the short ones does not shrink it."""
+    demand = DecodeDemand()
+    now = 1000.0
+    for i in range(10):
+        demand.arrived(100, 200, now=now - 1 + i * 0.1)
+    assert demand.rate(now) == pytest.approx(10 / MIN_SPAN_S)
+    assert demand.rate(now, extra=1) == pytest.approx(11 / MIN_SPAN_S)
+    steady = DecodeDemand()
+    for i in range(40):
+        steady.arrived(100, 200, now=now - 20 + i * 0.5)
+    assert steady.rate(now) == pytest.approx(2.0)  # 40 since the oldest, 20 s ago
+    assert steady.output_len(now) == 200  # none ended: what they asked for
+    steady.ended(20, 20)  # a short one ended first, all it asked for
+    assert steady.output_len(now) == 200
+    steady.ended(100, 200)  # one that stopped at half of what it asked for
+    assert steady.output_len(now) == pytest.approx(200 * 120 / 220)
+    assert steady.rate(now + 30) == 0.0  # all older than the window
 
 
 def test_a_prompt_placed_behind_a_prefill_nearly_done_waits_only_for_what_is_left_of_it():

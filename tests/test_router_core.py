@@ -75,7 +75,7 @@ def test_a_full_queue_is_refused_at_once_and_frees_when_requests_move_on():
         # and the tokens each decoded.
         demand = core.planner.demand
         assert [a[1] for a in demand._arrivals] == [32] * 3
-        assert list(demand._outputs) == [4, 4, 4] and demand.output_len() == 4
+        assert list(demand._outputs) == [(4, 4)] * 3 and demand.output_len() == 4
 
     run(main())
 
@@ -98,6 +98,32 @@ def test_predicted_ttft_past_the_slo_is_refused_only_when_waiting_would_help():
         assert core.pending == core.active == 0
 
     run(main())
+
+
+def test_requests_past_the_rate_the_decodes_hold_are_refused_with_no_work_done():
+    """With an ITL SLO no decode step can hold, the eight requests taken before the rate is
+    known are served; the ninth would set a rate (nine over the ten-second minimum span) whose
+    steady-state p99 gap passes the SLO: refused (decode_rate, with a retry hint), no work done
+    for it, nothing left counted. With --no-decode-rate-admission it is served."""
+
+    async def main(admission: bool):
+        backend = FakeBackend()
+        core = await make_core(backend, slo_itl_s=1e-6, decode_rate_admission=admission)
+        for i in range(8):
+            assert sum(len(c.token_ids) for c in await consume(core, request(f"r{i}"))) == 4
+        if admission:
+            with pytest.raises(Overloaded) as err:
+                await consume(core, request("r8"))
+            assert err.value.reason is RejectReason.DECODE_RATE
+            assert err.value.retry_after_s == pytest.approx(10 / 9, rel=0.01)
+            assert "past the ITL SLO 0 ms" in str(err.value)
+            assert not [w for w in backend.started if w.startswith("r8#")]
+        else:
+            assert len(await consume(core, request("r8"))) == 4
+        assert core.pending == core.active == 0
+
+    run(main(True))
+    run(main(False))
 
 
 def test_leaving_early_closes_the_backend_stream_and_the_books():
