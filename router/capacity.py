@@ -201,12 +201,21 @@ class DecodeDemand:
     ) -> DecodeOverload | None:
         """Whether taking one more request sets a rate the decodes cannot hold: with it counted,
         the p99 gap in steady state passes `slo_itl_s` over every count of `workers`; then
-        what they would see at best. None while the rate is not known."""
+        what they would see at best. None while the rate is not known, and where a lone
+        request's p99 gap on each of them already passes the SLO (refusing cannot help it)."""
         rate = self.rate(now, extra=1)
         if rate <= 0 or not workers:
             return None
-        k, p99 = min(self._p99_per_count(workers, rate, now), key=lambda kp: kp[1])
-        return DecodeOverload(rate, k, p99) if p99 > slo_itl_s else None
+        best: tuple[int, float] | None = None
+        for k, p99 in self._p99_per_count(workers, rate, now):
+            if p99 <= slo_itl_s:
+                return None
+            if best is None or p99 < best[1]:
+                best = (k, p99)
+        if all(self.p99_gap(w, 0.0, 1.0, self.prompt_len(now)) > slo_itl_s for w in workers):
+            return None
+        assert best is not None
+        return DecodeOverload(rate, *best)
 
 
 def _node_share(w: WorkerState, decoding: Sequence[WorkerState]) -> float:

@@ -91,6 +91,7 @@ class RequestCore:
         self._tighten_next: dict[str, float] = {}
         self.records: deque[DecisionRecord] = deque(maxlen=2048)
         self.margin = TtftMargin()  # admission's, from the first tokens (planner.ttft_margin)
+        self.planner.rate_admission = config.decode_rate_admission
         self.counts = RequestCounts()
         self._poller: asyncio.Task[None] | None = None
         self._ids = itertools.count()  # workers see internal ids: clients' ids may collide
@@ -314,7 +315,7 @@ class RequestCore:
                 if chunk.finished or text.stop_hit is not None:
                     final = self._summary(req, books.first, chosen, chunk, text, books.track)
                     books.finished(final.finish_reason, chunk.num_cached_tokens)
-                    self.planner.demand.ended(books.track.output_tokens, shape.max_tokens)
+                    self.planner.demand.ended(books.track.output_tokens, req.sampling.max_tokens)
                 yield CoreChunk(req.request_id, chunk.token_ids, delta, chunk.logprobs, final)
                 if final is not None:
                     return  # closing the stream aborts a worker still running it

@@ -170,6 +170,9 @@ class Planner:
         # The rate requests arrive and what they decode: how many workers the decodes need.
         self.demand = DecodeDemand()
         self.decoders_needed = 1  # as of the latest candidates()
+        # Whether decisions say when taking the request sets a rate the decodes cannot hold
+        # (Decision.overload; RouterConfig.decode_rate_admission, set by the core).
+        self.rate_admission = True
 
     def ttft_bias(self, path: RoutePath) -> Bias:
         """The TTFT correction `path`'s predictions take: its own, or while it has seen too few
@@ -278,8 +281,12 @@ class Planner:
         chosen = decision.chosen
         best = tuple(chosen if b.path is chosen.path else b for b in decision.best)
         overload = None
-        if admitting:
-            overload = self.demand.overload(self.demand.decoders(prefill, decode), req.slo_itl_s)
+        if admitting and self.rate_admission:
+            # Under auto the decodes keep off one worker of both kinds where no dedicated
+            # prefill worker is left (DecodeDemand.decoders); any other policy decodes on all.
+            spread = policy is Policy.AUTO and override is RoutePath.AUTO
+            decoders = self.demand.decoders(prefill, decode) if spread else list(decode)
+            overload = self.demand.overload(decoders, req.slo_itl_s)
         return replace(decision, best=best, overload=overload)
 
     def _find(self, cands: list[PathPrediction], path: RoutePath, p: str, d: str) -> PathPrediction:

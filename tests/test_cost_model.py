@@ -1619,6 +1619,20 @@ def test_a_rate_the_decodes_cannot_hold_marks_the_decision_for_refusal():
     assert fast.decide(req, [p], [d, d2]).overload is None
     assert planner().decide(req, [p], [d]).overload is None
     assert fast.decide(req, [p], [d], admitting=False).overload is None
+    # An SLO a lone request's gaps already miss: refusing would not help it.
+    lone = fast.demand.p99_gap(d, 0.0, 1.0, 300)
+    hopeless = replace(req, slo_itl_s=lone / 2)
+    assert fast.decide(hopeless, [p], [d]).overload is None
+
+    # Two workers of both kinds: under auto one stays free to prefill, so the decodes have one
+    # worker, which 4 req/s is past; the colocated policy decodes on both, which hold it.
+    a, b = trained("both-0", "both", seed=4), trained("both-1", "both", seed=5)
+    req = replace(req, slo_itl_s=a.model.decode_step_s(15, 15 * 400) / 0.9)
+    assert fast.decide(req, [a, b], [a, b]).overload is not None
+    colocated = planner(Policy.COLOCATED)
+    colocated.demand = fast.demand
+    assert colocated.decide(req, [a, b], [a, b]).overload is None
+    assert fast.decide(req, [a, b], [a, b], override=RoutePath.COLOCATED).overload is None
 
 
 def test_the_rate_taken_reads_a_burst_over_at_least_the_minimum_span():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from dataclasses import replace
 
 import pytest
@@ -101,25 +103,36 @@ def test_predicted_ttft_past_the_slo_is_refused_only_when_waiting_would_help():
 
 
 def test_requests_past_the_rate_the_decodes_hold_are_refused_with_no_work_done():
-    """With an ITL SLO no decode step can hold, the eight requests taken before the rate is
-    known are served; the ninth would set a rate (nine over the ten-second minimum span) whose
-    steady-state p99 gap passes the SLO: refused (decode_rate, with a retry hint), no work done
-    for it, nothing left counted. With --no-decode-rate-admission it is served."""
+    """Requests of 2000 tokens taken at 20 req/s over the last 10 s: the decode worker's steady
+    state at that rate passes an ITL SLO that a lone request's gaps hold. A request with that SLO
+    is refused (decode_rate, with a retry hint), no work done for it, nothing left counted; with
+    --no-decode-rate-admission it is served. One whose SLO even a lone request's gaps miss is
+    served: refusing it would not help it."""
 
     async def main(admission: bool):
         backend = FakeBackend()
-        core = await make_core(backend, slo_itl_s=1e-6, decode_rate_admission=admission)
-        for i in range(8):
-            assert sum(len(c.token_ids) for c in await consume(core, request(f"r{i}"))) == 4
+        core = await make_core(backend, decode_rate_admission=admission)
+        demand = core.planner.demand
+        now = time.monotonic()
+        for i in range(200):
+            demand.arrived(32, 2000, now=now - 10 + i * 0.05)
+        d = core.states["decode-0"]
+        idle = demand.p99_gap(d, 0.0, 1.0, 32)
+        over = demand.overload([d], idle)
+        assert over is not None and over.p99_s > 2 * idle
+        slo = min(4 * idle, math.sqrt(idle * over.p99_s))
+        late = replace(request("late"), slo_itl_ms=slo * 1000)
         if admission:
             with pytest.raises(Overloaded) as err:
-                await consume(core, request("r8"))
+                await consume(core, late)
             assert err.value.reason is RejectReason.DECODE_RATE
-            assert err.value.retry_after_s == pytest.approx(10 / 9, rel=0.01)
-            assert "past the ITL SLO 0 ms" in str(err.value)
-            assert not [w for w in backend.started if w.startswith("r8#")]
+            assert err.value.retry_after_s == pytest.approx(1 / 20.1, rel=0.05)
+            assert f"past the ITL SLO {slo * 1000:.0f} ms" in str(err.value)
+            assert not [w for w in backend.started if w.startswith("late#")]
         else:
-            assert len(await consume(core, request("r8"))) == 4
+            assert len(await consume(core, late)) == 4
+        hopeless = replace(request("hopeless"), slo_itl_ms=idle / 2 * 1000)
+        assert len(await consume(core, hopeless)) == 4
         assert core.pending == core.active == 0
 
     run(main(True))
@@ -296,6 +309,9 @@ def test_a_request_whose_decode_worker_dies_resumes_and_its_books_settle_once():
         "pdserve_time_to_first_token_seconds_count", {"path": final.path.value, "frontend": "grpc"}
     ) == 1  # fmt: skip
     assert [r.request_id for r in core.records] == ["moved"]
+    # The decode demand books what it decoded against what it asked for at first (8 of 8), not
+    # against the 5 left when it resumed.
+    assert list(core.planner.demand._outputs) == [(8, 8)]
 
 
 def test_requests_and_ttft_are_counted_by_front_door():
