@@ -76,7 +76,7 @@ class DecodeDemand:
         # (time.monotonic(), prompt tokens, max_tokens) of the requests taken within the window
         # (older ones leave as it moves on).
         self._arrivals: deque[tuple[float, int, int]] = deque()
-        # (tokens decoded, max_tokens) of the latest requests that ended
+        # (tokens decoded, max_tokens) of the latest requests that ended.
         self._outputs: deque[tuple[int, int]] = deque(maxlen=64)
 
     def arrived(self, prompt_len: int, max_tokens: int, now: float | None = None) -> None:
@@ -171,13 +171,10 @@ class DecodeDemand:
         context = self.prompt_len(now) + out_len / 2
         for k in range(1, len(workers) + 1):
             chosen = workers[:k]
-            yield (
-                k,
-                max(
-                    self.p99_gap(w, rate / k, out_len, context, _node_share(w, chosen))
-                    for w in chosen
-                ),
+            p99 = max(
+                self.p99_gap(w, rate / k, out_len, context, _node_share(w, chosen)) for w in chosen
             )
+            yield k, p99
 
     def workers_needed(
         self, workers: Sequence[WorkerState], slo_itl_s: float, now: float | None = None
