@@ -132,14 +132,16 @@ def _tie_broken(
         )
         return "cost_prefill_beside"
     both, prefills, lean = chosen.decode_lean
-    if not both and not prefills and quickest.decode_lean[1]:
+    # The chosen decode worker runs no prefill beside its decodes; the quickest's would.
+    kept_apart = not prefills and quickest.decode_lean[1]
+    if kept_apart and not both:
         parts.append(
             f"prefilled on {chosen.prefill_worker}, not beside the decodes to come on "
             f"{quickest.decode_worker} ({where}, TTFT {_ms(quickest.ttft_s)})"
         )
         return "cost_split"
     there = f"{-lean} decodes running or to come there" if both else "a dedicated decode worker"
-    if both and not prefills and quickest.decode_lean[1]:
+    if kept_apart:
         there += ", no prefill"
     parts.append(
         f"decodes gather on {chosen.decode_worker} ({there}), not {quickest.decode_worker} "
