@@ -26,11 +26,13 @@ two workers of both kinds keep the split.
 Past what the decodes can hold, no placement helps: at the rate requests are taken, every count
 of the workers that may decode gives a steady-state batch whose p99 gap passes the ITL SLO, and
 every request decoding then misses it. Admission (router/admission.py) refuses a request whose
-taking would set such a rate (`overload`): the rate taken then settles where the decodes hold
-the SLO, and those taken attain it rather than all missing together. Where prompts cannot be
-prefilled beside decodes (a CPU host: one 80-token prompt costs a decode step several ITL SLOs),
-a pair of workers is the split, and this is what keeps it serving within the SLO at a rate past
-its decode worker's."""
+taking would set such a rate (`overload`) once the decodes there are as many as the workers
+hold within the SLO (`holds`): the rate taken then settles where the decodes hold the SLO, and
+those taken attain it rather than all missing together. Refused on the rate alone, a burst at a
+rate the decodes hold on average was refused too: over the window's 10 s it reads past it.
+Where prompts cannot be prefilled beside decodes (a CPU host: one 80-token prompt costs a decode
+step several ITL SLOs), a pair of workers is the split, and this is what keeps it serving within
+the SLO at a rate past its decode worker's."""
 
 from __future__ import annotations
 
@@ -58,11 +60,16 @@ ITERATIONS = 30
 @dataclass(frozen=True, slots=True)
 class DecodeOverload:
     """A rate of requests taken (one more counted) that the decodes cannot hold: at best, over
-    `workers` of those that may decode, their p99 gap in steady state is `p99_s`."""
+    `workers` of those that may decode, their p99 gap in steady state is `p99_s`, and the batch
+    there is already as large as they hold within the SLO."""
 
     rate: float
     workers: int
     p99_s: float
+    # The decodes running and to come on those workers (handoffs placed, local prefills queued),
+    # and the most they run within the SLO: refused only once the first reaches the second.
+    load: int = 0
+    room: int = 0
 
 
 class DecodeDemand:
@@ -117,6 +124,10 @@ class DecodeDemand:
         recent = self._recent(time.monotonic() if now is None else now)
         return sum(a[1] for a in recent) / len(recent) if recent else 0.0
 
+    def context(self, now: float | None = None) -> float:
+        """The mean context of a request decoding: its prompt and half of what it decodes."""
+        return self.prompt_len(now) + self.output_len(now) / 2
+
     def p99_gap(
         self, w: WorkerState, rate: float, output_len: float, context: float, share: float = 1.0
     ) -> float:
@@ -168,7 +179,7 @@ class DecodeDemand:
         """For k = 1.. len(workers): k and the p99 gap in steady state with the decodes at
         `rate` over the first k."""
         out_len = self.output_len(now)
-        context = self.prompt_len(now) + out_len / 2
+        context = self.context(now)
         for k in range(1, len(workers) + 1):
             chosen = workers[:k]
             p99 = max(
@@ -197,9 +208,11 @@ class DecodeDemand:
         self, workers: Sequence[WorkerState], slo_itl_s: float, now: float | None = None
     ) -> DecodeOverload | None:
         """Whether taking one more request sets a rate the decodes cannot hold: with it counted,
-        the p99 gap in steady state passes `slo_itl_s` over every count of `workers`; then
-        what they would see at best. None while the rate is not known, and where a lone
-        request's p99 gap on each of them already passes the SLO (refusing cannot help it)."""
+        the p99 gap in steady state passes `slo_itl_s` over every count of `workers`, and the
+        best count of them already has as many decodes (running and to come) as it holds within
+        the SLO; then what they would see at best. None while the rate is not known, and where
+        a lone request's p99 gap on each of them already passes the SLO (refusing cannot help
+        it)."""
         rate = self.rate(now, extra=1)
         if rate <= 0 or not workers:
             return None
@@ -212,7 +225,36 @@ class DecodeDemand:
         if all(self.p99_gap(w, 0.0, 1.0, self.prompt_len(now)) > slo_itl_s for w in workers):
             return None
         assert best is not None
-        return DecodeOverload(rate, *best)
+        # Only once the decodes are as many as the workers hold within the SLO: a burst at a
+        # rate they hold on average reads as a rate past it over the window, and the batch it
+        # leaves is still short of that.
+        chosen = workers[: best[0]]
+        load = sum(w.batch + w.local_prefills for w in chosen)
+        context = self.context(now)
+        room = sum(self.holds(w, slo_itl_s, context, _node_share(w, chosen)) for w in chosen)
+        if load < room:
+            return None
+        return DecodeOverload(rate, *best, load=load, room=room)
+
+    def holds(self, w: WorkerState, slo_itl_s: float, context: float, share: float = 1.0) -> int:
+        """The most decodes `w` runs with its p99 gap within `slo_itl_s`, at mean context
+        `context`, its steps `share` times slower than alone (0: not even one)."""
+        slower = share / w.model.scale
+        per_gap = w.gap_factor() * w.gap_tail()
+
+        def p99(n: int) -> float:
+            return w.model.decode_step_s(n, round(n * context)) * slower * per_gap
+
+        lo, hi = 0, w.info.max_num_seqs  # p99(lo) holds (none: trivially); find the last one
+        if p99(hi) <= slo_itl_s:
+            return hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if p99(mid) <= slo_itl_s:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
 
 def _node_share(w: WorkerState, decoding: Sequence[WorkerState]) -> float:

@@ -1603,14 +1603,26 @@ def test_a_rate_the_decodes_cannot_hold_marks_the_decision_for_refusal():
 
     fast = planner()
     _arrivals(fast, rate=4.0)
+    # Past the rate, but the decode worker has room in its batch: a burst it may absorb.
+    room = fast.demand.holds(d, slo, fast.demand.context())
+    step = d.model.decode_step_s  # its gaps are its steps (factor and tail 1), context 350
+    assert step(room, room * 350) <= slo < step(room + 1, (room + 1) * 350)
+    assert room >= 15
+    assert fast.decide(req, [p], [d]).overload is None
+    for i in range(room - 2):
+        d.add_decode(f"r{i}", 400, slo, local=False)
+    d.add_prefill("q", 16, prefill_pairs(16, 0), local=True, itl_slo_s=slo)  # one to come
+    assert fast.decide(req, [p], [d]).overload is None  # one place left
+    d.add_decode("last", 400, slo, local=False)
     decision = fast.decide(req, [p], [d])
     over = decision.overload
     assert over is not None and over.workers == 1, decision.reason
+    assert (over.load, over.room) == (room, room)
     assert over.rate == pytest.approx(4.1, rel=0.05)  # 40 in 10 s, and this one
     assert over.p99_s > 1.5 * slo
     refused = refusal(req, decision, RouterConfig(), RequestCounts(), 1.0)
     assert refused is not None and refused.reason is RejectReason.DECODE_RATE
-    assert f"past the ITL SLO {slo * 1000:.0f} ms" in str(refused)
+    assert f"past the ITL SLO {slo * 1000:.0f} ms, and they run {room} decodes" in str(refused)
     assert refused.retry_after_s == pytest.approx(1 / over.rate)
     off = RouterConfig(decode_rate_admission=False)
     assert refusal(req, decision, off, RequestCounts(), 1.0) is None
@@ -1628,6 +1640,8 @@ def test_a_rate_the_decodes_cannot_hold_marks_the_decision_for_refusal():
     # worker, which 4 req/s is past; the colocated policy decodes on both, which hold it.
     a, b = trained("both-0", "both", seed=4), trained("both-1", "both", seed=5)
     req = replace(req, slo_itl_s=a.model.decode_step_s(15, 15 * 400) / 0.9)
+    for i in range(fast.demand.holds(a, req.slo_itl_s, fast.demand.context())):
+        a.add_decode(f"r{i}", 400, req.slo_itl_s, local=False)
     assert fast.decide(req, [a, b], [a, b]).overload is not None
     colocated = planner(Policy.COLOCATED)
     colocated.demand = fast.demand

@@ -104,9 +104,10 @@ def test_predicted_ttft_past_the_slo_is_refused_only_when_waiting_would_help():
 
 def test_requests_past_the_rate_the_decodes_hold_are_refused_with_no_work_done():
     """Requests of 2000 tokens taken at 20 req/s over the last 10 s: the decode worker's steady
-    state at that rate passes an ITL SLO that a lone request's gaps hold. A request with that SLO
-    is refused (decode_rate, with a retry hint), no work done for it, nothing left counted; with
-    --no-decode-rate-admission it is served. One whose SLO even a lone request's gaps miss is
+    state at that rate passes an ITL SLO that a lone request's gaps hold, and it runs as many
+    decodes as it holds within it. A request with that SLO is refused (decode_rate, with a retry
+    hint), no work done for it, nothing left counted; with --no-decode-rate-admission it is
+    served. One whose SLO even a lone request's gaps miss is
     served: refusing it would not help it."""
 
     async def main(admission: bool):
@@ -118,9 +119,14 @@ def test_requests_past_the_rate_the_decodes_hold_are_refused_with_no_work_done()
             demand.arrived(32, 2000, now=now - 10 + i * 0.05)
         d = core.states["decode-0"]
         idle = demand.p99_gap(d, 0.0, 1.0, 32)
-        over = demand.overload([d], idle)
-        assert over is not None and over.p99_s > 2 * idle
-        slo = min(4 * idle, math.sqrt(idle * over.p99_s))
+        steady = demand.p99_gap(d, 20.1, demand.output_len(), demand.context())
+        assert steady > 2 * idle
+        slo = min(4 * idle, math.sqrt(idle * steady))
+        # The decodes running there are as many as it holds within the SLO.
+        room = demand.holds(d, slo, demand.context())
+        assert room > 0
+        for i in range(room):
+            d.add_decode(f"running-{i}", 1000, slo, local=False)
         late = replace(request("late"), slo_itl_ms=slo * 1000)
         if admission:
             with pytest.raises(Overloaded) as err:
