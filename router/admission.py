@@ -58,9 +58,10 @@ def refusal(
             RejectReason.DECODE_RATE,
             f"requests come at {over.rate:.2f}/s with this one: decodes on {workers} would see "
             f"p99 gaps of {over.p99_s * 1000:.0f} ms in steady state, past the ITL SLO "
-            f"{shape.slo_itl_s * 1000:.0f} ms, and they run {over.load} decodes of the "
-            f"{over.room} they hold within it",
-            1.0 / over.rate,  # the mean gap between requests taken: the rate eases by then
+            f"{shape.slo_itl_s * 1000:.0f} ms, and {over.load} decodes run or are placed "
+            f"there, of the {over.room} they hold within it",
+            # The mean gap between requests taken: at a full batch, about how often one ends.
+            1.0 / over.rate,
         )
     return None
 

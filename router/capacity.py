@@ -28,8 +28,9 @@ of the workers that may decode gives a steady-state batch whose p99 gap passes t
 every request decoding then misses it. Admission (router/admission.py) refuses a request whose
 taking would set such a rate (`overload`) once the decodes there are as many as the workers
 hold within the SLO (`holds`): the rate taken then settles where the decodes hold the SLO, and
-those taken attain it rather than all missing together. Refused on the rate alone, a burst at a
-rate the decodes hold on average was refused too: over the window's 10 s it reads past it.
+those taken attain it rather than all missing together. Over the window's 10 s a burst at a
+rate the decodes hold on average reads past it, and the batch it leaves is still short of what
+they hold: it is taken.
 Where prompts cannot be prefilled beside decodes (a CPU host: one 80-token prompt costs a decode
 step several ITL SLOs), a pair of workers is the split, and this is what keeps it serving within
 the SLO at a rate past its decode worker's."""
@@ -60,16 +61,17 @@ ITERATIONS = 30
 @dataclass(frozen=True, slots=True)
 class DecodeOverload:
     """A rate of requests taken (one more counted) that the decodes cannot hold: at best, over
-    `workers` of those that may decode, their p99 gap in steady state is `p99_s`, and the batch
-    there is already as large as they hold within the SLO."""
+    `workers` of those that may decode, their p99 gap in steady state is `p99_s`; and those that
+    may decode already have as many decodes as they hold within the SLO."""
 
     rate: float
     workers: int
     p99_s: float
-    # The decodes running and to come on those workers (handoffs placed, local prefills queued),
-    # and the most they run within the SLO: refused only once the first reaches the second.
-    load: int = 0
-    room: int = 0
+    # The decodes running and to come on those that may decode (handoffs placed, local
+    # prefills queued), and the most they run within the SLO: refused only once the first
+    # reaches the second.
+    load: int
+    room: int
 
 
 class DecodeDemand:
@@ -208,11 +210,11 @@ class DecodeDemand:
         self, workers: Sequence[WorkerState], slo_itl_s: float, now: float | None = None
     ) -> DecodeOverload | None:
         """Whether taking one more request sets a rate the decodes cannot hold: with it counted,
-        the p99 gap in steady state passes `slo_itl_s` over every count of `workers`, and the
-        best count of them already has as many decodes (running and to come) as it holds within
-        the SLO; then what they would see at best. None while the rate is not known, and where
-        a lone request's p99 gap on each of them already passes the SLO (refusing cannot help
-        it)."""
+        the p99 gap in steady state passes `slo_itl_s` over every count of `workers`, and all
+        of them together already have as many decodes (running and to come) as they hold
+        within the SLO; then what they would see at best. None while the rate is not known,
+        and where a lone request's p99 gap on each of them already passes the SLO, or none of
+        them holds a decode within it (refusing cannot help it)."""
         rate = self.rate(now, extra=1)
         if rate <= 0 or not workers:
             return None
@@ -227,12 +229,11 @@ class DecodeDemand:
         assert best is not None
         # Only once the decodes are as many as the workers hold within the SLO: a burst at a
         # rate they hold on average reads as a rate past it over the window, and the batch it
-        # leaves is still short of that.
-        chosen = workers[: best[0]]
-        load = sum(w.batch + w.local_prefills for w in chosen)
+        # leaves is still short of that. All of them: the decodes may spread over every one.
+        load = sum(w.batch + w.local_prefills for w in workers)
         context = self.context(now)
-        room = sum(self.holds(w, slo_itl_s, context, _node_share(w, chosen)) for w in chosen)
-        if load < room:
+        room = sum(self.holds(w, slo_itl_s, context, _node_share(w, workers)) for w in workers)
+        if load < room or room == 0:
             return None
         return DecodeOverload(rate, *best, load=load, room=room)
 

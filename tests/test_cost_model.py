@@ -1589,10 +1589,13 @@ def test_a_rate_the_decodes_cannot_hold_marks_the_decision_for_refusal():
     """One dedicated decode worker whose step at batch 15 holds the ITL SLO (at 0.9). At 1
     req/s of 100-token requests its steady-state batch holds it: nothing to refuse. At 4 req/s
     its batch would grow to about 40, and so does every count of the workers that may decode
-    (one): the decision carries the overload (the rate with this request, the p99 gap at best),
-    and admission refuses it, naming the ITL SLO. Where the decodes may spread over two workers
-    that hold it between them, nothing is refused. Before eight requests came, the rate is not
-    known: nothing is refused. A request resumed elsewhere is not admitted again: no overload."""
+    (one): once the worker runs (or has placed) as many decodes as it holds within the SLO,
+    the decision carries the overload (the rate with this request, the p99 gap at best, those
+    counts), and admission refuses it, naming the ITL SLO; with a place left, it is taken.
+    Where the decodes may spread over two workers that hold it between them, nothing is
+    refused; at a rate neither holds, not while the second has room. Before eight requests
+    came, the rate is not known: nothing is refused. A request resumed elsewhere is not
+    admitted again: no overload."""
     p, d = trained("prefill-0", "prefill", seed=1), trained("decode-0", "decode", seed=2)
     slo = d.model.decode_step_s(15, 15 * 400) / 0.9
     req = shape(16, seed=8, slo_ttft=20.0, slo_itl=slo)
@@ -1608,6 +1611,12 @@ def test_a_rate_the_decodes_cannot_hold_marks_the_decision_for_refusal():
     step = d.model.decode_step_s  # its gaps are its steps (factor and tail 1), context 350
     assert step(room, room * 350) <= slo < step(room + 1, (room + 1) * 350)
     assert room >= 15
+    # Its requests' slow gaps twice their typical one: half as long a step holds the SLO.
+    d._tail = 2.0
+    tight = fast.demand.holds(d, slo, fast.demand.context())
+    assert 2 * step(tight, tight * 350) <= slo < 2 * step(tight + 1, (tight + 1) * 350)
+    assert tight < room
+    d._tail = 1.0
     assert fast.decide(req, [p], [d]).overload is None
     for i in range(room - 2):
         d.add_decode(f"r{i}", 400, slo, local=False)
@@ -1622,19 +1631,34 @@ def test_a_rate_the_decodes_cannot_hold_marks_the_decision_for_refusal():
     assert over.p99_s > 1.5 * slo
     refused = refusal(req, decision, RouterConfig(), RequestCounts(), 1.0)
     assert refused is not None and refused.reason is RejectReason.DECODE_RATE
-    assert f"past the ITL SLO {slo * 1000:.0f} ms, and they run {room} decodes" in str(refused)
+    assert f"past the ITL SLO {slo * 1000:.0f} ms, and {room} decodes run" in str(refused)
     assert refused.retry_after_s == pytest.approx(1 / over.rate)
     off = RouterConfig(decode_rate_admission=False)
     assert refusal(req, decision, off, RequestCounts(), 1.0) is None
 
     d2 = trained("decode-1", "decode", seed=3)
     assert fast.decide(req, [p], [d, d2]).overload is None
+    # A rate no count of the two holds (their batches grow without end): refused only once
+    # both are full; the first being so leaves room on the second.
+    flood = planner()
+    _arrivals(flood, rate=400.0, seconds=0.5)
+    assert flood.decide(req, [p], [d, d2]).overload is None
+    for i in range(flood.demand.holds(d2, slo, flood.demand.context())):
+        d2.add_decode(f"s{i}", 400, slo, local=False)
+    assert flood.decide(req, [p], [d, d2]).overload is not None
     assert planner().decide(req, [p], [d]).overload is None
     assert fast.decide(req, [p], [d], admitting=False).overload is None
     # An SLO a lone request's gaps already miss: refusing would not help it.
     lone = fast.demand.p99_gap(d, 0.0, 1.0, 300)
     hopeless = replace(req, slo_itl_s=lone / 2)
     assert fast.decide(hopeless, [p], [d]).overload is None
+    # One that a lone request's gaps hold on its prompt (300), but not at the context a request
+    # decodes with (350, halfway through its tokens): the worker holds no decode within it, and
+    # refusing would not help either.
+    assert step(1, 300) < step(1, 350)
+    narrow = replace(req, slo_itl_s=(step(1, 300) + step(1, 350)) / 2)
+    assert fast.demand.holds(d, narrow.slo_itl_s, fast.demand.context()) == 0
+    assert fast.decide(narrow, [p], [d]).overload is None
 
     # Two workers of both kinds: under auto one stays free to prefill, so the decodes have one
     # worker, which 4 req/s is past; the colocated policy decodes on both, which hold it.
