@@ -107,8 +107,8 @@ def test_requests_past_the_rate_the_decodes_hold_are_refused_with_no_work_done()
     state at that rate passes an ITL SLO that a lone request's gaps hold, and it runs as many
     decodes as it holds within it. A request with that SLO is refused (decode_rate, with a retry
     hint), no work done for it, nothing left counted; with --no-decode-rate-admission it is
-    served. One whose SLO even a lone request's gaps miss is
-    served: refusing it would not help it."""
+    served. One whose SLO even a lone request's gaps miss is served: refusing it would not help
+    it."""
 
     async def main(admission: bool):
         backend = FakeBackend()
