@@ -5,9 +5,10 @@ their SLO have come against their predictions lately (the margin), misses the re
 and waiting would help (the predicted queue time is what pushes it over). A request that misses
 its SLO on idle workers is served anyway. And, where RouterConfig.decode_rate_admission is on,
 when taking it sets a rate of requests at which the decodes' p99 gap passes its ITL SLO in
-steady state over every count of the workers that may decode (router/capacity.py): the rate
-taken then settles where the decodes hold the SLO (unless a lone request's gaps there already
-miss it: refusing would not help it)."""
+steady state over every count of the workers that may decode, and those workers already run
+(or have placed) as many decodes as they hold within it (router/capacity.py): the rate taken
+then settles where the decodes hold the SLO (unless they hold not even one decode within it:
+refusing would not help it)."""
 
 from __future__ import annotations
 

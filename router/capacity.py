@@ -136,12 +136,10 @@ class DecodeDemand:
         """The p99 gap on `w` in steady state with decodes arriving at `rate` (per second), each
         `output_len` tokens long at mean context `context`, its steps `share` times slower than
         alone; inf where its batch would outgrow max_num_seqs."""
-        slower = share / w.model.scale  # its predictions carry the share for what runs now
         limit = w.info.max_num_seqs
         batch = 1
         for _ in range(ITERATIONS):
-            step = w.model.decode_step_s(batch, round(batch * context)) * slower
-            gap = step * w.gap_factor()
+            gap = _gap(w, batch, context, share)
             n = rate * output_len * gap
             if n > limit:
                 return float("inf")
@@ -213,8 +211,8 @@ class DecodeDemand:
         the p99 gap in steady state passes `slo_itl_s` over every count of `workers`, and all
         of them together already have as many decodes (running and to come) as they hold
         within the SLO; then what they would see at best. None while the rate is not known,
-        and where a lone request's p99 gap on each of them already passes the SLO, or none of
-        them holds a decode within it (refusing cannot help it)."""
+        and where none of them holds even one decode within the SLO (a lone request's gaps
+        there already miss it: refusing cannot help it)."""
         rate = self.rate(now, extra=1)
         if rate <= 0 or not workers:
             return None
@@ -224,12 +222,11 @@ class DecodeDemand:
                 return None
             if best is None or p99 < best[1]:
                 best = (k, p99)
-        if all(self.p99_gap(w, 0.0, 1.0, self.prompt_len(now)) > slo_itl_s for w in workers):
-            return None
         assert best is not None
         # Only once the decodes are as many as the workers hold within the SLO: a burst at a
         # rate they hold on average reads as a rate past it over the window, and the batch it
         # leaves is still short of that. All of them: the decodes may spread over every one.
+        # Where they hold not one (a lone request's gaps already miss it), refusing cannot help.
         load = sum(w.batch + w.local_prefills for w in workers)
         context = self.context(now)
         room = sum(self.holds(w, slo_itl_s, context, _node_share(w, workers)) for w in workers)
@@ -240,11 +237,10 @@ class DecodeDemand:
     def holds(self, w: WorkerState, slo_itl_s: float, context: float, share: float = 1.0) -> int:
         """The most decodes `w` runs with its p99 gap within `slo_itl_s`, at mean context
         `context`, its steps `share` times slower than alone (0: not even one)."""
-        slower = share / w.model.scale
-        per_gap = w.gap_factor() * w.gap_tail()
+        tail = w.gap_tail()
 
         def p99(n: int) -> float:
-            return w.model.decode_step_s(n, round(n * context)) * slower * per_gap
+            return _gap(w, n, context, share) * tail
 
         lo, hi = 0, w.info.max_num_seqs  # p99(lo) holds (none: trivially); find the last one
         if p99(hi) <= slo_itl_s:
@@ -256,6 +252,13 @@ class DecodeDemand:
             else:
                 hi = mid
         return lo
+
+
+def _gap(w: WorkerState, batch: int, context: float, share: float) -> float:
+    """The gap a request sees on `w` decoding in a batch of `batch` at mean context `context`,
+    its steps `share` times slower than alone: the step-time model's step as a gap."""
+    slower = share / w.model.scale  # its predictions carry the share for what runs now
+    return w.model.decode_step_s(batch, round(batch * context)) * slower * w.gap_factor()
 
 
 def _node_share(w: WorkerState, decoding: Sequence[WorkerState]) -> float:
