@@ -281,11 +281,14 @@ def run(args: argparse.Namespace) -> int:
                 objective = session.objective(args, address, reqs, vocab, out)
             lone_gap_s = _warm_up(address, reqs, vocab, objective, args)
             label = policy if rounds == 1 else f"{policy} (round {rnd + 1}/{rounds})"
+            metrics = server.metrics_address if server else None
+            busy0 = session.busy_seconds(metrics)
             results, wall = session.run_trace(
                 address, reqs, args.rate, vocab, args, label, objective
             )
             fig = slo.figures(results, objective, wall)
             fig["lone_gap_s"] = lone_gap_s
+            fig["busy"] = session.busy_share(busy0, session.busy_seconds(metrics), wall)
             if rounds > 1:
                 out["rounds"][rnd][policy] = fig
             tag = {"policy": policy} if rounds == 1 else {"policy": policy, "round": rnd + 1}
@@ -434,6 +437,11 @@ def _report(out: dict, runs: dict, args: Any) -> None:
             f"{_ms(f.get('lone_gap_s')):>8}",
         ]
         print(" ".join(cells))
+    busy = {p: f["busy"] for p, f in pol.items() if f.get("busy")}
+    if busy:
+        print("busy (the share of the run each worker ran steps): " + "; ".join(
+            f"{p} " + ", ".join(f"{w} {v:.0%}" for w, v in sorted(b.items()))
+            for p, b in busy.items()))  # fmt: skip
     lone = {p: f.get("lone_gap_s") for p, f in pol.items()}
     scaled = {}
     if "slo" in out:

@@ -76,13 +76,14 @@ class Deployment:
             "--kv-cache-gib", str(self.kv_cache_gib),
             "--threshold-tokens", str(self.threshold_tokens),
             "--threshold-queue", str(self.threshold_queue),
-            "--metrics-port", "-1",
+            "--metrics-port", "0",
             *extra,
         ]  # fmt: skip
 
 
 _LISTENING = re.compile(r"pdserve listening on [^\s:]+:(\d+)")
 _ADMIN = re.compile(r"admin service \(operators only\) on [^\s:]+:(\d+)")
+_METRICS = re.compile(r"metrics on http://[^\s:]+:(\d+)/metrics")
 
 
 class ServerProcess:
@@ -92,7 +93,8 @@ class ServerProcess:
     def __init__(self, deployment: Deployment, policy: str, log: Path) -> None:
         self._log = open(log, "w")
         # Its own admin port too (worker pids for the overload run): not the default 50052,
-        # which another server on this machine may hold.
+        # which another server on this machine may hold; its metrics port, as its log names it
+        # (how busy each worker was during a run).
         cmd = [sys.executable, "-m", "router.cli", "serve", "--port", "0", "--admin-port", "0"]
         self.proc = subprocess.Popen(
             cmd + deployment.args(policy),
@@ -103,6 +105,7 @@ class ServerProcess:
         self.log_path = log
         self.port = 0
         self.admin_port = 0
+        self.metrics_port = 0
 
     @property
     def address(self) -> str:
@@ -122,7 +125,13 @@ class ServerProcess:
         if main is None or admin is None:
             return False
         self.port, self.admin_port = int(main.group(1)), int(admin.group(1))
+        metrics = _METRICS.search(text)  # logged before it listens
+        self.metrics_port = int(metrics.group(1)) if metrics else 0
         return True
+
+    @property
+    def metrics_address(self) -> str | None:
+        return f"127.0.0.1:{self.metrics_port}" if self.metrics_port else None
 
     def wait_ready(self, timeout_s: float = 600.0) -> pb.InfoResponse:
         deadline = time.monotonic() + timeout_s

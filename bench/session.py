@@ -1,5 +1,6 @@
 """What every bench run does against a server: send a trace with a progress bar, ask the
-server what it serves, and fix the SLOs (given, or measured on lone requests first)."""
+server what it serves, fix the SLOs (given, or measured on lone requests first), and read how
+busy each worker was over a run (from the server's metrics)."""
 
 from __future__ import annotations
 
@@ -98,3 +99,28 @@ def objective(args: Any, address: str, reqs, vocab: int, out: dict) -> slo.Slo:
     how = "; ".join(parts) or "both given"
     print(f"SLO: TTFT <= {ttft:.3f} s, {args.slo_itl_metric} <= {itl * 1000:.1f} ms ({how})")
     return slo.Slo(ttft, itl, args.slo_itl_metric)
+
+
+def busy_seconds(metrics_address: str | None) -> dict[str, float] | None:
+    """Each worker's seconds spent running steps so far, from the server's metrics (None: no
+    metrics endpoint, or it did not answer: the run is measured without)."""
+    if metrics_address is None:
+        return None
+    from router import status
+
+    try:
+        samples = status.scrape(metrics_address)
+    except (OSError, ValueError):
+        return None
+    busy = status.by_labels(samples, "pdserve_worker_busy_seconds_total", "worker")
+    return {w: v for (w,), v in busy.items()}
+
+
+def busy_share(
+    before: dict[str, float] | None, after: dict[str, float] | None, wall_s: float
+) -> dict[str, float] | None:
+    """The share of a run of `wall_s` seconds each worker spent running steps (workers seen
+    at both ends only)."""
+    if before is None or after is None or wall_s <= 0:
+        return None
+    return {w: min((after[w] - before[w]) / wall_s, 1.0) for w in after if w in before}

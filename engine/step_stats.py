@@ -52,16 +52,20 @@ def step_stat(so: SchedulerOutput, seconds: float) -> StepStat:
 
 
 class StepRecorder:
-    """The latest steps, handed out once each by `drain()`."""
+    """The latest steps, handed out once each by `drain()`, and the totals since the engine
+    started: steps run and the seconds they took (`busy_s`; over wall time, how busy the
+    engine was)."""
 
     def __init__(self) -> None:
         self._steps: deque[StepStat] = deque(maxlen=MAX_KEPT)
         self.total_steps = 0
+        self.busy_s = 0.0
 
     def record(self, so: SchedulerOutput, seconds: float) -> StepStat:
         stat = step_stat(so, seconds)
         self._steps.append(stat)
         self.total_steps += 1
+        self.busy_s += seconds
         return stat
 
     def drain(self) -> tuple[StepStat, ...]:

@@ -176,6 +176,14 @@ class Metrics:
             WORKER,
             registry=r,
         )
+        self.busy = Counter(
+            "pdserve_worker_busy_seconds",
+            "Seconds a worker's engine spent running steps; its rate is the fraction of the time "
+            "the worker was busy (one side of a fixed split idle while the other is full shows "
+            "here).",
+            WORKER,
+            registry=r,
+        )
         self.worker_failures = Counter(
             "pdserve_worker_failures",
             "Workers found dead; they leave their pool (and are replaced).",
@@ -355,6 +363,7 @@ class Metrics:
                 (self.prefix_queries, ld.prefix_queries, last.prefix_queries if last else 0),
                 (self.prefix_hits, ld.prefix_hits, last.prefix_hits if last else 0),
                 (self.preemptions, ld.preemptions, last.preemptions if last else 0),
+                (self.busy, ld.busy_s, last.busy_s if last else 0.0),
                 (
                     self.prompt_wait_steps,
                     ld.prompt_wait_steps,

@@ -1,6 +1,7 @@
 """`pdserve status`: a terminal summary of a running server, read from its metrics endpoint
-(the same figures Prometheus scrapes): pools and workers, KV usage, queues, request and token
-rates, latency quantiles by path, the router's choices, transfers and refusals.
+(the same figures Prometheus scrapes): pools and workers, KV usage, queues, how busy each worker
+was (the share of the interval it ran steps), request and token rates, latency quantiles by path,
+the router's choices, transfers and refusals.
 
 Rates come from two scrapes `--interval` seconds apart; quantiles are over everything since the
 server started, interpolated within histogram buckets as Prometheus' histogram_quantile does.
@@ -88,7 +89,7 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
     lines.append(
         f"{'worker':<12} {'role':<8} {'running':>7} {'waiting':>7} {'KV used':>8} "
         f"{'queued prefill tok':>18} {'prefix hits':>11} {'preempted':>9} "
-        f"{'prefills for peers':>18} {'local':>6} {'decoding':>8}"
+        f"{'prefills for peers':>18} {'local':>6} {'decoding':>8} {'busy':>5}"
     )
     running = by_labels(after, "pdserve_worker_requests_running", "worker", "role")
     waiting = by_labels(after, "pdserve_worker_requests_waiting", "worker", "role")
@@ -99,13 +100,20 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
     preempt = by_labels(after, "pdserve_worker_preemptions_total", "worker", "role")
     prefills = by_labels(after, "pdserve_worker_prefills_total", "worker", "role", "kind")
     decoding = by_labels(after, "pdserve_worker_decodes_running", "worker", "role")
+    busy = by_labels(after, "pdserve_worker_busy_seconds_total", "worker", "role")
+    busy0 = by_labels(before, "pdserve_worker_busy_seconds_total", "worker", "role")
     for key in sorted(running, key=lambda k: (k[1], k[0])):
         hit = hits.get(key, 0) / queries[key] if queries.get(key) else 0.0
+        # The share of the interval its engine ran steps (unknown for a worker new since the
+        # first scrape).
+        busy_cell = f"{'-':>5}"
+        if key in busy and key in busy0 and seconds > 0:
+            busy_cell = f"{min((busy[key] - busy0[key]) / seconds, 1.0):>5.0%}"
         lines.append(
             f"{key[0]:<12} {key[1]:<8} {running[key]:>7.0f} {waiting.get(key, 0):>7.0f} "
             f"{kv.get(key, 0):>8.1%} {queued.get(key, 0):>18.0f} {hit:>11.1%} "
             f"{preempt.get(key, 0):>9.0f} {prefills.get((*key, 'for_peer'), 0):>18.0f} "
-            f"{prefills.get((*key, 'local'), 0):>6.0f} {decoding.get(key, 0):>8.0f}"
+            f"{prefills.get((*key, 'local'), 0):>6.0f} {decoding.get(key, 0):>8.0f} {busy_cell}"
         )
     waits = by_labels(after, "pdserve_worker_prompt_wait_steps_total", "worker", "role")
     if any(waits.values()):

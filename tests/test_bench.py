@@ -178,6 +178,17 @@ def test_two_policies_end_to_end(tmp_path):
     for x in doc["requests"]:
         assert (x["predicted_ttft_s"] or 0) > 0 and (x["predicted_itl_p99_s"] or 0) > 0, x
     assert doc["baseline"]["itl_s"]["p99"] is not None
+    # How busy each worker was over its policy's run, read from that server's metrics: every
+    # worker of the deployment, the split's prefill and decode worker both at work.
+    workers = {
+        "colocated-nochunk": {"decode-0", "decode-1"},
+        "disaggregated": {"prefill-0", "decode-0"},
+        "flex": {"both-0", "both-1"},
+    }
+    for policy, fig in doc["policies"].items():
+        assert set(fig["busy"]) == workers[policy], fig["busy"]
+        assert all(0 <= v <= 1 for v in fig["busy"].values()) and sum(fig["busy"].values()) > 0
+    assert min(doc["policies"]["disaggregated"]["busy"].values()) > 0
     assert (tmp_path / "plots" / "itl_over_time.png").stat().st_size > 0
     assert (tmp_path / "plots" / "cdf.png").stat().st_size > 0
 
@@ -449,3 +460,16 @@ def test_bench_server_takes_the_ports_its_log_names(tmp_path):
         )
     assert server._ports_from_log()
     assert server.address == "127.0.0.1:41233" and server.admin_address == "127.0.0.1:41234"
+    assert server.metrics_address is None  # a server without metrics: runs measured without
+    log.write_text("x router.server metrics on http://127.0.0.1:41235/metrics\n" + log.read_text())
+    assert server._ports_from_log() and server.metrics_address == "127.0.0.1:41235"
+
+
+def test_a_runs_busy_share_is_each_workers_step_seconds_over_its_wall_time():
+    before = {"prefill-0": 10.0, "decode-0": 4.0}
+    after = {"prefill-0": 15.0, "decode-0": 24.5, "decode-1": 3.0}  # decode-1: new meanwhile
+    assert session.busy_share(before, after, 20.0) == {"prefill-0": 0.25, "decode-0": 1.0}
+    assert session.busy_share(None, after, 20.0) is None
+    assert session.busy_share(before, after, 0.0) is None
+    assert session.busy_seconds(None) is None
+    assert session.busy_seconds("127.0.0.1:1") is None  # nothing listens: measured without

@@ -235,3 +235,47 @@ def test_steps_with_prompts_waiting_count_per_worker_and_show_in_status():
     assert waits == {("both-0", "both"): 12.0}
     text = status.render(samples, samples, 1.0, "127.0.0.1:0")
     assert "steps run with prompts waiting for short decodes: both-0 12" in text
+
+
+def test_how_busy_each_worker_was_counts_its_step_seconds_and_shows_in_status():
+    """The worker reports the seconds its engine ran steps since it started; the counter grows
+    by what that grew, and `pdserve status` shows each worker's share of the interval between
+    its two scrapes."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from router import status
+    from router.metrics import Metrics
+    from worker_protocol.messages import WorkerLoad, WorkerRole
+
+    m = Metrics()
+
+    def scrape():
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): float(s.value)
+            for fam in text_string_to_metric_families(generate_latest(m.registry).decode())
+            for s in fam.samples
+        }
+
+    def loads(prefill_busy, decode_busy):
+        m.loads([
+            WorkerLoad("prefill-0", WorkerRole.PREFILL, 0, 0, 0, 0.1, 900, 1000, 0,
+                       busy_s=prefill_busy),
+            WorkerLoad("decode-0", WorkerRole.DECODE, 3, 0, 0, 0.1, 900, 1000, 0,
+                       busy_s=decode_busy),
+        ])  # fmt: skip
+
+    loads(2.0, 1.0)
+    before = scrape()
+    loads(2.5, 4.8)  # over 4 s: the prefill worker ran steps 0.5 s of them, the decode one 3.8
+    after = scrape()
+    busy = status.by_labels(after, "pdserve_worker_busy_seconds_total", "worker")
+    assert busy == {("prefill-0",): 2.5, ("decode-0",): 4.8}
+    rows = {
+        line.split()[0]: line.split()
+        for line in status.render(before, after, 4.0, "127.0.0.1:0").splitlines()
+    }
+    assert rows["worker"][-1] == "busy"
+    assert rows["prefill-0"][-1] == "12%" and rows["decode-0"][-1] == "95%"
+    # A worker absent from the first scrape has no share yet.
+    assert status.render({}, after, 4.0, "127.0.0.1:0").splitlines()[3].split()[-1] == "-"

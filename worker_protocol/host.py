@@ -227,6 +227,7 @@ def engine_load(engine: LLMEngine, worker_id: str, role: WorkerRole) -> WorkerLo
         held=len(sched.held),
         steps=engine.step_stats.drain(),
         preemptions=sched.num_preemptions,
+        busy_s=engine.step_stats.busy_s,
         prefix_queries=pool.stats.queries,
         prefix_hits=pool.stats.hits,
         chunk_floor_s=sched.sizer.floor_s if sched.sizer else None,

@@ -177,6 +177,16 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         [q("{{worker}} ({{role}})", "sum by (worker, role) (pdserve_worker_decodes_running)")],
     ),
     (
+        "Busy: the share of the time each worker ran steps",
+        "percentunit",
+        [
+            q(
+                "{{worker}} ({{role}})",
+                "sum by (worker, role) (rate(pdserve_worker_busy_seconds_total[$__rate_interval]))",
+            )
+        ],
+    ),
+    (
         "Steps run with prompts waiting for short decodes (--prefill-hold-ms), per worker",
         "short",
         [
