@@ -1,7 +1,8 @@
 """Decode-step time against the memory roofline, on random weights of a model's shape.
 
     python -m engine.decode_sweep [--shape llama-3.1-8b|smollm2-135m|tiny] [--batches 1,16,64,128]
-                                  [--context 1024] [--dtype bfloat16] [--device auto] [--json FILE]
+                                  [--context 1024] [--dtype bfloat16] [--device auto] [--chunk N]
+                                  [--json FILE]
 
 A decode step must read every weight once and each running request's KV once. For each batch
 size B it runs the engine's model runner (paged KV, the chosen attention backend, sampling) on
@@ -11,7 +12,14 @@ fraction of the roofline it reaches:
     roofline fraction = (weight bytes + KV bytes read) / step time / measured copy bandwidth
 
 where the copy bandwidth is the device's own, measured here (a large buffer copied on the
-device: bytes read plus bytes written, per second). The weights are random (a decode step's
+device: bytes read plus bytes written, per second).
+
+With --chunk N it also times each batch's step with a prompt's N-token chunk beside the decodes,
+as chunked prefill runs one, and reports how much slower that step is than the decodes alone:
+what every request decoding on a worker pays for each step that prefills there. Where decode
+steps are bound by memory (a GPU), a chunk adds little; where every token costs compute alike
+(a CPU), it adds about what the chunk costs alone, and prefilling beside decodes costs them
+their ITL. The weights are random (a decode step's
 time does not depend on their values), built on the device from a config written here: no
 download. The KV cache's contents are arbitrary for the same reason.
 """
@@ -79,24 +87,51 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def decode_step(batch: int, context: int, block_size: int) -> SchedulerOutput:
-    """B decodes, each at position `context - 1` of its own blocks (block tables disjoint)."""
+def decode_step(batch: int, context: int, block_size: int, chunk: int = 0) -> SchedulerOutput:
+    """B decodes, each at position `context - 1` of its own blocks (block tables disjoint); with
+    `chunk`, beside them a prompt's chunk of that many tokens at positions `context`.. of blocks
+    of its own (a prompt's middle, as chunked prefill runs it: its first `context` tokens
+    cached, no token sampled)."""
     per = -(-context // block_size)
     greedy = SamplingParams(max_tokens=1, temperature=0.0)
-    return SchedulerOutput(
-        scheduled=tuple(
-            ScheduledRequest(
-                request_id=f"r{i}",
-                token_ids=(1,),
-                start_pos=context - 1,
-                block_ids=tuple(range(i * per, (i + 1) * per)),
-                sample=True,
-                sampling=greedy,
-            )
-            for i in range(batch)
-        ),
-        num_batched_tokens=batch,
+    decodes = tuple(
+        ScheduledRequest(
+            request_id=f"r{i}",
+            token_ids=(1,),
+            start_pos=context - 1,
+            block_ids=tuple(range(i * per, (i + 1) * per)),
+            sample=True,
+            sampling=greedy,
+        )
+        for i in range(batch)
     )
+    prompt: tuple[ScheduledRequest, ...] = ()
+    if chunk:
+        first = batch * per
+        prompt = (
+            ScheduledRequest(
+                request_id="prompt",
+                token_ids=(1,) * chunk,
+                start_pos=context,
+                block_ids=tuple(range(first, first + -(-(context + chunk) // block_size))),
+                sample=False,
+                sampling=greedy,
+            ),
+        )
+    return SchedulerOutput(scheduled=decodes + prompt, num_batched_tokens=batch + chunk)
+
+
+def _median_step_s(runner: ModelRunner, so: SchedulerOutput, args: argparse.Namespace) -> float:
+    for _ in range(args.warmup):
+        runner.execute(so)
+    times = []
+    for _ in range(args.steps):
+        _sync(runner.device)
+        t0 = time.perf_counter()
+        runner.execute(so)
+        _sync(runner.device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
@@ -107,7 +142,9 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     if hf.config.tie_word_embeddings:  # one matrix, read by the embedding and the LM head
         weight_bytes -= hf.lm_head.weight.numel() * hf.lm_head.weight.element_size()
     block_size = 16
+    chunk = getattr(args, "chunk", 0)
     blocks = max(args.batches) * -(-args.context // block_size) + 8
+    blocks += -(-(args.context + chunk) // block_size) if chunk else 0
     config = EngineConfig(
         model=ModelConfig(
             model=args.shape, device=str(device), dtype=args.dtype,
@@ -115,7 +152,10 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
             enforce_eager=args.enforce_eager,
         ),
         cache=CacheConfig(block_size=block_size, num_blocks=blocks),
-        scheduler=SchedulerConfig(max_num_seqs=max(args.batches)),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=max(512, max(args.batches) + chunk),
+            max_num_seqs=max(args.batches) + (1 if chunk else 0),
+        ),
     )  # fmt: skip
     runner = ModelRunner(hf, config)
     del hf
@@ -126,27 +166,24 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     bandwidth = copy_bandwidth(device, nbytes=args.copy_bytes)
     rows = []
     for b in args.batches:
-        so = decode_step(b, args.context, block_size)
-        for _ in range(args.warmup):
-            runner.execute(so)
-        times = []
-        for _ in range(args.steps):
-            _sync(device)
-            t0 = time.perf_counter()
-            runner.execute(so)
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-        step_s = statistics.median(times)
+        step_s = _median_step_s(runner, decode_step(b, args.context, block_size), args)
         nbytes = weight_bytes + b * args.context * kv_per_token
-        rows.append(
-            {
-                "batch": b,
-                "step_ms": step_s * 1000,
-                "bytes_read": nbytes,
-                "roofline_fraction": nbytes / step_s / bandwidth,
-                "tokens_per_s": b / step_s,
-            }
-        )
+        row = {
+            "batch": b,
+            "step_ms": step_s * 1000,
+            "bytes_read": nbytes,
+            "roofline_fraction": nbytes / step_s / bandwidth,
+            "tokens_per_s": b / step_s,
+        }
+        if chunk:
+            # What the prompt's chunk adds to the decodes' step: the interference a request
+            # decoding there sees in each step that prefills beside it.
+            with_chunk_s = _median_step_s(
+                runner, decode_step(b, args.context, block_size, chunk), args
+            )
+            row["with_chunk_ms"] = with_chunk_s * 1000
+            row["chunk_slowdown"] = with_chunk_s / step_s
+        rows.append(row)
     return {
         "shape": args.shape,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -154,6 +191,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         "attention_backend": runner.attention.name,
         "decode_graphs": runner.graphs is not None,
         "context": args.context,
+        "chunk": chunk,
         "weight_bytes": weight_bytes,
         "kv_bytes_per_token": kv_per_token,
         "copy_bandwidth_bytes_per_s": bandwidth,
@@ -172,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--chunk",
+        type=int,
+        default=0,
+        help="also time each batch's step with a prompt's chunk of this many tokens beside the "
+        "decodes (at the same context): what prefilling beside decodes costs them",
+    )
     p.add_argument("--copy-bytes", type=int, default=1 << 30)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -183,12 +228,18 @@ def main(argv: list[str] | None = None) -> int:
         f"weights {res['weight_bytes'] / 1e9:.2f} GB, "
         f"copy bandwidth {res['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s"
     )
-    print(f"{'batch':>6} {'ms/step':>9} {'GB read':>8} {'roofline':>9} {'tok/s':>9}")
+    head = f"{'batch':>6} {'ms/step':>9} {'GB read':>8} {'roofline':>9} {'tok/s':>9}"
+    if args.chunk:
+        head += f" {f'+{args.chunk}-tok chunk ms':>20} {'slower':>7}"
+    print(head)
     for r in res["rows"]:
-        print(
+        line = (
             f"{r['batch']:>6} {r['step_ms']:>9.2f} {r['bytes_read'] / 1e9:>8.2f} "
             f"{r['roofline_fraction']:>9.2f} {r['tokens_per_s']:>9.0f}"
         )
+        if args.chunk:
+            line += f" {r['with_chunk_ms']:>20.2f} {r['chunk_slowdown']:>6.2f}x"
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -5,7 +5,9 @@
 #   2. bench-engine in bfloat16 on the SmolLM2-135M shape, with decode graphs and without;
 #   3. the decode-step sweep on random weights of a Llama-3.1-8B-shaped model (its config written
 #      by engine/decode_sweep.py, no download) at batch 1/16/64/128: ms per step and the fraction
-#      of the HBM roofline (weight + KV bytes read / step time / the measured copy bandwidth);
+#      of the HBM roofline (weight + KV bytes read / step time / the measured copy bandwidth),
+#      and each batch's step with a 256-token prompt chunk beside it (how much slower the decodes
+#      run while a worker prefills beside them: on a 2-core CPU a 16-token chunk costs 1.5x);
 #   4. pdserve bench on the GPU: mixed, 120 requests at 8 req/s, colocated, disaggregated and flex,
 #      two workers sharing the GPU (--gpus-per-worker 0.5); the step fails if any handoff's KV
 #      fell back. Two processes take turns on one GPU, so a request's gap p99 runs several times a
@@ -97,7 +99,7 @@ check "${PIPESTATUS[0]}"
 if [ "${GPU_SWEEP:-1}" != 0 ]; then
     stamp "decode-step sweep, Llama-3.1-8B shape, bfloat16"
     timeout 180 $PY -m engine.decode_sweep --shape llama-3.1-8b --batches 1,16,64,128 \
-        --context 1024 --dtype bfloat16 --json "$out/decode-sweep-8b.json" 2>&1 \
+        --context 1024 --dtype bfloat16 --chunk 256 --json "$out/decode-sweep-8b.json" 2>&1 \
         | tail -8 | tee "$out/decode-sweep-8b.txt"
     check "${PIPESTATUS[0]}"
 fi

@@ -27,3 +27,25 @@ def test_the_sweep_reports_every_batch_on_cpu():
     for r in res["rows"]:
         assert r["step_ms"] > 0 and 0 < r["roofline_fraction"]
         assert r["bytes_read"] == res["weight_bytes"] + r["batch"] * 24 * kv
+
+
+def test_a_chunk_beside_the_decodes_has_blocks_of_its_own_and_samples_nothing():
+    so = decode_step(batch=2, context=10, block_size=4, chunk=5)
+    *decodes, prompt = so.scheduled
+    assert len(decodes) == 2 and so.num_batched_tokens == 7
+    assert prompt.token_ids == (1,) * 5 and prompt.start_pos == 10 and not prompt.sample
+    assert len(prompt.block_ids) == 4  # positions 0..14 at 4 a block
+    assert not set(prompt.block_ids) & {b for d in decodes for b in d.block_ids}
+
+
+def test_the_sweep_times_a_chunk_beside_each_batch():
+    args = Namespace(
+        shape="tiny", batches=[1, 4], context=24, dtype="float32", device="cpu",
+        attention_backend="auto", enforce_eager=False, steps=2, warmup=1, copy_bytes=1 << 20,
+        chunk=32,
+    )  # fmt: skip
+    res = sweep(args)
+    assert res["chunk"] == 32
+    for r in res["rows"]:
+        assert r["with_chunk_ms"] > 0
+        assert r["chunk_slowdown"] == r["with_chunk_ms"] / r["step_ms"]
