@@ -31,6 +31,7 @@ from pdserve_client import ClientAuth
 from pdserve_client import add_arguments as add_auth_arguments
 
 FIXED = ("colocated-nochunk", "colocated", "disaggregated", "threshold")
+SERVER = "server"  # the label of a run against --address without --policy
 
 
 def _lengths(text: str) -> tuple[int, int]:
@@ -72,7 +73,11 @@ def _rates(text: str) -> list[float]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default=None, help="measure a running server (one policy)")
+    p.add_argument(
+        "--address",
+        default=None,
+        help="measure a running server as it is (labelled by the first --policy, else 'server')",
+    )
     add_auth_arguments(p)  # for a running server that asks for TLS or a token
     p.add_argument(
         "--trace", default="mixed", help=f"{trace.BUILTIN}, a .jsonl/.json file, or synthetic"
@@ -244,7 +249,9 @@ def run(args: argparse.Namespace) -> int:
         print("error: --sweep-rates: the rates a sweep probes, so it needs --sweep-rate")
         return 2
     if args.address:
-        policies = policies[:1]
+        # The running server, as it is: named after --policy where one is given (a label only:
+        # nothing here sets its policy), else "server", which counts as no fixed policy.
+        policies = policies[:1] if args.policy else [SERVER]
     deployment = Deployment(args.model, args.prefill, args.decode, args.threads, args.kv_cache_gib,
                             args.threshold_tokens, args.threshold_queue,
                             args.step_target_ms,

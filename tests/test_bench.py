@@ -473,3 +473,21 @@ def test_a_runs_busy_share_is_each_workers_step_seconds_over_its_wall_time():
     assert session.busy_share(before, after, 0.0) is None
     assert session.busy_seconds(None) is None
     assert session.busy_seconds("127.0.0.1:1") is None  # nothing listens: measured without
+
+
+def test_a_running_server_without_a_policy_is_labelled_as_itself(monkeypatch, tmp_path, capsys):
+    """Against --address the bench sets no policy: without --policy the run is "server", not
+    the first policy of the list, and no ratio to a fixed policy is claimed for it."""
+
+    def fake_run(address, reqs, rate, vocab, args, label, objective=None, seed=None):
+        return [_result(0.1, [0.01] * 4) for _ in reqs], 10.0
+
+    parser = _on_a_fake_server(monkeypatch, fake_run)
+    out = tmp_path / "out.json"
+    assert cli.run(parser.parse_args(["--address", "x", "--num-requests", "3",
+                                      "--json", str(out)])) == 0  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert list(doc["policies"]) == ["server"]
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("server "))
+    assert row.split()[-2] == "-"  # vs best fixed: none ran (not "1.00x" against itself)
+    assert {x["policy"] for x in doc["requests"]} == {"server"}
