@@ -11,7 +11,7 @@ from typing import Any
 from tqdm import tqdm
 
 from bench import loadgen, slo, trace
-from pdserve_client import ClientAuth
+from pdserve_client import ClientAuth, metrics
 
 
 def run_trace(
@@ -106,14 +106,11 @@ def busy_seconds(metrics_address: str | None) -> dict[str, float] | None:
     metrics endpoint, or it did not answer: the run is measured without)."""
     if metrics_address is None:
         return None
-    from router import status
-
     try:
-        samples = status.scrape(metrics_address)
+        samples = metrics.scrape(metrics_address)
     except (OSError, ValueError):
         return None
-    busy = status.by_labels(samples, "pdserve_worker_busy_seconds_total", "worker")
-    return {w: v for (w,), v in busy.items()}
+    return {w: v for (w,), v in metrics.by_labels(samples, metrics.BUSY_SECONDS, "worker").items()}
 
 
 def busy_share(

@@ -178,9 +178,10 @@ class Metrics:
         )
         self.busy = Counter(
             "pdserve_worker_busy_seconds",
-            "Seconds a worker's engine spent running steps; its rate is the fraction of the time "
-            "the worker was busy (one side of a fixed split idle while the other is full shows "
-            "here).",
+            "Seconds a worker's engine spent executing steps (the model runner's part, as the host "
+            "times it; scheduling and output handling left out). Its rate is the share of the "
+            "time the worker was busy, at least: one side of a fixed split idle while the other "
+            "is full shows here.",
             WORKER,
             registry=r,
         )

@@ -14,39 +14,15 @@ import math
 import sys
 import time
 import urllib.error
-import urllib.request
 from collections import defaultdict
 from collections.abc import Iterable
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+from pdserve_client.metrics import BUSY_SECONDS, Samples, by_labels, scrape
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default="127.0.0.1:9400", help="the server's metrics host:port")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between two scrapes")
-
-
-def scrape(address: str, timeout: float = 5.0) -> Samples:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    url = address if address.startswith("http") else f"http://{address}/metrics"
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        text = resp.read().decode()
-    out: Samples = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
-    return out
-
-
-def by_labels(samples: Samples, name: str, *keys: str) -> dict[tuple[str, ...], float]:
-    """Sum of `name`'s samples grouped by the label values of `keys`."""
-    acc: dict[tuple[str, ...], float] = defaultdict(float)
-    for (n, labels), v in samples.items():
-        if n == name:
-            d = dict(labels)
-            acc[tuple(d.get(k, "") for k in keys)] += v
-    return dict(acc)
 
 
 def quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:
@@ -100,14 +76,14 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
     preempt = by_labels(after, "pdserve_worker_preemptions_total", "worker", "role")
     prefills = by_labels(after, "pdserve_worker_prefills_total", "worker", "role", "kind")
     decoding = by_labels(after, "pdserve_worker_decodes_running", "worker", "role")
-    busy = by_labels(after, "pdserve_worker_busy_seconds_total", "worker", "role")
-    busy0 = by_labels(before, "pdserve_worker_busy_seconds_total", "worker", "role")
+    busy = by_labels(after, BUSY_SECONDS, "worker", "role")
+    busy0 = by_labels(before, BUSY_SECONDS, "worker", "role")
     for key in sorted(running, key=lambda k: (k[1], k[0])):
         hit = hits.get(key, 0) / queries[key] if queries.get(key) else 0.0
         # The share of the interval its engine ran steps (unknown for a worker new since the
-        # first scrape).
+        # first scrape, or where the router started afresh between them).
         busy_cell = f"{'-':>5}"
-        if key in busy and key in busy0 and seconds > 0:
+        if key in busy and key in busy0 and busy[key] >= busy0[key] and seconds > 0:
             busy_cell = f"{min((busy[key] - busy0[key]) / seconds, 1.0):>5.0%}"
         lines.append(
             f"{key[0]:<12} {key[1]:<8} {running[key]:>7.0f} {waiting.get(key, 0):>7.0f} "

@@ -7,7 +7,8 @@
 #      by engine/decode_sweep.py, no download) at batch 1/16/64/128: ms per step and the fraction
 #      of the HBM roofline (weight + KV bytes read / step time / the measured copy bandwidth),
 #      and each batch's step with a 256-token prompt chunk beside it (how much slower the decodes
-#      run while a worker prefills beside them: on a 2-core CPU a 16-token chunk costs 1.5x);
+#      run while a worker prefills beside them; on a 2-core CPU host a 16-token chunk made the
+#      step 1.4-2.5x slower);
 #   4. pdserve bench on the GPU: mixed, 120 requests at 8 req/s, colocated, disaggregated and flex,
 #      two workers sharing the GPU (--gpus-per-worker 0.5); the step fails if any handoff's KV
 #      fell back. Two processes take turns on one GPU, so a request's gap p99 runs several times a

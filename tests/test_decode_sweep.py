@@ -3,6 +3,9 @@ to end on CPU with a tiny shape: its byte count and its fractions are consistent
 
 from argparse import Namespace
 
+import pytest
+
+from engine import decode_sweep
 from engine.decode_sweep import SHAPES, decode_step, sweep
 
 
@@ -18,8 +21,10 @@ def test_the_sweep_reports_every_batch_on_cpu():
     args = Namespace(
         shape="tiny", batches=[1, 4], context=24, dtype="float32", device="cpu",
         attention_backend="auto", enforce_eager=False, steps=2, warmup=1, copy_bytes=1 << 20,
+        chunk=0,
     )  # fmt: skip
     res = sweep(args)
+    assert all("with_chunk_ms" not in r for r in res["rows"])
     shape = SHAPES["tiny"]
     kv = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * 16 * 4  # head_dim 16
     assert res["kv_bytes_per_token"] == kv
@@ -38,14 +43,31 @@ def test_a_chunk_beside_the_decodes_has_blocks_of_its_own_and_samples_nothing():
     assert not set(prompt.block_ids) & {b for d in decodes for b in d.block_ids}
 
 
-def test_the_sweep_times_a_chunk_beside_each_batch():
+def test_the_sweep_times_a_chunk_beside_each_batch(monkeypatch):
+    built = []
+
+    def spy(batch, context, block_size, chunk=0):
+        built.append((batch, chunk))
+        return decode_step(batch, context, block_size, chunk)
+
+    monkeypatch.setattr(decode_sweep, "decode_step", spy)
     args = Namespace(
         shape="tiny", batches=[1, 4], context=24, dtype="float32", device="cpu",
         attention_backend="auto", enforce_eager=False, steps=2, warmup=1, copy_bytes=1 << 20,
         chunk=32,
     )  # fmt: skip
     res = sweep(args)
+    # Each batch alone, then beside the chunk (the largest batch's step one row more than the
+    # decodes alone: the runner's buffers grow for it).
+    assert built == [(1, 0), (1, 32), (4, 0), (4, 32)]
     assert res["chunk"] == 32
     for r in res["rows"]:
         assert r["with_chunk_ms"] > 0
-        assert r["chunk_slowdown"] == r["with_chunk_ms"] / r["step_ms"]
+        assert r["chunk_slowdown"] == pytest.approx(r["with_chunk_ms"] / r["step_ms"])
+
+
+@pytest.mark.parametrize("bad", ["-1", "1", "x"])
+def test_a_chunk_of_one_token_or_fewer_is_refused_naming_the_flag(bad, capsys):
+    with pytest.raises(SystemExit):
+        decode_sweep.main(["--chunk", bad])
+    assert "--chunk" in capsys.readouterr().err

@@ -199,8 +199,10 @@ def test_every_metric_the_dashboard_alerts_and_status_use_exists():
         (DEPLOY / "grafana" / "pdserve.json").read_text(),
         (DEPLOY / "prometheus" / "alerts.yml").read_text(),
         (ROOT / "router" / "status.py").read_text(),
+        (ROOT / "pdserve_client" / "metrics.py").read_text(),
     ]
     used = {m for t in texts for m in re.findall(r"pdserve_[a-z_]+", t)}
+    used -= {"pdserve_client", "pdserve_proto"}  # the packages' own names, imported there
     suffixes = ("_bucket", "_count", "_sum", "_total")
     missing = {
         m for m in used if m not in known and not any(m.removesuffix(x) in known for x in suffixes)
@@ -211,9 +213,6 @@ def test_every_metric_the_dashboard_alerts_and_status_use_exists():
 def test_steps_with_prompts_waiting_count_per_worker_and_show_in_status():
     """The worker reports its total since start; the counter grows by what it grew, and
     `pdserve status` names the workers where prompts waited for decodes."""
-    from prometheus_client import generate_latest
-    from prometheus_client.parser import text_string_to_metric_families
-
     from router import status
     from router.metrics import Metrics
     from worker_protocol.messages import WorkerLoad, WorkerRole
@@ -226,11 +225,7 @@ def test_steps_with_prompts_waiting_count_per_worker_and_show_in_status():
 
     m.loads([load(5)])
     m.loads([load(12)])
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): float(s.value)
-        for fam in text_string_to_metric_families(generate_latest(m.registry).decode())
-        for s in fam.samples
-    }
+    samples = _samples(m)
     waits = status.by_labels(samples, "pdserve_worker_prompt_wait_steps_total", "worker", "role")
     assert waits == {("both-0", "both"): 12.0}
     text = status.render(samples, samples, 1.0, "127.0.0.1:0")
@@ -241,21 +236,11 @@ def test_how_busy_each_worker_was_counts_its_step_seconds_and_shows_in_status():
     """The worker reports the seconds its engine ran steps since it started; the counter grows
     by what that grew, and `pdserve status` shows each worker's share of the interval between
     its two scrapes."""
-    from prometheus_client import generate_latest
-    from prometheus_client.parser import text_string_to_metric_families
-
     from router import status
     from router.metrics import Metrics
     from worker_protocol.messages import WorkerLoad, WorkerRole
 
     m = Metrics()
-
-    def scrape():
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): float(s.value)
-            for fam in text_string_to_metric_families(generate_latest(m.registry).decode())
-            for s in fam.samples
-        }
 
     def loads(prefill_busy, decode_busy):
         m.loads([
@@ -266,16 +251,32 @@ def test_how_busy_each_worker_was_counts_its_step_seconds_and_shows_in_status():
         ])  # fmt: skip
 
     loads(2.0, 1.0)
-    before = scrape()
-    loads(2.5, 4.8)  # over 4 s: the prefill worker ran steps 0.5 s of them, the decode one 3.8
-    after = scrape()
+    before = _samples(m)
+    loads(2.6, 4.8)  # over 4 s: the prefill worker ran steps 0.6 s of them, the decode one 3.8
+    after = _samples(m)
     busy = status.by_labels(after, "pdserve_worker_busy_seconds_total", "worker")
-    assert busy == {("prefill-0",): 2.5, ("decode-0",): 4.8}
+    assert busy == {("prefill-0",): 2.6, ("decode-0",): 4.8}
     rows = {
         line.split()[0]: line.split()
         for line in status.render(before, after, 4.0, "127.0.0.1:0").splitlines()
     }
     assert rows["worker"][-1] == "busy"
-    assert rows["prefill-0"][-1] == "12%" and rows["decode-0"][-1] == "95%"
-    # A worker absent from the first scrape has no share yet.
+    assert rows["prefill-0"][-1] == "15%" and rows["decode-0"][-1] == "95%"
+    # A worker absent from the first scrape has no share yet; nor has one whose count went down
+    # between the two (the router started afresh).
     assert status.render({}, after, 4.0, "127.0.0.1:0").splitlines()[3].split()[-1] == "-"
+    assert status.render(after, before, 4.0, "127.0.0.1:0").splitlines()[3].split()[-1] == "-"
+    # A worker started afresh reports a smaller total: the counter grows by all of it.
+    m.loads([WorkerLoad("decode-0", WorkerRole.DECODE, 0, 0, 0, 0.0, 1000, 1000, 0, busy_s=0.7)])
+    assert status.by_labels(_samples(m), "pdserve_worker_busy_seconds_total", "worker")[
+        ("decode-0",)
+    ] == pytest.approx(5.5)
+
+
+def _samples(m):
+    """What a scrape of `m`'s registry reads."""
+    from prometheus_client import generate_latest
+
+    from pdserve_client.metrics import parse
+
+    return parse(generate_latest(m.registry).decode())

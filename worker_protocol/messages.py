@@ -171,7 +171,8 @@ class WorkerLoad:
     open_transfers: int = 0  # KV transfers the worker's connector still tracks
     steps: tuple[StepStat, ...] = ()  # steps executed since the previous load() (at most 256)
     preemptions: int = 0  # since the worker started
-    busy_s: float = 0.0  # seconds its engine spent running steps, since the worker started
+    # Seconds its engine's model runner spent on steps since the worker started (StepRecorder)
+    busy_s: float = 0.0
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_hits: int = 0  # of those, found cached
     incarnation: int = 0  # of the worker that reported it (see WorkerInfo)
