@@ -195,6 +195,11 @@ class ModelRunner:
             )  # fmt: skip
         samplers = batch.samplers
         if not samplers:
+            # Nothing is read back, so nothing waits for the device: without this a step that
+            # only prefills would return once its kernels are launched, and its time (the
+            # engine's StepStat: the router's step-time model, the busy seconds) would be the
+            # launches', its device time landing on the next step that samples.
+            settle(self.device)
             return ModelRunnerOutput((), ())
         tokens, lps = sample(
             logits, [s.sampling for s in samplers], [self._generator(s) for s in samplers]
@@ -204,6 +209,13 @@ class ModelRunner:
             token_ids=tuple(tokens),
             logprobs=tuple(lps),
         )
+
+
+def settle(device: torch.device) -> None:
+    """Wait for the work queued on `device`'s current stream (CUDA; elsewhere it is done when
+    it returns). The current stream only: KV sends on streams of their own go on."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _shape(batch: StepBatch) -> StepShape:

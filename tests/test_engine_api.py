@@ -283,6 +283,33 @@ def test_a_workers_load_says_how_far_each_prompt_has_come():
     assert engine_load(engine, "p", WorkerRole.PREFILL).prefills_left == ()
 
 
+def test_a_step_that_only_prefills_waits_for_its_device_and_every_steps_seconds_count_busy(
+    monkeypatch,
+):
+    """A chunk that samples nothing reads nothing back, so on CUDA nothing would wait for its
+    kernels: the runner settles the device then (and only then), so that the step's seconds
+    are the device's. The seconds of every step add up to the worker's busy seconds."""
+    from engine import model_runner
+    from worker_protocol.host import engine_load
+    from worker_protocol.messages import WorkerRole
+
+    settled = []
+    monkeypatch.setattr(model_runner, "settle", settled.append)
+    engine = make_engine("tiny-llama", budget=16, caching=False)
+    (prompt,) = random_prompts([40], seed=5)
+    engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=0.0))
+    engine.step()  # 16 of 40: nothing sampled
+    assert settled == [engine.runner.device]
+    drain(engine)
+    assert len(settled) == 2  # 16 more; the last 8 sample the first token, then two decodes
+    steps = engine.step_stats.drain()
+    assert len(steps) == 5 and engine.step_stats.total_steps == 5
+    busy = engine_load(engine, "p", WorkerRole.PREFILL).busy_s
+    assert busy == engine.step_stats.busy_s == pytest.approx(sum(s.seconds for s in steps))
+    assert busy > 0
+    assert_pool_free(engine)
+
+
 def test_a_workers_load_reports_its_smallest_chunks_step_and_the_hold_used(monkeypatch):
     """What the router prices holds and chunks by (WorkerLoad.chunk_floor_s, hold_left_s)
     comes from the engine's scheduler as it stands."""

@@ -124,3 +124,29 @@ def test_capture_outlives_garbage_holding_a_graph(monkeypatch):
     assert sum(graphs.replays.values()) > 0
     assert_pool_free(graphed)
     assert_pool_free(eager)
+
+
+def test_a_step_that_only_prefills_returns_with_its_kernels_done(monkeypatch):
+    """A chunk that samples nothing returns only once the device has run it, so that its time
+    is the device's (StepStat, the router's step-time model): two layers of a Llama-3.1-8B-
+    shaped model on a 1024-token chunk keep the device busy well past their launches."""
+    from engine import decode_sweep
+    from engine.model_runner import ModelRunner
+
+    wide = dict(decode_sweep.SHAPES["llama-3.1-8b"], num_hidden_layers=2)
+    monkeypatch.setitem(decode_sweep.SHAPES, "wide-2", wide)
+    device = torch.device("cuda")
+    hf = decode_sweep.random_model("wide-2", device, torch.bfloat16)
+    config = EngineConfig(
+        model=ModelConfig(model="wide-2", device="cuda", dtype="bfloat16"),
+        cache=CacheConfig(block_size=16, num_blocks=80),
+        scheduler=SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=1),
+    )
+    runner = ModelRunner(hf, config)
+    del hf
+    so = decode_sweep.decode_step(0, 0, 16, chunk=1024)  # a prompt's first 1024 tokens
+    runner.execute(so)  # first call: allocations
+    torch.cuda.synchronize()
+    out = runner.execute(so)
+    assert out.request_ids == ()  # nothing sampled
+    assert torch.cuda.current_stream().query()  # and nothing left running
