@@ -78,6 +78,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="measure a running server as it is (labelled by the first --policy, else 'server')",
     )
+    p.add_argument(
+        "--metrics-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --address: that server's metrics endpoint, to report how busy each worker "
+        "was over the run (the servers the bench starts are read without it)",
+    )
     add_auth_arguments(p)  # for a running server that asks for TLS or a token
     p.add_argument(
         "--trace", default="mixed", help=f"{trace.BUILTIN}, a .jsonl/.json file, or synthetic"
@@ -245,6 +252,10 @@ def run(args: argparse.Namespace) -> int:
         print("error: --prefill-hold-ms: prompts wait where a chunk cannot keep to the step "
               "target, so it needs --step-target-ms")  # fmt: skip
         return 2
+    if args.metrics_address and not args.address:
+        print("error: --metrics-address: the metrics of a running server (--address); the "
+              "servers the bench starts are read without it")  # fmt: skip
+        return 2
     if args.sweep_rates and not args.sweep_rate:
         print("error: --sweep-rates: the rates a sweep probes, so it needs --sweep-rate")
         return 2
@@ -288,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
                 objective = session.objective(args, address, reqs, vocab, out)
             lone_gap_s = _warm_up(address, reqs, vocab, objective, args)
             label = policy if rounds == 1 else f"{policy} (round {rnd + 1}/{rounds})"
-            metrics = server.metrics_address if server else None
+            metrics = server.metrics_address if server else args.metrics_address
             busy0 = session.busy_seconds(metrics)
             results, wall = session.run_trace(
                 address, reqs, args.rate, vocab, args, label, objective

@@ -194,6 +194,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         "decode_graphs": runner.graphs is not None,
         "context": args.context,
         "chunk": chunk,
+        "threads": torch.get_num_threads(),
         "weight_bytes": weight_bytes,
         "kv_bytes_per_token": kv_per_token,
         "copy_bandwidth_bytes_per_s": bandwidth,

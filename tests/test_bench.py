@@ -491,3 +491,26 @@ def test_a_running_server_without_a_policy_is_labelled_as_itself(monkeypatch, tm
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("server "))
     assert row.split()[-2] == "-"  # vs best fixed: none ran (not "1.00x" against itself)
     assert {x["policy"] for x in doc["requests"]} == {"server"}
+
+
+def test_a_running_servers_metrics_address_gives_its_workers_busy_shares(monkeypatch, tmp_path):
+    def fake_run(address, reqs, rate, vocab, args, label, objective=None, seed=None):
+        return [_result(0.1, [0.01] * 4) for _ in reqs], 10.0
+
+    parser = _on_a_fake_server(monkeypatch, fake_run)
+    reads = iter([{"prefill-0": 1.0, "decode-0": 2.0}, {"prefill-0": 4.0, "decode-0": 11.5}])
+    asked = []
+
+    def busy_seconds(address):
+        asked.append(address)
+        return next(reads)
+
+    monkeypatch.setattr(session, "busy_seconds", busy_seconds)
+    out = tmp_path / "out.json"
+    args = ["--address", "x", "--metrics-address", "127.0.0.1:9400", "--num-requests", "3"]
+    assert cli.run(parser.parse_args([*args, "--json", str(out)])) == 0
+    assert asked == ["127.0.0.1:9400"] * 2  # just before the run and just after (10 s)
+    busy = json.loads(out.read_text())["policies"]["server"]["busy"]
+    assert busy == pytest.approx({"prefill-0": 0.3, "decode-0": 0.95})
+    # Without --address there is no running server to read.
+    assert cli.run(parser.parse_args(["--metrics-address", "127.0.0.1:9400"])) == 2
