@@ -457,9 +457,11 @@ def _report(out: dict, runs: dict, args: Any) -> None:
         print(" ".join(cells))
     busy = {p: f["busy"] for p, f in pol.items() if f.get("busy")}
     if busy:
-        print("busy (the share of the run each worker ran steps): " + "; ".join(
+        each = "; ".join(
             f"{p} " + ", ".join(f"{w} {v:.0%}" for w, v in sorted(b.items()))
-            for p, b in busy.items()))  # fmt: skip
+            for p, b in busy.items()
+        )
+        print(f"busy (the share of the run each worker's engine spent executing steps): {each}")
     lone = {p: f.get("lone_gap_s") for p, f in pol.items()}
     scaled = {}
     if "slo" in out:

@@ -12,16 +12,16 @@ fraction of the roofline it reaches:
     roofline fraction = (weight bytes + KV bytes read) / step time / measured copy bandwidth
 
 where the copy bandwidth is the device's own, measured here (a large buffer copied on the
-device: bytes read plus bytes written, per second).
+device: bytes read plus bytes written, per second). The weights are random (a decode step's
+time does not depend on their values), built on the device from a config written here: no
+download. The KV cache's contents are arbitrary for the same reason.
 
 With --chunk N it also times each batch's step with a prompt's N-token chunk beside the decodes,
 as chunked prefill runs one, and reports how much slower that step is than the decodes alone:
 what every request decoding on a worker pays for each step that prefills there. On a 2-core CPU
 host (one thread, the SmolLM2-135M shape, float32, context 256) a 16-token chunk, the smallest
 the scheduler cuts, made the step 2.50x slower at batch 1 and 1.36x at batch 16
-(benchmarks/decode-sweep-cpu-smollm2-chunk16.json). The weights are random (a decode step's
-time does not depend on their values), built on the device from a config written here: no
-download. The KV cache's contents are arbitrary for the same reason.
+(benchmarks/decode-sweep-cpu-smollm2-chunk16.json).
 """
 
 from __future__ import annotations
