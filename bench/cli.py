@@ -240,6 +240,11 @@ def _report_sweeps(out: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.metrics_address and (not args.address or args.overload is not None):
+        print("error: --metrics-address: the metrics of a running server measured with its "
+              "trace (--address, without --overload); the servers the bench starts are read "
+              "without it")  # fmt: skip
+        return 2
     if args.overload is not None:
         return overload.run(args)
     reqs = _trace(args)
@@ -251,10 +256,6 @@ def run(args: argparse.Namespace) -> int:
     if args.prefill_hold_ms is not None and args.step_target_ms is None:
         print("error: --prefill-hold-ms: prompts wait where a chunk cannot keep to the step "
               "target, so it needs --step-target-ms")  # fmt: skip
-        return 2
-    if args.metrics_address and not args.address:
-        print("error: --metrics-address: the metrics of a running server (--address); the "
-              "servers the bench starts are read without it")  # fmt: skip
         return 2
     if args.sweep_rates and not args.sweep_rate:
         print("error: --sweep-rates: the rates a sweep probes, so it needs --sweep-rate")
@@ -307,6 +308,9 @@ def run(args: argparse.Namespace) -> int:
             fig = slo.figures(results, objective, wall)
             fig["lone_gap_s"] = lone_gap_s
             fig["busy"] = session.busy_share(busy0, session.busy_seconds(metrics), wall)
+            if args.metrics_address and not fig["busy"]:
+                print(f"warning: --metrics-address {args.metrics_address}: no worker's busy "
+                      f"seconds read there (not the server's metrics endpoint?)")  # fmt: skip
             if rounds > 1:
                 out["rounds"][rnd][policy] = fig
             tag = {"policy": policy} if rounds == 1 else {"policy": policy, "round": rnd + 1}

@@ -493,7 +493,9 @@ def test_a_running_server_without_a_policy_is_labelled_as_itself(monkeypatch, tm
     assert {x["policy"] for x in doc["requests"]} == {"server"}
 
 
-def test_a_running_servers_metrics_address_gives_its_workers_busy_shares(monkeypatch, tmp_path):
+def test_a_running_servers_metrics_address_gives_its_workers_busy_shares(
+    monkeypatch, tmp_path, capsys
+):
     def fake_run(address, reqs, rate, vocab, args, label, objective=None, seed=None):
         return [_result(0.1, [0.01] * 4) for _ in reqs], 10.0
 
@@ -512,5 +514,13 @@ def test_a_running_servers_metrics_address_gives_its_workers_busy_shares(monkeyp
     assert asked == ["127.0.0.1:9400"] * 2  # just before the run and just after (10 s)
     busy = json.loads(out.read_text())["policies"]["server"]["busy"]
     assert busy == pytest.approx({"prefill-0": 0.3, "decode-0": 0.95})
-    # Without --address there is no running server to read.
+    # Without --address there is no running server to read; --overload measures no trace.
     assert cli.run(parser.parse_args(["--metrics-address", "127.0.0.1:9400"])) == 2
+    overload = ["--address", "x", "--overload", "2", "--metrics-address", "127.0.0.1:9400"]
+    assert cli.run(parser.parse_args(overload)) == 2
+    assert "--metrics-address" in capsys.readouterr().out
+    # An address with nothing to read there is named, and the run goes on without.
+    monkeypatch.setattr(session, "busy_seconds", lambda address: None)
+    assert cli.run(parser.parse_args([*args, "--json", str(out)])) == 0
+    assert "warning: --metrics-address 127.0.0.1:9400" in capsys.readouterr().out
+    assert json.loads(out.read_text())["policies"]["server"]["busy"] is None
