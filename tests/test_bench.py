@@ -348,6 +348,11 @@ def test_bench_gpus_per_worker_reaches_every_policys_server_as_serve_reads_it():
         parser.parse_args(["--gpus-per-worker", "-1"])
 
 
+def _all_attain(address, reqs, rate, vocab, args, label, objective=None, seed=None):
+    """A run in 10 s of the fake server (`_on_a_fake_server`) where every request attains."""
+    return [_result(0.1, [0.01] * 4) for _ in reqs], 10.0
+
+
 def _on_a_fake_server(monkeypatch, fake_run) -> argparse.ArgumentParser:
     """The bench against a running server (--address) whose runs `fake_run` answers, with SLOs of
     1 s and 100 ms; returns the bench's parser."""
@@ -427,10 +432,7 @@ def test_each_server_is_warmed_up_before_its_measured_run(monkeypatch, tmp_path,
 
 
 def test_a_sweeps_probe_records_land_in_the_json_beside_the_main_runs(monkeypatch, tmp_path):
-    def fake_run(address, reqs, rate, vocab, args, label, objective=None, seed=None):
-        return [_result(0.1, [0.01] * 4) for _ in reqs], 10.0
-
-    parser = _on_a_fake_server(monkeypatch, fake_run)
+    parser = _on_a_fake_server(monkeypatch, _all_attain)
     out = tmp_path / "out.json"
     args = parser.parse_args(
         ["--address", "x", "--policy", "flex", "--num-requests", "3", "--sweep-rate",
@@ -479,10 +481,7 @@ def test_a_running_server_without_a_policy_is_labelled_as_itself(monkeypatch, tm
     """Against --address the bench sets no policy: without --policy the run is "server", not
     the first policy of the list, and no ratio to a fixed policy is claimed for it."""
 
-    def fake_run(address, reqs, rate, vocab, args, label, objective=None, seed=None):
-        return [_result(0.1, [0.01] * 4) for _ in reqs], 10.0
-
-    parser = _on_a_fake_server(monkeypatch, fake_run)
+    parser = _on_a_fake_server(monkeypatch, _all_attain)
     out = tmp_path / "out.json"
     assert cli.run(parser.parse_args(["--address", "x", "--num-requests", "3",
                                       "--json", str(out)])) == 0  # fmt: skip
@@ -496,10 +495,7 @@ def test_a_running_server_without_a_policy_is_labelled_as_itself(monkeypatch, tm
 def test_a_running_servers_metrics_address_gives_its_workers_busy_shares(
     monkeypatch, tmp_path, capsys
 ):
-    def fake_run(address, reqs, rate, vocab, args, label, objective=None, seed=None):
-        return [_result(0.1, [0.01] * 4) for _ in reqs], 10.0
-
-    parser = _on_a_fake_server(monkeypatch, fake_run)
+    parser = _on_a_fake_server(monkeypatch, _all_attain)
     reads = iter([{"prefill-0": 1.0, "decode-0": 2.0}, {"prefill-0": 4.0, "decode-0": 11.5}])
     asked = []
 

@@ -17,13 +17,17 @@ def test_a_decode_step_gives_each_request_its_own_blocks():
     assert all(s.start_pos == 9 and s.token_ids == (1,) for s in so.scheduled)
 
 
-def test_the_sweep_reports_every_batch_on_cpu():
-    args = Namespace(
+def _tiny_args(chunk: int) -> Namespace:
+    """A short sweep of the tiny shape on CPU: batches 1 and 4 at context 24."""
+    return Namespace(
         shape="tiny", batches=[1, 4], context=24, dtype="float32", device="cpu",
         attention_backend="auto", enforce_eager=False, steps=2, warmup=1, copy_bytes=1 << 20,
-        chunk=0,
+        chunk=chunk,
     )  # fmt: skip
-    res = sweep(args)
+
+
+def test_the_sweep_reports_every_batch_on_cpu():
+    res = sweep(_tiny_args(chunk=0))
     assert all("with_chunk_ms" not in r for r in res["rows"])
     shape = SHAPES["tiny"]
     kv = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * 16 * 4  # head_dim 16
@@ -51,12 +55,7 @@ def test_the_sweep_times_a_chunk_beside_each_batch(monkeypatch):
         return decode_step(batch, context, block_size, chunk)
 
     monkeypatch.setattr(decode_sweep, "decode_step", spy)
-    args = Namespace(
-        shape="tiny", batches=[1, 4], context=24, dtype="float32", device="cpu",
-        attention_backend="auto", enforce_eager=False, steps=2, warmup=1, copy_bytes=1 << 20,
-        chunk=32,
-    )  # fmt: skip
-    res = sweep(args)
+    res = sweep(_tiny_args(chunk=32))
     # Each batch alone, then beside the chunk (the largest batch's step one row more than the
     # decodes alone: the runner's buffers grow for it).
     assert built == [(1, 0), (1, 32), (4, 0), (4, 32)]
