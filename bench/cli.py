@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench import loadgen, overload, session, slo, trace
+from bench import loadgen, overload, predictions, session, slo, trace
 from bench.server import POLICIES, Deployment, ServerProcess
 from pdserve_client import ClientAuth
 from pdserve_client import add_arguments as add_auth_arguments
@@ -307,6 +307,7 @@ def run(args: argparse.Namespace) -> int:
             )
             fig = slo.figures(results, objective, wall)
             fig["lone_gap_s"] = lone_gap_s
+            fig["predictions"] = predictions.accuracy([r.to_json() for r in results], objective)
             fig["busy"] = session.busy_share(busy0, session.busy_seconds(metrics), wall)
             if args.metrics_address and not fig["busy"]:
                 print(f"warning: --metrics-address {args.metrics_address}: no worker's busy "
@@ -466,6 +467,7 @@ def _report(out: dict, runs: dict, args: Any) -> None:
             for p, b in busy.items()
         )
         print(f"busy (the share of the run each worker's engine spent executing steps): {each}")
+    predictions.report((p, f["predictions"]) for p, f in pol.items() if "predictions" in f)
     lone = {p: f.get("lone_gap_s") for p, f in pol.items()}
     scaled = {}
     if "slo" in out:

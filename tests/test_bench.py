@@ -520,3 +520,25 @@ def test_a_running_servers_metrics_address_gives_its_workers_busy_shares(
     assert cli.run(parser.parse_args([*args, "--json", str(out)])) == 0
     assert "warning: --metrics-address 127.0.0.1:9400" in capsys.readouterr().out
     assert json.loads(out.read_text())["policies"]["server"]["busy"] is None
+
+
+def test_the_bench_prints_and_keeps_each_policys_predictions(monkeypatch, tmp_path, capsys):
+    def fake_run(address, reqs, rate, vocab, args, label, objective=None, seed=None):
+        # Gaps of 150 ms where 75 were predicted, past the 100 ms SLO: misses unforeseen.
+        res = [_result(0.2, [0.15] * 4) for _ in reqs]
+        for r in res:
+            r.path, r.predicted_ttft_s, r.predicted_itl_p99_s = "disaggregated", 0.2, 0.075
+        return res, 10.0
+
+    parser = _on_a_fake_server(monkeypatch, fake_run)
+    out = tmp_path / "out.json"
+    args = ["--address", "x", "--policy", "flex", "--num-requests", "3", "--json", str(out)]
+    assert cli.run(parser.parse_args(args)) == 0
+    kept = json.loads(out.read_text())["policies"]["flex"]["predictions"]
+    assert kept["handoff"]["requests"] == 3
+    assert kept["handoff"]["itl_p99_ratio"]["p50"] == pytest.approx(2.0)
+    assert kept["handoff"]["itl_misses"] == {"foreseen": 0, "unforeseen": 3, "false_alarms": 0}
+    printed = capsys.readouterr().out
+    assert "predictions against measured" in printed
+    row = next(ln for ln in printed.splitlines() if ln.startswith("flex ") and "handoff" in ln)
+    assert row.split()[2:5] == ["3", "1.00", "1.00"]  # n, TTFT measured over predicted p50, p90
