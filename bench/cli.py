@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench import loadgen, overload, predictions, session, slo, trace
+from bench import host_cpu, loadgen, overload, predictions, session, slo, trace
 from bench.server import POLICIES, Deployment, ServerProcess
 from pdserve_client import ClientAuth
 from pdserve_client import add_arguments as add_auth_arguments
@@ -302,10 +302,12 @@ def run(args: argparse.Namespace) -> int:
             label = policy if rounds == 1 else f"{policy} (round {rnd + 1}/{rounds})"
             metrics = server.metrics_address if server else args.metrics_address
             busy0 = session.busy_seconds(metrics)
+            cpu0 = session.cpu_reading(server)
             results, wall = session.run_trace(
                 address, reqs, args.rate, vocab, args, label, objective
             )
             fig = slo.figures(results, objective, wall)
+            fig["host_cpu"] = host_cpu.cores(cpu0, session.cpu_reading(server))
             fig["lone_gap_s"] = lone_gap_s
             fig["predictions"] = predictions.accuracy([r.to_json() for r in results], objective)
             fig["busy"] = session.busy_share(busy0, session.busy_seconds(metrics), wall)
@@ -467,6 +469,10 @@ def _report(out: dict, runs: dict, args: Any) -> None:
             for p, b in busy.items()
         )
         print(f"busy (the share of the run each worker's engine spent executing steps): {each}")
+    cpu = {p: f["host_cpu"] for p, f in pol.items() if f.get("host_cpu")}
+    if cpu:
+        print(f"host CPU over the run (cores; ray: the rest of the server's processes; bench: "
+              f"this load generator): {host_cpu.line(cpu)}")  # fmt: skip
     predictions.report((p, f["predictions"]) for p, f in pol.items() if "predictions" in f)
     lone = {p: f.get("lone_gap_s") for p, f in pol.items()}
     scaled = {}

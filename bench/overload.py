@@ -35,14 +35,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 import psutil
 
 from bench import loadgen, session, slo, trace
 from bench.loadgen import RequestResult
 from bench.server import POLICIES, Deployment, ServerProcess
 from pdserve_client import ClientAuth
-from pdserve_proto import admin_pb2, admin_pb2_grpc
 
 log = logging.getLogger("pdserve.bench")
 LOST = "LOST"  # no answer at all, past its deadline and a grace period
@@ -294,19 +292,6 @@ def capacity(
     }
 
 
-def _server_probe(server: ServerProcess) -> Probe:
-    async def pids() -> dict[str, int]:
-        out = {"router": server.proc.pid}
-        async with grpc.aio.insecure_channel(server.admin_address) as channel:
-            listing = await admin_pb2_grpc.AdminStub(channel).ListWorkers(
-                admin_pb2.ListWorkersRequest(), timeout=5
-            )
-        out.update({w.worker_id: w.pid for w in listing.workers if w.pid and w.status == "ready"})
-        return out
-
-    return Probe(pids)
-
-
 def run(args: argparse.Namespace) -> int:
     policy = args.policy or "auto"
     if policy not in POLICIES:
@@ -346,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
         out["load_average_before"] = os.getloadavg()  # the machine's other work, for the record
         result = asyncio.run(
             overload(address, reqs, rate, vocab, args.seed, args.timeout, hint, auth,
-                     _server_probe(server) if server else None, args.sample_every)
+                     Probe(server.pids) if server else None, args.sample_every)
         )  # fmt: skip
         out["load_average_after"] = os.getloadavg()
     finally:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 
+from pdserve_proto import admin_pb2, admin_pb2_grpc
 from pdserve_proto import generation_pb2 as pb
 from pdserve_proto import generation_pb2_grpc as pb_grpc
 
@@ -132,6 +133,17 @@ class ServerProcess:
     @property
     def metrics_address(self) -> str | None:
         return f"127.0.0.1:{self.metrics_port}" if self.metrics_port else None
+
+    async def pids(self) -> dict[str, int]:
+        """The router's process id (`router`) and each ready worker's, by worker id, as its admin
+        service lists them now (a replaced worker has a new one)."""
+        out = {"router": self.proc.pid}
+        async with grpc.aio.insecure_channel(self.admin_address) as channel:
+            listing = await admin_pb2_grpc.AdminStub(channel).ListWorkers(
+                admin_pb2.ListWorkersRequest(), timeout=5
+            )
+        out.update({w.worker_id: w.pid for w in listing.workers if w.pid and w.status == "ready"})
+        return out
 
     def wait_ready(self, timeout_s: float = 600.0) -> pb.InfoResponse:
         deadline = time.monotonic() + timeout_s

@@ -1,6 +1,6 @@
 """What every bench run does against a server: send a trace with a progress bar, ask the
 server what it serves, fix the SLOs (given, or measured on lone requests first), and read how
-busy each worker was over a run (from the server's metrics)."""
+busy each worker was over a run (from the server's metrics) and where the host's CPU went."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench import loadgen, slo, trace
+from bench import host_cpu, loadgen, slo, trace
+from bench.server import ServerProcess
 from pdserve_client import ClientAuth, metrics
 
 
@@ -47,6 +48,20 @@ def run_trace(
     start = min((r.sent_s for r in results), default=0.0)
     end = max((r.sent_s + (r.e2e_s or 0.0) for r in results), default=0.0)
     return results, max(end - start, 1e-9)
+
+
+def cpu_reading(server: ServerProcess | None) -> host_cpu.Reading:
+    """The host's CPU seconds so far (bench/host_cpu.py): with `server`, the one this bench
+    started, its router's and workers' by name and its whole process tree; else this process's
+    and the host's only."""
+    if server is None:
+        return host_cpu.read({}, None)
+    try:
+        pids = asyncio.run(server.pids())
+    except Exception as exc:  # its admin port busy: the tree, without names
+        print(f"warning: the server's worker processes not listed: {exc!r}")
+        pids = {"router": server.proc.pid}
+    return host_cpu.read(pids, server.proc.pid)
 
 
 def calibrate(address: str, reqs: list[trace.TraceRequest], vocab: int, args: Any) -> dict:
