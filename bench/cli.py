@@ -302,12 +302,15 @@ def run(args: argparse.Namespace) -> int:
             label = policy if rounds == 1 else f"{policy} (round {rnd + 1}/{rounds})"
             metrics = server.metrics_address if server else args.metrics_address
             busy0 = session.busy_seconds(metrics)
-            cpu0 = session.cpu_reading(server)
+            cpu0 = session.cpu_reading(server) if server else None
             results, wall = session.run_trace(
                 address, reqs, args.rate, vocab, args, label, objective
             )
             fig = slo.figures(results, objective, wall)
-            fig["host_cpu"] = host_cpu.cores(cpu0, session.cpu_reading(server))
+            # Where the host's CPU went: for a server this bench started (its processes known).
+            fig["host_cpu"] = (
+                host_cpu.cores(cpu0, session.cpu_reading(server)) if server and cpu0 else None
+            )
             fig["lone_gap_s"] = lone_gap_s
             fig["predictions"] = predictions.accuracy([r.to_json() for r in results], objective)
             fig["busy"] = session.busy_share(busy0, session.busy_seconds(metrics), wall)

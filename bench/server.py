@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import psutil
 
 from pdserve_proto import admin_pb2, admin_pb2_grpc
 from pdserve_proto import generation_pb2 as pb
@@ -135,14 +136,18 @@ class ServerProcess:
         return f"127.0.0.1:{self.metrics_port}" if self.metrics_port else None
 
     async def pids(self) -> dict[str, int]:
-        """The router's process id (`router`) and each ready worker's, by worker id, as its admin
-        service lists them now (a replaced worker has a new one)."""
+        """The router's process id (`router`) and each ready worker's on this host, by worker
+        id, as its admin service lists them now (a replaced worker has a new one). A worker on
+        another node is left out: its pid means another process here."""
         out = {"router": self.proc.pid}
         async with grpc.aio.insecure_channel(self.admin_address) as channel:
             listing = await admin_pb2_grpc.AdminStub(channel).ListWorkers(
                 admin_pb2.ListWorkersRequest(), timeout=5
             )
-        out.update({w.worker_id: w.pid for w in listing.workers if w.pid and w.status == "ready"})
+        here = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
+        for w in listing.workers:
+            if w.pid and w.status == "ready" and (not w.node_ip or w.node_ip in here):
+                out[w.worker_id] = w.pid
         return out
 
     def wait_ready(self, timeout_s: float = 600.0) -> pb.InfoResponse:

@@ -8,6 +8,7 @@ import asyncio
 import statistics
 from typing import Any
 
+import grpc
 from tqdm import tqdm
 
 from bench import host_cpu, loadgen, slo, trace
@@ -50,16 +51,13 @@ def run_trace(
     return results, max(end - start, 1e-9)
 
 
-def cpu_reading(server: ServerProcess | None) -> host_cpu.Reading:
-    """The host's CPU seconds so far (bench/host_cpu.py): with `server`, the one this bench
-    started, its router's and workers' by name and its whole process tree; else this process's
-    and the host's only."""
-    if server is None:
-        return host_cpu.read({}, None)
+def cpu_reading(server: ServerProcess) -> host_cpu.Reading:
+    """The host's CPU seconds so far (bench/host_cpu.py): those of `server`'s process tree, its
+    router's and workers' by name, this process's and the host's."""
     try:
         pids = asyncio.run(server.pids())
-    except Exception as exc:  # its admin port busy: the tree, without names
-        print(f"warning: the server's worker processes not listed: {exc!r}")
+    except (grpc.RpcError, OSError, RuntimeError) as exc:  # the tree, without the workers' names
+        print(f"warning: the server's workers not listed by its admin service: {exc!r}")
         pids = {"router": server.proc.pid}
     return host_cpu.read(pids, server.proc.pid)
 

@@ -190,12 +190,12 @@ def test_two_policies_end_to_end(tmp_path):
         assert set(fig["busy"]) == workers[policy], fig["busy"]
         assert all(0 <= v <= 1 for v in fig["busy"].values()) and sum(fig["busy"].values()) > 0
     assert min(doc["policies"]["disaggregated"]["busy"].values()) > 0
-    # Where the host's CPU went: each worker's process by name (found in the server's process
-    # tree: Ray's workers), the router's, the rest, this bench; every core once.
+    # Where the host's CPU went: each worker's process by name (the pids its admin service
+    # lists), the router's, the rest, this bench; every core once.
     for policy, fig in doc["policies"].items():
         cpu = fig["host_cpu"]
         assert set(cpu) == workers[policy] | {"router", "ray", "bench", "elsewhere", "idle"}, cpu
-        assert min(cpu[w] for w in workers[policy]) > 0 and cpu["router"] > 0, cpu
+        assert sum(cpu[w] for w in workers[policy]) > 0 and cpu["router"] > 0, cpu
         assert sum(cpu.values()) == pytest.approx(psutil.cpu_count(), abs=0.3), cpu
     # What the router predicted for each placement against what each request saw.
     for fig in doc["policies"].values():
