@@ -8,7 +8,7 @@ import json
 import psutil
 import pytest
 
-from bench import cli, session, slo, trace
+from bench import cli, report, session, slo, trace
 from bench.loadgen import RequestResult
 from bench.server import ServerProcess
 
@@ -112,7 +112,7 @@ def test_attainment_at_the_runs_average_host_speed_scales_each_policys_slos_by_i
            for (p, rs), g in zip(runs.items(), (0.06, 0.04))}  # fmt: skip
     out = {"trace": "mixed", "num_requests": 4, "rate": 1.0, "policies": pol,
            "slo": {"ttft_s": 1.0, "itl_s": 0.1, "itl_metric": "itl_p99"}}  # fmt: skip
-    cli._report(out, runs, argparse.Namespace(long_prompt=512))
+    report.table(out, runs, argparse.Namespace(long_prompt=512))
     assert out["host_scaled"] == got
     assert "flex 100% (x1.20), disaggregated 0% (x0.80)" in capsys.readouterr().out
 
@@ -125,7 +125,7 @@ def test_the_table_shows_each_policys_kv_fallbacks(capsys):
     pol = {"disaggregated": slo.figures(fell_back, objective, 1.0),
            "flex": slo.figures([_result(0.5, [0.05] * 10)], objective, 1.0)}  # fmt: skip
     out = {"trace": "mixed", "num_requests": 3, "rate": 1.0, "policies": pol}
-    cli._report(out, {}, argparse.Namespace(long_prompt=512))
+    report.table(out, {}, argparse.Namespace(long_prompt=512))
     lines = capsys.readouterr().out.splitlines()
     head = lines[1].split()
     col = head.index("kvfb")  # the cells before it are one word each, as in the header
@@ -277,7 +277,7 @@ def test_a_sweep_over_given_rates_probes_each_of_them_and_reports_the_highest(mo
             "threshold": {"goodput_rps": 0.3},  # not swept: not in the table
         }
     }
-    cli._report_sweeps(out)
+    report.sweeps(out)
     text = capsys.readouterr().out
     assert out["sweep_highest"] == {"rate": 1.5, "policies": ["flex"]}
     assert "highest: flex at 1.50 req/s" in text
@@ -287,7 +287,7 @@ def test_a_sweep_over_given_rates_probes_each_of_them_and_reports_the_highest(mo
     # Where nothing attained 90% at any rate, no policy is named the highest.
     missed = [dict(p, attainment=0.5) for p in points]
     out = {"policies": {"flex": {"max_rate_at_90pct": 0.0, "sweep": missed}}}
-    cli._report_sweeps(out)
+    report.sweeps(out)
     assert out["sweep_highest"] == {"rate": 0.0, "policies": []}
     assert "no policy attained 90%" in capsys.readouterr().out
 
