@@ -1,6 +1,6 @@
 """The router's predictions against what each request saw: for every request served, the TTFT and
-the p99 inter-token gap the router predicted for the placement it took (its FinalInfo) over those
-the client measured, and the SLO misses it foresaw and those it did not, per kind of placement.
+the p99 inter-token gap the client measured over those the router predicted for the placement it
+took (its FinalInfo), and the SLO misses predicted and not, per kind of placement.
 
 `pdserve bench` prints this for every policy's run and keeps it in its JSON (`predictions`);
 `python -m bench.predictions RUN.json` prints it for every policy and round of a saved run.
@@ -65,8 +65,9 @@ def accuracy(requests: Iterable[dict], objective: Slo) -> dict[str, dict]:
     """Per kind of placement (and `all`): how many requests were served with a prediction, the
     measured over the predicted TTFT and p99 gap (p50, p90, ...), and each SLO's misses
     predicted past it, not predicted past it, and predicted past it that met it. `requests` as
-    `RequestResult.to_json` gives them; those that failed, were refused, or were told no
-    prediction are left out. ITL misses only where the SLO judges the p99 gap (`itl_p99`)."""
+    `RequestResult.to_json` gives them; those that failed, were refused, ended short of their
+    tokens, had no first token or were told no prediction are left out. ITL misses only where
+    the SLO judges the p99 gap (`itl_p99`)."""
     served = [
         r
         for r in requests
@@ -103,6 +104,9 @@ def report(rows: Iterable[tuple[str, dict[str, dict]]]) -> None:
     print(f"{'policy':<28} {'placed':<10} {'n':>4} {'TTFT p50':>8} {'p90':>5} {'gap p99 p50':>11}"
           f" {'p90':>5} {'TTFT misses':>11} {'ITL misses':>10}")  # fmt: skip
     for label, acc in rows:
+        if not acc["all"]["requests"]:
+            print(f"{label:<28} no request served with a prediction (none recorded in this run?)")
+            continue
         for k in ("all", *KINDS):
             if k not in acc:
                 continue

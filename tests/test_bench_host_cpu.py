@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
 import time
 
+import grpc
 import psutil
 import pytest
 
 from bench import host_cpu
 from bench.host_cpu import BENCH, ELSEWHERE, IDLE, RAY, Reading, Usage
+from bench.server import ServerProcess
+from pdserve_proto import admin_pb2, admin_pb2_grpc
 
 
 def test_cores_per_process_from_two_readings():
@@ -101,16 +106,63 @@ def test_a_busy_process_in_the_tree_is_counted_under_its_name(spinning_tree):
     assert sum(c.values()) == pytest.approx(psutil.cpu_count(), abs=0.3)
 
 
-def test_the_bench_counts_once_inside_the_tree_it_reads():
-    """A tree with this process in it (the bench under the root): its seconds are the bench's
-    only, and not the tree's too."""
-    me = os.getpid()
-    parent = psutil.Process(me).parent()
-    assert parent is not None
-    before = host_cpu.read({}, parent.pid)
-    assert me not in before.processes and parent.pid in before.processes
-    t = time.monotonic() + 1.2
-    while time.monotonic() < t:  # busy here: the bench's, not Ray's
-        pass
-    c = host_cpu.cores(before, host_cpu.read({}, parent.pid))
+_INSIDE = """
+import json, os, time
+from bench import host_cpu
+before = host_cpu.read({}, os.getppid())
+t = time.monotonic() + 1.2
+while time.monotonic() < t:
+    pass
+after = host_cpu.read({}, os.getppid())
+print(json.dumps([os.getpid() in before.processes, host_cpu.cores(before, after)]))
+"""
+
+
+def test_the_bench_counts_once_inside_the_tree_it_reads(tmp_path):
+    """A bench under the root of the tree it reads (a shell whose only child it is): its seconds
+    are the bench's only, not the tree's too."""
+    script = tmp_path / "inside.py"
+    script.write_text(_INSIDE)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    out = subprocess.run(["bash", "-c", f'"{sys.executable}" "{script}"; exit $?'],
+                         capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    in_tree, c = json.loads(out.stdout)
+    assert not in_tree
     assert c[BENCH] > 0.05 and c[RAY] < c[BENCH] / 2  # counted twice, it would be as much
+
+
+def test_a_server_names_only_its_ready_workers_on_this_host(tmp_path):
+    """ServerProcess.pids: the router, and each ready worker whose node is this host (or not
+    given); a worker on another node would name some other process here."""
+    listing = admin_pb2.ListWorkersResponse(
+        workers=[
+            admin_pb2.Worker(worker_id="decode-0", status="ready", node_ip="127.0.0.1", pid=11),
+            admin_pb2.Worker(worker_id="prefill-0", status="ready", node_ip="", pid=12),
+            admin_pb2.Worker(worker_id="decode-1", status="ready", node_ip="192.0.2.7", pid=13),
+            admin_pb2.Worker(worker_id="decode-2", status="draining", node_ip="127.0.0.1", pid=14),
+            admin_pb2.Worker(worker_id="decode-3", status="starting", node_ip="127.0.0.1"),
+        ]
+    )
+
+    class Admin(admin_pb2_grpc.AdminServicer):
+        async def ListWorkers(self, request, context):
+            return listing
+
+    class Proc:
+        pid = 10
+
+    async def ask() -> dict[str, int]:
+        server = grpc.aio.server()
+        admin_pb2_grpc.add_AdminServicer_to_server(Admin(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            sp = ServerProcess.__new__(ServerProcess)
+            sp.proc, sp.admin_port = Proc(), port  # type: ignore[assignment]
+            return await asyncio.wait_for(sp.pids(), 10)
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(ask()) == {"router": 10, "decode-0": 11, "prefill-0": 12}
