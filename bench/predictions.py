@@ -17,10 +17,8 @@ import numpy as np
 
 from bench.slo import Slo, summary
 
-KINDS = ("colocated", "handoff")
-
-
-PATHS = {"colocated": "colocated", "disaggregated": "handoff"}
+PATHS = {"colocated": "colocated", "disaggregated": "handoff"}  # a request's path: its kind
+KINDS = tuple(PATHS.values())
 
 
 def kind(request: dict) -> str | None:
@@ -124,9 +122,8 @@ def of_saved_run(doc: dict) -> list[tuple[str, dict[str, dict]]]:
     objective = Slo(**doc["slo"])
     groups: dict[tuple[str, int], list[dict]] = {}
     for r in doc.get("requests", []):  # an --overload run names its one policy at the top
-        groups.setdefault((r.get("policy", doc.get("policy", "?")), r.get("round", 1)), []).append(
-            r
-        )
+        key = (r.get("policy", doc.get("policy", "?")), r.get("round", 1))
+        groups.setdefault(key, []).append(r)
     n = max((rnd for _, rnd in groups), default=1)
     return [
         (f"{policy} (round {rnd}/{n})" if n > 1 else policy, accuracy(reqs, objective))
