@@ -248,7 +248,8 @@ def run(args: argparse.Namespace) -> int:
                             prefill_hold_ms=args.prefill_hold_ms,
                             gpus_per_worker=args.gpus_per_worker)  # fmt: skip
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
-    out: dict[str, Any] = {"trace": args.trace, "rate": args.rate, "num_requests": len(reqs),
+    out: dict[str, Any] = {**session.provenance(),
+                           "trace": args.trace, "rate": args.rate, "num_requests": len(reqs),
                            "warmup": args.warmup,
                            "deployment": None if args.address else asdict(deployment),
                            "policies": {},

@@ -303,7 +303,8 @@ def run(args: argparse.Namespace) -> int:
     logs = Path(tempfile.mkdtemp(prefix="pdserve-overload-"))
     server = None if args.address else ServerProcess(deployment, policy, logs / f"{policy}.log")
     auth = ClientAuth.from_args(args)
-    out: dict[str, Any] = {"mode": "overload", "factor": args.overload, "policy": policy,
+    out: dict[str, Any] = {**session.provenance(),
+                           "mode": "overload", "factor": args.overload, "policy": policy,
                            "deployment": None if args.address else asdict(deployment)}  # fmt: skip
     try:
         info = server.wait_ready() if server else session.server_info(args.address, auth)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -553,3 +557,20 @@ def test_the_bench_prints_and_keeps_each_policys_predictions(monkeypatch, tmp_pa
     assert "predictions against measured" in printed
     row = next(ln for ln in printed.splitlines() if ln.startswith("flex ") and "handoff" in ln)
     assert row.split()[2:5] == ["3", "1.00", "1.00"]  # n, TTFT measured over predicted p50, p90
+
+
+def test_a_runs_json_says_how_it_was_made(monkeypatch, tmp_path):
+    """The command line, the commit of the checkout the bench ran from (and whether tracked
+    files differed from it), the host and the start, beside the figures."""
+    monkeypatch.setattr(sys, "argv", ["/some/venv/bin/pdserve", "bench", "--rate", "1 2"])
+    parser = _on_a_fake_server(monkeypatch, _all_attain)
+    out = tmp_path / "out.json"
+    assert cli.run(parser.parse_args(["--address", "x", "--num-requests", "2",
+                                      "--json", str(out)])) == 0  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert doc["command"] == "pdserve bench --rate '1 2'"
+    here = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(cli.__file__).parent,
+                          capture_output=True, text=True)  # fmt: skip
+    assert doc["commit"] == (here.stdout.strip() if here.returncode == 0 else None)
+    assert doc["changed"] in ((True, False) if doc["commit"] else (None,))
+    assert doc["host"]["cpus"] == os.cpu_count() and doc["started"].endswith("+00:00")
