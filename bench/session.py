@@ -160,7 +160,7 @@ def busy_share(
     before: dict[str, float] | None, after: dict[str, float] | None, wall_s: float
 ) -> dict[str, float] | None:
     """The share of a run of `wall_s` seconds each worker spent running steps (workers seen
-    at both ends only)."""
+    at both ends only; metrics.shares)."""
     if before is None or after is None or wall_s <= 0:
         return None
-    return {w: min((after[w] - before[w]) / wall_s, 1.0) for w in after if w in before}
+    return metrics.shares(before, after, wall_s)

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import urllib.request
 from collections import defaultdict
+from typing import TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
+
+K = TypeVar("K")
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -39,3 +42,16 @@ def by_labels(samples: Samples, name: str, *keys: str) -> dict[tuple[str, ...], 
             d = dict(labels)
             acc[tuple(d.get(k, "") for k in keys)] += v
     return dict(acc)
+
+
+def shares(before: dict[K, float], after: dict[K, float], seconds: float) -> dict[K, float]:
+    """Each key's growth between two reads of a seconds counter over the `seconds` between them,
+    at most 1: the share of that time spent (busy seconds: how busy each worker was). Keys read
+    only once, or whose count went down (the server started afresh between), are left out."""
+    if seconds <= 0:
+        return {}
+    return {
+        k: min((v - before[k]) / seconds, 1.0)
+        for k, v in after.items()
+        if k in before and v >= before[k]
+    }

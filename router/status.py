@@ -17,7 +17,7 @@ import urllib.error
 from collections import defaultdict
 from collections.abc import Iterable
 
-from pdserve_client.metrics import BUSY_SECONDS, Samples, by_labels, scrape
+from pdserve_client.metrics import BUSY_SECONDS, Samples, by_labels, scrape, shares
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,15 +76,16 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
     preempt = by_labels(after, "pdserve_worker_preemptions_total", "worker", "role")
     prefills = by_labels(after, "pdserve_worker_prefills_total", "worker", "role", "kind")
     decoding = by_labels(after, "pdserve_worker_decodes_running", "worker", "role")
-    busy = by_labels(after, BUSY_SECONDS, "worker", "role")
-    busy0 = by_labels(before, BUSY_SECONDS, "worker", "role")
+    # The share of the interval each engine ran steps (none for a worker new since the first
+    # scrape, or where the router started afresh between them).
+    busy = shares(
+        by_labels(before, BUSY_SECONDS, "worker", "role"),
+        by_labels(after, BUSY_SECONDS, "worker", "role"),
+        seconds,
+    )
     for key in sorted(running, key=lambda k: (k[1], k[0])):
         hit = hits.get(key, 0) / queries[key] if queries.get(key) else 0.0
-        # The share of the interval its engine ran steps (unknown for a worker new since the
-        # first scrape, or where the router started afresh between them).
-        busy_cell = f"{'-':>5}"
-        if key in busy and key in busy0 and busy[key] >= busy0[key] and seconds > 0:
-            busy_cell = f"{min((busy[key] - busy0[key]) / seconds, 1.0):>5.0%}"
+        busy_cell = f"{busy[key]:>5.0%}" if key in busy else f"{'-':>5}"
         lines.append(
             f"{key[0]:<12} {key[1]:<8} {running[key]:>7.0f} {waiting.get(key, 0):>7.0f} "
             f"{kv.get(key, 0):>8.1%} {queued.get(key, 0):>18.0f} {hit:>11.1%} "
@@ -97,11 +98,11 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
             "steps run with prompts waiting for short decodes: "
             + ", ".join(f"{k[0]} {v:.0f}" for k, v in sorted(waits.items()) if v)
         )
-    shares = by_labels(after, "pdserve_node_step_share", "node", "peer")
-    if shares:
+    node_shares = by_labels(after, "pdserve_node_step_share", "node", "peer")
+    if node_shares:
         lines.append(
             "steps beside a busy peer on the node: "
-            + ", ".join(f"{k[0]} {v:.2f}x ({k[1]})" for k, v in sorted(shares.items()))
+            + ", ".join(f"{k[0]} {v:.2f}x ({k[1]})" for k, v in sorted(node_shares.items()))
         )
     spreads = by_labels(after, "pdserve_prediction_spread", "kind", "worker")
     if spreads:

@@ -488,6 +488,8 @@ def test_a_runs_busy_share_is_each_workers_step_seconds_over_its_wall_time():
     assert session.busy_share(before, after, 20.0) == {"prefill-0": 0.25, "decode-0": 1.0}
     assert session.busy_share(None, after, 20.0) is None
     assert session.busy_share(before, after, 0.0) is None
+    # A count that went down (the server started afresh between the reads) gives no share.
+    assert session.busy_share(before, {"prefill-0": 2.0}, 20.0) == {}
     assert session.busy_seconds(None) is None
     assert session.busy_seconds("127.0.0.1:1") is None  # nothing listens: measured without
 
