@@ -33,17 +33,10 @@ from engine.prefix_hash import block_hashes
 from engine.text_stream import TextStream
 from router.admission import TtftMargin, refusal
 from router.books import RequestBooks, RequestCounts
-from router.core_types import (
-    Backend,
-    CoreChunk,
-    DecisionRecord,
-    NoWorkers,
-    RouterConfig,
-    Summary,
-)
-from router.cost_model import HandoffHealth, TransferTimeModel
+from router.core_types import Backend, CoreChunk, DecisionRecord, NoWorkers, RouterConfig, Summary
 from router.errors import WorkerLost
 from router.handoff import Handoff
+from router.handoff_model import HandoffHealth, TransferTimeModel
 from router.membership import Membership
 from router.policy import Decision, PathPrediction, Planner, RequestShape
 from router.pool_state import WorkerState

@@ -14,9 +14,9 @@ One linear model of a worker's step time, fitted online from the steps the worke
 The seed is a roofline from the device rates each worker measures at start: w0 = weight bytes /
 memory bytes/s (a step reads every weight), w1 = 2 * params / FLOP/s, w2 = 4 * layers * heads *
 head_dim / FLOP/s (QK^T and PV of a prefill), w3 = KV bytes per token / memory bytes/s (decode
-attention reads every context token's K and V). The fit is a ridge regression pulled toward that
-seed (a few pseudo-observations' worth), with older steps decaying, so early predictions are
-roofline and later ones are measured.
+attention reads every context token's K and V). The fit is a ridge regression (router/fits.py)
+pulled toward that seed (a few pseudo-observations' worth), with older steps decaying, so early
+predictions are roofline and later ones are measured.
 
 A fit prices well only the kinds of step it has seen: fitted on prefill chunks alone (a worker of
 both kinds that has only prefilled for its peers), w0 and w3 are a few milliseconds of the chunks'
@@ -29,26 +29,22 @@ worker's own where it has seen MIN_SUPPORT steps of that kind, else the fit of t
 running the same model on the same kind of device: `kin_of`) that has seen the most, where it has
 seen as many. A step beside a chunk costs no less per step than one of decodes alone.
 
-The exposed KV transfer time (first token sampled -> send ended; layer-wise streaming hides the
-rest behind the prefill) is a second linear model, `latency + bytes / bandwidth`, fitted from the
-prefill worker's latest transfer measurements and seeded from a nominal bandwidth.
+The exposed KV transfer time is a second model (router/handoff_model.py), fitted from the
+prefill workers' latest transfers.
 
 Workers on one node share more than their own devices (its cores and memory bandwidth where they
 run on CPUs): a worker's steps run slower while a peer on its node is busy. router/host_share.py
 measures by how much; each worker's model is fitted on its steps with that share divided out, and
 its predictions carry it (`StepTimeModel.scale`) while a peer is busy.
 
-TTFT predictions also carry a per-path correction (`Bias`: measured = fixed + scale x predicted,
-fitted over the path's latest first tokens), which absorbs what neither model sees: RPC hops,
-token delivery, the engine thread's wake-up, queues over- or under-estimated.
+TTFT predictions also carry a per-path correction (router/ttft_bias.py), which absorbs what
+neither model sees.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -56,6 +52,7 @@ import numpy as np
 
 from engine.config import MIN_CHUNK
 from engine.step_stats import StepStat
+from router.fits import OnlineRidge
 from worker_protocol.messages import WorkerInfo
 
 NUM_FEATURES = 4
@@ -88,53 +85,6 @@ def kin_of(a: WorkerInfo, b: WorkerInfo) -> bool:
 def prefill_pairs(n: int, cached: int) -> float:
     """Attention (query, key) pairs of prefilling n tokens after `cached` ones."""
     return n * (cached + (n + 1) / 2)
-
-
-class OnlineRidge:
-    """Least squares with exponential forgetting, pulled toward a prior: minimises
-    sum_i decay^age_i (y_i - x_i.w)^2 + decay^n sum_j p_j (w_j - prior_j)^2. The prior acts as
-    pseudo-observations made before the first real one, and ages like them: it decides the first
-    predictions and fades as measurements come. Coefficients are kept >= 0."""
-
-    def __init__(self, prior: np.ndarray, typical: np.ndarray, strength: float, decay: float):
-        """`strength` pseudo-observations of each feature alone at its `typical` value."""
-        self.prior = prior.astype(np.float64)
-        self.p = np.diag(strength * typical.astype(np.float64) ** 2)
-        self.decay = decay
-        self.xtx = np.zeros((len(prior), len(prior)))
-        self.xty = np.zeros(len(prior))
-        self.n = 0
-        self._w: np.ndarray | None = None
-
-    def observe(self, x: np.ndarray, y: float) -> None:
-        self.xtx *= self.decay
-        self.xty *= self.decay
-        self.p *= self.decay
-        self.xtx += np.outer(x, x)
-        self.xty += x * y
-        self.n += 1
-        self._w = None
-
-    @property
-    def w(self) -> np.ndarray:
-        if self._w is None:
-            self._w = self._solve()
-        return self._w
-
-    def _solve(self) -> np.ndarray:
-        """Non-negative: a coefficient the unconstrained fit makes negative is fixed at 0 and
-        the rest refitted without it (most negative first), until none is."""
-        a = self.xtx + self.p
-        b = self.xty + self.p @ self.prior
-        free = list(range(len(b)))
-        w = np.zeros(len(b))
-        while free:
-            sol = np.linalg.solve(a[np.ix_(free, free)], b[free])
-            if (sol >= 0).all():
-                w[free] = sol
-                break
-            free.pop(int(np.argmin(sol)))
-        return w
 
 
 class StepCoefficients(NamedTuple):
@@ -373,172 +323,3 @@ class StepTimeModel:
                 # beside decodes (the worker's chunks never shrink past them).
                 during = max(during, self.chunk_floor_s)
         return total, during
-
-
-class TransferTimeModel:
-    """Exposed KV transfer time, latency + bytes / bandwidth: a fit of the latest `window`
-    measurements, weighing relative errors (sizes span orders of magnitude); the seed stands in
-    until two sizes have been seen, and supplies the latency while all sizes are alike."""
-
-    def __init__(
-        self, bandwidth_bytes_s: float = 1e9, latency_s: float = 0.005, window: int = 32
-    ) -> None:
-        self.seed = (latency_s, 1.0 / bandwidth_bytes_s)
-        self._obs: deque[tuple[float, float]] = deque(maxlen=window)
-        self._fit: tuple[float, float] | None = self.seed
-
-    def observe(self, nbytes: int, seconds: float) -> None:
-        if nbytes > 0 and seconds > 0:
-            self._obs.append((float(nbytes), seconds))
-            self._fit = None
-
-    def _coefficients(self) -> tuple[float, float]:
-        if self._fit is None:
-            self._fit = self._solve()
-        return self._fit
-
-    def _solve(self) -> tuple[float, float]:
-        return affine_fit(self._obs, self.seed)
-
-    @property
-    def bandwidth_bytes_s(self) -> float:
-        per_byte = self._coefficients()[1]
-        return 1.0 / per_byte if per_byte > 0 else math.inf
-
-    @property
-    def latency_s(self) -> float:
-        return self._coefficients()[0]
-
-    def seconds(self, nbytes: int) -> float:
-        if nbytes <= 0:
-            return 0.0
-        lat, per_byte = self._coefficients()
-        return lat + per_byte * nbytes
-
-
-class Bias:
-    """What one path's TTFT predictions miss: measured = fixed + scale x predicted, fitted over its
-    latest `window` first tokens (weighing relative errors, as the transfer model does, then
-    scaled so that the median of measured / corrected is 1 as far as the bounds allow), the
-    scale within [MIN_SCALE, MAX_SCALE], the fixed part never negative. An error that grows with
-    the prediction (a queue over- or under-estimated) scales, one that does not (RPC hops, token
-    delivery) adds; a plain mean of measured - predicted learnt from long prompts drove short
-    prompts' predictions below zero. Where the predictions seen are all of one size, the error
-    adds (the median of measured - predicted; scales, when that is negative); past the largest
-    prediction seen, it no longer scales (a path that saw short prompts only says little of long
-    ones). Identity until `min_samples` first tokens were seen."""
-
-    MIN_SCALE, MAX_SCALE = 0.25, 4.0
-
-    def __init__(self, window: int = 64, min_samples: int = 8) -> None:
-        self.min_samples = min_samples
-        self._obs: deque[tuple[float, float]] = deque(maxlen=window)
-        self._fit: tuple[float, float, float] | None = (0.0, 1.0, math.inf)
-
-    def observe(self, predicted_s: float, measured_s: float) -> None:
-        if predicted_s > 0 and measured_s > 0:
-            self._obs.append((predicted_s, measured_s))
-            self._fit = None
-
-    @property
-    def trained(self) -> bool:
-        """Whether it has seen enough first tokens to correct anything (else identity)."""
-        return len(self._obs) >= self.min_samples
-
-    def _coefficients(self) -> tuple[float, float, float]:
-        """(fixed, scale, the largest prediction they hold for)."""
-        if self._fit is None:
-            self._fit = self._solve()
-        return self._fit
-
-    def _solve(self) -> tuple[float, float, float]:
-        if len(self._obs) < self.min_samples:
-            return 0.0, 1.0, math.inf
-        x = np.array([a for a, _ in self._obs])
-        y = np.array([b for _, b in self._obs])
-        hi = float(x.max())
-        if hi < 1.5 * float(x.min()):  # one size: an offset, unless predictions ran long
-            offset = float(np.median(y - x))
-            if offset >= 0:
-                return offset, 1.0, hi
-            return 0.0, max(self.MIN_SCALE, float(np.median(y / x))), hi
-        fixed, scale = affine_fit(self._obs, (0.0, 1.0), min_slope=self.MIN_SCALE)
-        # Least relative error runs short where first tokens scatter (queueing): with an
-        # intercept, by 1.2-1.4x at the scatter of a loaded bench run. Centred on the median
-        # of measured / corrected, half of the window came later than its correction, half
-        # sooner (unless the scale then passes its bounds).
-        centre = float(np.median(y / (fixed + scale * x)))
-        fixed, scale = fixed * centre, scale * centre
-        return fixed, min(max(scale, self.MIN_SCALE), self.MAX_SCALE), hi
-
-    def apply(self, predicted_s: float) -> float:
-        fixed, scale, hi = self._coefficients()
-        if predicted_s <= hi:
-            return fixed + scale * predicted_s
-        return fixed + scale * hi + (predicted_s - hi)
-
-
-def affine_fit(
-    obs: Iterable[tuple[float, float]], seed: tuple[float, float], min_slope: float = 0.0
-) -> tuple[float, float]:
-    """(intercept >= 0, slope >= min_slope) of y = intercept + slope * x over (x > 0, y > 0)
-    pairs, by least relative error. With one size of x (within 1.5x), the intercept can't be told
-    from the slope: the seed's intercept (at most half the least y), the slope from it; without a
-    pair, the seed."""
-    pairs = list(obs)
-    if not pairs:
-        return seed
-    x = np.array([a for a, _ in pairs])
-    y = np.array([b for _, b in pairs])
-    if x.max() < 1.5 * x.min():
-        fixed = min(seed[0], float(y.min()) / 2)
-        return fixed, max(min_slope, float(np.mean((y - fixed) / x)))
-    a = np.stack([np.ones_like(x), x], axis=1) / y[:, None]  # rows scaled: relative error
-    fixed, slope = np.linalg.lstsq(a, np.ones_like(y), rcond=None)[0]
-    if slope <= min_slope:  # no visible (or too little) size effect: the rest is fixed
-        return max(0.0, float(np.mean(y - min_slope * x))), min_slope
-    if fixed < 0:  # no visible fixed part: all slope
-        return 0.0, max(min_slope, float(np.mean(y / x)))
-    return float(fixed), float(slope)
-
-
-class HandoffHealth:
-    """How often each (prefill, decode) pair's handoffs fall back to a local prefill lately, and
-    what a failed one wastes before the decode worker starts on it.
-
-    The failure rate is an average over the pair's recent handoffs (each new one weighs
-    `alpha`) that decays toward 0 with `half_life_s` since the last one: a pair that kept failing
-    is avoided for a while, then tried again (a fallback then costs what it wasted, which for a
-    pair known broken is nothing, plus the local prefill the request gets anyway)."""
-
-    def __init__(self, alpha: float = 0.5, half_life_s: float = 60.0) -> None:
-        self.alpha = alpha
-        self.half_life_s = half_life_s
-        self._rate: dict[tuple[str, str], tuple[float, float]] = {}  # pair -> (rate, at)
-        self._wasted: dict[tuple[str, str], float] = {}
-
-    def observe(
-        self, p: str, d: str, ok: bool, wasted_s: float = 0.0, now: float | None = None
-    ) -> None:
-        now = time.monotonic() if now is None else now
-        rate = self.failure_rate(p, d, now)
-        self._rate[(p, d)] = (rate + self.alpha * ((0.0 if ok else 1.0) - rate), now)
-        if not ok:
-            before = self._wasted.get((p, d), wasted_s)
-            self._wasted[(p, d)] = before + self.alpha * (wasted_s - before)
-
-    def failure_rate(self, p: str, d: str, now: float | None = None) -> float:
-        rate, at = self._rate.get((p, d), (0.0, 0.0))
-        if rate == 0.0:
-            return 0.0
-        now = time.monotonic() if now is None else now
-        return rate * 0.5 ** (max(0.0, now - at) / self.half_life_s)
-
-    def wasted_s(self, p: str, d: str) -> float:
-        return self._wasted.get((p, d), 0.0)
-
-    def forget(self, worker_id: str) -> None:
-        """A worker was replaced: its pairs start afresh."""
-        for key in [k for k in self._rate if worker_id in k]:
-            self._rate.pop(key, None)
-            self._wasted.pop(key, None)

@@ -5,7 +5,8 @@ its own), trains the transfer model and the pair's health, and reports to the st
 
 from __future__ import annotations
 
-from router.cost_model import HandoffHealth, TransferTimeModel, prefill_pairs
+from router.cost_model import prefill_pairs
+from router.handoff_model import HandoffHealth, TransferTimeModel
 from router.policy import PathPrediction
 from router.pool_state import WorkerState
 from router.stats import StatsSink, TransferRecord

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from router.core_types import Backend
-from router.cost_model import HandoffHealth, kin_of
+from router.cost_model import kin_of
+from router.handoff_model import HandoffHealth
 from router.host_share import BUSY, HostShare
 from router.pool_state import WorkerState, peer_work
 from router.stats import StatsSink

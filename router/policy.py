@@ -3,7 +3,7 @@ policies that choose among them.
 
   - auto: the cost model, over every (P, D) among the workers able to take each role (P = D:
     colocated). Disaggregated candidates whose pair keeps falling back to a local prefill (failure
-    rate over MAX_FAILURE_RATE, router/cost_model.py HandoffHealth) are dropped while any other
+    rate over MAX_FAILURE_RATE, router/handoff_model.py HandoffHealth) are dropped while any other
     remains, and every disaggregated prediction carries its pair's failure risk. Of the rest, the
     one with the fewest expected SLO misses wins: the new request's own chance of missing (its TTFT
     or ITL), plus the misses it would cause among the requests already decoding on D and on P, or to
@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from router.capacity import DecodeDemand, DecodeOverload
-from router.cost_model import Bias, HandoffHealth, TransferTimeModel
+from router.handoff_model import HandoffHealth, TransferTimeModel
 from router.interference import shared_misses
 from router.pool_state import WorkerState, peer_work
 from router.predictions import (
@@ -52,6 +52,7 @@ from router.predictions import (
     predict_disaggregated,
 )
 from router.spread import PredictionSpread
+from router.ttft_bias import Bias
 from router.vocab import RoutePath
 
 

@@ -12,7 +12,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from router.cost_model import Bias, TransferTimeModel, prefill_pairs
+from router.cost_model import prefill_pairs
+from router.handoff_model import TransferTimeModel
 from router.interference import (
     beside_floor,
     caused_misses,
@@ -24,6 +25,7 @@ from router.interference import (
 )
 from router.pool_state import WorkerState
 from router.spread import MISS_WIDTH, miss_chance
+from router.ttft_bias import Bias
 from router.vocab import RoutePath
 from worker_protocol.messages import WorkerRole
 

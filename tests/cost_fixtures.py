@@ -8,8 +8,9 @@ import numpy as np
 
 from engine.prefix_hash import block_hashes
 from engine.step_stats import StepStat
-from router.cost_model import TransferTimeModel, prefill_pairs
+from router.cost_model import prefill_pairs
 from router.fake_backend import fake_info
+from router.handoff_model import TransferTimeModel
 from router.host_share import HostShare, PeerWork
 from router.policy import Planner, Policy, PolicyConfig, RequestShape
 from router.pool_state import WorkerState

@@ -10,14 +10,16 @@ import numpy as np
 import pytest
 
 from engine.step_stats import StepStat
-from router.cost_model import Bias, HandoffHealth, TransferTimeModel, prefill_pairs
+from router.cost_model import prefill_pairs
 from router.fake_backend import FakeBackend
+from router.handoff_model import HandoffHealth, TransferTimeModel
 from router.interference import caused_misses, prefills_beside
 from router.membership import Membership
 from router.metrics import Metrics
 from router.policy import Planner, Policy, PolicyConfig, pick_decode
 from router.predictions import PathPrediction, choose, predict_colocated, predict_disaggregated
 from router.spread import PRIOR_WIDTH, PredictionSpread, miss_chance
+from router.ttft_bias import Bias
 from router.vocab import RoutePath
 from tests.cost_fixtures import load_of, planner, shape, trained, true_step, with_decodes
 from worker_protocol.messages import WorkerLoad

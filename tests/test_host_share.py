@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from engine.step_stats import StepStat
-from router.cost_model import HandoffHealth, prefill_pairs
+from router.cost_model import prefill_pairs
 from router.fake_backend import FakeBackend
+from router.handoff_model import HandoffHealth
 from router.host_share import HostShare, PeerWork
 from router.membership import Membership
 from router.metrics import Metrics

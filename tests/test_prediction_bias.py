@@ -1,4 +1,4 @@
-"""What predictions miss (router/cost_model.py Bias, the ITL checks of router/pool_state.py),
+"""What predictions miss (router/ttft_bias.py Bias, the ITL checks of router/pool_state.py),
 learnt from injected first tokens and gaps: no workers, no clock."""
 
 from __future__ import annotations
@@ -8,13 +8,16 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from router.cost_model import Bias, HandoffHealth, affine_fit, prefill_pairs
+from router.cost_model import prefill_pairs
 from router.fake_backend import FakeBackend
+from router.fits import affine_fit
+from router.handoff_model import HandoffHealth
 from router.membership import Membership
 from router.metrics import Metrics
 from router.policy import RequestShape
 from router.pool_state import WorkerState
 from router.predictions import predict_colocated
+from router.ttft_bias import Bias
 from router.vocab import RoutePath
 from tests.cost_fixtures import planner, shape, trained, with_decodes
 from worker_protocol.messages import WorkerInfo, WorkerLoad

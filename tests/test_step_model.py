@@ -9,16 +9,9 @@ import numpy as np
 import pytest
 
 from engine.step_stats import StepStat
-from router.cost_model import (
-    DECODE,
-    MIN_SUPPORT,
-    PREFILL,
-    HandoffHealth,
-    StepTimeModel,
-    kin_of,
-    prefill_pairs,
-)
+from router.cost_model import DECODE, MIN_SUPPORT, PREFILL, StepTimeModel, kin_of, prefill_pairs
 from router.fake_backend import FakeBackend, fake_info
+from router.handoff_model import HandoffHealth
 from router.interference import caused_misses
 from router.membership import Membership
 from router.metrics import Metrics
