@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from engine.llm_engine import LLMEngine
 from engine.loader import load_model
 from engine.model import PagedDecoderModel
 from engine.model_runner import StepShape
+from engine.provenance import write_json
 from engine.sampling_params import SamplingParams
 
 
@@ -171,8 +171,7 @@ def run(args: argparse.Namespace) -> int:
     }
     print_table(result)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
     return 0
 
 

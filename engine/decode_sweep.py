@@ -27,7 +27,6 @@ the scheduler cuts, made the step 2.50x slower at batch 1 and 1.36x at batch 16
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any
@@ -37,6 +36,7 @@ import torch
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_device
 from engine.model_runner import ModelRunner
 from engine.outputs import ScheduledRequest, SchedulerOutput
+from engine.provenance import write_json
 from engine.sampling_params import SamplingParams
 
 # Llama-family shapes: hidden, layers, heads, kv heads, intermediate, vocab, head_dim.
@@ -251,8 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             line += f" {r['with_chunk_ms']:>20.2f} {r['chunk_slowdown']:>6.2f}x"
         print(line)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+        write_json(args.json, res)
     return 0
 
 

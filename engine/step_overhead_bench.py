@@ -22,7 +22,6 @@ block, then fresh tensors), timed inside the same steps on the same schedules, f
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.llm_engine import LLMEngine
 from engine.loader import load_model
 from engine.outputs import SchedulerOutput
+from engine.provenance import write_json
 from engine.sampling_params import SamplingParams
 
 PHASES = ("schedule", "prepare", "forward", "sample", "post")
@@ -241,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print_table(result)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
     return 0
 
 

@@ -19,7 +19,6 @@ what it costs (on/off) side by side.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
@@ -30,6 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 from engine.kv_cache import KVCache, KVCacheSpec
+from engine.provenance import write_json
 from kv_transfer.base import TransferRequest, TransferStatus, send_all_layers
 from kv_transfer.layout import KVLayout
 from kv_transfer.rendezvous import connect_lanes, join, listen
@@ -281,9 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         if off:
             out["rows_without_checksum"] = [asdict(r) for r in off]
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-            f.write("\n")
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 
@@ -22,6 +21,7 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.llm_engine import LLMEngine
+from engine.provenance import write_json
 from engine.sampling_params import SamplingParams
 from router.cluster import Cluster, ClusterConfig
 from router.vocab import Placement, RoutePath
@@ -131,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['stream_overhead_per_token_s'] * 1e3:>12.2f}ms"
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "threads": args.threads, "rows": rows}, f, indent=2)
+        write_json(args.json, {"model": args.model, "threads": args.threads, "rows": rows})
     return 0
 
 

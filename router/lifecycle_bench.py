@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import time
 from collections.abc import Callable
 
 from engine.config import CacheConfig, EngineConfig
+from engine.provenance import write_json
 from engine.sampling_params import SamplingParams
 from router.cluster import Cluster, ClusterConfig
 from router.vocab import Placement, RoutePath
@@ -104,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         shown = f"{value:.0f}" if key == "fallbacks" else f"{value:.2f} s"
         print(f"  {label:<58} {shown:>9}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rounded({"model": args.model, **figures}), f, indent=2)
+        write_json(args.json, rounded({"model": args.model, **figures}))
     return 0
 
 

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import statistics
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+from engine.provenance import write_json
 
 PROMPT = "What is the capital of France? Answer in one short sentence, please."
 MAX_TOKENS = 16
@@ -249,8 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{door}: errors: {r['errors']}")
     print("(targets, gRPC: >= 2000 req/s, < 1 ms added)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+        write_json(args.json, res)
     return 0
 
 

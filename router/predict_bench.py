@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 from dataclasses import replace
 from typing import Any
 
 from engine.config import CacheConfig, EngineConfig
+from engine.provenance import write_json
 
 PATH_NAMES = {1: "colocated", 2: "disaggregated"}
 
@@ -120,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>14} {len(group):>8} {err:>24.1%} {ttft:>15.0f}")
     print(f"(after {args.warmup} warm-up requests; target: within 25% for the median request)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "summary": summary, "requests": rows}, f, indent=2)
+        write_json(args.json, {"args": vars(args), "summary": summary, "requests": rows})
     return 0
 
 

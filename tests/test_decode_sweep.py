@@ -1,7 +1,11 @@
 """The decode-step roofline sweep (run for real on a lent GPU by scripts/gpu-check.sh) works end
 to end on CPU with a tiny shape: its byte count and its fractions are consistent."""
 
+import json
+import subprocess
+import sys
 from argparse import Namespace
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +74,20 @@ def test_a_chunk_of_one_token_or_fewer_is_refused_naming_the_flag(bad, capsys):
     with pytest.raises(SystemExit):
         decode_sweep.main(["--chunk", bad])
     assert "--chunk" in capsys.readouterr().err
+
+
+def test_its_json_says_how_it_was_made(monkeypatch, tmp_path):
+    """As every benchmark's (engine/provenance.py): the command line, the commit, the host and
+    the start, then the figures."""
+    out = tmp_path / "sweep.json"
+    argv = ["--shape", "tiny", "--batches", "1", "--context", "24", "--device", "cpu", "--steps",
+            "1", "--warmup", "0", "--copy-bytes", "1048576", "--json", str(out)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/python -m engine.decode_sweep", *argv])
+    assert decode_sweep.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert list(doc)[:5] == ["command", "commit", "changed", "host", "started"]
+    assert doc["command"].endswith("--json " + str(out))
+    here = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(decode_sweep.__file__).parent,
+                          capture_output=True, text=True)  # fmt: skip
+    assert doc["commit"] == (here.stdout.strip() if here.returncode == 0 else None)
+    assert [r["batch"] for r in doc["rows"]] == [1] and doc["rows"][0]["step_ms"] > 0
