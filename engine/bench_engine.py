@@ -29,7 +29,7 @@ from engine.llm_engine import LLMEngine
 from engine.loader import load_model
 from engine.model import PagedDecoderModel
 from engine.model_runner import StepShape
-from engine.provenance import write_json
+from engine.provenance import provenance, write_json
 from engine.sampling_params import SamplingParams
 
 
@@ -102,6 +102,7 @@ def _timed(fn: Callable[[], int]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    made = provenance()  # at the start: when it started, from which checkout
     if args.threads:
         torch.set_num_threads(args.threads)
     model_cfg = ModelConfig(
@@ -171,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     }
     print_table(result)
     if args.json:
-        write_json(args.json, result)
+        write_json(args.json, result, made)
     return 0
 
 

@@ -36,7 +36,7 @@ import torch
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_device
 from engine.model_runner import ModelRunner
 from engine.outputs import ScheduledRequest, SchedulerOutput
-from engine.provenance import write_json
+from engine.provenance import provenance, write_json
 from engine.sampling_params import SamplingParams
 
 # Llama-family shapes: hidden, layers, heads, kv heads, intermediate, vocab, head_dim.
@@ -230,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--copy-bytes", type=int, default=1 << 30)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    made = provenance()  # at the start: when it started, from which checkout
     args.batches = [int(b) for b in args.batches.split(",")]
     res = sweep(args)
     print(
@@ -251,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             line += f" {r['with_chunk_ms']:>20.2f} {r['chunk_slowdown']:>6.2f}x"
         print(line)
     if args.json:
-        write_json(args.json, res)
+        write_json(args.json, res, made)
     return 0
 
 

@@ -1,7 +1,8 @@
 """How a benchmark's figures were made, recorded at the top of its JSON: the command line, the
 commit of this checkout (None outside a git checkout) and whether tracked files differed from
-it, the host, and when it started. Every benchmark command that writes JSON (`pdserve bench`,
-the engine, transfer and router benches) writes it through `write_json`."""
+it, the host, and when it started. A benchmark takes it as it starts (`provenance`) and writes
+its figures after it (`write_json`; `pdserve bench` and its overload run write their JSON as they
+go, the provenance first)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def provenance() -> dict[str, Any]:
     }
 
 
-def write_json(path: str | Path, result: Mapping[str, Any]) -> None:
-    """`result` after how it was made (provenance), as indented JSON at `path`."""
-    Path(path).write_text(json.dumps({**provenance(), **result}, indent=2) + "\n")
+def write_json(path: str | Path, result: Mapping[str, Any], made: Mapping[str, Any]) -> None:
+    """`result` after how it was made (`made`: provenance() as the run started), as indented
+    JSON at `path`."""
+    Path(path).write_text(json.dumps({**made, **result}, indent=2) + "\n")

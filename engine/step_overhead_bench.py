@@ -33,7 +33,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.llm_engine import LLMEngine
 from engine.loader import load_model
 from engine.outputs import SchedulerOutput
-from engine.provenance import write_json
+from engine.provenance import provenance, write_json
 from engine.sampling_params import SamplingParams
 
 PHASES = ("schedule", "prepare", "forward", "sample", "post")
@@ -218,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", default=None, help="write results to this file")
     args = p.parse_args(argv)
+    made = provenance()  # at the start: when it started, from which checkout
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(ModelConfig(model=args.model))
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print_table(result)
     if args.json:
-        write_json(args.json, result)
+        write_json(args.json, result, made)
     return 0
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 from engine.kv_cache import KVCache, KVCacheSpec
-from engine.provenance import write_json
+from engine.provenance import provenance, write_json
 from kv_transfer.base import TransferRequest, TransferStatus, send_all_layers
 from kv_transfer.layout import KVLayout
 from kv_transfer.rendezvous import connect_lanes, join, listen
@@ -240,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         help="per-message checksums (on: the default for CPU caches); both: compare",
     )
     args = ap.parse_args(argv)
+    made = provenance()  # at the start: when it started, from which checkout
     t0 = time.perf_counter()
     config = TorchDistConfig(
         bind_host=HOST,
@@ -281,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         if off:
             out["rows_without_checksum"] = [asdict(r) for r in off]
-        write_json(args.json, out)
+        write_json(args.json, out, made)
 
 
 if __name__ == "__main__":

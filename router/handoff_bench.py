@@ -21,7 +21,7 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.llm_engine import LLMEngine
-from engine.provenance import write_json
+from engine.provenance import provenance, write_json
 from engine.sampling_params import SamplingParams
 from router.cluster import Cluster, ClusterConfig
 from router.vocab import Placement, RoutePath
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    made = provenance()  # at the start: when it started, from which checkout
     lens = [int(x) for x in args.prompt_lens.split(",")]
     torch.set_num_threads(args.threads)
     engine_cfg = EngineConfig(
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['stream_overhead_per_token_s'] * 1e3:>12.2f}ms"
         )
     if args.json:
-        write_json(args.json, {"model": args.model, "threads": args.threads, "rows": rows})
+        write_json(args.json, {"model": args.model, "threads": args.threads, "rows": rows}, made)
     return 0
 
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from engine.config import CacheConfig, EngineConfig
-from engine.provenance import write_json
+from engine.provenance import provenance, write_json
 from engine.sampling_params import SamplingParams
 from router.cluster import Cluster, ClusterConfig
 from router.vocab import Placement, RoutePath
@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-gib", type=float, default=0.25)
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args(argv)
+    made = provenance()  # at the start: when it started, from which checkout
     figures = measure(args.model, args.kv_cache_gib)
     print(f"pdserve lifecycle on this machine, model {args.model}")
     for key, label in LABELS.items():
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         shown = f"{value:.0f}" if key == "fallbacks" else f"{value:.2f} s"
         print(f"  {label:<58} {shown:>9}")
     if args.json:
-        write_json(args.json, rounded({"model": args.model, **figures}))
+        write_json(args.json, rounded({"model": args.model, **figures}), made)
     return 0
 
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from engine.provenance import write_json
+from engine.provenance import provenance, write_json
 
 PROMPT = "What is the capital of France? Answer in one short sentence, please."
 MAX_TOKENS = 16
@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m", help="whose tokenizer the router runs")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    made = provenance()  # at the start: when it started, from which checkout
     res = asyncio.run(_run(args))
     print(f"{'':>28} {'unary req/s':>12} {'p50 ms':>8} {'p99 ms':>8}")
     for door in ("grpc", "http"):
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{door}: errors: {r['errors']}")
     print("(targets, gRPC: >= 2000 req/s, < 1 ms added)")
     if args.json:
-        write_json(args.json, res)
+        write_json(args.json, res, made)
     return 0
 
 

@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from engine.config import CacheConfig, EngineConfig
-from engine.provenance import write_json
+from engine.provenance import provenance, write_json
 
 PATH_NAMES = {1: "colocated", 2: "disaggregated"}
 
@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    made = provenance()  # at the start: when it started, from which checkout
     rows = asyncio.run(_run(args))
     steady = rows[args.warmup :]
     print(f"{'':>14} {'requests':>8} {'median |pred-meas|/meas':>24} {'median TTFT ms':>15}")
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>14} {len(group):>8} {err:>24.1%} {ttft:>15.0f}")
     print(f"(after {args.warmup} warm-up requests; target: within 25% for the median request)")
     if args.json:
-        write_json(args.json, {"args": vars(args), "summary": summary, "requests": rows})
+        write_json(args.json, {"args": vars(args), "summary": summary, "requests": rows}, made)
     return 0
 
 

@@ -15,7 +15,6 @@ from router.host_share import HostShare, PeerWork
 from router.policy import Planner, Policy, PolicyConfig, RequestShape
 from router.pool_state import WorkerState
 from router.spread import MISS_WIDTH, PredictionSpread
-from worker_protocol.messages import WorkerLoad
 
 # The "true" step time of the injected workers: 20 ms + 2 ms/token + attention terms.
 TRUE = np.array([0.020, 0.002, 2e-7, 1e-7])
@@ -55,14 +54,6 @@ def trained(
         t = true_step(batch + chunk, pairs, ctx) * (1 + rng.normal(0, 0.02))
         state.model.observe(StepStat(batch + chunk, chunk, pairs, batch, ctx, t))
     return state
-
-
-def load_of(w: WorkerState, *left: tuple[str, int]) -> WorkerLoad:
-    """A poll of `w` with nothing but the prompt tokens its requests still have to compute."""
-    queued = sum(n for _, n in left)
-    return WorkerLoad(
-        w.worker_id, w.info.role, 0, 0, 0, 0.1, 1000, 1024, queued, prefills_left=left
-    )
 
 
 def shape(n: int, seed: int = 0, max_tokens: int = 64, slo_ttft=30.0, slo_itl=10.0):

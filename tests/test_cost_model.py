@@ -17,12 +17,21 @@ from router.interference import caused_misses, prefills_beside
 from router.membership import Membership
 from router.metrics import Metrics
 from router.policy import Planner, Policy, PolicyConfig, pick_decode
+from router.pool_state import WorkerState
 from router.predictions import PathPrediction, choose, predict_colocated, predict_disaggregated
 from router.spread import PRIOR_WIDTH, PredictionSpread, miss_chance
 from router.ttft_bias import Bias
 from router.vocab import RoutePath
-from tests.cost_fixtures import load_of, planner, shape, trained, true_step, with_decodes
+from tests.cost_fixtures import planner, shape, trained, true_step, with_decodes
 from worker_protocol.messages import WorkerLoad
+
+
+def load_of(w: WorkerState, *left: tuple[str, int]) -> WorkerLoad:
+    """A poll of `w` with nothing but the prompt tokens its requests still have to compute."""
+    queued = sum(n for _, n in left)
+    return WorkerLoad(
+        w.worker_id, w.info.role, 0, 0, 0, 0.1, 1000, 1024, queued, prefills_left=left
+    )
 
 
 def test_choice_moves_to_disaggregated_as_prompts_grow_next_to_running_decodes():

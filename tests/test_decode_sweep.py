@@ -82,8 +82,22 @@ def test_its_json_says_how_it_was_made(monkeypatch, tmp_path):
     out = tmp_path / "sweep.json"
     argv = ["--shape", "tiny", "--batches", "1", "--context", "24", "--device", "cpu", "--steps",
             "1", "--warmup", "0", "--copy-bytes", "1048576", "--json", str(out)]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", ["/venv/bin/python -m engine.decode_sweep", *argv])
+    monkeypatch.setattr(sys, "argv", ["python", "-m", "engine.decode_sweep", *argv])
+    events = []  # how it was made is read as the run starts, before the sweep
+
+    def spy(name):
+        real = getattr(decode_sweep, name)
+
+        def called(*args):
+            events.append(name)
+            return real(*args)
+
+        return called
+
+    for name in ("provenance", "sweep"):
+        monkeypatch.setattr(decode_sweep, name, spy(name))
     assert decode_sweep.main(argv) == 0
+    assert events == ["provenance", "sweep"]
     doc = json.loads(out.read_text())
     assert list(doc)[:5] == ["command", "commit", "changed", "host", "started"]
     assert doc["command"].endswith("--json " + str(out))
