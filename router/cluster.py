@@ -123,7 +123,7 @@ class Cluster:
         gone."""
         if worker_id is None:
             ids = [w for w in self.prefill_ids if w != d.worker_id]
-            return self.pools.workers[self._pick(ids)] if ids else None
+            return self.pools.workers.get(self._pick(ids)) if ids else None  # None: dropped
         h = self.pools.workers.get(worker_id)
         if h is None or h.status not in (WorkerStatus.READY, WorkerStatus.DRAINING) or h is d:
             return None  # gone, or D itself (a worker does not hand KV to itself)
@@ -193,9 +193,18 @@ class Cluster:
                 finished = chunk.finished
                 yield chunk
         except _GONE as exc:
-            if not self._lost(d, exc):
+            # D unreachable for now: its stream is broken whether or not D comes back (the
+            # abort below is retried until it lands), so the request goes on elsewhere too.
+            unreachable = isinstance(exc, _UNAVAILABLE) and d.is_actor(exc.actor_id)
+            if not (self._lost(d, exc) or unreachable):
                 raise  # another actor died under this call
-            why = "its engine stopped" if isinstance(exc, EngineDeadError) else type(exc).__name__
+            why = (
+                "its engine stopped"
+                if isinstance(exc, EngineDeadError)
+                else "unreachable (ActorUnavailableError)"
+                if unreachable
+                else type(exc).__name__
+            )
             raise WorkerLost(d.worker_id, why) from exc
         finally:
             d.active -= 1
@@ -210,16 +219,31 @@ class Cluster:
 
     async def _abort(self, ids: list[str], p: WorkerHandle | None, d: WorkerHandle) -> None:
         handles = [d] + ([p] if p is not None else [])
-        timeout = self.config.control_timeout_s
         calls = [(h, rid) for h in handles for rid in ids]
-        results = await asyncio.gather(
-            *(asyncio.wait_for(h.actor.abort.remote(rid), timeout) for h, rid in calls),
-            return_exceptions=True,
-        )
+        results = await asyncio.gather(*(self._abort_until(h, rid) for h, rid in calls))
         for (h, rid), r in zip(calls, results):
-            if isinstance(r, BaseException) and not isinstance(r, _GONE):  # gone: nothing left
+            # Gone (dead, or its engine stopped): nothing is left there to free.
+            if r is not None and (isinstance(r, _UNAVAILABLE) or not isinstance(r, _GONE)):
                 log.warning("abort of %s on %s failed: %s: %s", rid, h.worker_id,
                             type(r).__name__, r)  # fmt: skip
+
+    async def _abort_until(self, h: WorkerHandle, rid: str) -> BaseException | None:
+        """Abort `rid` on `h` within the control timeout: None once `h` answered, else what the
+        last try raised. A worker unreachable for now (ActorUnavailableError) may still hold
+        the request's blocks and come back: its abort is tried again every
+        UNAVAILABLE_RETRY_S until the timeout."""
+        deadline = time.monotonic() + self.config.control_timeout_s
+        while True:
+            try:
+                left = max(0.0, deadline - time.monotonic())
+                await asyncio.wait_for(h.actor.abort.remote(rid), left)
+                return None
+            except _UNAVAILABLE as exc:
+                if time.monotonic() + UNAVAILABLE_RETRY_S >= deadline:
+                    return exc
+                await asyncio.sleep(UNAVAILABLE_RETRY_S)
+            except Exception as exc:
+                return exc
 
     async def _stream(self, method: Any, *args: Any) -> AsyncIterator[TokenChunk]:
         gen = method.options(num_returns="streaming").remote(*args)
@@ -364,7 +388,8 @@ class Cluster:
         ready = [
             h for w in self.prefill_ids
             if w not in (dead.worker_id, d.worker_id)
-            and (h := self.pools.workers[w]).status is WorkerStatus.READY
+            and (h := self.pools.workers.get(w)) is not None  # dropped meanwhile
+            and h.status is WorkerStatus.READY
             and self.pools.pairs.connected(w, d.worker_id)
         ]  # fmt: skip
         return min(ready, key=lambda h: h.active, default=None)
@@ -372,13 +397,11 @@ class Cluster:
     async def _abort_on(self, h: WorkerHandle, rid: str) -> bool:
         """Abort `rid` on one worker, for good (it then ignores a call for `rid` that Ray runs
         after the abort); False when it did not answer in time (or failed)."""
-        try:
-            await asyncio.wait_for(h.actor.abort.remote(rid), self.config.control_timeout_s)
-            return True
-        except Exception as exc:
+        exc = await self._abort_until(h, rid)
+        if exc is not None:
             log.warning("abort of %s on %s failed: %s: %s", rid, h.worker_id,
                         type(exc).__name__, exc)  # fmt: skip
-            return False
+        return exc is None
 
     async def _check_pair(self, p: WorkerHandle, d: WorkerHandle) -> None:
         """(Supervisor loop.) After a failed transfer: if either side lost the pair, it is made
@@ -471,7 +494,10 @@ class Cluster:
 
 
 # What a call to a worker raises when the worker is gone: its actor died, or its engine stopped.
+# Among those, what it raises while the worker cannot be reached for now (it may come back).
 _GONE = (ray.exceptions.RayActorError, EngineDeadError)
+_UNAVAILABLE = ray.exceptions.ActorUnavailableError
+UNAVAILABLE_RETRY_S = 0.5  # between tries of an abort on a worker unreachable for now
 
 
 def _why_gone(h: WorkerHandle) -> str:

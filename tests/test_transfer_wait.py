@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 from kv_transfer import TransferStatus
@@ -94,3 +95,76 @@ def test_a_handoff_waiting_for_its_kv_stops_at_its_abort_and_leaves_the_receive_
     assert ok is False and took < 1.0
     assert conn.released == [] and conn.aborted == []
     assert conn.records["r"] is TransferStatus.PENDING  # left to the abort
+
+
+class Stuck(Running):
+    """As a transfer whose lane holds its data on a stuck link: ending it blocks the caller's
+    thread until the lane lets go (STUCK_S here; up to the I/O timeout for real)."""
+
+    STUCK_S = 0.5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aborted_on: list[threading.Thread] = []
+
+    def abort(self, rid: str) -> None:
+        self.aborted_on.append(threading.current_thread())
+        time.sleep(self.STUCK_S)
+        super().abort(rid)
+
+
+def _ticks_while(work) -> tuple[object, int]:
+    """What `work()` returns, and how often a 10 ms ticker on the same event loop ran meanwhile
+    (about STUCK_S / 10 ms when the loop stayed free, none when something blocked it)."""
+
+    async def main():
+        ticks, done = 0, asyncio.Event()
+
+        async def ticker():
+            nonlocal ticks
+            while not done.is_set():
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticking = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        try:
+            return await work(), ticks
+        finally:
+            done.set()
+            await ticking
+
+    return asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_a_transfer_ended_at_its_deadline_leaves_the_event_loop_free_meanwhile():
+    """Past the deadline the wait aborts the transfer; the abort waits for a stuck lane on a
+    thread of its own, while the worker's other requests (here a ticker) go on."""
+    conn = Stuck()
+    status, ticks = _ticks_while(lambda: wait_transfer(conn, "r", 0.05))  # type: ignore[arg-type]
+    assert status is TransferStatus.FAILED and conn.aborted == ["r"]
+    assert conn.aborted_on[0] is not threading.main_thread()
+    assert ticks >= 0.5 * Stuck.STUCK_S / 0.01
+
+
+def test_an_abort_on_a_decode_worker_leaves_its_event_loop_free_while_the_receive_ends():
+    """The router aborts a handoff whose prefill worker died mid-transfer: ending the receive
+    waits for its lane, off the event loop, then the receive is released and the engine
+    aborts the request; the worker's other streams (a ticker) go on meanwhile."""
+    from engine.async_engine import AsyncEngine
+    from tests.helpers import assert_pool_free, make_engine
+    from worker_protocol.ended import EndedRequests
+    from worker_protocol.kv_receiver import KVReceiverSide
+
+    eng = make_engine("tiny-llama")
+    side = KVReceiverSide()
+    conn = Stuck()
+    side.connector, side.ended, side.aeng = conn, EndedRequests(), AsyncEngine(eng)  # type: ignore[assignment]
+    try:
+        _, ticks = _ticks_while(lambda: side.abort_receive("r"))
+    finally:
+        side.aeng.shutdown()
+    assert "r" in side.ended and conn.aborted == ["r"] and conn.released == ["r"]
+    assert conn.aborted_on[0] is not threading.main_thread()
+    assert ticks >= 0.5 * Stuck.STUCK_S / 0.01
+    assert_pool_free(eng)

@@ -19,6 +19,7 @@ nothing: `reserve_kv` reserves nothing, `generate` and `finish_handoff` end at o
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -115,8 +116,7 @@ class KVReceiverSide:
             yield self._aborted(request_id)
             return
         if first_token is None:  # the prefill side failed: nothing more will arrive
-            self.connector.abort(request_id)
-            self.connector.release(request_id)
+            await asyncio.to_thread(self._end_receive, request_id)
         ok = first_token is not None and await self._wait_kv(request_id)
         if request_id in self.ended:  # aborted during the wait: the abort freed everything
             yield self._aborted(request_id)
@@ -167,6 +167,12 @@ class KVReceiverSide:
         try:
             await self.aeng.call(lambda e: None)
         finally:
-            self.connector.abort(request_id)
-            self.connector.release(request_id)  # a no-op when no receive was registered
+            await asyncio.to_thread(self._end_receive, request_id)
         await self.aeng.abort(request_id)
+
+    def _end_receive(self, request_id: str) -> None:
+        """End a receive and forget it (a no-op when none was registered). Off the event loop:
+        ending a direct receive waits for its data (up to its I/O timeout on a stuck link),
+        and this worker's other streams, loads and aborts keep going meanwhile."""
+        self.connector.abort(request_id)
+        self.connector.release(request_id)

@@ -178,12 +178,12 @@ class KVSenderSide:
             with self._lock:
                 pending = self._sends.pop(rid, None)
             if pending is not None and pending.started and self._live_send(rid):
-                self.connector.abort(rid)  # returns once the sender no longer reads the blocks
-                self.connector.release(rid)
-            # The send has ended (or never started): only now may the blocks go (step 4).
-            self.aeng.call_threadsafe(lambda e: e.release_blocks(rid)).add_done_callback(
-                _release_failed
-            )
+                # Off the event loop (ending a send waits for its lane, up to its I/O timeout
+                # on a stuck link), and to the end even if this call is cancelled meanwhile:
+                # the blocks go only once the sender no longer reads them.
+                await asyncio.shield(asyncio.to_thread(self._end_send_then_free, rid))
+            else:
+                self._free_blocks(rid)
         return PrefillResult(
             request_id=rid,
             first_token=first,
@@ -196,6 +196,20 @@ class KVSenderSide:
             send_s=outcome.seconds,
             failure_reason=outcome.reason,
             queue_s=queue_s,
+        )
+
+    def _end_send_then_free(self, rid: str) -> None:
+        try:
+            self.connector.abort(rid)  # returns once the sender no longer reads the blocks
+            self.connector.release(rid)
+        finally:
+            self._free_blocks(rid)
+
+    def _free_blocks(self, rid: str) -> None:
+        """The send has ended (or never started): only now may the blocks go (step 4). Any
+        thread."""
+        self.aeng.call_threadsafe(lambda e: e.release_blocks(rid)).add_done_callback(
+            _release_failed
         )
 
     def _live_send(self, rid: str) -> bool:

@@ -30,6 +30,8 @@ async def wait_transfer(
             break
         await asyncio.sleep(0.002)
     if not status.finished:
-        connector.abort(rid)
+        # Off the event loop: ending a transfer waits for its lane (up to its I/O timeout on a
+        # stuck link), and the worker's other requests keep streaming meanwhile.
+        await asyncio.to_thread(connector.abort, rid)
         status = connector.poll(rid)
     return status

@@ -1,0 +1,119 @@
+"""A worker Ray cannot reach for now (ActorUnavailableError: it may come back), as the cluster
+meets it, on stand-in actors (no Ray runtime): the request it was streaming goes on elsewhere,
+and aborts on it are tried again until they land, so that its blocks are freed once it answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+from engine.sampling_params import SamplingParams
+from router import cluster as cluster_module
+from router.cluster import Cluster
+from router.cluster_config import ClusterConfig
+from router.errors import WorkerLost
+from router.vocab import FallbackReason, Placement, RoutePath
+from router.workers import WorkerHandle, WorkerStatus
+from worker_protocol.messages import TokenChunk, WorkerRole
+
+
+class Actor:
+    """A worker's actor: `abort` fails as `abort_fails` says, one try after another (an
+    exception raises it, None answers); `generate` streams one token and then raises `cut`."""
+
+    def __init__(self, *abort_fails: BaseException | None, cut: BaseException | None = None):
+        self.abort_fails = deque(abort_fails)
+        self.aborts: list[str] = []
+        self.abort = SimpleNamespace(remote=self._abort)
+        self.generate = SimpleNamespace(options=lambda **_: SimpleNamespace(remote=self._gen))
+        self.cut = cut
+
+    async def _abort(self, rid: str) -> None:
+        self.aborts.append(rid)
+        if self.abort_fails and (exc := self.abort_fails.popleft()) is not None:
+            raise exc
+
+    def _gen(self, req):
+        async def refs():
+            yield _ready(TokenChunk(req.request_id, (7,), False))
+            raise self.cut
+
+        return refs()
+
+
+async def _ready(value):
+    return value
+
+
+def unavailable() -> ActorUnavailableError:
+    return ActorUnavailableError("the connection to it broke", None)
+
+
+def _cluster(*handles: WorkerHandle, timeout_s: float = 5.0) -> Cluster:
+    """A Cluster over `handles` without Ray: what generate and the aborts read of it."""
+    c = Cluster.__new__(Cluster)
+    c.config = ClusterConfig(control_timeout_s=timeout_s)
+    workers = {h.worker_id: h for h in handles}
+    c.pools = SimpleNamespace(workers=workers, note_failure=lambda h, exc: False)
+    c.fallbacks, c.fallback_counts = deque(maxlen=8), {r: 0 for r in FallbackReason}
+    c._rr = itertools.count()
+    return c
+
+
+def _handle(worker_id: str, actor: Actor) -> WorkerHandle:
+    return WorkerHandle(worker_id, WorkerRole.DECODE, actor, 0, status=WorkerStatus.READY)
+
+
+@pytest.fixture(autouse=True)
+def quick_retries(monkeypatch):
+    monkeypatch.setattr(cluster_module, "UNAVAILABLE_RETRY_S", 0.01)
+
+
+def test_an_abort_is_tried_again_while_its_worker_is_unreachable_and_not_once_it_is_dead(caplog):
+    back = _handle("decode-0", Actor(unavailable(), unavailable(), None))
+    dead = _handle("decode-1", Actor(ActorDiedError()))
+    away = _handle("decode-2", Actor(*[unavailable()] * 1000))
+    c = _cluster(back, dead, away, timeout_s=0.3)
+    with caplog.at_level(logging.WARNING, logger=cluster_module.log.name):
+        for h in (back, dead, away):
+            asyncio.run(c._abort(["r"], None, h))
+    assert back.actor.aborts == ["r"] * 3  # answered at the third try: nothing logged
+    assert dead.actor.aborts == ["r"]  # dead: nothing left there to free, nothing logged
+    assert 5 <= len(away.actor.aborts) <= 40  # tried again until the control timeout
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "abort of r on decode-2 failed: ActorUnavailableError" in warned[0]
+    assert asyncio.run(c._abort_on(_handle("decode-3", Actor(unavailable(), None)), "r")) is True
+
+
+def test_a_stream_cut_by_an_unreachable_decode_worker_goes_on_elsewhere_and_is_aborted_there():
+    """The request core resumes a request whose decode worker is lost (WorkerLost); a worker
+    unreachable for now counts as lost for the request it was streaming, whose abort lands
+    once the worker answers again. Another error still reaches the caller as it is."""
+    d = _handle("decode-0", Actor(unavailable(), None, cut=unavailable()))
+    c = _cluster(d)
+    placement = Placement(path=RoutePath.COLOCATED, request_id="req-1", decode_worker="decode-0")
+
+    async def run() -> list[TokenChunk]:
+        got = []
+        async for chunk in c.generate([1, 2, 3], SamplingParams(max_tokens=4), placement):
+            got.append(chunk)
+        return got
+
+    with pytest.raises(WorkerLost, match="decode-0 lost: unreachable"):
+        asyncio.run(run())
+    assert d.actor.aborts == ["req-1", "req-1"] and d.active == 0
+    other = _handle("decode-0", Actor(None, cut=ValueError("a bug")))
+    with pytest.raises(ValueError, match="a bug"):
+        asyncio.run(_drain(_cluster(other), placement))
+
+
+async def _drain(c: Cluster, placement: Placement) -> None:
+    async for _ in c.generate([1, 2, 3], SamplingParams(max_tokens=4), placement):
+        pass
