@@ -187,7 +187,7 @@ class Cluster:
                 )
                 self._fallback(req, FallbackReason.NO_PREFILL_WORKER, why, 0.0, listener)
             stream = self._stream(d.actor.generate, req)
-        finished = False
+        finished = unreachable = False
         try:
             async for chunk in stream:
                 finished = chunk.finished
@@ -208,7 +208,9 @@ class Cluster:
             raise WorkerLost(d.worker_id, why) from exc
         finally:
             d.active -= 1
-            if not finished:
+            if unreachable:  # tried until D answers, on the supervisor loop: the request
+                self.pools.ops.submit(self._abort(ids, p, d))  # resumes meanwhile (new id)
+            elif not finished:
                 await asyncio.shield(self._abort(ids, p, d))
 
     def _lost(self, h: WorkerHandle, exc: BaseException) -> bool:
@@ -239,7 +241,7 @@ class Cluster:
                 await asyncio.wait_for(h.actor.abort.remote(rid), left)
                 return None
             except _UNAVAILABLE as exc:
-                if time.monotonic() + UNAVAILABLE_RETRY_S >= deadline:
+                if deadline - time.monotonic() < 2 * UNAVAILABLE_RETRY_S:  # no room for a try
                     return exc
                 await asyncio.sleep(UNAVAILABLE_RETRY_S)
             except Exception as exc:

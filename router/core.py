@@ -367,6 +367,11 @@ class RequestCore:
             ),
         )
         prefill, decode = self.members.pools()
+        # A worker lost but still in its pool (unreachable for now: it may come back) is left
+        # out of this plan, unless no other could decode it.
+        if any(w.worker_id != lost.worker_id for w in decode):
+            prefill = [w for w in prefill if w.worker_id != lost.worker_id]
+            decode = [w for w in decode if w.worker_id != lost.worker_id]
         return shape, self.planner.decide(shape, prefill, decode, req.path, admitting=False)
 
     def _summary(

@@ -7,8 +7,9 @@ from router.vocab import FailureReason
 
 
 class WorkerLost(RuntimeError):
-    """The decode worker streaming a request died, stopped, or is leaving its pool. The request
-    may resume elsewhere from its prompt and the tokens already streamed."""
+    """The decode worker streaming a request died, stopped, is leaving its pool, or cannot be
+    reached for now. The request may resume elsewhere from its prompt and the tokens already
+    streamed."""
 
     def __init__(self, worker_id: str, cause: str) -> None:
         super().__init__(f"worker {worker_id} lost: {cause}")

@@ -57,3 +57,78 @@ def test_a_first_token_does_not_wait_for_the_step_that_runs_after_it():
     finally:
         host.aeng.shutdown()
     assert_pool_free(eng)
+
+
+def test_an_abort_while_a_cut_prefill_ends_its_send_frees_the_blocks_only_after_the_send():
+    """A prefill is cut (cancelled) with its send under way on a stuck link: ending the send
+    waits for the lane, off the event loop. The router's abort comes meanwhile: it too waits
+    for the send to end before the engine frees the prompt's blocks."""
+    from concurrent.futures import Future
+
+    from kv_transfer import TransferStatus
+
+    events: list[str] = []
+
+    class StuckSend:
+        live = True
+
+        def poll(self, rid: str) -> TransferStatus:
+            return TransferStatus.TRANSFERRING if self.live else TransferStatus.FAILED
+
+        def abort(self, rid: str) -> None:
+            time.sleep(0.3)  # the lane lets go of the blocks
+            if self.live:
+                self.live = False
+                events.append("send ended")
+
+        def release(self, rid: str) -> None:
+            pass
+
+    conn = StuckSend()
+
+    class Engine:
+        """What the sender asks of its engine: the prompt's step never comes."""
+
+        def call_threadsafe(self, fn):
+            fut: Future = Future()
+            fut.set_result(fn(self))
+            return fut
+
+        async def call(self, fn):
+            return fn(self)
+
+        async def add(self, rid, fn):
+            return None
+
+        async def stream(self, rid, q):
+            await asyncio.sleep(60)
+            yield  # never reached
+
+        async def abort(self, rid: str) -> None:
+            self.release_blocks(rid)
+
+        def release_blocks(self, rid: str) -> bool:
+            events.append("blocks freed while the send " + ("runs" if conn.live else "ended"))
+            return True
+
+    host = KVSenderSide()
+    host.init_sender()
+    host.ended, host.connector, host.aeng = EndedRequests(), conn, Engine()  # type: ignore[assignment]
+
+    async def main() -> None:
+        sp = SamplingParams(max_tokens=4)
+        cut = asyncio.create_task(host.prefill(WorkRequest("r", (1, 2, 3), sp), "D", (5, 6), 0))
+        await asyncio.sleep(0.05)
+        host._sends["r"].started = True  # its first layers are on the wire
+        cut.cancel()
+        await asyncio.sleep(0.05)  # its send is ending, on a thread
+        await host.abort_prefill("r")  # the router's abort
+        try:
+            await cut
+        except asyncio.CancelledError:
+            pass
+        await asyncio.sleep(0.5)
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    assert events[0] == "send ended" and "blocks freed while the send runs" not in events
+    assert events.count("blocks freed while the send ended") == 2 and not host._sends

@@ -286,6 +286,23 @@ def test_a_replanned_prefill_is_counted_and_the_summary_names_the_worker_that_di
     assert core.records[-1].disturbed  # and the admission margin leaves it out
 
 
+def test_a_request_resumes_on_another_worker_than_the_one_lost_while_another_can_decode_it():
+    """A lost worker may still be in its pool (unreachable for now, and may come back): the
+    resume is planned without it, unless it is the only one that decodes."""
+
+    async def main(num_decode: int) -> list[str | None]:
+        backend = FakeBackend(num_decode=num_decode, lose_decode_after=3)
+        core = RequestCore(backend, await backend.infos(), RouterConfig(), TOKENIZER)
+        await core.refresh()
+        chunks = await consume(core, request("moved", max_tokens=8))
+        assert sum(len(c.token_ids) for c in chunks) == 8 and core.resumed == 1
+        return [p.decode_worker for p in backend.placements]
+
+    first, again = run(main(2))
+    assert first is not None and again is not None and again != first
+    assert run(main(1)) == ["decode-0", "decode-0"]
+
+
 def test_a_request_whose_decode_worker_dies_resumes_and_its_books_settle_once():
     from router.metrics import Metrics
 

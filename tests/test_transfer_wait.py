@@ -168,3 +168,38 @@ def test_an_abort_on_a_decode_worker_leaves_its_event_loop_free_while_the_receiv
     assert conn.aborted_on[0] is not threading.main_thread()
     assert ticks >= 0.5 * Stuck.STUCK_S / 0.01
     assert_pool_free(eng)
+
+
+class Forgotten(Stuck):
+    """As Stuck, where a release forgets the record (a poll then raises KeyError, as the
+    connector's table does)."""
+
+    def abort(self, rid: str) -> None:
+        self.aborted_on.append(threading.current_thread())
+        time.sleep(self.STUCK_S)
+        if rid in self.records:
+            self.records[rid] = TransferStatus.FAILED
+
+    def release(self, rid: str) -> None:
+        self.records.pop(rid, None)
+
+
+def test_a_transfer_ended_elsewhere_while_its_deadline_abort_waits_is_not_polled_again():
+    """The wait's deadline abort waits for a stuck lane; meanwhile the request's abort marks it
+    ended and releases the record. The wait then reports FAILED without polling a record that
+    is gone."""
+    conn, ended = Forgotten(), set()
+
+    async def main():
+        async def abort_elsewhere():
+            await asyncio.sleep(0.15)  # the wait's own abort is under way by now
+            ended.add("r")
+            conn.release("r")
+
+        aborting = asyncio.create_task(abort_elsewhere())
+        status = await wait_transfer(conn, "r", 0.05, lambda: "r" in ended)  # type: ignore[arg-type]
+        await aborting
+        return status
+
+    assert asyncio.run(asyncio.wait_for(main(), 10)) is TransferStatus.FAILED
+    assert len(conn.aborted_on) == 1 and "r" not in conn.records

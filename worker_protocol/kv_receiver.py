@@ -161,6 +161,10 @@ class KVReceiverSide:
         """Abort everywhere here, for good: the receive (before its blocks go), the engine, the
         stream; a call for it that runs later does nothing (ended.py)."""
         self.ended.add(request_id)  # before any await: see ended.py
+        # To the end even if this call is cancelled: the receive, then the engine's blocks.
+        await asyncio.shield(self._abort_for_good(request_id))
+
+    async def _abort_for_good(self, request_id: str) -> None:
         # A reserve_kv that started before this abort may still be queued on the engine thread:
         # let it run first, so that its receive exists to be ended below. The receive ends
         # whatever that call does: a wait for it (_wait_kv) has stopped at the mark above.

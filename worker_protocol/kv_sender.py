@@ -176,13 +176,16 @@ class KVSenderSide:
                 outcome = await self._wait_send(rid, pending)
         finally:
             with self._lock:
-                pending = self._sends.pop(rid, None)
+                pending = self._sends.get(rid)
             if pending is not None and pending.started and self._live_send(rid):
                 # Off the event loop (ending a send waits for its lane, up to its I/O timeout
                 # on a stuck link), and to the end even if this call is cancelled meanwhile:
-                # the blocks go only once the sender no longer reads them.
+                # the blocks go only once the sender no longer reads them. The send stays
+                # listed until then, so that an abort meanwhile waits for it too.
                 await asyncio.shield(asyncio.to_thread(self._end_send_then_free, rid))
             else:
+                with self._lock:
+                    self._sends.pop(rid, None)
                 self._free_blocks(rid)
         return PrefillResult(
             request_id=rid,
@@ -203,6 +206,8 @@ class KVSenderSide:
             self.connector.abort(rid)  # returns once the sender no longer reads the blocks
             self.connector.release(rid)
         finally:
+            with self._lock:
+                self._sends.pop(rid, None)
             self._free_blocks(rid)
 
     def _free_blocks(self, rid: str) -> None:

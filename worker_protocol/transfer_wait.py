@@ -33,5 +33,7 @@ async def wait_transfer(
         # Off the event loop: ending a transfer waits for its lane (up to its I/O timeout on a
         # stuck link), and the worker's other requests keep streaming meanwhile.
         await asyncio.to_thread(connector.abort, rid)
+        if ended():  # ended elsewhere meanwhile, which releases its record
+            return TransferStatus.FAILED
         status = connector.poll(rid)
     return status
