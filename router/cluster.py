@@ -338,7 +338,9 @@ class Cluster:
             )
         except Exception as exc:  # P died, timed out or failed
             died = self._lost(p, exc)
-            if not died:
+            if isinstance(exc, _UNAVAILABLE):  # tried until P answers; D prefills meanwhile
+                self.pools.ops.submit(self._abort_on(p, rid))
+            elif not died:
                 await self._abort_on(p, rid)  # it may still be prefilling: stop it
             why = f"{p.worker_id} -> {d.worker_id}: {type(exc).__name__}: {exc}"
             other = self._replan_onto(p, d) if died and replan else None

@@ -125,3 +125,70 @@ def test_a_stream_cut_by_an_unreachable_decode_worker_goes_on_elsewhere_and_is_a
 async def _drain(c: Cluster, placement: Placement) -> None:
     async for _ in c.generate([1, 2, 3], SamplingParams(max_tokens=4), placement):
         pass
+
+
+def test_a_handoff_whose_prefill_worker_is_unreachable_falls_back_at_once():
+    """The prefill worker cannot be reached during a handoff: the decode worker prefills the
+    prompt at once (a fallback, told to the request), while the abort on the prefill worker is
+    tried on the supervisor loop until it answers."""
+    from worker_protocol.messages import KVTarget
+
+    class Decoder(Actor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.reserve_kv = SimpleNamespace(remote=self._reserve)
+            self.finish_handoff = SimpleNamespace(
+                options=lambda **_: SimpleNamespace(remote=self._finish)
+            )
+            self.finished: list[tuple] = []
+
+        async def _reserve(self, req, peer, due):
+            return KVTarget(req.request_id, (1, 2), 0, 0)
+
+        def _finish(self, rid, first, logprobs):
+            self.finished.append((rid, first))
+
+            async def refs():
+                yield _ready(TokenChunk(rid, (7, 8), True, "length"))
+
+            return refs()
+
+    class Prefiller(Actor):
+        def __init__(self) -> None:
+            super().__init__(unavailable(), None)
+            self.prefill = SimpleNamespace(remote=self._prefill)
+
+        async def _prefill(self, *args):
+            raise unavailable()
+
+    d = _handle("decode-0", Decoder())
+    p = WorkerHandle("prefill-0", WorkerRole.PREFILL, Prefiller(), 0, status=WorkerStatus.READY)
+    c = _cluster(d, p)
+    c.pools.pairs = SimpleNamespace(connected=lambda a, b: True)
+    c.pools.workers = {"decode-0": d, "prefill-0": p}
+    fell: list[FallbackReason] = []
+    listener = SimpleNamespace(
+        fell_back=lambda reason, detail, wasted: fell.append(reason),
+        prefilled=lambda result: None,
+        replanned=lambda *a: None,
+    )
+    placement = Placement(
+        path=RoutePath.DISAGGREGATED,
+        request_id="req-2",
+        prefill_worker="prefill-0",
+        decode_worker="decode-0",
+    )
+
+    async def run() -> list[TokenChunk]:
+        return [
+            chunk
+            async for chunk in c.generate(
+                [1, 2, 3], SamplingParams(max_tokens=2), placement, listener
+            )
+        ]
+
+    chunks = asyncio.run(asyncio.wait_for(run(), 5))
+    assert [ch.token_ids for ch in chunks] == [(7, 8)] and d.actor.finished == [("req-2", None)]
+    assert fell == [FallbackReason.PREFILL_FAILED] and p.active == d.active == 0
+    assert p.actor.aborts == [] and len(c.submitted) == 1  # not awaited in line
+    assert asyncio.run(c.submitted[0]) is True and p.actor.aborts == ["req-2", "req-2"]
