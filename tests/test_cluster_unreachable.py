@@ -16,9 +16,11 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from engine.sampling_params import SamplingParams
 from router import cluster as cluster_module
+from router import worker_calls
 from router.cluster import Cluster
 from router.cluster_config import ClusterConfig
 from router.errors import WorkerLost
+from router.handoffs import Handoffs
 from router.vocab import FallbackReason, Placement, RoutePath
 from router.workers import WorkerHandle, WorkerStatus
 from worker_protocol.messages import TokenChunk, WorkerRole
@@ -65,7 +67,7 @@ def _cluster(*handles: WorkerHandle, timeout_s: float = 5.0) -> Cluster:
     c.submitted = []  # type: ignore[attr-defined]
     ops = SimpleNamespace(submit=c.submitted.append)  # type: ignore[attr-defined]
     c.pools = SimpleNamespace(workers=workers, note_failure=lambda h, exc: False, ops=ops)
-    c.fallbacks, c.fallback_counts = deque(maxlen=8), {r: 0 for r in FallbackReason}
+    c.handoffs = Handoffs(c.config, c.pools, lambda: [])  # type: ignore[arg-type]
     c._rr = itertools.count()
     return c
 
@@ -76,7 +78,7 @@ def _handle(worker_id: str, actor: Actor) -> WorkerHandle:
 
 @pytest.fixture(autouse=True)
 def quick_retries(monkeypatch):
-    monkeypatch.setattr(cluster_module, "UNAVAILABLE_RETRY_S", 0.01)
+    monkeypatch.setattr(worker_calls, "UNAVAILABLE_RETRY_S", 0.01)
 
 
 def test_an_abort_is_tried_again_while_its_worker_is_unreachable_and_not_once_it_is_dead(caplog):
@@ -92,7 +94,7 @@ def test_an_abort_is_tried_again_while_its_worker_is_unreachable_and_not_once_it
     assert 5 <= len(away.actor.aborts) <= 40  # tried again until the control timeout
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "abort of r on decode-2 failed: ActorUnavailableError" in warned[0]
-    assert asyncio.run(c._abort_on(_handle("decode-3", Actor(unavailable(), None)), "r")) is True
+    assert asyncio.run(c.handoffs._abort_on(_handle("decode-3", Actor(unavailable(), None)), "r"))
 
 
 def test_a_stream_cut_by_an_unreachable_decode_worker_goes_on_elsewhere_and_is_aborted_there():
@@ -165,7 +167,6 @@ def test_a_handoff_whose_prefill_worker_is_unreachable_falls_back_at_once():
     p = WorkerHandle("prefill-0", WorkerRole.PREFILL, Prefiller(), 0, status=WorkerStatus.READY)
     c = _cluster(d, p)
     c.pools.pairs = SimpleNamespace(connected=lambda a, b: True)
-    c.pools.workers = {"decode-0": d, "prefill-0": p}
     fell: list[FallbackReason] = []
     listener = SimpleNamespace(
         fell_back=lambda reason, detail, wasted: fell.append(reason),

@@ -15,7 +15,7 @@ and its engine command then finds nothing to join (an error, nothing left behind
 Every abort writes it, so the router never sends a call for an id to a worker after aborting
 it there: a request resumed after a worker died goes by a new id (router/books.py), and so does
 one the router goes on with on a worker after an abort there (a local prefill after a
-reserve_kv that timed out, a re-plan onto another prefill worker: router/cluster.py). The
+reserve_kv that timed out, a re-plan onto another prefill worker: router/handoffs.py). The
 latest REMEMBERED ids are kept.
 """
 

@@ -152,20 +152,20 @@ def test_a_re_plan_onto_a_worker_a_resize_began_to_remove_leaves_the_prompt_to_t
         heard = Heard()
         ledger.add(sent=2)
         warm_up(c)
-        abort_on = c._abort_on
+        abort_on = c.handoffs._abort_on
 
         async def resize_meanwhile(h, rid):
             if h.worker_id == "decode-0":
                 p1.status = WorkerStatus.DRAINING  # as Pools.scale marks it
             return await abort_on(h, rid)
 
-        c._abort_on = resize_meanwhile  # type: ignore[method-assign]
+        c.handoffs._abort_on = resize_meanwhile  # type: ignore[method-assign]
         got = asyncio.run(
             asyncio.wait_for(
                 run(c, prompt, "struck", prefill_worker="prefill-0", on_prefill=heard), 60
             )
         )
-        c._abort_on = abort_on  # type: ignore[method-assign]
+        c.handoffs._abort_on = abort_on  # type: ignore[method-assign]
         p1.status = WorkerStatus.READY
         assert got == hf_greedy(MODEL, prompt, MAX_NEW)
         ledger.add(completed=2, injected=1)

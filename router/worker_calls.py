@@ -1,0 +1,79 @@
+"""Calls to a worker's actor that both of a request's paths make: aborting a request there for
+good, streaming a call's chunks, and telling a worker gone (its actor died, or its engine
+stopped) from one that cannot be reached for now (Ray's ActorUnavailableError: it may come
+back)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+
+from engine.async_engine import EngineDeadError
+from router.pools import Pools
+from router.workers import WorkerHandle, WorkerStatus
+from worker_protocol.messages import TokenChunk
+
+log = logging.getLogger("pdserve.cluster")
+
+# What a call to a worker raises when the worker is gone: its actor died, or its engine stopped.
+# Among those, what it raises while the worker cannot be reached for now (it may come back).
+GONE = (ray.exceptions.RayActorError, EngineDeadError)
+UNAVAILABLE = ray.exceptions.ActorUnavailableError
+UNAVAILABLE_RETRY_S = 0.5  # between tries of an abort on a worker unreachable for now
+
+
+def lost(pools: Pools, h: WorkerHandle, exc: BaseException) -> bool:
+    """Whether `exc`, raised by a call to `h`, says `h` is gone: its actor died (it then leaves
+    its pool: Pools.note_failure), or its engine stopped (a resize removed it as the call
+    reached it). Either way its requests go on elsewhere."""
+    return pools.note_failure(h, exc) or isinstance(exc, EngineDeadError)
+
+
+async def abort_until(h: WorkerHandle, rid: str, timeout_s: float) -> BaseException | None:
+    """Abort `rid` on `h` within `timeout_s`: None once `h` answered, else what the last try
+    raised. A worker unreachable for now (ActorUnavailableError) may still hold the request's
+    blocks and come back: its abort is tried again every UNAVAILABLE_RETRY_S until then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            left = max(0.0, deadline - time.monotonic())
+            await asyncio.wait_for(h.actor.abort.remote(rid), left)
+            return None
+        except UNAVAILABLE as exc:
+            if deadline - time.monotonic() < 2 * UNAVAILABLE_RETRY_S:  # no room for a try
+                return exc
+            await asyncio.sleep(UNAVAILABLE_RETRY_S)
+        except Exception as exc:
+            return exc
+
+
+async def abort_on(h: WorkerHandle, rid: str, timeout_s: float) -> bool:
+    """Abort `rid` on one worker, for good (it then ignores a call for `rid` that Ray runs
+    after the abort); False when it did not answer in time (or failed)."""
+    exc = await abort_until(h, rid, timeout_s)
+    if exc is not None:
+        log.warning("abort of %s on %s failed: %s: %s", rid, h.worker_id,
+                    type(exc).__name__, exc)  # fmt: skip
+    return exc is None
+
+
+async def stream_of(method: Any, *args: Any) -> AsyncIterator[TokenChunk]:
+    """The chunks of a streaming call to a worker's actor, as they come."""
+    gen = method.options(num_returns="streaming").remote(*args)
+    async for ref in gen:
+        yield await ref
+
+
+def why_gone(h: WorkerHandle) -> str:
+    return "it is leaving its pool" if h.status is WorkerStatus.DRAINING else "not in its pool"
+
+
+def renew(ids: list[str]) -> str:
+    """The next id a request goes by on its workers after a reset; appended to `ids`."""
+    ids.append(f"{ids[0]}.{len(ids)}")
+    return ids[-1]
