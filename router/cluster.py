@@ -29,7 +29,7 @@ from router.handoffs import Handoffs
 from router.pools import Pools
 from router.ray_runtime import init_ray
 from router.vocab import FallbackReason, Placement, RoutePath
-from router.worker_calls import GONE, UNAVAILABLE, abort_until, lost, stream_of, why_gone
+from router.worker_calls import GONE, UNAVAILABLE, abort_soon, lost, stream_of, why_gone
 from router.workers import WorkerHandle, WorkerStatus
 from worker_protocol.messages import (
     PrefillResult,
@@ -187,14 +187,14 @@ class Cluster:
                 )
                 self.handoffs.fallback(req, FallbackReason.NO_PREFILL_WORKER, why, 0.0, listener)
             stream = stream_of(d.actor.generate, req)
-        finished = unreachable = False
+        finished = False
         try:
             async for chunk in stream:
                 finished = chunk.finished
                 yield chunk
         except GONE as exc:
             # D unreachable for now: its stream is broken whether or not D comes back (the
-            # abort below is retried until it lands), so the request goes on elsewhere too.
+            # abort below is tried again until it lands), so the request goes on elsewhere too.
             unreachable = isinstance(exc, UNAVAILABLE) and d.is_actor(exc.actor_id)
             if not (lost(self.pools, d, exc) or unreachable):
                 raise  # another actor died under this call
@@ -208,19 +208,20 @@ class Cluster:
             raise WorkerLost(d.worker_id, why) from exc
         finally:
             d.active -= 1
-            if unreachable:  # tried until D answers, on the supervisor loop: the request
-                self.pools.ops.submit(self._abort(ids, p, d))  # resumes meanwhile (new id)
-            elif not finished:
+            if not finished:
                 await asyncio.shield(self._abort(ids, p, d))
 
     async def _abort(self, ids: list[str], p: WorkerHandle | None, d: WorkerHandle) -> None:
+        """One try on each worker, at once; a worker unreachable for now gets the rest on the
+        supervisor loop (worker_calls.abort_soon), so that the request goes on meanwhile."""
         handles = [d] + ([p] if p is not None else [])
         calls = [(h, rid) for h in handles for rid in ids]
-        timeout = self.config.control_timeout_s
-        results = await asyncio.gather(*(abort_until(h, rid, timeout) for h, rid in calls))
+        timeout, later = self.config.control_timeout_s, self.pools.ops.submit
+        results = await asyncio.gather(*(abort_soon(h, rid, timeout, later) for h, rid in calls))
         for (h, rid), r in zip(calls, results):
-            # Gone (dead, or its engine stopped): nothing is left there to free.
-            if r is not None and (isinstance(r, UNAVAILABLE) or not isinstance(r, GONE)):
+            # Gone (dead, or its engine stopped): nothing is left there to free. Unreachable
+            # for now: tried again (abort_soon), and logged there.
+            if r is not None and not isinstance(r, GONE):
                 log.warning("abort of %s on %s failed: %s: %s", rid, h.worker_id,
                             type(r).__name__, r)  # fmt: skip
 

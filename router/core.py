@@ -250,7 +250,8 @@ class RequestCore:
 
     async def generate(self, req: ParsedRequest, arrived: float) -> AsyncGenerator[CoreChunk, None]:
         """Run one admitted request; raises Overloaded before any work is done. If its decode
-        worker dies or leaves its pool (WorkerLost), it resumes on another from its prompt
+        worker dies, leaves its pool or cannot be reached (WorkerLost), it resumes on another
+        from its prompt
         and the tokens already streamed (greedy output is unchanged; a seeded sample continues
         with a fresh generator)."""
         shape, decision = self.plan(req)
@@ -347,8 +348,9 @@ class RequestCore:
     def _resumed(
         self, req: ParsedRequest, shape: RequestShape, books: RequestBooks, lost: WorkerLost
     ) -> tuple[RequestShape, Decision]:
-        """Its decode worker was lost (died, stopped, or leaving its pool): it leaves that
-        placement, and is planned again from its prompt and the tokens already streamed."""
+        """Its decode worker was lost (died, stopped, leaving its pool, or unreachable for now):
+        it leaves that placement, and is planned again from its prompt and the tokens already
+        streamed."""
         emitted = books.emitted
         log.warning("request %s: %s; resuming after %d tokens", req.request_id, lost, len(emitted))
         books.moved()

@@ -26,7 +26,7 @@ from router.core_types import HandoffListener
 from router.errors import HandoffFailed
 from router.pools import Pools
 from router.vocab import FallbackReason
-from router.worker_calls import GONE, UNAVAILABLE, abort_on, lost, renew, stream_of, why_gone
+from router.worker_calls import GONE, UNAVAILABLE, abort_soon, lost, renew, stream_of, why_gone
 from router.workers import WorkerHandle, WorkerStatus
 from worker_protocol.messages import KVTarget, PrefillResult, TokenChunk, WorkRequest
 
@@ -130,9 +130,7 @@ class Handoffs:
             )
         except Exception as exc:  # P died, timed out or failed
             died = lost(self.pools, p, exc)
-            if isinstance(exc, UNAVAILABLE):  # tried until P answers; D prefills meanwhile
-                self.pools.ops.submit(self._abort_on(p, rid))
-            elif not died:
+            if not died:
                 await self._abort_on(p, rid)  # it may still be prefilling: stop it
             why = f"{p.worker_id} -> {d.worker_id}: {type(exc).__name__}: {exc}"
             other = self._replan_onto(p, d) if died and replan else None
@@ -191,9 +189,15 @@ class Handoffs:
         return min(ready, key=lambda h: h.active, default=None)
 
     async def _abort_on(self, h: WorkerHandle, rid: str) -> bool:
-        """Abort `rid` on one worker, for good, within the control timeout (worker_calls.abort_on);
-        False when it did not answer (or failed)."""
-        return await abort_on(h, rid, self.config.control_timeout_s)
+        """Abort `rid` on one worker, for good: one try within the control timeout, the rest on
+        the supervisor loop while it is unreachable (worker_calls.abort_soon); False when it did
+        not answer (or failed), which is logged."""
+        timeout = self.config.control_timeout_s
+        exc = await abort_soon(h, rid, timeout, self.pools.ops.submit)
+        if exc is not None and not isinstance(exc, UNAVAILABLE):  # unreachable: logged there
+            log.warning("abort of %s on %s failed: %s: %s", rid, h.worker_id,
+                        type(exc).__name__, exc)  # fmt: skip
+        return exc is None
 
     async def _check_pair(self, p: WorkerHandle, d: WorkerHandle) -> None:
         """(Supervisor loop.) After a failed transfer: if either side lost the pair, it is made

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import ray
@@ -37,7 +37,8 @@ def lost(pools: Pools, h: WorkerHandle, exc: BaseException) -> bool:
 async def abort_until(h: WorkerHandle, rid: str, timeout_s: float) -> BaseException | None:
     """Abort `rid` on `h` within `timeout_s`: None once `h` answered, else what the last try
     raised. A worker unreachable for now (ActorUnavailableError) may still hold the request's
-    blocks and come back: its abort is tried again every UNAVAILABLE_RETRY_S until then."""
+    blocks and come back: its abort is tried again every UNAVAILABLE_RETRY_S until the
+    timeout."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -54,12 +55,31 @@ async def abort_until(h: WorkerHandle, rid: str, timeout_s: float) -> BaseExcept
 
 async def abort_on(h: WorkerHandle, rid: str, timeout_s: float) -> bool:
     """Abort `rid` on one worker, for good (it then ignores a call for `rid` that Ray runs
-    after the abort); False when it did not answer in time (or failed)."""
+    after the abort), trying again while it is unreachable (abort_until); False when it did not
+    answer in time (or failed), which is logged."""
     exc = await abort_until(h, rid, timeout_s)
     if exc is not None:
         log.warning("abort of %s on %s failed: %s: %s", rid, h.worker_id,
                     type(exc).__name__, exc)  # fmt: skip
     return exc is None
+
+
+async def abort_soon(
+    h: WorkerHandle, rid: str, timeout_s: float, later: Callable[[Coroutine[Any, Any, bool]], Any]
+) -> BaseException | None:
+    """Abort `rid` on `h` with one try within `timeout_s`: None once `h` answered, else what the
+    try raised. A worker unreachable for now gets the rest of the tries (abort_on) through
+    `later` (the supervisor loop's submit), so that no request waits on it."""
+    try:
+        await asyncio.wait_for(h.actor.abort.remote(rid), timeout_s)
+        return None
+    except UNAVAILABLE as exc:
+        log.info("abort of %s on %s: unreachable for now, tried again until it answers",
+                 rid, h.worker_id)  # fmt: skip
+        later(abort_on(h, rid, timeout_s))  # which logs it if it never does
+        return exc
+    except Exception as exc:
+        return exc
 
 
 async def stream_of(method: Any, *args: Any) -> AsyncIterator[TokenChunk]:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections import deque
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +21,7 @@ from router import cluster as cluster_module
 from router import worker_calls
 from router.cluster import Cluster
 from router.cluster_config import ClusterConfig
-from router.errors import WorkerLost
+from router.errors import HandoffFailed, WorkerLost
 from router.handoffs import Handoffs
 from router.vocab import FallbackReason, Placement, RoutePath
 from router.workers import WorkerHandle, WorkerStatus
@@ -81,7 +83,9 @@ def quick_retries(monkeypatch):
     monkeypatch.setattr(worker_calls, "UNAVAILABLE_RETRY_S", 0.01)
 
 
-def test_an_abort_is_tried_again_while_its_worker_is_unreachable_and_not_once_it_is_dead(caplog):
+def test_an_abort_is_tried_once_in_line_and_again_later_while_its_worker_is_unreachable(caplog):
+    """One try at once; a worker unreachable for now gets the rest on the supervisor loop until
+    it answers (or the control timeout, then a warning); a dead one, none."""
     back = _handle("decode-0", Actor(unavailable(), unavailable(), None))
     dead = _handle("decode-1", Actor(ActorDiedError()))
     away = _handle("decode-2", Actor(*[unavailable()] * 1000))
@@ -89,12 +93,17 @@ def test_an_abort_is_tried_again_while_its_worker_is_unreachable_and_not_once_it
     with caplog.at_level(logging.WARNING, logger=cluster_module.log.name):
         for h in (back, dead, away):
             asyncio.run(c._abort(["r"], None, h))
-    assert back.actor.aborts == ["r"] * 3  # answered at the third try: nothing logged
-    assert dead.actor.aborts == ["r"]  # dead: nothing left there to free, nothing logged
+        assert [len(h.actor.aborts) for h in (back, dead, away)] == [1, 1, 1]
+        assert len(c.submitted) == 2 and not caplog.records  # back's and away's, for later
+        assert [asyncio.run(later) for later in c.submitted] == [True, False]
+    assert back.actor.aborts == ["r"] * 3  # answered at the third try
+    assert dead.actor.aborts == ["r"]  # dead: nothing left there to free
     assert 5 <= len(away.actor.aborts) <= 40  # tried again until the control timeout
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "abort of r on decode-2 failed: ActorUnavailableError" in warned[0]
-    assert asyncio.run(c.handoffs._abort_on(_handle("decode-3", Actor(unavailable(), None)), "r"))
+    h = _handle("decode-3", Actor(unavailable(), None))
+    assert asyncio.run(c.handoffs._abort_on(h, "r")) is False  # not yet: one try
+    assert asyncio.run(c.submitted[-1]) is True and h.actor.aborts == ["r", "r"]
 
 
 def test_a_stream_cut_by_an_unreachable_decode_worker_goes_on_elsewhere_and_is_aborted_there():
@@ -114,10 +123,9 @@ def test_a_stream_cut_by_an_unreachable_decode_worker_goes_on_elsewhere_and_is_a
 
     with pytest.raises(WorkerLost, match="decode-0 lost: unreachable"):
         asyncio.run(run())
-    # It resumes at once; the abort is tried on the supervisor loop until D answers.
-    assert d.actor.aborts == [] and d.active == 0 and len(c.submitted) == 1
-    asyncio.run(c.submitted[0])
-    assert d.actor.aborts == ["req-1", "req-1"]
+    # It resumes after one try of the abort; the rest on the supervisor loop until D answers.
+    assert d.actor.aborts == ["req-1"] and d.active == 0 and len(c.submitted) == 1
+    assert asyncio.run(c.submitted[0]) is True and d.actor.aborts == ["req-1", "req-1"]
     other = _handle("decode-0", Actor(None, cut=ValueError("a bug")))
     with pytest.raises(ValueError, match="a bug"):
         asyncio.run(_drain(_cluster(other), placement))
@@ -129,10 +137,12 @@ async def _drain(c: Cluster, placement: Placement) -> None:
         pass
 
 
-def test_a_handoff_whose_prefill_worker_is_unreachable_falls_back_at_once():
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_handoff_whose_prefill_worker_is_unreachable_falls_back_at_once(policy):
     """The prefill worker cannot be reached during a handoff: the decode worker prefills the
-    prompt at once (a fallback, told to the request), while the abort on the prefill worker is
-    tried on the supervisor loop until it answers."""
+    prompt at once (a fallback, told to the request), or under --kv-failure-policy fail the
+    request fails at once, while the abort on the prefill worker is tried on the supervisor
+    loop until it answers: no wait for it in line."""
     from worker_protocol.messages import KVTarget
 
     class Decoder(Actor):
@@ -157,7 +167,7 @@ def test_a_handoff_whose_prefill_worker_is_unreachable_falls_back_at_once():
 
     class Prefiller(Actor):
         def __init__(self) -> None:
-            super().__init__(unavailable(), None)
+            super().__init__(*[unavailable()] * 1000)  # unreachable throughout
             self.prefill = SimpleNamespace(remote=self._prefill)
 
         async def _prefill(self, *args):
@@ -165,7 +175,8 @@ def test_a_handoff_whose_prefill_worker_is_unreachable_falls_back_at_once():
 
     d = _handle("decode-0", Decoder())
     p = WorkerHandle("prefill-0", WorkerRole.PREFILL, Prefiller(), 0, status=WorkerStatus.READY)
-    c = _cluster(d, p)
+    c = _cluster(d, p, timeout_s=1.0)
+    c.config = c.handoffs.config = replace(c.config, kv_failure_policy=policy)
     c.pools.pairs = SimpleNamespace(connected=lambda a, b: True)
     fell: list[FallbackReason] = []
     listener = SimpleNamespace(
@@ -188,8 +199,18 @@ def test_a_handoff_whose_prefill_worker_is_unreachable_falls_back_at_once():
             )
         ]
 
-    chunks = asyncio.run(asyncio.wait_for(run(), 5))
-    assert [ch.token_ids for ch in chunks] == [(7, 8)] and d.actor.finished == [("req-2", None)]
+    t0 = time.monotonic()
+    if policy == "fail":
+        with pytest.raises(HandoffFailed, match="prefill_failed"):
+            asyncio.run(asyncio.wait_for(run(), 5))
+        tried = 2  # as the handoff failed, and as the request did
+    else:
+        chunks = asyncio.run(asyncio.wait_for(run(), 5))
+        assert [ch.token_ids for ch in chunks] == [(7, 8)]
+        assert d.actor.finished == [("req-2", None)]
+        tried = 1
+    assert time.monotonic() - t0 < 0.5  # no wait for P, whose aborts go on later
     assert fell == [FallbackReason.PREFILL_FAILED] and p.active == d.active == 0
-    assert p.actor.aborts == [] and len(c.submitted) == 1  # not awaited in line
-    assert asyncio.run(c.submitted[0]) is True and p.actor.aborts == ["req-2", "req-2"]
+    assert p.actor.aborts == ["req-2"] * tried and len(c.submitted) == tried
+    assert [asyncio.run(later) for later in c.submitted] == [False] * tried  # never answered
+    assert len(p.actor.aborts) > 3 * tried
