@@ -132,3 +132,44 @@ def test_an_abort_while_a_cut_prefill_ends_its_send_frees_the_blocks_only_after_
     asyncio.run(asyncio.wait_for(main(), 10))
     assert events[0] == "send ended" and "blocks freed while the send runs" not in events
     assert events.count("blocks freed while the send ended") == 2 and not host._sends
+
+
+def test_a_send_that_fails_inside_a_step_is_ended_off_the_engine_thread():
+    """A layer's send raises inside the step's per-layer hook: the send is marked failed at
+    once and ended on a thread of its own (ending it waits for its lane, up to the I/O timeout
+    on a stuck link), so the step, and every other request in it, goes on."""
+    import threading
+    from types import SimpleNamespace
+
+    from engine.outputs import ScheduledRequest, SchedulerOutput
+    from worker_protocol.kv_sender import _PendingSend
+
+    ended_on: list[threading.Thread] = []
+
+    class Failing:
+        def start_send(self, req, cache) -> None:
+            pass
+
+        def send_layer(self, rid: str, layer: int) -> None:
+            raise ValueError("layer 0 announced twice")
+
+        def abort(self, rid: str) -> None:
+            time.sleep(0.5)  # the lane lets go
+            ended_on.append(threading.current_thread())
+
+    host = KVSenderSide()
+    host.init_sender()
+    host.connector = Failing()  # type: ignore[assignment]
+    host.layout = SimpleNamespace(num_layers=2)  # type: ignore[assignment]
+    host.spec = SimpleNamespace(kv_transfer_deadline_s=5.0)  # type: ignore[assignment]
+    host.engine = SimpleNamespace(runner=SimpleNamespace(cache=None))  # type: ignore[assignment]
+    host._sends["r"] = _PendingSend("D", (5, 6), 0)
+    step = SchedulerOutput((ScheduledRequest("r", (1,), 3, (1, 2), True, SamplingParams()),), 1)
+    t0 = time.monotonic()
+    host.on_layer(0, step)
+    assert time.monotonic() - t0 < 0.2  # the step goes on
+    assert host._sends["r"].error == "ValueError: layer 0 announced twice" and not ended_on
+    deadline = time.monotonic() + 5
+    while not ended_on and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(ended_on) == 1 and ended_on[0] is not threading.main_thread()

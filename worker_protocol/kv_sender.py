@@ -96,10 +96,21 @@ class KVSenderSide:
                     send = self._sends.get(s.request_id)
                     if send is not None:
                         send.error = f"{type(exc).__name__}: {exc}"
+                # Off the engine thread: ending a send waits for its lane (up to its I/O
+                # timeout on a stuck link), and the step's other requests go on meanwhile. The
+                # prompt's blocks go only once the send has ended (prefill's finally).
                 try:
-                    self.connector.abort(s.request_id)
-                except Exception:
-                    pass  # never registered: nothing to end
+                    threading.Thread(
+                        target=self._abort_quietly, args=(s.request_id,), daemon=True
+                    ).start()
+                except RuntimeError:  # no thread to be had: in line, then
+                    self._abort_quietly(s.request_id)
+
+    def _abort_quietly(self, rid: str) -> None:
+        try:
+            self.connector.abort(rid)
+        except Exception:
+            pass  # never registered: nothing to end
 
     def _send_layer(self, layer: int, s: ScheduledRequest) -> None:
         if not s.sample:
