@@ -251,9 +251,8 @@ class RequestCore:
     async def generate(self, req: ParsedRequest, arrived: float) -> AsyncGenerator[CoreChunk, None]:
         """Run one admitted request; raises Overloaded before any work is done. If its decode
         worker dies, leaves its pool or cannot be reached (WorkerLost), it resumes on another
-        from its prompt
-        and the tokens already streamed (greedy output is unchanged; a seeded sample continues
-        with a fresh generator)."""
+        from its prompt and the tokens already streamed (greedy output is unchanged; a seeded
+        sample continues with a fresh generator)."""
         shape, decision = self.plan(req)
         self._admit(shape, decision, req.frontend)
         self.planner.demand.arrived(shape.prompt_len, shape.max_tokens)  # taken: it will decode
