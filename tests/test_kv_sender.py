@@ -173,3 +173,57 @@ def test_a_send_that_fails_inside_a_step_is_ended_off_the_engine_thread():
     while not ended_on and time.monotonic() < deadline:
         time.sleep(0.02)
     assert len(ended_on) == 1 and ended_on[0] is not threading.main_thread()
+
+
+def test_a_send_ended_before_its_first_token_is_released_with_the_prompts_blocks():
+    """The router's abort ends a prefill whose send had started: no first token comes, the send
+    is over (FAILED), and the prefill forgets it in the connector (else its record stays for
+    good) as it frees the prompt's blocks."""
+    from concurrent.futures import Future
+
+    from kv_transfer import TransferStatus
+
+    released: list[str] = []
+    freed: list[str] = []
+
+    class Ended:
+        def poll(self, rid: str) -> TransferStatus:
+            return TransferStatus.FAILED
+
+        def release(self, rid: str) -> None:
+            released.append(rid)
+
+    class Engine:
+        """The prompt's stream ends without a token (its request aborted)."""
+
+        def call_threadsafe(self, fn):
+            fut: Future = Future()
+            fut.set_result(fn(self))
+            return fut
+
+        async def add(self, rid, fn):
+            return None
+
+        async def stream(self, rid, q):
+            await asyncio.sleep(0.1)
+            return
+            yield  # an async generator with nothing to give
+
+        def release_blocks(self, rid: str) -> bool:
+            freed.append(rid)
+            return True
+
+    host = KVSenderSide()
+    host.init_sender()
+    host.ended, host.connector, host.aeng = EndedRequests(), Ended(), Engine()  # type: ignore[assignment]
+
+    async def main() -> PrefillResult:
+        sp = SamplingParams(max_tokens=4)
+        prefill = asyncio.create_task(host.prefill(WorkRequest("r", (1, 2, 3), sp), "D", (5,), 0))
+        await asyncio.sleep(0.05)
+        host._sends["r"].started = True  # its send started, then the abort ended it
+        return await prefill
+
+    result = asyncio.run(asyncio.wait_for(main(), 10))
+    assert result.first_token is None and result.transfer_ok is False
+    assert released == ["r"] and freed == ["r"] and not host._sends

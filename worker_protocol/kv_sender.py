@@ -106,6 +106,12 @@ class KVSenderSide:
                 except RuntimeError:  # no thread to be had: in line, then
                     self._abort_quietly(s.request_id)
 
+    def _release_quietly(self, rid: str) -> None:
+        try:
+            self.connector.release(rid)  # a no-op once released
+        except RuntimeError as exc:  # not expected: it was found ended just before
+            log.warning("releasing the send of %s: %s", rid, exc)
+
     def _abort_quietly(self, rid: str) -> None:
         try:
             self.connector.abort(rid)
@@ -197,6 +203,8 @@ class KVSenderSide:
             else:
                 with self._lock:
                     self._sends.pop(rid, None)
+                if pending is not None and pending.started:  # ended, not yet forgotten (an
+                    self._release_quietly(rid)  # abort before the first token ended it)
                 self._free_blocks(rid)
         return PrefillResult(
             request_id=rid,
