@@ -27,7 +27,6 @@ from typing import Any
 
 from bench import host_cpu, loadgen, overload, predictions, report, session, slo, trace
 from bench.server import POLICIES, Deployment, ServerProcess
-from engine.provenance import provenance
 from pdserve_client import ClientAuth
 from pdserve_client import add_arguments as add_auth_arguments
 
@@ -249,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
                             prefill_hold_ms=args.prefill_hold_ms,
                             gpus_per_worker=args.gpus_per_worker)  # fmt: skip
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
-    out: dict[str, Any] = {**provenance(),
+    out: dict[str, Any] = {**session.provenance(),
                            "trace": args.trace, "rate": args.rate, "num_requests": len(reqs),
                            "warmup": args.warmup,
                            "deployment": None if args.address else asdict(deployment),

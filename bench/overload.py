@@ -40,7 +40,6 @@ import psutil
 from bench import loadgen, session, slo, trace
 from bench.loadgen import RequestResult
 from bench.server import POLICIES, Deployment, ServerProcess
-from engine.provenance import provenance
 from pdserve_client import ClientAuth
 
 log = logging.getLogger("pdserve.bench")
@@ -304,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
     logs = Path(tempfile.mkdtemp(prefix="pdserve-overload-"))
     server = None if args.address else ServerProcess(deployment, policy, logs / f"{policy}.log")
     auth = ClientAuth.from_args(args)
-    out: dict[str, Any] = {**provenance(),
+    out: dict[str, Any] = {**session.provenance(),
                            "mode": "overload", "factor": args.overload, "policy": policy,
                            "deployment": None if args.address else asdict(deployment)}  # fmt: skip
     try:

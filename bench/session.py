@@ -5,7 +5,14 @@ busy each worker was over a run (from the server's metrics) and where the host's
 from __future__ import annotations
 
 import asyncio
+import os
+import platform
+import shlex
 import statistics
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -49,6 +56,31 @@ def run_trace(
     start = min((r.sent_s for r in results), default=0.0)
     end = max((r.sent_s + (r.e2e_s or 0.0) for r in results), default=0.0)
     return results, max(end - start, 1e-9)
+
+
+def provenance() -> dict[str, Any]:
+    """How a run was made, for its JSON: the command line, the commit of this checkout (None
+    outside a git checkout) and whether tracked files differed from it, the host, and when. The
+    fields of engine/provenance.py's, which the engine, transfer and router benches record:
+    bench/ is a client of the server and imports none of those (DESIGN.md, layout)."""
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=Path(__file__).parent, timeout=5,
+                                  capture_output=True, text=True, check=True)  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip()
+
+    commit = git("rev-parse", "HEAD")
+    changed = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {
+        "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "commit": commit,
+        "changed": bool(changed) if changed is not None else None,
+        "host": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def cpu_reading(server: ServerProcess) -> host_cpu.Reading:

@@ -1,8 +1,9 @@
 """How a benchmark's figures were made, recorded at the top of its JSON: the command line, the
 commit of this checkout (None outside a git checkout) and whether tracked files differed from
 it, the host, and when it started. A benchmark takes it as it starts (`provenance`) and writes
-its figures after it (`write_json`; `pdserve bench` and its overload run write their JSON as they
-go, the provenance first)."""
+its figures after it (`write_json`): the engine, transfer and router benches. `pdserve bench`
+records the same fields with its own (bench/session.py): it is a client of the server, and
+imports none of the server's packages (DESIGN.md, layout)."""
 
 from __future__ import annotations
 
