@@ -29,7 +29,15 @@ from router.handoffs import Handoffs
 from router.pools import Pools
 from router.ray_runtime import init_ray
 from router.vocab import FallbackReason, Placement, RoutePath
-from router.worker_calls import GONE, UNAVAILABLE, abort_soon, lost, stream_of, why_gone
+from router.worker_calls import (
+    GONE,
+    UNAVAILABLE,
+    abort_failed,
+    abort_soon,
+    lost,
+    stream_of,
+    why_gone,
+)
 from router.workers import WorkerHandle, WorkerStatus
 from worker_protocol.messages import (
     PrefillResult,
@@ -222,8 +230,7 @@ class Cluster:
             # Gone (dead, or its engine stopped): nothing is left there to free. Unreachable
             # for now: tried again (abort_soon), and logged there.
             if r is not None and not isinstance(r, GONE):
-                log.warning("abort of %s on %s failed: %s: %s", rid, h.worker_id,
-                            type(r).__name__, r)  # fmt: skip
+                abort_failed(h, rid, r)
 
     # -- reading -----------------------------------------------------------------------------
     def set_step_target(

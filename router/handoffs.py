@@ -26,7 +26,16 @@ from router.core_types import HandoffListener
 from router.errors import HandoffFailed
 from router.pools import Pools
 from router.vocab import FallbackReason
-from router.worker_calls import GONE, UNAVAILABLE, abort_soon, lost, renew, stream_of, why_gone
+from router.worker_calls import (
+    GONE,
+    UNAVAILABLE,
+    abort_failed,
+    abort_soon,
+    lost,
+    renew,
+    stream_of,
+    why_gone,
+)
 from router.workers import WorkerHandle, WorkerStatus
 from worker_protocol.messages import KVTarget, PrefillResult, TokenChunk, WorkRequest
 
@@ -195,8 +204,7 @@ class Handoffs:
         timeout = self.config.control_timeout_s
         exc = await abort_soon(h, rid, timeout, self.pools.ops.submit)
         if exc is not None and not isinstance(exc, UNAVAILABLE):  # unreachable: logged there
-            log.warning("abort of %s on %s failed: %s: %s", rid, h.worker_id,
-                        type(exc).__name__, exc)  # fmt: skip
+            abort_failed(h, rid, exc)
         return exc is None
 
     async def _check_pair(self, p: WorkerHandle, d: WorkerHandle) -> None:

@@ -59,9 +59,12 @@ async def abort_on(h: WorkerHandle, rid: str, timeout_s: float) -> bool:
     answer in time (or failed), which is logged."""
     exc = await abort_until(h, rid, timeout_s)
     if exc is not None:
-        log.warning("abort of %s on %s failed: %s: %s", rid, h.worker_id,
-                    type(exc).__name__, exc)  # fmt: skip
+        abort_failed(h, rid, exc)
     return exc is None
+
+
+def abort_failed(h: WorkerHandle, rid: str, exc: BaseException) -> None:
+    log.warning("abort of %s on %s failed: %s: %s", rid, h.worker_id, type(exc).__name__, exc)
 
 
 async def abort_soon(
