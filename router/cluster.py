@@ -26,6 +26,7 @@ from router.cluster_config import ClusterConfig
 from router.core_types import HandoffListener
 from router.errors import WorkerLost
 from router.handoffs import Handoffs
+from router.load_poll import LoadPoll
 from router.pools import Pools
 from router.ray_runtime import init_ray
 from router.vocab import FallbackReason, Placement, RoutePath
@@ -79,6 +80,7 @@ class Cluster:
             self.pools.shutdown()
             raise
         self.handoffs = Handoffs(config, self.pools, lambda: self.prefill_ids)
+        self._poll = LoadPoll(config.worker_hang_timeout_s)
         self._rr = itertools.count()
 
     # -- the Backend the request core drives -----------------------------------------------------
@@ -108,6 +110,10 @@ class Cluster:
     @property
     def dead(self) -> list[str]:
         return self.pools.dead
+
+    @property
+    def hung(self) -> list[str]:
+        return self.pools.hung
 
     @property
     def restarts(self) -> dict[WorkerRole, int]:
@@ -252,22 +258,18 @@ class Cluster:
         """What every live worker is (model shape, limits, measured device rates, node)."""
         return self.pools.infos()
 
-    async def load(self) -> list[WorkerLoad]:
-        """Load figures of every live worker that answers within the control timeout; a worker
-        found dead leaves its pool (and is replaced)."""
-        items = self.pools.live()
-        timeout = self.config.control_timeout_s
-        loads = await asyncio.gather(
-            *(asyncio.wait_for(h.actor.load.remote(), timeout) for h in items),
-            return_exceptions=True,
-        )
-        out: list[WorkerLoad] = []
-        for h, ld in zip(items, loads):
-            if isinstance(ld, WorkerLoad):
-                out.append(ld)
-            elif isinstance(ld, BaseException):
-                self.pools.note_failure(h, ld)
-        return out
+    async def load(self, wait_s: float | None = None) -> list[WorkerLoad]:
+        """Load figures of the live workers that answer within `wait_s` (None: the control
+        timeout); a slow worker's call is left for the next call (router/load_poll.py). A worker
+        found dead leaves its pool (and is replaced), as does one that answered none for
+        --worker-hang-timeout, whose actor is killed."""
+        wait = self.config.control_timeout_s if wait_s is None else wait_s
+        polled = await self._poll.poll(self.pools.live(), wait)
+        for h, exc in polled.failed:
+            self.pools.note_failure(h, exc)
+        for h, silent_s in polled.hung:
+            self.pools.stop_hung(h, silent_s)
+        return polled.loads
 
     # -- resize --------------------------------------------------------------------------------
     async def scale(

@@ -36,6 +36,8 @@ class ClusterConfig:
     kv_host: str | None = None  # see WorkerSpec.kv_host
     start_timeout_s: float = 300.0
     control_timeout_s: float = 30.0  # a control call to a worker (reserve, abort, load)
+    # A worker that answers no load poll for this long is stopped and replaced (0: never).
+    worker_hang_timeout_s: float = 60.0
     pair_timeout_s: float = 10.0  # one attempt to pair a prefill and a decode worker
     replace_dead: bool = True  # start a new worker in place of one found dead
     drain_timeout_s: float = 30.0  # a removed worker's own requests, before it is stopped

@@ -127,7 +127,7 @@ class RequestCore:
             await asyncio.sleep(self.config.poll_interval_s)
 
     async def refresh(self) -> None:
-        self.members.absorb(await self.backend.load())
+        self.members.absorb(await self.backend.load(self.config.poll_wait_s))
         _, decode = self.members.pools()
         widths = {("ttft", ""): self.planner.ttft_spread.width}
         widths.update((("itl_p99", s.worker_id), s.itl_spread.width) for s in decode)

@@ -53,6 +53,10 @@ class Backend(Protocol):
         """Ids of the workers found dead, in the order found (an id once per death)."""
 
     @property
+    def hung(self) -> list[str]:
+        """Of those, the ones stopped for answering no load poll for the hang timeout."""
+
+    @property
     def restarts(self) -> dict[WorkerRole, int]:
         """Dead workers replaced by a new one that took load, by role, since the start."""
 
@@ -67,7 +71,9 @@ class Backend(Protocol):
         chunk (or a failure) aborts the request on every worker it touched. `on_prefill` hears
         how the handoff went on the disaggregated path."""
 
-    async def load(self) -> list[WorkerLoad]: ...
+    async def load(self, wait_s: float | None = None) -> list[WorkerLoad]:
+        """The load of the workers that answer within `wait_s` (None: the backend's own limit);
+        a worker silent for the hang timeout is stopped and replaced."""
 
     async def infos(self) -> list[WorkerInfo]: ...
 
@@ -101,6 +107,9 @@ class RouterConfig:
     max_pending: int = 256  # admitted requests still waiting for their first token
     max_active: int = 4096  # admitted requests not yet finished
     poll_interval_s: float = 0.1
+    # How long one poll waits for the workers' load; a slower worker's answer comes to a later
+    # poll (router/load_poll.py), so that it holds up no other's figures.
+    poll_wait_s: float = 2.0
     # Tune each worker's step target from the ITL its requests see (router/step_target.py);
     # the workers must start with chunked prefill and a step target.
     tune_step_target: bool = False

@@ -65,6 +65,7 @@ class FakeBackend:
         self.prefill_ids = [f"prefill-{i}" for i in range(num_prefill)] + both
         self.decode_ids = [f"decode-{i}" for i in range(num_decode)] + both
         self.dead: list[str] = []
+        self.hung: list[str] = []
         self.restarts: dict[WorkerRole, int] = {}
         self.vocab_size = vocab_size
         self.chunk_tokens = chunk_tokens
@@ -95,7 +96,7 @@ class FakeBackend:
     async def infos(self) -> list[WorkerInfo]:
         return [self.worker_info(w) for w in self._ids()]
 
-    async def load(self) -> list[WorkerLoad]:
+    async def load(self, wait_s: float | None = None) -> list[WorkerLoad]:
         return [
             WorkerLoad(w, self.worker_info(w).role, 0, 0, 0, 0.0, 1024, 1024, 0)
             for w in self._ids()

@@ -42,6 +42,7 @@ class Membership:
             self._share_node(state)
         self._gone: set[tuple[str, int]] = set()  # (worker, incarnation) out of the pools
         self._deaths_seen = 0  # of backend.dead, already reported
+        self._hangs_seen = 0  # of backend.hung, already reported
         self._restarts_seen: dict[WorkerRole, int] = {}  # backend.restarts, already reported
         # Per worker incarnation: (when logged, steps run with prompts waiting then).
         self._waits_logged: dict[tuple[str, int], tuple[float, int]] = {}
@@ -145,6 +146,11 @@ class Membership:
         for w in deaths:
             state = self.states.get(w)
             self.sink.worker_lost(w, state.info.role.value if state else "unknown")
+        hangs = b.hung[self._hangs_seen :]
+        self._hangs_seen += len(hangs)
+        for w in hangs:
+            state = self.states.get(w)
+            self.sink.worker_hung(w, state.info.role.value if state else "unknown")
         live = {*b.prefill_ids, *b.decode_ids}
         for w, state in list(self.states.items()):
             key = (w, state.info.incarnation)

@@ -191,6 +191,14 @@ class Metrics:
             WORKER,
             registry=r,
         )
+        self.worker_hangs = Counter(
+            "pdserve_worker_hangs",
+            "Workers that answered no load poll for --worker-hang-timeout (an engine stuck, a "
+            "process stopped, a node unreachable): stopped and replaced, and counted in "
+            "pdserve_worker_failures_total too.",
+            WORKER,
+            registry=r,
+        )
         self.worker_restarts = Counter(
             "pdserve_worker_restarts",
             "Dead workers replaced by a new actor that took load, by role.",
@@ -372,7 +380,9 @@ class Metrics:
                 ),
             ):
                 counter.labels(*w).inc(now - before if now >= before else now)
-            self.worker_failures.labels(*w)  # exists at 0, so that its first failure is an increase
+            # Exist at 0, so that a first failure or hang is an increase.
+            self.worker_failures.labels(*w)
+            self.worker_hangs.labels(*w)
             self._last[ld.worker_id] = ld
 
     def workers(self, ready: dict[WorkerRole, int]) -> None:
@@ -410,6 +420,9 @@ class Metrics:
     def worker_lost(self, worker_id: str, role: str) -> None:
         self.worker_failures.labels(worker_id, role).inc()
         self.worker_removed(worker_id, role)
+
+    def worker_hung(self, worker_id: str, role: str) -> None:
+        self.worker_hangs.labels(worker_id, role).inc()
 
     def worker_removed(self, worker_id: str, role: str) -> None:
         for g in (self.running, self.waiting, self.kv_usage, self.queued_tokens, self.decodes):

@@ -216,6 +216,10 @@ OPTIONS: tuple[Option, ...] = (
            "(recompute), or it ends with UNAVAILABLE and the reason (fail)"),
     Option("replace_dead_workers", flag, True,
            "start a new worker in place of one found dead", boolean=True),
+    Option("worker_hang_timeout", number(0), 60.0,
+           "seconds a worker may answer no load poll (it answers between engine steps) before "
+           "it is taken for hung (its engine stuck, its process stopped, its node unreachable): "
+           "it is stopped and replaced, and its requests resume elsewhere; 0: never"),
     # scheduler budgets
     Option("max_num_batched_tokens", integer(1), 512, "tokens per engine step"),
     Option("max_num_seqs", integer(1), 64, "requests in one worker's running batch"),
@@ -402,6 +406,7 @@ class ServeOptions:
             pair_timeout_s=v["pair_timeout"],
             start_timeout_s=v["start_timeout"],
             replace_dead=v["replace_dead_workers"],
+            worker_hang_timeout_s=v["worker_hang_timeout"],
             kv_failure_policy=v["kv_failure_policy"],
             kv_transfer_deadline_s=v["kv_transfer_deadline"],
             drain_timeout_s=v["drain_timeout"],

@@ -72,6 +72,8 @@ class StatsSink(Protocol):
 
     def worker_lost(self, worker_id: str, role: str) -> None: ...
 
+    def worker_hung(self, worker_id: str, role: str) -> None: ...
+
     def worker_removed(self, worker_id: str, role: str) -> None: ...
 
     def worker_restarted(self, role: str, times: int) -> None: ...
@@ -127,6 +129,9 @@ class NullSink:
         pass
 
     def worker_lost(self, worker_id: str, role: str) -> None:
+        pass
+
+    def worker_hung(self, worker_id: str, role: str) -> None:
         pass
 
     def worker_removed(self, worker_id: str, role: str) -> None:

@@ -75,3 +75,16 @@ TINY_ENGINE = EngineConfig(
 def tiny_server(cluster: ClusterConfig) -> ServerThread:
     """A server over `cluster` on ephemeral gRPC and metrics ports, draining for 5 s."""
     return ServerThread(ServeConfig(cluster=cluster, port=0, metrics_port=0, drain_timeout_s=5))
+
+
+def decoding(srv: ServerThread, rid: str) -> str | None:
+    """The worker the router's books say is decoding `rid` (read on the server's loop, which
+    changes them)."""
+
+    async def find() -> str | None:
+        for w, state in srv.server.core.states.items():
+            if any(k.startswith(rid + "#") for k in state._decodes):
+                return w
+        return None
+
+    return srv.run(find())

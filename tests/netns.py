@@ -95,7 +95,7 @@ class TwoNodes:
     def __init__(self) -> None:
         tag = os.getpid() % 100000
         self.ns = (f"pdA{tag}", f"pdB{tag}")
-        self._veth = (f"pdva{tag}", f"pdvb{tag}")
+        self.veth = (f"pdva{tag}", f"pdvb{tag}")  # the link's ends, in the first and the second
         self._tmp = Path(tempfile.mkdtemp(prefix="pdn"))
         self.head_address = f"{HEAD_IP}:{RAY_PORT}"
         # A process in the head's namespace with this environment finds the head's runtime the
@@ -125,7 +125,7 @@ class TwoNodes:
 
     def _link(self) -> None:
         a, b = self.ns
-        va, vb = self._veth
+        va, vb = self.veth
         for cmd in (
             ["ip", "netns", "add", a],
             ["ip", "netns", "add", b],

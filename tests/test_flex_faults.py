@@ -13,7 +13,7 @@ import ray
 from pdserve_proto import generation_pb2 as pb
 from pdserve_proto import generation_pb2_grpc as pb_grpc
 from router.cluster import ClusterConfig
-from tests.grpc_server import TINY_ENGINE, tiny_server
+from tests.grpc_server import TINY_ENGINE, decoding, tiny_server
 from tests.helpers import hf_greedy, random_prompts
 from tests.test_router_grpc import assert_pools_full
 
@@ -28,19 +28,6 @@ def srv():
     )
     yield s
     s.close()
-
-
-def decoding(srv, rid: str) -> str | None:
-    """The worker the router's books say is decoding `rid` (read on the server's loop, which
-    changes them)."""
-
-    async def find() -> str | None:
-        for w, state in srv.server.core.states.items():
-            if any(k.startswith(rid + "#") for k in state._decodes):
-                return w
-        return None
-
-    return srv.run(find())
 
 
 @pytest.mark.timeout(150)

@@ -12,7 +12,7 @@ import ray
 from pdserve_proto import generation_pb2 as pb
 from pdserve_proto import generation_pb2_grpc as pb_grpc
 from router.cluster import ClusterConfig
-from tests.grpc_server import TINY_ENGINE, tiny_server
+from tests.grpc_server import TINY_ENGINE, decoding, tiny_server
 from tests.helpers import hf_greedy, random_prompts
 
 MODEL = "tiny-llama"
@@ -25,19 +25,6 @@ def srv():
     s = tiny_server(ClusterConfig(model=MODEL, num_prefill=1, num_decode=3, engine=TINY_ENGINE))
     yield s
     s.close()
-
-
-def holder(srv, rid: str) -> str | None:
-    """The decode worker the router's books say is decoding `rid` (read on the server's loop,
-    which changes them)."""
-
-    async def find() -> str | None:
-        for w, state in srv.server.core.states.items():
-            if w.startswith("decode") and any(k.startswith(rid + "#") for k in state._decodes):
-                return w
-        return None
-
-    return srv.run(find())
 
 
 @pytest.mark.timeout(120)
@@ -64,7 +51,7 @@ def test_a_dead_decode_worker_s_request_resumes_on_another_token_for_token(srv, 
         for msg in pb_grpc.GenerationStub(channel).Generate(req, timeout=90):
             got.extend(msg.token_ids)
             if killed is None and len(got) >= 5:
-                killed = holder(srv, rid)
+                killed = decoding(srv, rid)
                 assert killed is not None
                 ray.kill(cluster.actor(killed), no_restart=True)
             if msg.HasField("final"):
@@ -119,7 +106,7 @@ def test_a_worker_whose_engine_step_fails_is_replaced_and_its_request_resumes(sr
         for msg in pb_grpc.GenerationStub(channel).Generate(req, timeout=90):
             got.extend(msg.token_ids)
             if broken is None and len(got) >= 5:
-                broken = holder(srv, "broken-engine")
+                broken = decoding(srv, "broken-engine")
                 assert broken is not None
                 old = cluster.worker_info(broken)
                 inject = cluster.actor(broken).__ray_call__.remote(break_engine_step)

@@ -44,10 +44,11 @@ def serve_and_probe(
     prompts: list[list[int]],
     address: str | None = None,
     probe_flags: tuple[str, ...] = (),
+    probe: str = "two_node_probe.py",
 ) -> dict:
     """Start `pdserve serve` on the head node's namespace with `flags` (joining the cluster at
-    `address`, by default the head's HOST:PORT), run the probe there, stop the server (SIGINT),
-    and return what the probe saw plus the server's log."""
+    `address`, by default the head's HOST:PORT), run the probe (a script in tests/) there, stop
+    the server (SIGINT), and return what the probe saw plus the server's log."""
     serve = [
         sys.executable, "-m", "router.cli", "serve", "--model", MODEL,
         "--ray-address", address or nodes.head_address, "--host", netns.HEAD_IP,
@@ -58,7 +59,7 @@ def serve_and_probe(
     try:
         probe = nodes.run(
             0,
-            [sys.executable, str(netns.ROOT / "tests" / "two_node_probe.py"), "--host",
+            [sys.executable, str(netns.ROOT / "tests" / probe), "--host",
              netns.HEAD_IP, "--prompts", json.dumps(prompts), "--max-tokens", str(MAX_NEW),
              *probe_flags],
             timeout=300,

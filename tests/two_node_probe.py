@@ -56,6 +56,18 @@ def one(address: str, prompt: list[int], max_tokens: int, path: int) -> dict:
     }
 
 
+def workers(admin_address: str) -> list[dict]:
+    """The server's workers as its admin service lists them."""
+    with grpc.insecure_channel(admin_address) as ch:
+        stub = admin_pb2_grpc.AdminStub(ch)
+        listed = stub.ListWorkers(admin_pb2.ListWorkersRequest(), timeout=10)
+    return [
+        {"id": w.worker_id, "role": w.role, "status": w.status, "node_ip": w.node_ip,
+         "kv_host": w.kv_host}
+        for w in listed.workers
+    ]  # fmt: skip
+
+
 def metrics(url: str) -> dict[str, float]:
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     out: dict[str, float] = {}
@@ -66,16 +78,22 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
-def main() -> int:
+def parser(max_tokens: int) -> argparse.ArgumentParser:
+    """The arguments every probe takes: where the server is, and what to send."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--host", required=True)
     ap.add_argument("--port", type=int, default=50051)
     ap.add_argument("--admin-port", type=int, default=50052)
     ap.add_argument("--metrics-port", type=int, default=9400)
     ap.add_argument("--prompts", required=True, help="JSON list of token-id lists")
-    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=max_tokens)
+    ap.add_argument("--wait", type=float, default=240.0, help="for the server to be ready")
+    return ap
+
+
+def main() -> int:
+    ap = parser(max_tokens=8)
     ap.add_argument("--path", default="PATH_DISAGGREGATED")
-    ap.add_argument("--wait", type=float, default=240.0)
     ap.add_argument(
         "--again-after", type=float, default=None, help="send the prompts again after S seconds"
     )
@@ -84,14 +102,7 @@ def main() -> int:
     t0 = time.monotonic()
     wait_ready(address, args.wait)
     ready_s = time.monotonic() - t0
-    with grpc.insecure_channel(f"{args.host}:{args.admin_port}") as ch:
-        stub = admin_pb2_grpc.AdminStub(ch)
-        listed = stub.ListWorkers(admin_pb2.ListWorkersRequest(), timeout=10)
-    workers = [
-        {"id": w.worker_id, "role": w.role, "status": w.status, "node_ip": w.node_ip,
-         "kv_host": w.kv_host}
-        for w in listed.workers
-    ]  # fmt: skip
+    listed = workers(f"{args.host}:{args.admin_port}")
     prompts = json.loads(args.prompts)
     path = pb.Path.Value(args.path)
     # The first alone (what a first request sees), the rest together.
@@ -106,7 +117,7 @@ def main() -> int:
     out = {
         "again": again,
         "ready_s": ready_s,
-        "workers": workers,
+        "workers": listed,
         "results": results,
         "metrics": metrics(f"http://{args.host}:{args.metrics_port}/metrics"),
     }

@@ -156,6 +156,10 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
                 "sum by (worker) (increase(pdserve_worker_failures_total[$__range]))",
             ),
             q(
+                "of which hung {{worker}}",
+                "sum by (worker) (increase(pdserve_worker_hangs_total[$__range]))",
+            ),
+            q(
                 "restarts {{role}}",
                 "sum by (role) (increase(pdserve_worker_restarts_total[$__range]))",
             ),

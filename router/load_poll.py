@@ -1,0 +1,103 @@
+"""The router's poll of its workers' load, and the watchdog it carries.
+
+One load call per worker is in flight at a time; a poll takes the answers that come within its
+wait and leaves a slow worker's call running for the next poll, so one worker that does not
+answer holds up no other's figures. A worker answers a load call between two engine steps
+(worker_protocol/host.py), so a worker that has answered none for `hang_timeout_s` is hung:
+its engine thread is stuck, its process stopped, or its node unreachable while Ray has not
+declared it dead. The pools then stop it and replace it (Pools.stop_hung), and its requests
+resume elsewhere, as a dead worker's do. A call that fails is no answer either (Ray cannot reach
+the worker for now, or its engine stopped); one that says its actor died takes it out of its pool
+at once (Pools.note_failure).
+
+Ray's refs are waited on from a thread (ray.wait), not wrapped in one event loop's futures: the
+same poll serves the router's loop and callers that run one loop per call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from router.worker_calls import UNAVAILABLE
+from router.workers import WorkerHandle
+from worker_protocol.messages import WorkerLoad
+
+
+@dataclass(slots=True)
+class Polled:
+    loads: list[WorkerLoad] = field(default_factory=list)
+    failed: list[tuple[WorkerHandle, BaseException]] = field(default_factory=list)
+    # Workers that answered nothing for the hang timeout, with how long they have been silent.
+    hung: list[tuple[WorkerHandle, float]] = field(default_factory=list)
+
+
+class LoadPoll:
+    def __init__(self, hang_timeout_s: float) -> None:
+        self.hang_timeout_s = hang_timeout_s  # 0: no watchdog
+        self._calls: dict[WorkerHandle, Any] = {}  # the load call in flight, by incarnation
+        self._answered: dict[WorkerHandle, float] = {}  # when it last answered (or joined)
+
+    async def poll(self, handles: Sequence[WorkerHandle], wait_s: float) -> Polled:
+        """The load of `handles` that answer within `wait_s`, the calls that failed, and the
+        workers silent for the hang timeout (no longer polled: they are to be stopped)."""
+        now = time.monotonic()
+        for h in [h for h in self._calls if h not in handles]:  # gone from the pools
+            self._calls.pop(h, None)
+            self._answered.pop(h, None)
+        for h in handles:
+            self._answered.setdefault(h, now)
+            if h not in self._calls:
+                self._calls[h] = h.actor.load.remote()
+        calls = list(self._calls.items())
+        answers = await asyncio.to_thread(_answers, [ref for _, ref in calls], wait_s)
+        out = Polled()
+        now = time.monotonic()
+        # Polls may overlap (the router's, and a caller's): each takes what it waited for, and
+        # a worker's books change only while they still hold the call it saw.
+        for (h, ref), answer in zip(calls, answers):
+            if answer is _PENDING:
+                continue
+            if self._calls.get(h) is ref:
+                del self._calls[h]  # a new call goes out at the next poll
+                if isinstance(answer, WorkerLoad) and h in self._answered:
+                    self._answered[h] = now
+            if isinstance(answer, WorkerLoad):
+                out.loads.append(answer)
+            elif not isinstance(answer, UNAVAILABLE):
+                out.failed.append((h, answer))
+        if self.hang_timeout_s > 0:
+            for h in handles:
+                since = self._answered.get(h)
+                if since is not None and now - since > self.hang_timeout_s:
+                    out.hung.append((h, now - since))
+                    self._calls.pop(h, None)
+                    del self._answered[h]
+        return out
+
+
+_PENDING = object()
+
+
+def _answers(refs: list[Any], wait_s: float) -> list[Any]:
+    """What each of `refs` came to within `wait_s` (its value, or the exception it raised), or
+    _PENDING."""
+    if not refs:
+        return []
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s, fetch_local=True)
+    done = set(ready)
+    out: list[Any] = []
+    for ref in refs:
+        if ref not in done:
+            out.append(_PENDING)
+            continue
+        try:
+            out.append(ray.get(ref, timeout=wait_s))
+        except Exception as exc:  # the worker's error, or Ray's about the worker
+            out.append(exc)
+    return out
