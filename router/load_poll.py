@@ -38,28 +38,43 @@ class Polled:
 
 
 class LoadPoll:
+    """Not thread-safe: polls may overlap on one event loop (the router's poller and a caller
+    there), or follow one another from loops of their own."""
+
     def __init__(self, hang_timeout_s: float) -> None:
         self.hang_timeout_s = hang_timeout_s  # 0: no watchdog
         self._calls: dict[WorkerHandle, Any] = {}  # the load call in flight, by incarnation
         self._answered: dict[WorkerHandle, float] = {}  # when it last answered (or joined)
+        self._last_poll = time.monotonic()
 
     async def poll(self, handles: Sequence[WorkerHandle], wait_s: float) -> Polled:
         """The load of `handles` that answer within `wait_s`, the calls that failed, and the
-        workers silent for the hang timeout (no longer polled: they are to be stopped)."""
+        workers silent for the hang timeout (no longer polled: they are to be stopped). Only
+        the calls sent by this poll are waited for: one still out from an earlier poll (a slow
+        or hung worker) is taken if it has come, and not waited for again."""
         now = time.monotonic()
-        for h in [h for h in self._calls if h not in handles]:  # gone from the pools
-            self._calls.pop(h, None)
-            self._answered.pop(h, None)
+        live = set(handles)
+        for book in (self._calls, self._answered):
+            for h in [h for h in book if h not in live]:  # gone from the pools
+                del book[h]
+        if now - self._last_poll > self.hang_timeout_s / 2:
+            # No poll for that long (no poller, or the router's loop stalled): the silence is
+            # not the workers'.
+            self._answered = dict.fromkeys(self._answered, now)
+        self._last_poll = now
+        sent: set[WorkerHandle] = set()
         for h in handles:
             self._answered.setdefault(h, now)
             if h not in self._calls:
                 self._calls[h] = h.actor.load.remote()
+                sent.add(h)
         calls = list(self._calls.items())
-        answers = await asyncio.to_thread(_answers, [ref for _, ref in calls], wait_s)
+        waits = [wait_s if h in sent else 0.0 for h, _ in calls]
+        answers = await asyncio.to_thread(_answers, [ref for _, ref in calls], waits)
         out = Polled()
-        now = time.monotonic()
-        # Polls may overlap (the router's, and a caller's): each takes what it waited for, and
-        # a worker's books change only while they still hold the call it saw.
+        now = self._last_poll = time.monotonic()
+        # Polls may overlap: each takes what it waited for, and a worker's books change only
+        # while they still hold the call that poll saw.
         for (h, ref), answer in zip(calls, answers):
             if answer is _PENDING:
                 continue
@@ -84,20 +99,21 @@ class LoadPoll:
 _PENDING = object()
 
 
-def _answers(refs: list[Any], wait_s: float) -> list[Any]:
-    """What each of `refs` came to within `wait_s` (its value, or the exception it raised), or
-    _PENDING."""
-    if not refs:
-        return []
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s, fetch_local=True)
-    done = set(ready)
+def _answers(refs: list[Any], waits: list[float]) -> list[Any]:
+    """What each of `refs` came to (its value, or the exception it raised) within its wait in
+    `waits` (those waited for together), or _PENDING."""
+    done: set[Any] = set()
+    for wait in sorted(set(waits), reverse=True):  # the others' may come meanwhile
+        group = [ref for ref, w in zip(refs, waits) if w == wait]
+        ready, _ = ray.wait(group, num_returns=len(group), timeout=wait, fetch_local=True)
+        done.update(ready)
     out: list[Any] = []
     for ref in refs:
         if ref not in done:
             out.append(_PENDING)
             continue
         try:
-            out.append(ray.get(ref, timeout=wait_s))
+            out.append(ray.get(ref, timeout=10))  # ready: at once
         except Exception as exc:  # the worker's error, or Ray's about the worker
             out.append(exc)
     return out

@@ -53,7 +53,6 @@ PEERS = {
     WorkerRole.BOTH: frozenset(WorkerRole),
 }
 Counts = dict[WorkerRole, int]
-HUNG_NODE_AVOID_S = 300.0  # how long new workers keep off a node where one hung
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +79,8 @@ class Pools:
         self.workers: dict[str, WorkerHandle] = {}  # the current incarnation of each id
         self.ids: dict[WorkerRole, list[str]] = {r: [] for r in WorkerRole}  # READY, by role
         self.dead: list[str] = []  # ids of workers found dead, in the order found
-        self.hung: list[str] = []  # of those, the ones stopped for answering no load poll
-        self._hung_nodes: dict[str, float] = {}  # node id -> when a worker there hung last
+        # Workers stopped for answering no load poll (in `dead` too, unless being removed).
+        self.hung: list[str] = []
         self.restarts: dict[WorkerRole, int] = {r: 0 for r in WorkerRole}
         self._next = {r: itertools.count() for r in WorkerRole}
         # Pairing calls carry their attempt's number (kv_transfer/torch_dist.py: a late call of
@@ -154,7 +153,7 @@ class Pools:
     def _spawn(self, role: WorkerRole, worker_id: str, incarnation: int = 0) -> WorkerHandle:
         placement = self.config.placement.get(role, Placement())
         nodes = ray.nodes()
-        node = spread_node(placement, nodes, self.handles(), self._avoid())
+        node = spread_node(placement, nodes, self.handles())
         where = next((n["NodeManagerAddress"] for n in nodes if n["NodeID"] == node), "any node")
         log.info("starting %s (incarnation %d) on %s", worker_id, incarnation, where)
         cls: Any = ray.remote(ACTOR_CLASSES[role])
@@ -165,13 +164,6 @@ class Pools:
         with self._lock:
             self.workers[worker_id] = handle
         return handle
-
-    def _avoid(self) -> frozenset[str]:
-        """Nodes where a worker hung within HUNG_NODE_AVOID_S: a new worker goes elsewhere
-        where it can (such a node may be cut off from the cluster)."""
-        now = time.monotonic()
-        with self._lock:
-            return frozenset(n for n, t in self._hung_nodes.items() if now - t < HUNG_NODE_AVOID_S)
 
     def _drop(self, h: WorkerHandle) -> None:
         with self._lock:
@@ -245,19 +237,20 @@ class Pools:
 
     def stop_hung(self, h: WorkerHandle, silent_s: float) -> None:
         """`h` answered no load poll for `silent_s` (router/load_poll.py): it leaves its pool as
-        a dead worker does (and is replaced), and its actor is killed, which ends every call in
-        flight there with Ray's actor error, so its requests resume elsewhere. Any thread."""
+        a dead worker does (and is replaced, unless it was being removed), and its actor is
+        killed (on the supervisor loop), which ends every call in flight there with Ray's actor
+        error, so its requests resume elsewhere. Any thread."""
         with self._lock:
             if h.status not in (WorkerStatus.READY, WorkerStatus.DRAINING):
                 return  # found dead meanwhile, or stopped
-        if h.node_id is not None:  # before its replacement is placed
-            with self._lock:
-                self._hung_nodes[h.node_id] = time.monotonic()
-        if self._dead(h, "hung"):
             self.hung.append(h.worker_id)
+        self._dead(h, "hung")
         log.error("worker %s answered no load poll for %.0f s (its engine stuck, its process "
                   "stopped, or its node unreachable): stopped, its requests resume elsewhere",
                   h.worker_id, silent_s)  # fmt: skip
+        self.ops.submit(self._kill(h))
+
+    async def _kill(self, h: WorkerHandle) -> None:
         try:
             ray.kill(h.actor, no_restart=True)
         except Exception as exc:  # Ray's own error; the pool has let it go either way

@@ -10,6 +10,7 @@ naming the field (`config FILE: decode: must be an integer >= 1, got 0`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import json
 import math
@@ -64,6 +65,22 @@ def number(low: float, strict: bool = False) -> Parse:
         return x
 
     return parse
+
+
+def off_or(parse: Parse) -> Parse:
+    """0 (off), or what `parse` takes."""
+
+    def wrapped(v: Any) -> Any:
+        try:
+            return parse(v)
+        except ValueError as exc:
+            if not isinstance(v, bool) and isinstance(v, (int, float, str)):
+                with contextlib.suppress(ValueError):
+                    if float(v) == 0:
+                        return 0.0
+            raise ValueError(f"{exc} (or 0: off)") from None
+
+    return wrapped
 
 
 def optional(parse: Parse) -> Parse:
@@ -216,10 +233,11 @@ OPTIONS: tuple[Option, ...] = (
            "(recompute), or it ends with UNAVAILABLE and the reason (fail)"),
     Option("replace_dead_workers", flag, True,
            "start a new worker in place of one found dead", boolean=True),
-    Option("worker_hang_timeout", number(0), 60.0,
-           "seconds a worker may answer no load poll (it answers between engine steps) before "
-           "it is taken for hung (its engine stuck, its process stopped, its node unreachable): "
-           "it is stopped and replaced, and its requests resume elsewhere; 0: never"),
+    Option("worker_hang_timeout", off_or(number(3)), 60.0,
+           "seconds a worker may answer no load poll (it answers between engine steps: keep "
+           "this well above the longest step) before it is taken for hung (its engine stuck, its "
+           "process stopped, its node unreachable): it is stopped and replaced, and its "
+           "requests resume elsewhere; 0: never"),
     # scheduler budgets
     Option("max_num_batched_tokens", integer(1), 512, "tokens per engine step"),
     Option("max_num_seqs", integer(1), 64, "requests in one worker's running batch"),

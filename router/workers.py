@@ -140,20 +140,15 @@ class LoopThread:
 
 
 def spread_node(
-    placement: Placement,
-    nodes: list[dict[str, Any]],
-    handles: list[WorkerHandle],
-    avoid: frozenset[str] = frozenset(),
+    placement: Placement, nodes: list[dict[str, Any]], handles: list[WorkerHandle]
 ) -> str | None:
     """The node a new worker should go to so that the pools spread over the nodes: among the
-    nodes that fit it, the one holding the fewest workers (any role), then the lowest node id;
-    a node in `avoid` (where a worker hung lately: it may be cut off) only where no other fits.
+    nodes that fit it, the one holding the fewest workers (any role), then the lowest node id.
     Ray's SPREAD strategy does not spread actors that ask for no CPU or GPU, and placing by
     hand also lets the count include workers still starting."""
     fitting = [n["NodeID"] for n in nodes if placement.fits(n)]
     if not fitting:
         return None  # Ray will say why it cannot place it
-    fitting = [n for n in fitting if n not in avoid] or fitting
     live = [h for h in handles if h.status not in (WorkerStatus.DEAD, WorkerStatus.STOPPED)]
 
     def load(node_id: str) -> tuple[int, str]:

@@ -22,6 +22,12 @@ from pdserve_proto import generation_pb2_grpc as pb_grpc
 from tests.two_node_probe import metrics, parser, wait_ready, workers
 
 
+def usages(url: str) -> dict[str, float]:
+    """The KV cache usage of every worker the router polls, by worker."""
+    key = "pdserve_worker_kv_cache_usage_ratio{"
+    return {k: v for k, v in metrics(url).items() if k.startswith(key)}
+
+
 def main() -> int:
     ap = parser(max_tokens=300)
     ap.add_argument("--cut", required=True, help="JSON argv of the command that cuts the link")
@@ -65,12 +71,16 @@ def main() -> int:
     for t in threads:
         t.join(200)
     ended_s = time.monotonic() - t0
-    # Then the pools as they stand once every worker is ready again (or at the deadline).
+    # Then the pools as they stand once every worker is ready again and every worker's KV
+    # blocks are free, as the router's polls see them (or at the deadline).
     deadline = time.monotonic() + 120
     while True:
         after = workers(f"{args.host}:{args.admin_port}")
         ready = [w for w in after if w["status"] == "ready"]
-        if len(ready) == len(listed) or time.monotonic() > deadline:
+        usage = usages(url)
+        if len(ready) == len(listed) and len(usage) == len(listed) and not any(usage.values()):
+            break
+        if time.monotonic() > deadline:
             break
         time.sleep(0.5)
     out = {

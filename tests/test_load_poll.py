@@ -1,6 +1,7 @@
 """The router's load poll (router/load_poll.py) over real Ray actors that stand in for workers'
-`load`: a slow worker holds up no other's figures, its answer comes to a later poll, and a
-worker that answers nothing (or only errors) for the hang timeout is reported hung."""
+`load`: a slow worker holds up no other's figures and is waited for once, its answer comes to a
+later poll, and a worker that answers nothing (or only errors) for the hang timeout is reported
+hung, once, and no longer polled."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ class Loads:
 
 
 @pytest.fixture(scope="module")
-def workers():
+def actors():
     init_ray(None)
     hs = [WorkerHandle(w, WorkerRole.DECODE, Loads.remote(w), 0) for w in ("decode-0", "decode-1")]
     ray.get([h.actor.set.remote(0.0) for h in hs], timeout=60)
@@ -50,60 +51,97 @@ def workers():
         ray.kill(h.actor)
 
 
+@pytest.fixture
+def workers(actors):
+    yield actors
+    ray.get([h.actor.set.remote(0.0) for h in actors], timeout=30)  # as they were
+
+
 def ids(loads: list[WorkerLoad]) -> list[str]:
     return sorted(ld.worker_id for ld in loads)
 
 
+def calls(h: WorkerHandle) -> int:
+    return ray.get(h.actor.count.remote(), timeout=10)
+
+
 @pytest.mark.timeout(60)
-def test_a_slow_worker_holds_up_no_other_and_answers_a_later_poll(workers):
+def test_a_slow_worker_is_waited_for_once_and_answers_a_later_poll(workers):
     fast, slow = workers
     poll = LoadPoll(hang_timeout_s=0)
-    ray.get(slow.actor.set.remote(1.5), timeout=10)
-    before = ray.get(slow.actor.count.remote(), timeout=10)
+    ray.get(slow.actor.set.remote(6.0), timeout=10)
+    before = calls(slow)
     t0 = time.monotonic()
-    first = asyncio.run(poll.poll(workers, wait_s=0.3))
-    assert time.monotonic() - t0 < 1.2  # the slow one was not waited for
+    first = asyncio.run(poll.poll(workers, wait_s=2.0))
+    assert time.monotonic() - t0 < 4.0  # the slow one held it up for the wait alone
     assert ids(first.loads) == ["decode-0"] and not first.failed and not first.hung
-    time.sleep(1.5)
-    # One call in flight per worker: the slow one's first answer comes now, and no second
-    # call went out meanwhile.
-    second = asyncio.run(poll.poll(workers, wait_s=0.3))
-    assert ids(second.loads) == ["decode-0", "decode-1"]
-    assert ray.get(slow.actor.count.remote(), timeout=10) - before == 1
-    ray.get(slow.actor.set.remote(0.0), timeout=10)
+    # Its call still out, the next poll waits only for the fast one's new call.
+    t0 = time.monotonic()
+    second = asyncio.run(poll.poll(workers, wait_s=2.0))
+    assert time.monotonic() - t0 < 1.5
+    assert ids(second.loads) == ["decode-0"]
+    deadline = time.monotonic() + 20
+    while "decode-1" not in ids(asyncio.run(poll.poll(workers, wait_s=1.0)).loads):
+        assert time.monotonic() < deadline, "the slow answer never came"
+        time.sleep(0.2)
+    assert calls(slow) - before == 1  # one call in flight per worker, however many polls
 
 
 @pytest.mark.timeout(60)
-def test_a_worker_silent_or_failing_for_the_hang_timeout_is_hung_and_no_longer_polled(workers):
+@pytest.mark.parametrize("silent", [True, False], ids=["silent", "failing"])
+def test_a_worker_silent_or_failing_for_the_hang_timeout_is_hung_once(workers, silent):
     fast, slow = workers
-    poll = LoadPoll(hang_timeout_s=1.0)
-    asyncio.run(poll.poll(workers, wait_s=1.0))  # both answer: the clock starts
-    ray.get(slow.actor.set.remote(0.0, fail=True), timeout=10)
-    seen = []
-    deadline = time.monotonic() + 10
-    while not seen:
-        assert time.monotonic() < deadline, "never reported hung"
-        out = asyncio.run(poll.poll(workers, wait_s=0.2))
-        assert ids(out.loads) == ["decode-0"]
-        assert all(h is slow and "engine stopped" in str(e) for h, e in out.failed)
-        seen = out.hung
+    poll = LoadPoll(hang_timeout_s=1.5)
+    asyncio.run(poll.poll(workers, wait_s=5.0))  # both answer: the clock starts
+    ray.get(slow.actor.set.remote(*((30.0,) if silent else (0.0, True))), timeout=10)
+    t0 = time.monotonic()
+    seen: list[Polled] = []
+    while not any(out.hung for out in seen):
+        assert time.monotonic() - t0 < 15, "never reported hung"
+        seen.append(asyncio.run(poll.poll(workers, wait_s=0.5)))
         time.sleep(0.1)
-    [(h, silent)] = seen
-    assert h is slow and silent > 1.0
-    ray.get(slow.actor.set.remote(0.0), timeout=10)
+    [(h, silent_s)] = seen[-1].hung
+    assert h is slow and 1.5 < silent_s < 1.5 + 3.0
+    assert "decode-0" in ids([ld for out in seen for ld in out.loads])
+    assert "decode-1" not in ids([ld for out in seen[1:] for ld in out.loads])
+    failed = [e for out in seen for _, e in out.failed]
+    assert (not failed) if silent else all("engine stopped" in str(e) for e in failed) and failed
+    # Reported once: while it is still among the handles (its pool has not stopped it yet),
+    # the clock starts again.
+    assert not asyncio.run(poll.poll(workers, wait_s=0.5)).hung
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_gone_from_the_pools_is_forgotten(workers):
+    fast, slow = workers
+    poll = LoadPoll(hang_timeout_s=30.0)
+    asyncio.run(poll.poll(workers, wait_s=5.0))
+    ray.get(slow.actor.set.remote(2.0), timeout=10)
+    asyncio.run(poll.poll(workers, wait_s=0.2))  # its call is out
+    before = calls(slow)
+    asyncio.run(poll.poll([fast], wait_s=0.5))  # it left its pool
+    assert slow not in poll._calls and slow not in poll._answered
+    assert calls(slow) == before
+
+
+@pytest.mark.timeout(60)
+def test_no_poll_for_longer_than_half_the_hang_timeout_starts_the_clocks_again(workers):
+    poll = LoadPoll(hang_timeout_s=1.0)
+    asyncio.run(poll.poll(workers, wait_s=5.0))
+    time.sleep(1.5)  # as if the router's loop stalled: the workers did answer
+    assert not asyncio.run(poll.poll(workers, wait_s=5.0)).hung
 
 
 @pytest.mark.timeout(60)
 def test_overlapping_polls_each_take_what_they_waited_for(workers):
     poll = LoadPoll(hang_timeout_s=5.0)
     ray.get(workers[1].actor.set.remote(0.5), timeout=10)
-    before = ray.get(workers[1].actor.count.remote(), timeout=10)
+    before = calls(workers[1])
 
     async def three() -> list[Polled]:  # as the router's poller and a caller on its loop
-        return await asyncio.gather(*(poll.poll(workers, wait_s=2.0) for _ in range(3)))
+        return await asyncio.gather(*(poll.poll(workers, wait_s=3.0) for _ in range(3)))
 
-    for out in asyncio.run(three()):
-        assert ids(out.loads) == ["decode-0", "decode-1"] and not out.failed
-    calls = ray.get(workers[1].actor.count.remote(), timeout=10) - before
-    assert calls == 1  # one call, three polls
-    ray.get(workers[1].actor.set.remote(0.0), timeout=10)
+    outs = asyncio.run(three())
+    assert ids(outs[0].loads) == ["decode-0", "decode-1"] and not outs[0].failed
+    assert all(not out.failed and not out.hung for out in outs)
+    assert calls(workers[1]) - before == 1  # one call, three polls

@@ -1,5 +1,5 @@
-"""Where a new worker goes (router/workers.py spread_node): the fitting node holding the fewest
-workers, and a node where a worker hung lately only where no other fits."""
+"""Where a new worker goes (router/workers.py spread_node): the fitting live node holding the
+fewest workers that are not dead or stopped."""
 
 from __future__ import annotations
 
@@ -20,10 +20,3 @@ def test_the_fitting_node_with_the_fewest_live_workers():
     assert spread_node(Placement(), nodes, [on("a")]) == "b"
     assert spread_node(Placement(), nodes, [on("a", WorkerStatus.DEAD)]) == "a"  # dead: not counted
     assert spread_node(Placement(resources=(("gpu_node", 1.0),)), nodes, []) is None
-
-
-def test_a_node_where_a_worker_hung_only_where_no_other_fits():
-    nodes = [node("a"), node("b", only_b=1.0)]
-    assert spread_node(Placement(), nodes, [on("a")], avoid=frozenset({"b"})) == "a"
-    only_b = Placement(resources=(("only_b", 1.0),))
-    assert spread_node(only_b, nodes, [], avoid=frozenset({"b"})) == "b"

@@ -98,8 +98,8 @@ def test_a_hung_decode_worker_is_stopped_and_replaced_and_its_stream_resumes(srv
                     # A poll meanwhile comes back at once with every other worker's figures:
                     # the stopped one holds up no one.
                     t0 = time.monotonic()
-                    loads = srv.run(cluster.load(0.5))
-                    assert time.monotonic() - t0 < 3.0
+                    loads = srv.run(cluster.load(2.0))
+                    assert time.monotonic() - t0 < 5.0
                     rest = {*cluster.prefill_ids, *cluster.decode_ids} - {stopped}
                     assert {ld.worker_id for ld in loads} == rest, loads
                 if msg.HasField("final"):
