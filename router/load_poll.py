@@ -1,8 +1,9 @@
 """The router's poll of its workers' load, and the watchdog it carries.
 
 One load call per worker is in flight at a time; a poll takes the answers that come within its
-wait and leaves a slow worker's call running for the next poll, so one worker that does not
-answer holds up no other's figures. A worker answers a load call between two engine steps
+wait and leaves a slow worker's call running for later polls, which take it once it has come
+without waiting for it again, so one worker that does not answer holds up one poll, not every
+poll and not the others' figures. A worker answers a load call between two engine steps
 (worker_protocol/host.py), so a worker that has answered none for `hang_timeout_s` is hung:
 its engine thread is stuck, its process stopped, or its node unreachable while Ray has not
 declared it dead. The pools then stop it and replace it (Pools.stop_hung), and its requests
@@ -45,41 +46,44 @@ class LoadPoll:
         self.hang_timeout_s = hang_timeout_s  # 0: no watchdog
         self._calls: dict[WorkerHandle, Any] = {}  # the load call in flight, by incarnation
         self._answered: dict[WorkerHandle, float] = {}  # when it last answered (or joined)
+        self._slow: set[WorkerHandle] = set()  # whose call in flight outlasted a poll's wait
         self._last_poll = time.monotonic()
 
     async def poll(self, handles: Sequence[WorkerHandle], wait_s: float) -> Polled:
         """The load of `handles` that answer within `wait_s`, the calls that failed, and the
-        workers silent for the hang timeout (no longer polled: they are to be stopped). Only
-        the calls sent by this poll are waited for: one still out from an earlier poll (a slow
-        or hung worker) is taken if it has come, and not waited for again."""
+        workers silent for the hang timeout (no longer polled: they are to be stopped). A call
+        that outlasted one poll's wait (a slow or hung worker's) is not waited for again: it is
+        taken once it has come."""
         now = time.monotonic()
         live = set(handles)
         for book in (self._calls, self._answered):
             for h in [h for h in book if h not in live]:  # gone from the pools
                 del book[h]
+        self._slow &= live
         if now - self._last_poll > self.hang_timeout_s / 2:
             # No poll for that long (no poller, or the router's loop stalled): the silence is
             # not the workers'.
             self._answered = dict.fromkeys(self._answered, now)
         self._last_poll = now
-        sent: set[WorkerHandle] = set()
         for h in handles:
             self._answered.setdefault(h, now)
             if h not in self._calls:
                 self._calls[h] = h.actor.load.remote()
-                sent.add(h)
         calls = list(self._calls.items())
-        waits = [wait_s if h in sent else 0.0 for h, _ in calls]
+        waits = [0.0 if h in self._slow else wait_s for h, _ in calls]
         answers = await asyncio.to_thread(_answers, [ref for _, ref in calls], waits)
         out = Polled()
         now = self._last_poll = time.monotonic()
         # Polls may overlap: each takes what it waited for, and a worker's books change only
         # while they still hold the call that poll saw.
-        for (h, ref), answer in zip(calls, answers):
+        for (h, ref), answer, wait in zip(calls, answers, waits):
             if answer is _PENDING:
+                if wait > 0 and self._calls.get(h) is ref:
+                    self._slow.add(h)
                 continue
             if self._calls.get(h) is ref:
                 del self._calls[h]  # a new call goes out at the next poll
+                self._slow.discard(h)
                 if isinstance(answer, WorkerLoad) and h in self._answered:
                     self._answered[h] = now
             if isinstance(answer, WorkerLoad):
@@ -92,6 +96,7 @@ class LoadPoll:
                 if since is not None and now - since > self.hang_timeout_s:
                     out.hung.append((h, now - since))
                     self._calls.pop(h, None)
+                    self._slow.discard(h)
                     del self._answered[h]
         return out
 
