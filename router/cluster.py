@@ -50,6 +50,7 @@ from worker_protocol.messages import (
 )
 
 log = logging.getLogger("pdserve.cluster")
+SILENT_S = 10.0  # see Cluster.silent
 
 
 class _NullListener:
@@ -114,6 +115,13 @@ class Cluster:
     @property
     def hung(self) -> list[str]:
         return self.pools.hung
+
+    @property
+    def silent(self) -> set[str]:
+        """Workers that have answered no load poll for half the hang timeout (at most
+        SILENT_S): new requests go elsewhere, where another worker can take them."""
+        hang = self.config.worker_hang_timeout_s
+        return self._poll.silent(min(SILENT_S, hang / 2) if hang > 0 else SILENT_S)
 
     @property
     def restarts(self) -> dict[WorkerRole, int]:

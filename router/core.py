@@ -228,11 +228,24 @@ class RequestCore:
             slo_itl_s=(req.slo_itl_ms / 1000) if req.slo_itl_ms else self.config.slo_itl_s,
             prefill_hold_s=self._hold(slo_ttft_s, 0.0),
         )
-        prefill, decode = self.members.pools()
+        prefill, decode = self._answering(*self.members.pools())
         if not decode:
             self.sink.rejected(RejectReason.NO_WORKERS, req.frontend)
             raise NoWorkers("no decode worker is up; the server cannot take requests now")
         return shape, self.planner.decide(shape, prefill, decode, req.path)
+
+    def _answering(
+        self, prefill: list[WorkerState], decode: list[WorkerState]
+    ) -> tuple[list[WorkerState], list[WorkerState]]:
+        """The pools without the workers silent for a while (Backend.silent), each pool as it
+        is where that would leave no worker that decodes."""
+        silent = self.backend.silent
+        if not silent:
+            return prefill, decode
+        answering = [w for w in decode if w.worker_id not in silent]
+        if not answering:
+            return prefill, decode
+        return [w for w in prefill if w.worker_id not in silent], answering
 
     def _hold(self, slo_ttft_s: float, since_arrival_s: float) -> float | None:
         """How long a request's prompt may wait for decodes where it is prefilled (Placement
@@ -367,7 +380,7 @@ class RequestCore:
                 else self._hold(shape.slo_ttft_s, time.monotonic() - books.track.arrived)
             ),
         )
-        prefill, decode = self.members.pools()
+        prefill, decode = self._answering(*self.members.pools())
         # A worker lost but still in its pool (unreachable for now: it may come back) is left
         # out of this plan, unless no other could decode it.
         if any(w.worker_id != lost.worker_id for w in decode):

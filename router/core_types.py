@@ -57,6 +57,11 @@ class Backend(Protocol):
         """Of those, the ones stopped for answering no load poll for the hang timeout."""
 
     @property
+    def silent(self) -> set[str]:
+        """Workers silent for a while (no load poll answered), not yet taken for hung: new
+        requests are placed elsewhere where another worker can take them."""
+
+    @property
     def restarts(self) -> dict[WorkerRole, int]:
         """Dead workers replaced by a new one that took load, by role, since the start."""
 

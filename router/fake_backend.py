@@ -66,6 +66,7 @@ class FakeBackend:
         self.decode_ids = [f"decode-{i}" for i in range(num_decode)] + both
         self.dead: list[str] = []
         self.hung: list[str] = []
+        self.silent: set[str] = set()
         self.restarts: dict[WorkerRole, int] = {}
         self.vocab_size = vocab_size
         self.chunk_tokens = chunk_tokens

@@ -100,6 +100,11 @@ class LoadPoll:
                     del self._answered[h]
         return out
 
+    def silent(self, after_s: float) -> set[str]:
+        """Ids of the workers that have answered no load poll for more than `after_s`."""
+        now = time.monotonic()
+        return {h.worker_id for h, t in self._answered.items() if now - t > after_s}
+
 
 _PENDING = object()
 

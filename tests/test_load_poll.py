@@ -96,10 +96,13 @@ def test_a_worker_silent_or_failing_for_the_hang_timeout_is_hung_once(workers, s
     ray.get(slow.actor.set.remote(*((30.0,) if silent else (0.0, True))), timeout=10)
     t0 = time.monotonic()
     seen: list[Polled] = []
+    quiet: list[set[str]] = []  # who has been silent for 0.7 s, poll by poll
     while not any(out.hung for out in seen):
         assert time.monotonic() - t0 < 15, "never reported hung"
         seen.append(asyncio.run(poll.poll(workers, wait_s=0.5)))
+        quiet.append(poll.silent(0.7))
         time.sleep(0.1)
+    assert {"decode-1"} in quiet[:-1] and all(q <= {"decode-1"} for q in quiet)
     [(h, silent_s)] = seen[-1].hung
     assert h is slow and 1.5 < silent_s < 1.5 + 3.0
     assert "decode-0" in ids([ld for out in seen for ld in out.loads])

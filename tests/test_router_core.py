@@ -303,6 +303,27 @@ def test_a_request_resumes_on_another_worker_than_the_one_lost_while_another_can
     assert run(main(1)) == ["decode-0", "decode-0"]
 
 
+def test_requests_go_to_workers_that_answer_their_polls_while_one_does():
+    """A worker silent for a while (Backend.silent: not yet taken for hung) takes no new
+    request, prefill or decode, while another can decode it; where none answers, the pools
+    are used as they are rather than refusing."""
+
+    async def main(silent: set[str]) -> list[tuple[str | None, str | None]]:
+        backend = FakeBackend(num_prefill=1, num_decode=2)
+        backend.silent = silent
+        core = await make_core(backend)
+        for i in range(4):
+            req = replace(request(f"r{i}", n=32 + 8 * i), path=RoutePath.DISAGGREGATED)
+            await consume(core, req)
+        return [(p.prefill_worker, p.decode_worker) for p in backend.placements]
+
+    assert run(main(set())) == [("prefill-0", "decode-0")] * 4  # where they go otherwise
+    assert run(main({"decode-0"})) == [("prefill-0", "decode-1")] * 4
+    # Disaggregated asked, but the one prefill worker is silent: prefilled where decoded.
+    assert run(main({"decode-0", "prefill-0"})) == [(None, "decode-1")] * 4
+    assert run(main({"decode-0", "decode-1"})) == [("prefill-0", "decode-0")] * 4  # as it is
+
+
 def test_a_request_whose_decode_worker_dies_resumes_and_its_books_settle_once():
     from router.metrics import Metrics
 

@@ -34,6 +34,10 @@ def srv():
     s.close()
 
 
+async def silent(cluster) -> set[str]:
+    return cluster.silent  # read on the server's loop, which polls
+
+
 def replaced(srv, worker: str) -> None:
     """Wait until a new incarnation of `worker` takes load."""
     cluster = srv.server.cluster
@@ -102,6 +106,12 @@ def test_a_hung_decode_worker_is_stopped_and_replaced_and_its_stream_resumes(srv
                     assert time.monotonic() - t0 < 5.0
                     rest = {*cluster.prefill_ids, *cluster.decode_ids} - {stopped}
                     assert {ld.worker_id for ld in loads} == rest, loads
+                    # Silent for half the hang timeout, it takes no new request before it is
+                    # taken for hung (tests/test_router_core.py: the placement).
+                    while (quiet := srv.run(silent(cluster))) != {stopped}:
+                        assert time.monotonic() - t0 < HANG_S, quiet
+                        time.sleep(0.05)
+                    assert stopped in cluster.decode_ids
                 if msg.HasField("final"):
                     final = msg.final
         ledger.add(injected=1, sent=1, completed=1)
