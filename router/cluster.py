@@ -118,7 +118,7 @@ class Cluster:
 
     @property
     def silent(self) -> set[str]:
-        """Workers that have answered no load poll for half the hang timeout (at most
+        """Workers whose load calls have given no load for half the hang timeout (at most
         SILENT_S): new requests go elsewhere, where another worker can take them."""
         hang = self.config.worker_hang_timeout_s
         return self._poll.silent(min(SILENT_S, hang / 2) if hang > 0 else SILENT_S)

@@ -4,7 +4,8 @@ One load call per worker is in flight at a time; a poll takes the answers that c
 wait and leaves a slow worker's call running for later polls, which take it once it has come
 without waiting for it again, so one worker that does not answer holds up one poll, not every
 poll and not the others' figures. A worker answers a load call between two engine steps
-(worker_protocol/host.py), so a worker that has answered none for `hang_timeout_s` is hung:
+(worker_protocol/host.py), so a worker whose calls have given no load for `hang_timeout_s`
+(from the first call sent since its last load, however often or seldom polls come) is hung:
 its engine thread is stuck, its process stopped, or its node unreachable while Ray has not
 declared it dead. The pools then stop it and replace it (Pools.stop_hung), and its requests
 resume elsewhere, as a dead worker's do. A call that fails is no answer either (Ray cannot reach
@@ -40,40 +41,36 @@ class Polled:
 
 class LoadPoll:
     """Not thread-safe: polls may overlap on one event loop (the router's poller and a caller
-    there), or follow one another from loops of their own."""
+    there), or follow one another from loops of their own, however far apart."""
 
     def __init__(self, hang_timeout_s: float) -> None:
         self.hang_timeout_s = hang_timeout_s  # 0: no watchdog
         self._calls: dict[WorkerHandle, Any] = {}  # the load call in flight, by incarnation
-        self._answered: dict[WorkerHandle, float] = {}  # when it last answered (or joined)
+        # Since when each worker has given no load: when the first call it has not answered
+        # since its last load was sent (none while it has answered every call sent).
+        self._since: dict[WorkerHandle, float] = {}
         self._slow: set[WorkerHandle] = set()  # whose call in flight outlasted a poll's wait
-        self._last_poll = time.monotonic()
 
     async def poll(self, handles: Sequence[WorkerHandle], wait_s: float) -> Polled:
         """The load of `handles` that answer within `wait_s`, the calls that failed, and the
-        workers silent for the hang timeout (no longer polled: they are to be stopped). A call
-        that outlasted one poll's wait (a slow or hung worker's) is not waited for again: it is
-        taken once it has come."""
-        now = time.monotonic()
+        workers that have given no load for the hang timeout (no longer polled: they are to be
+        stopped). A call that outlasted one poll's wait (a slow or hung worker's) is not waited
+        for again: it is taken once it has come."""
         live = set(handles)
-        for book in (self._calls, self._answered):
+        for book in (self._calls, self._since):
             for h in [h for h in book if h not in live]:  # gone from the pools
                 del book[h]
         self._slow &= live
-        if now - self._last_poll > self.hang_timeout_s / 2:
-            # No poll for that long (no poller, or the router's loop stalled): the silence is
-            # not the workers'.
-            self._answered = dict.fromkeys(self._answered, now)
-        self._last_poll = now
+        now = time.monotonic()
         for h in handles:
-            self._answered.setdefault(h, now)
             if h not in self._calls:
                 self._calls[h] = h.actor.load.remote()
+                self._since.setdefault(h, now)
         calls = list(self._calls.items())
         waits = [0.0 if h in self._slow else wait_s for h, _ in calls]
         answers = await asyncio.to_thread(_answers, [ref for _, ref in calls], waits)
         out = Polled()
-        now = self._last_poll = time.monotonic()
+        now = time.monotonic()
         # Polls may overlap: each takes what it waited for, and a worker's books change only
         # while they still hold the call that poll saw.
         for (h, ref), answer, wait in zip(calls, answers, waits):
@@ -84,26 +81,26 @@ class LoadPoll:
             if self._calls.get(h) is ref:
                 del self._calls[h]  # a new call goes out at the next poll
                 self._slow.discard(h)
-                if isinstance(answer, WorkerLoad) and h in self._answered:
-                    self._answered[h] = now
+                if isinstance(answer, WorkerLoad):
+                    self._since.pop(h, None)
             if isinstance(answer, WorkerLoad):
                 out.loads.append(answer)
             elif not isinstance(answer, UNAVAILABLE):
                 out.failed.append((h, answer))
         if self.hang_timeout_s > 0:
             for h in handles:
-                since = self._answered.get(h)
+                since = self._since.get(h)
                 if since is not None and now - since > self.hang_timeout_s:
                     out.hung.append((h, now - since))
                     self._calls.pop(h, None)
                     self._slow.discard(h)
-                    del self._answered[h]
+                    del self._since[h]
         return out
 
     def silent(self, after_s: float) -> set[str]:
-        """Ids of the workers that have answered no load poll for more than `after_s`."""
+        """Ids of the workers that have given no load for more than `after_s`."""
         now = time.monotonic()
-        return {h.worker_id for h, t in self._answered.items() if now - t > after_s}
+        return {h.worker_id for h, t in self._since.items() if now - t > after_s}
 
 
 _PENDING = object()

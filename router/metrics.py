@@ -193,7 +193,7 @@ class Metrics:
         )
         self.worker_hangs = Counter(
             "pdserve_worker_hangs",
-            "Workers that answered no load poll for --worker-hang-timeout (an engine stuck, a "
+            "Workers whose load polls gave nothing for --worker-hang-timeout (an engine stuck, a "
             "process stopped, a node unreachable): stopped, and (unless a resize was removing "
             "them) replaced and counted in pdserve_worker_failures_total too.",
             WORKER,

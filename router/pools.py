@@ -236,19 +236,19 @@ class Pools:
         return True
 
     def stop_hung(self, h: WorkerHandle, silent_s: float) -> None:
-        """`h` answered no load poll for `silent_s` (router/load_poll.py): it leaves its pool as
+        """`h` gave no load for `silent_s` (router/load_poll.py): it leaves its pool as
         a dead worker does (and is replaced, unless it was being removed), and its actor is
         killed (on the supervisor loop), which ends every call in flight there with Ray's actor
         error, so its requests resume elsewhere. Any thread."""
         with self._lock:
-            if h.status not in (WorkerStatus.READY, WorkerStatus.DRAINING):
-                return  # found dead meanwhile, or stopped
+            if h.status not in (WorkerStatus.READY, WorkerStatus.DRAINING) or self._closing:
+                return  # found dead meanwhile, stopped, or all are being stopped
             self.hung.append(h.worker_id)
-        self._dead(h, "hung")
-        log.error("worker %s answered no load poll for %.0f s (its engine stuck, its process "
-                  "stopped, or its node unreachable): stopped, its requests resume elsewhere",
+        log.error("worker %s gave no load for %.0f s (its engine stuck, its process stopped, "
+                  "or its node unreachable): stopped, its requests resume elsewhere",
                   h.worker_id, silent_s)  # fmt: skip
-        self.ops.submit(self._kill(h))
+        self.ops.submit(self._kill(h))  # ahead of its replacement, on the same loop
+        self._dead(h, "hung")
 
     async def _kill(self, h: WorkerHandle) -> None:
         try:

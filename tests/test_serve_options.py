@@ -103,6 +103,7 @@ def _parse(argv):
         ("decode_resources: {GPU: 1}\n", "decode_resources: 'GPU' is set by other options"),
         ("slo_ttft_ms: .nan\n", "slo_ttft_ms: must be a number > 0"),
         ("chunked_prefill: maybe\n", "chunked_prefill: must be true or false"),
+        ("worker_hang_timeout: 2\n", "worker_hang_timeout: must be a number >= 3, got 2 (or 0"),
         ("- decode\n", "must be a mapping of option names to values"),
         ("model: [1\n", "not valid YAML"),
         ("step_target_ms: 100\nchunked_prefill: false\n", "step_target_ms"),
