@@ -113,7 +113,7 @@ class RouterConfig:
     max_active: int = 4096  # admitted requests not yet finished
     poll_interval_s: float = 0.1
     # How long one poll waits for the workers' load; a slower worker's answer comes to a later
-    # poll (router/load_poll.py), so that it holds up no other's figures.
+    # poll, which does not wait for it again (router/load_poll.py).
     poll_wait_s: float = 2.0
     # Tune each worker's step target from the ITL its requests see (router/step_target.py);
     # the workers must start with chunked prefill and a step target.
