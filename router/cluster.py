@@ -33,7 +33,6 @@ from router.vocab import FallbackReason, Placement, RoutePath
 from router.worker_calls import (
     GONE,
     UNAVAILABLE,
-    abort_failed,
     abort_soon,
     lost,
     stream_of,
@@ -239,12 +238,7 @@ class Cluster:
         handles = [d] + ([p] if p is not None else [])
         calls = [(h, rid) for h in handles for rid in ids]
         timeout, later = self.config.control_timeout_s, self.pools.ops.submit
-        results = await asyncio.gather(*(abort_soon(h, rid, timeout, later) for h, rid in calls))
-        for (h, rid), r in zip(calls, results):
-            # Gone (dead, or its engine stopped): nothing is left there to free. Unreachable
-            # for now: tried again (abort_soon), and logged there.
-            if r is not None and not isinstance(r, GONE):
-                abort_failed(h, rid, r)
+        await asyncio.gather(*(abort_soon(h, rid, timeout, later) for h, rid in calls))
 
     # -- reading -----------------------------------------------------------------------------
     def set_step_target(

@@ -24,7 +24,7 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Collection, Sequence
 from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
@@ -228,24 +228,24 @@ class RequestCore:
             slo_itl_s=(req.slo_itl_ms / 1000) if req.slo_itl_ms else self.config.slo_itl_s,
             prefill_hold_s=self._hold(slo_ttft_s, 0.0),
         )
-        prefill, decode = self._answering(*self.members.pools())
+        prefill, decode = self._without(*self.members.pools(), self.backend.silent)
         if not decode:
             self.sink.rejected(RejectReason.NO_WORKERS, req.frontend)
             raise NoWorkers("no decode worker is up; the server cannot take requests now")
         return shape, self.planner.decide(shape, prefill, decode, req.path)
 
-    def _answering(
-        self, prefill: list[WorkerState], decode: list[WorkerState]
+    @staticmethod
+    def _without(
+        prefill: list[WorkerState], decode: list[WorkerState], out: Collection[str]
     ) -> tuple[list[WorkerState], list[WorkerState]]:
-        """The pools without the workers silent for a while (Backend.silent), each pool as it
-        is where that would leave no worker that decodes."""
-        silent = self.backend.silent
-        if not silent:
+        """The pools without the workers in `out` (silent for a while: Backend.silent; or lost
+        but still in its pool), as they are where that would leave no worker that decodes."""
+        if not out:
             return prefill, decode
-        answering = [w for w in decode if w.worker_id not in silent]
-        if not answering:
+        kept = [w for w in decode if w.worker_id not in out]
+        if not kept:
             return prefill, decode
-        return [w for w in prefill if w.worker_id not in silent], answering
+        return [w for w in prefill if w.worker_id not in out], kept
 
     def _hold(self, slo_ttft_s: float, since_arrival_s: float) -> float | None:
         """How long a request's prompt may wait for decodes where it is prefilled (Placement
@@ -380,12 +380,10 @@ class RequestCore:
                 else self._hold(shape.slo_ttft_s, time.monotonic() - books.track.arrived)
             ),
         )
-        prefill, decode = self._answering(*self.members.pools())
         # A worker lost but still in its pool (unreachable for now: it may come back) is left
-        # out of this plan, unless no other could decode it.
-        if any(w.worker_id != lost.worker_id for w in decode):
-            prefill = [w for w in prefill if w.worker_id != lost.worker_id]
-            decode = [w for w in decode if w.worker_id != lost.worker_id]
+        # out of this plan, as silent ones are, unless no other could decode it.
+        pools = self._without(*self.members.pools(), self.backend.silent)
+        prefill, decode = self._without(*pools, {lost.worker_id})
         return shape, self.planner.decide(shape, prefill, decode, req.path, admitting=False)
 
     def _summary(

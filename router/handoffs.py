@@ -28,8 +28,6 @@ from router.pools import Pools
 from router.vocab import FallbackReason
 from router.worker_calls import (
     GONE,
-    UNAVAILABLE,
-    abort_failed,
     abort_soon,
     lost,
     renew,
@@ -199,13 +197,10 @@ class Handoffs:
 
     async def _abort_on(self, h: WorkerHandle, rid: str) -> bool:
         """Abort `rid` on one worker, for good: one try within the control timeout, the rest on
-        the supervisor loop while it is unreachable (worker_calls.abort_soon); False when it did
-        not answer (or failed), which is logged."""
+        the supervisor loop while it is unreachable (worker_calls.abort_soon, which logs a
+        failure); False when it did not answer (or failed)."""
         timeout = self.config.control_timeout_s
-        exc = await abort_soon(h, rid, timeout, self.pools.ops.submit)
-        if exc is not None and not isinstance(exc, UNAVAILABLE):  # unreachable: logged there
-            abort_failed(h, rid, exc)
-        return exc is None
+        return await abort_soon(h, rid, timeout, self.pools.ops.submit) is None
 
     async def _check_pair(self, p: WorkerHandle, d: WorkerHandle) -> None:
         """(Supervisor loop.) After a failed transfer: if either side lost the pair, it is made

@@ -72,7 +72,8 @@ async def abort_soon(
 ) -> BaseException | None:
     """Abort `rid` on `h` with one try within `timeout_s`: None once `h` answered, else what the
     try raised. A worker unreachable for now gets the rest of the tries (abort_on) through
-    `later` (the supervisor loop's submit), so that no request waits on it."""
+    `later` (the supervisor loop's submit), so that no request waits on it. A failure is logged
+    here, unless the worker is gone (nothing is left there to free)."""
     try:
         await asyncio.wait_for(h.actor.abort.remote(rid), timeout_s)
         return None
@@ -82,6 +83,8 @@ async def abort_soon(
         later(abort_on(h, rid, timeout_s))  # which logs it if it never does
         return exc
     except Exception as exc:
+        if not isinstance(exc, GONE):
+            abort_failed(h, rid, exc)
         return exc
 
 
