@@ -1,8 +1,8 @@
 """`pdserve scale` and `pdserve workers`: the operator's side of pdserve.v1.Admin.
 
-    pdserve scale --address 127.0.0.1:50052 --prefill 2 --decode 2   # resize, wait, list
-    pdserve scale --address 127.0.0.1:50052 --workers 4 --decode 0    # workers doing both
-    pdserve workers --address 127.0.0.1:50052                         # list
+pdserve scale --address 127.0.0.1:50052 --prefill 2 --decode 2   # resize, wait, list
+pdserve scale --address 127.0.0.1:50052 --workers 4 --decode 0    # workers doing both
+pdserve workers --address 127.0.0.1:50052                         # list
 """
 
 from __future__ import annotations

@@ -183,4 +183,3 @@ def test_every_command_in_the_deploy_readme_exists_and_accepts_its_flags():
             files = [a for a in rest if a.endswith((".yaml", ".yml")) or "Dockerfile" in a]
             assert files or tool == "kubectl", line
             assert all((ROOT / f).exists() for f in files), line
-

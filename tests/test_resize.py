@@ -121,8 +121,10 @@ def test_scale_up_and_down_under_load_fails_no_request(srv):
         assert cluster.decode_ids == ["decode-0", "decode-1"]
         mark = len(load.done)
         load.wait_for(
-            lambda: {"decode-1"} <= {f.decode_worker for _, _, f in load.done[mark:]}
-            and {"prefill-1"} <= {f.prefill_worker for _, _, f in load.done[mark:]},
+            lambda: (
+                {"decode-1"} <= {f.decode_worker for _, _, f in load.done[mark:]}
+                and {"prefill-1"} <= {f.prefill_worker for _, _, f in load.done[mark:]}
+            ),
             90,
         )
         # Down to 1+1 with the command an operator types; a short drain, so that a request
