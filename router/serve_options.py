@@ -10,10 +10,8 @@ naming the field (`config FILE: decode: must be an integer >= 1, got 0`).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import difflib
 import json
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,155 +20,23 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from router.option_values import (
+    Option,
+    OptionError,
+    auto_or,
+    choice,
+    flag,
+    integer,
+    number,
+    off_or,
+    optional,
+    path,
+    resources,
+    text,
+)
+
 if TYPE_CHECKING:
     from router.server import ServeConfig
-
-Parse = Callable[[Any], Any]
-
-
-class OptionError(ValueError):
-    """A bad option value or config file; the message names the field."""
-
-
-# -- value checks: each takes a YAML value or a command-line string ------------------------------
-def integer(low: int, high: int | None = None) -> Parse:
-    def parse(v: Any) -> int:
-        what = f"an integer >= {low}" + (f" and <= {high}" if high is not None else "")
-        if isinstance(v, bool) or not isinstance(v, (int, str)):
-            raise ValueError(f"must be {what}, got {v!r}")
-        try:
-            n = int(v)
-        except ValueError:
-            raise ValueError(f"must be {what}, got {v!r}") from None
-        if n < low or (high is not None and n > high):
-            raise ValueError(f"must be {what}, got {n}")
-        return n
-
-    return parse
-
-
-def number(low: float, strict: bool = False) -> Parse:
-    """A finite number >= low (> low when `strict`)."""
-
-    def parse(v: Any) -> float:
-        what = f"a number {'>' if strict else '>='} {low:g}"
-        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-            raise ValueError(f"must be {what}, got {v!r}")
-        try:
-            x = float(v)
-        except ValueError:
-            raise ValueError(f"must be {what}, got {v!r}") from None
-        if not math.isfinite(x) or x < low or (strict and x == low):
-            raise ValueError(f"must be {what}, got {v!r}")
-        return x
-
-    return parse
-
-
-def off_or(parse: Parse) -> Parse:
-    """0 (off), or what `parse` takes."""
-
-    def wrapped(v: Any) -> Any:
-        try:
-            return parse(v)
-        except ValueError as exc:
-            if not isinstance(v, bool) and isinstance(v, (int, float, str)):
-                with contextlib.suppress(ValueError):
-                    if float(v) == 0:
-                        return 0.0
-            raise ValueError(f"{exc} (or 0: off)") from None
-
-    return wrapped
-
-
-def optional(parse: Parse) -> Parse:
-    """`parse`, or None for a null in the file (or the word `none` on the command line)."""
-
-    def wrapped(v: Any) -> Any:
-        if v is None or (isinstance(v, str) and v.lower() in ("none", "null", "")):
-            return None
-        return parse(v)
-
-    return wrapped
-
-
-def auto_or(parse: Parse) -> Parse:
-    """The word `auto`, or what `parse` takes."""
-
-    def wrapped(v: Any) -> Any:
-        if isinstance(v, str) and v.lower() == "auto":
-            return "auto"
-        try:
-            return parse(v)
-        except ValueError as exc:
-            raise ValueError(f"{exc} (or auto)") from None
-
-    return wrapped
-
-
-def text(v: Any) -> str:
-    if not isinstance(v, str) or not v:
-        raise ValueError(f"must be a non-empty string, got {v!r}")
-    return v
-
-
-def path(v: Any) -> Path:
-    if not isinstance(v, str) or not v:
-        raise ValueError(f"must be a file path, got {v!r}")
-    return Path(v)
-
-
-def choice(*allowed: str) -> Parse:
-    def parse(v: Any) -> str:
-        if v not in allowed:
-            raise ValueError(f"must be one of {', '.join(allowed)}, got {v!r}")
-        return str(v)
-
-    return parse
-
-
-def flag(v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise ValueError(f"must be true or false, got {v!r}")
-    return v
-
-
-def resources(v: Any) -> dict[str, float]:
-    """Ray resources: a mapping (or its JSON text) of names to positive amounts."""
-    if isinstance(v, str):
-        try:
-            v = json.loads(v)
-        except json.JSONDecodeError as exc:
-            raise ValueError(
-                f"must be a JSON object such as '{{\"prefill_node\": 1}}': {exc}"
-            ) from None
-    if not isinstance(v, dict):
-        raise ValueError(f"must map resource names to amounts, got {v!r}")
-    out: dict[str, float] = {}
-    for k, amount in v.items():
-        if not isinstance(k, str) or not k:
-            raise ValueError(f"resource names must be non-empty strings, got {k!r}")
-        if k in ("CPU", "GPU", "memory"):
-            raise ValueError(f"{k!r} is set by other options (--threads, --gpus-per-worker)")
-        try:
-            out[k] = number(0.0, strict=True)(amount)
-        except ValueError as exc:
-            raise ValueError(f"{k}: {exc}") from None
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class Option:
-    name: str  # the config key; the flag is --name-with-dashes
-    parse: Parse
-    default: Any
-    help: str
-    boolean: bool = False  # a --name / --no-name flag pair
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
 
 PORT = integer(0, 65535)
 OFF_OR_PORT = integer(-1, 65535)
