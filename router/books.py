@@ -133,7 +133,7 @@ class RequestBooks:
             if self._resumed_gap:  # death, detection and re-prefill: not the new worker's step
                 self._resumed_gap = False
             else:
-                self.d.observe_gaps(gaps)
+                self.d.measured.observe_gaps(gaps)
         first = was_first and self.track.first_at is not None
         if first:
             self.counts.pending -= 1
@@ -167,11 +167,11 @@ class RequestBooks:
         d, c, shape = self.d, self.chosen, self.shape  # set together by `place`
         if d is not None and c is not None and shape is not None and not self.track.resumed:
             if not c.itl_checkable:
-                d.observe_request(self.track.itl_s)  # its tail only
+                d.measured.observe_request(self.track.itl_s)  # its tail only
                 return
             local = c.path is RoutePath.COLOCATED
             kind = None if self.track.kv_fallback or self.track.replanned_to else local
-            d.observe_request(
+            d.measured.observe_request(
                 self.track.itl_s,
                 c.itl_p99_s,
                 shape.slo_itl_s,

@@ -144,7 +144,7 @@ class DecodeDemand:
             if n > limit:
                 return float("inf")
             if max(1, round(n)) == batch:  # settled
-                return gap * w.gap_tail()
+                return gap * w.measured.gap_tail()
             batch = max(1, round(n))
         return float("inf")  # still moving: a batch that keeps growing
 
@@ -237,7 +237,7 @@ class DecodeDemand:
     def holds(self, w: WorkerState, slo_itl_s: float, context: float, share: float = 1.0) -> int:
         """The most decodes `w` runs with its p99 gap within `slo_itl_s`, at mean context
         `context`, its steps `share` times slower than alone (0: not even one)."""
-        tail = w.gap_tail()
+        tail = w.measured.gap_tail()
 
         def p99(n: int) -> float:
             return _gap(w, n, context, share) * tail
@@ -258,7 +258,7 @@ def _gap(w: WorkerState, batch: int, context: float, share: float) -> float:
     """The gap a request sees on `w` decoding in a batch of `batch` at mean context `context`,
     its steps `share` times slower than alone: the step-time model's step as a gap."""
     slower = share / w.model.scale  # its predictions carry the share for what runs now
-    return w.model.decode_step_s(batch, round(batch * context)) * slower * w.gap_factor()
+    return w.model.decode_step_s(batch, round(batch * context)) * slower * w.measured.gap_factor()
 
 
 def _node_share(w: WorkerState, decoding: Sequence[WorkerState]) -> float:

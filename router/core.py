@@ -130,7 +130,7 @@ class RequestCore:
         self.members.absorb(await self.backend.load(self.config.poll_wait_s))
         _, decode = self.members.pools()
         widths = {("ttft", ""): self.planner.ttft_spread.width}
-        widths.update((("itl_p99", s.worker_id), s.itl_spread.width) for s in decode)
+        widths.update((("itl_p99", s.worker_id), s.measured.itl_spread.width) for s in decode)
         self.sink.spreads(widths)
         if self.step_targets is not None and self.step_targets.due():
             await self._retarget()

@@ -59,11 +59,13 @@ def caused_misses(
     flex colocated instead). The miss chances are as wide as the worker's p99 gap predictions
     have come from its requests' measured ones (`itl_spread`): a request predicted past its SLO
     may still attain, the less so the further past it new work takes it."""
-    tail, g = w.gap_tail(), w.gap_factor()
-    width = w.itl_spread.width
+    tail, g = w.measured.gap_tail(), w.measured.gap_factor()
+    width = w.measured.itl_spread.width
 
     def lost(checks: Sequence[ItlCheck], step_s: float, new_step_s: float) -> float:
-        typical = max(step_s * g, w.typical_gap())  # what its gaps take now, as measured too
+        typical = max(
+            step_s * g, w.measured.typical_gap()
+        )  # what its gaps take now, as measured too
         without = typical * tail
         added = max(0.0, new_step_s * g - typical)  # the new steps as gaps, over the typical
         return sum(
@@ -154,7 +156,10 @@ def shared_misses(d: WorkerState, workers: Sequence[WorkerState]) -> float:
         if slower > 1.0:
             # What its steps take now: the predicted step, or the gaps measured there (as steps)
             # when longer.
-            now = max(decode_step_beside(o, o.batch, o.context), o.typical_gap() / o.gap_factor())
+            now = max(
+                decode_step_beside(o, o.batch, o.context),
+                o.measured.typical_gap() / o.measured.gap_factor(),
+            )
             total += caused_misses(o, now * slower, now, coming_step(o) * slower)
     return total
 
@@ -192,7 +197,7 @@ def prefills_beside(w: WorkerState, during_s: float, coming_during_s: float = 0.
     A count for the tie-break with its own margin (BESIDE_MARGIN), not a miss chance: the bias
     of each one's kind of placement (itl_checks) weighs in the expected misses it breaks ties
     of, not here."""
-    tail = BESIDE_MARGIN * w.gap_tail() * w.gap_factor()
+    tail = BESIDE_MARGIN * w.measured.gap_tail() * w.measured.gap_factor()
     return sum(1 for slo in w.itl_slos() if slo < during_s * tail) + sum(
         1 for slo in w.coming_itl_slos() if slo < coming_during_s * tail
     )

@@ -108,18 +108,18 @@ class Membership:
             state = self.states.get(load.worker_id)
             if state is not None and state.info.incarnation == load.incarnation:
                 state.absorb(load, peer_work(state, members))
-                state.update_tail()
+                state.measured.update_tail()
                 self._log_waits(state, load)
-        factors = [f for s in members if (f := s.measured_gap_factor) is not None]
+        factors = [f for s in members if (f := s.measured.own_gap_factor) is not None]
         if factors:  # a worker not yet measured takes what the others did
             peers = float(np.median(factors))
             for s in members:
-                s.peers_gap_factor = peers
+                s.measured.peers_gap_factor = peers
         decoders = [self.state(w) for w in b.decode_ids]
-        self.sink.gap_factors({s.worker_id: s.gap_factor() for s in decoders})
+        self.sink.gap_factors({s.worker_id: s.measured.gap_factor() for s in decoders})
         self.sink.biases(
             {
-                (kind, s.worker_id): s.itl_bias_factor(local)
+                (kind, s.worker_id): s.measured.itl_bias_factor(local)
                 for s in decoders
                 for kind, local in PLACEMENT_KINDS
             }

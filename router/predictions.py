@@ -76,20 +76,20 @@ class PathPrediction:
     caused_misses: float = 0.0
     # The step P's own running requests see while it prefills for D (0: P decodes nothing).
     p_running_itl_s: float = 0.0
-    # The decode worker's measured p99 gap over its median (WorkerState.gap_tail): what this
+    # The decode worker's measured p99 gap over its median (MeasuredGaps.gap_tail): what this
     # request's ITL p99 will be, over the typical step `itl_s`.
     itl_tail: float = 1.0
-    # The decode worker's measured median gap (WorkerState.typical_gap): a floor under `itl_s`
+    # The decode worker's measured median gap (MeasuredGaps.typical_gap): a floor under `itl_s`
     # where other work fills its steps.
     itl_floor_s: float = 0.0
     # The step this request will see beside the prefills its decode worker runs, when they come
     # often enough to set its p99 gap (beside_floor; 0: they do not).
     itl_beside_s: float = 0.0
-    # How much longer the decode worker's gaps are than its steps (WorkerState.gap_factor):
+    # How much longer the decode worker's gaps are than its steps (MeasuredGaps.gap_factor):
     # `itl_s` and `itl_beside_s` are steps, an ITL SLO holds gaps.
     itl_gap_factor: float = 1.0
     # How many times their predicted p99 gap the decode worker's requests of this kind (prefilled
-    # there, or their KV from a peer) have seen lately (WorkerState.itl_bias_factor).
+    # there, or their KV from a peer) have seen lately (MeasuredGaps.itl_bias_factor).
     itl_bias: float = 1.0
     # The requests decoding (or to decode) on the worker that prefills this prompt whose ITL SLO
     # its steps put at risk: what the tie-break keeps low.
@@ -249,13 +249,13 @@ def predict_colocated(
         uncached_tokens=n,
         transfer_bytes=0,
         caused_misses=caused_misses(d, during, before, coming) + shared,
-        itl_tail=d.gap_tail(),
-        itl_floor_s=d.typical_gap(),
+        itl_tail=d.measured.gap_tail(),
+        itl_floor_s=d.measured.typical_gap(),
         ttft_width=ttft_width,
-        itl_width=d.itl_spread.width,
+        itl_width=d.measured.itl_spread.width,
         itl_beside_s=beside_floor(d, d.batch + 1, d.context + req.prompt_len, itl),
-        itl_gap_factor=d.gap_factor(),
-        itl_bias=d.itl_bias_factor(local=True),
+        itl_gap_factor=d.measured.gap_factor(),
+        itl_bias=d.measured.itl_bias_factor(local=True),
         prefill_beside=prefills_beside(d, during, coming),
         decode_lean=_lean(d, prefills_there=_prefills_beside_coming(d, n, cached, req)),
     )
@@ -327,13 +327,13 @@ def predict_disaggregated(
         transfer_bytes=nbytes,
         caused_misses=caused,
         p_running_itl_s=p_during if p.batch else 0.0,
-        itl_tail=d.gap_tail(),
-        itl_floor_s=d.typical_gap(),
+        itl_tail=d.measured.gap_tail(),
+        itl_floor_s=d.measured.typical_gap(),
         ttft_width=ttft_width,
-        itl_width=d.itl_spread.width,
+        itl_width=d.measured.itl_spread.width,
         itl_beside_s=beside_floor(d, d.batch + 1, ctx, itl),
-        itl_gap_factor=d.gap_factor(),
-        itl_bias=d.itl_bias_factor(local=False),
+        itl_gap_factor=d.measured.gap_factor(),
+        itl_bias=d.measured.itl_bias_factor(local=False),
         prefill_beside=prefills_beside(p, p_during, p_coming),
         decode_lean=_lean(d, prefills_there=d.queued_prefills > 0),
     )

@@ -92,12 +92,12 @@ class StatsSink(Protocol):
 
     def gap_factors(self, factors: dict[str, float]) -> None:
         """worker -> how much longer the gaps its requests see are than its steps
-        (WorkerState.gap_factor)."""
+        (MeasuredGaps.gap_factor)."""
 
     def biases(self, factors: dict[tuple[str, str], float]) -> None:
         """(kind, worker) -> how many times their prediction the p99 gaps of the worker's
         requests of that kind (colocated, received) came lately; with too few of the kind, all
-        the worker's requests (WorkerState.itl_bias_factor)."""
+        the worker's requests (MeasuredGaps.itl_bias_factor)."""
 
     def fell_back(self, reason: str) -> None: ...
 

@@ -5,12 +5,12 @@ takes about that long (engine/scheduler.py, ChunkSizer). The right target is not
 what a request sees between two tokens is more than one step (the chunk's way to the router, the
 slowest step at a prompt's end, two prefills' tails in one step), and what it must see is its ITL
 SLO at the 99th percentile. So the router, which takes every chunk, measures the gaps per worker
-(`WorkerState.observe_gaps`), and every `interval_s`, for a worker whose last `window_s` hold at
+(`MeasuredGaps.observe_gaps`), and every `interval_s`, for a worker whose last `window_s` hold at
 least `min_gaps` gaps:
 
     ratio  = p99 of those gaps / the ITL SLO (the tightest among the requests decoding there,
              or queued there for a colocated prefill, that can still attain)
-    most   = SLO / the worker's gaps over its steps (WorkerState.gap_factor)
+    most   = SLO / the worker's gaps over its steps (MeasuredGaps.gap_factor)
     target = clip(target * clip(goal / ratio, 0.7, 1.25), min(target, floor * most), most)
 
 that is, a p99 above `goal` of the SLO shrinks the target, one below lets it grow back (cheaper
@@ -79,7 +79,9 @@ class StepTargets:
         changed = self._changed.get(state.worker_id, -math.inf)
         if now - changed < c.window_s / 2:
             return None
-        gaps = state.recent_gaps(max(now - c.window_s, changed))  # under the current target
+        gaps = state.measured.recent_gaps(
+            max(now - c.window_s, changed)
+        )  # under the current target
         if len(gaps) < c.min_gaps:
             return None
         p99 = float(np.percentile(gaps, 99))
@@ -113,4 +115,4 @@ class StepTargets:
 
 def _slo_step(state: WorkerState, slo_s: float) -> float:
     """The step on `state` whose gaps take `slo_s` (the SLO over its gaps over its steps)."""
-    return slo_s / state.gap_factor()
+    return slo_s / state.measured.gap_factor()

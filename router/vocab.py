@@ -22,7 +22,7 @@ class RoutePath(enum.Enum):
 
 
 # The kinds of placement a decode worker's requests come by, as metrics label them, with whether
-# the request prefilled there (the key of WorkerState.itl_bias).
+# the request prefilled there (the key of MeasuredGaps.itl_bias).
 PLACEMENT_KINDS = (("colocated", True), ("received", False))
 
 

@@ -41,7 +41,7 @@ def trained(
     )
     state = WorkerState(info)
     # Its predictions have been seen to hold as well as the models claim (router/spread.py).
-    state.itl_spread = PredictionSpread(prior=MISS_WIDTH)
+    state.measured.itl_spread = PredictionSpread(prior=MISS_WIDTH)
     rng = np.random.default_rng(seed)
     for _ in range(300):
         batch = int(rng.integers(0, 32))

@@ -106,8 +106,8 @@ def test_workers_of_both_kinds_gather_decodes_and_keep_a_free_one_prefilling():
     assert decision.reason_code == "cost_gather_decodes", decision.reason
     assert "decodes gather on both-0 (4 decodes running or to come there" in decision.reason
     # both-0's gaps now near the SLO: a new request decoding there would miss.
-    a.observe_gaps([0.19] * 95 + [0.25] * 5)
-    a.update_tail()
+    a.measured.observe_gaps([0.19] * 95 + [0.25] * 5)
+    a.measured.update_tail()
     crowded = pl.decide(req, [a, b], [a, b]).chosen
     assert crowded.decode_worker == "both-1", crowded
 

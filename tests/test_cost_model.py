@@ -369,8 +369,8 @@ def test_requests_predicted_past_their_slo_still_count_as_lost_to_a_prefill_besi
     p = trained("prefill-0", "prefill")
     p.add_prefill("long", 3000, prefill_pairs(3000, 0))
     d = trained("decode-0", "decode", seed=1)
-    d.observe_gaps([0.06] * 90 + [0.15] * 10)  # median 60 ms, p99 150 ms
-    d.update_tail()
+    d.measured.observe_gaps([0.06] * 90 + [0.15] * 10)  # median 60 ms, p99 150 ms
+    d.measured.update_tail()
     with_decodes(d, 10, 300, itl_slo_s=0.1)
     req = shape(200, seed=5, slo_ttft=15.0, slo_itl=0.1)
 
@@ -380,10 +380,10 @@ def test_requests_predicted_past_their_slo_still_count_as_lost_to_a_prefill_besi
 
     for i in range(8):  # ended requests: measured p99 gaps 1.5x off the predicted, either way
         predicted = 0.12
-        d.observe_request(
+        d.measured.observe_request(
             [0.06] * 90 + [predicted * 1.5 ** (1 if i % 2 else -1)] * 10, predicted, 0.1
         )
-    assert d.itl_spread.width > 0.3
+    assert d.measured.itl_spread.width > 0.3
     wide = pl.decide(req, [p], [d])
     assert wide.chosen.path is RoutePath.DISAGGREGATED, wide.reason
     best = {c.path: c for c in wide.best}
@@ -393,7 +393,7 @@ def test_requests_predicted_past_their_slo_still_count_as_lost_to_a_prefill_besi
     assert best[RoutePath.DISAGGREGATED].ttft_s > 2 * best[RoutePath.COLOCATED].ttft_s
     assert wide.reason_code == "cost_misses", wide.reason
     # A worker whose predictions were never checked is taken to err by a quarter: the same.
-    d.itl_spread = PredictionSpread()
+    d.measured.itl_spread = PredictionSpread()
     assert pl.decide(req, [p], [d]).chosen.path is RoutePath.DISAGGREGATED
 
 
@@ -483,7 +483,7 @@ def test_gaps_over_steps_turn_predicted_steps_into_gaps_and_a_fresh_worker_takes
     a, b = (m.state(f"both-{i}") for i in range(2))
     for w, seed in ((a, 1), (b, 2)):
         t = trained(w.worker_id, "both", seed=seed)
-        w.model, w.itl_spread = t.model, t.itl_spread
+        w.model, w.measured.itl_spread = t.model, t.measured.itl_spread
     pl = planner()
     step = pl.candidates(shape(16), [], [a])[0].itl_s
     req = shape(16, slo_itl=1.2 * step)  # its step under the SLO, 1.5x it over
@@ -496,12 +496,14 @@ def test_gaps_over_steps_turn_predicted_steps_into_gaps_and_a_fresh_worker_takes
         512, 512, prefill_pairs(512, 0), 0, 0, true_step(512, prefill_pairs(512, 0), 0)
     )
     load = WorkerLoad("both-0", a.info.role, 8, 0, 0, 0.1, 1000, 1024, 0, steps=(decode,) * 20)
-    a.observe_gaps([1.5 * decode_s] * 30)
+    a.measured.observe_gaps([1.5 * decode_s] * 30)
     m.absorb([replace(load, steps=(decode,) * 19 + (prefill,) * 40)])
-    assert a.gap_factor() == 1.0  # 19 decode steps: too few yet
+    assert a.measured.gap_factor() == 1.0  # 19 decode steps: too few yet
     m.absorb([load])
-    assert a.gap_factor() == pytest.approx(1.5, rel=0.01)
-    assert b.measured_gap_factor is None and b.gap_factor() == pytest.approx(1.5, rel=0.01)
+    assert a.measured.gap_factor() == pytest.approx(1.5, rel=0.01)
+    assert b.measured.own_gap_factor is None and b.measured.gap_factor() == pytest.approx(
+        1.5, rel=0.01
+    )
     gauge = metrics.registry.get_sample_value
     ratio = gauge("pdserve_worker_gap_over_step_ratio", {"worker": "both-1"})
     assert ratio == pytest.approx(1.5, rel=0.01)
@@ -518,14 +520,14 @@ def test_gaps_over_steps_turn_predicted_steps_into_gaps_and_a_fresh_worker_takes
     # ... and those at risk beside a prefill whose 40 ms steps take 60 ms gaps, twice under
     # their SLO as steps, not as gaps.
     assert prefills_beside(a, 0.04) == 4
-    measured = a.measured_gap_factor
-    a._gap_factor, a.peers_gap_factor = None, 1.0
+    measured = a.measured.own_gap_factor
+    a.measured._gap_factor, a.measured.peers_gap_factor = None, 1.0
     assert caused_misses(a, 0.07, 0.03) < 0.5
     assert prefills_beside(a, 0.04) == 0
 
-    a._gap_factor = measured  # once measured, it holds after its gaps leave the window
-    a.update_tail(window_s=0.0)
-    assert a.gap_factor() == measured
+    a.measured._gap_factor = measured  # once measured, it holds after its gaps leave the window
+    a.measured.update_tail(window_s=0.0)
+    assert a.measured.gap_factor() == measured
 
 
 def test_a_step_weighs_as_many_gaps_as_it_has_decodes():
@@ -535,9 +537,9 @@ def test_a_step_weighs_as_many_gaps_as_it_has_decodes():
     one, eight = StepStat(1, 0, 0.0, 1, 200, 0.02), StepStat(8, 0, 0.0, 8, 1600, 0.06)
     load = WorkerLoad("both-0", w.info.role, 8, 0, 0, 0.1, 1000, 1024, 0)
     w.absorb(replace(load, steps=(one,) * 20 + (eight,) * 20))
-    w.observe_gaps([0.02] * 20 + [0.06] * 160)
-    w.update_tail()
-    assert w.gap_factor() == pytest.approx(1.0)
+    w.measured.observe_gaps([0.02] * 20 + [0.06] * 160)
+    w.measured.update_tail()
+    assert w.measured.gap_factor() == pytest.approx(1.0)
 
 
 def test_a_prompt_placed_behind_a_prefill_nearly_done_waits_only_for_what_is_left_of_it():

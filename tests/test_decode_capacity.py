@@ -145,11 +145,11 @@ def test_a_rate_the_decodes_cannot_hold_marks_the_decision_for_refusal():
     assert step(room, room * 350) <= slo < step(room + 1, (room + 1) * 350)
     assert room >= 15
     # Its requests' slow gaps twice their typical one: half as long a step holds the SLO.
-    d._tail = 2.0
+    d.measured._tail = 2.0
     tight = fast.demand.holds(d, slo, fast.demand.context())
     assert 2 * step(tight, tight * 350) <= slo < 2 * step(tight + 1, (tight + 1) * 350)
     assert tight < room
-    d._tail = 1.0
+    d.measured._tail = 1.0
     assert fast.decide(req, [p], [d]).overload is None
     for i in range(room - 2):
         d.add_decode(f"r{i}", 400, slo, local=False)

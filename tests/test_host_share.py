@@ -179,8 +179,8 @@ def test_a_decode_set_going_beside_a_peers_decodes_counts_the_misses_their_slowe
     shared = pl.decide(req, [a, b], [a, b]).chosen
     assert shared.decode_worker == "both-0", shared
     # The gaps measured on both-0 run 20% over its predicted step: they set what slows.
-    a.observe_gaps([step * 1.2] * 100)
-    a.update_tail()
+    a.measured.observe_gaps([step * 1.2] * 100)
+    a.measured.update_tail()
     for rid in list(a._decodes):
         a._decodes[rid].itl_slo_s = step * 1.2 / 0.85
     assert colocated_b().caused_misses > 3.0

@@ -114,18 +114,18 @@ def test_a_p99_gap_predicted_before_the_workers_gaps_were_measured_teaches_no_bi
     assert not cold.itl_checkable
     for _ in range(6):
         _finish(d, p, req, cold, [2.5 * cold.itl_p99_s] * 50)
-    d.update_tail()
-    assert d.itl_bias[False].samples == 0 and d.itl_spread.samples == 0
-    assert d.itl_bias_factor(local=False) == 1.0 and len(d._request_tails) == 6
-    d.observe_gaps([cold.itl_p99_s] * 60)
-    d.update_tail()
+    d.measured.update_tail()
+    assert d.measured.itl_bias[False].samples == 0 and d.measured.itl_spread.samples == 0
+    assert d.measured.itl_bias_factor(local=False) == 1.0 and len(d.measured._request_tails) == 6
+    d.measured.observe_gaps([cold.itl_p99_s] * 60)
+    d.measured.update_tail()
     warm = handoff()
     assert warm.itl_checkable and warm.itl_floor_s > 0
     for _ in range(6):
         _finish(d, p, req, warm, [2.0 * warm.raw_itl_p99_s] * 50)
-    d.update_tail()
-    assert d.itl_bias[False].samples == 6 and d.itl_spread.samples == 6
-    assert d.itl_bias_factor(local=False) == pytest.approx(2.0)
+    d.measured.update_tail()
+    assert d.measured.itl_bias[False].samples == 6 and d.measured.itl_spread.samples == 6
+    assert d.measured.itl_bias_factor(local=False) == pytest.approx(2.0)
     assert p.queued_prefills == d.batch == 0  # the books settled
 
 
@@ -155,15 +155,15 @@ def test_a_bias_below_one_does_not_take_a_p99_gap_under_the_typical_gap():
     a = trained("both-0", "both")
     raw = predict_colocated(shape(64), a, Bias()).raw_itl_p99_s
     for _ in range(6):
-        a.observe_request([raw / 5] * 100, raw, 10.0, local=True, raw_p99_s=raw)
-    a.update_tail()
-    assert a.itl_bias_factor(local=True) == pytest.approx(1 / 3)
+        a.measured.observe_request([raw / 5] * 100, raw, 10.0, local=True, raw_p99_s=raw)
+    a.measured.update_tail()
+    assert a.measured.itl_bias_factor(local=True) == pytest.approx(1 / 3)
     c = predict_colocated(shape(64), a, Bias())
     assert c.itl_bias == pytest.approx(1 / 3)
     assert c.raw_itl_p99_s * c.itl_bias < c.itl_gap_s  # scaled alone, it would pass under
     assert c.itl_floor_s == 0 and c.itl_p99_s == pytest.approx(c.itl_gap_s)
-    a.observe_gaps([2 * raw] * 60)  # its requests' gaps lately: twice the step
-    a.update_tail()
+    a.measured.observe_gaps([2 * raw] * 60)  # its requests' gaps lately: twice the step
+    a.measured.update_tail()
     c = predict_colocated(shape(64), a, Bias())
     assert c.itl_floor_s == pytest.approx(2 * raw) and c.itl_p99_s >= c.itl_floor_s
 
@@ -182,10 +182,16 @@ def test_a_kind_of_placement_not_checked_lately_takes_the_bias_of_all_the_worker
     with_decodes(d, 4, 300, 0.5 * raw)
     req = shape(200, seed=2, slo_ttft=10.0, slo_itl=1.3 * raw)
     for _ in range(6):
-        d.observe_request([1.6 * raw] * 100, raw, req.slo_itl_s, local=False, raw_p99_s=raw)
-    d.update_tail()
-    assert d.itl_bias[True].samples == 0
-    assert d.itl_bias_factor(local=True) == d.itl_bias_factor(local=False) == pytest.approx(1.6)
+        d.measured.observe_request(
+            [1.6 * raw] * 100, raw, req.slo_itl_s, local=False, raw_p99_s=raw
+        )
+    d.measured.update_tail()
+    assert d.measured.itl_bias[True].samples == 0
+    assert (
+        d.measured.itl_bias_factor(local=True)
+        == d.measured.itl_bias_factor(local=False)
+        == pytest.approx(1.6)
+    )
     decision = pl.decide(req, [p], [d])
     chosen = decision.chosen
     assert chosen.path is RoutePath.DISAGGREGATED, decision.reason
@@ -198,10 +204,10 @@ def test_a_kind_of_placement_not_checked_lately_takes_the_bias_of_all_the_worker
     # Checks of its own come: colocated requests there came as predicted. Its kind's bias is
     # its own again (the pooled one, over both kinds, moves too).
     for _ in range(6):
-        d.observe_request([raw] * 100, raw, req.slo_itl_s, local=True, raw_p99_s=raw)
-    d.update_tail()
-    assert d.itl_bias_factor(local=True) == pytest.approx(1.0)
-    assert d.itl_bias_factor(local=False) == pytest.approx(1.6)
+        d.measured.observe_request([raw] * 100, raw, req.slo_itl_s, local=True, raw_p99_s=raw)
+    d.measured.update_tail()
+    assert d.measured.itl_bias_factor(local=True) == pytest.approx(1.0)
+    assert d.measured.itl_bias_factor(local=False) == pytest.approx(1.6)
 
 
 def test_colocated_requests_that_came_far_over_their_predicted_p99_gap_move_the_next_one():
@@ -223,11 +229,13 @@ def test_colocated_requests_that_came_far_over_their_predicted_p99_gap_move_the_
 
     for w in (a, b):
         for _ in range(6):
-            w.observe_request([1.8 * raw] * 100, raw, req.slo_itl_s, local=True, raw_p99_s=raw)
-            w.observe_request([raw] * 100, raw, req.slo_itl_s, local=False, raw_p99_s=raw)
-        w.update_tail()
-        assert w.itl_bias_factor(local=True) == pytest.approx(1.8)
-        assert w.itl_bias_factor(local=False) == pytest.approx(1.0)
+            w.measured.observe_request(
+                [1.8 * raw] * 100, raw, req.slo_itl_s, local=True, raw_p99_s=raw
+            )
+            w.measured.observe_request([raw] * 100, raw, req.slo_itl_s, local=False, raw_p99_s=raw)
+        w.measured.update_tail()
+        assert w.measured.itl_bias_factor(local=True) == pytest.approx(1.8)
+        assert w.measured.itl_bias_factor(local=False) == pytest.approx(1.0)
     after = pl.decide(req, [a, b], [a, b])
     chosen = after.chosen
     assert (chosen.path, chosen.prefill_worker) == (RoutePath.DISAGGREGATED, "both-1"), after.reason
@@ -295,7 +303,7 @@ def test_a_replacement_keeps_its_predecessors_bias_and_a_removed_worker_leaves_t
     )
     old = m.state("decode-0")
     for _ in range(5):
-        old.itl_bias[True].observe(0.05, 0.10)
+        old.measured.itl_bias[True].observe(0.05, 0.10)
     m.absorb([WorkerLoad("decode-0", old.info.role, 0, 0, 0, 0.0, 1024, 1024, 0)])
     labels = {"kind": "colocated", "worker": "decode-0"}
     sample = metrics.registry.get_sample_value
@@ -303,11 +311,11 @@ def test_a_replacement_keeps_its_predecessors_bias_and_a_removed_worker_leaves_t
     backend.incarnation = 1
     new = m.state("decode-0")
     assert new is not old and new.info.incarnation == 1
-    assert new.itl_bias_factor(local=True) == pytest.approx(2.0)
+    assert new.measured.itl_bias_factor(local=True) == pytest.approx(2.0)
     # None received: that kind takes the worker's, over both kinds, carried too.
-    assert new.itl_bias_factor(local=False) == pytest.approx(2.0)
-    new.update_tail()
-    assert new.itl_bias_factor(local=False) == pytest.approx(2.0)
+    assert new.measured.itl_bias_factor(local=False) == pytest.approx(2.0)
+    new.measured.update_tail()
+    assert new.measured.itl_bias_factor(local=False) == pytest.approx(2.0)
     assert predict_colocated(shape(64), new, Bias()).itl_bias == pytest.approx(2.0)
     backend.decode_ids.remove("decode-0")
     m.absorb([])

@@ -344,7 +344,7 @@ def test_a_request_whose_decode_worker_dies_resumes_and_its_books_settle_once():
     assert core.resumed == 1 and core.pending == core.active == 0
     assert all(s.batch == 0 and s.queued_tokens == 0 for s in core.states.values())
     # 8 tokens, 7 gaps; the one across the resume is charged to no worker's gap tail.
-    assert sum(len(s.recent_gaps(0.0)) for s in core.states.values()) == 6
+    assert sum(len(s.measured.recent_gaps(0.0)) for s in core.states.values()) == 6
     sample = metrics.registry.get_sample_value
     assert sample("pdserve_requests_resumed_total") == 1
     done = {"path": final.path.value, "finish_reason": "length", "frontend": "grpc"}
@@ -522,7 +522,7 @@ def test_a_request_that_ends_tells_its_decode_worker_its_own_tail():
         return core
 
     core = run(main())
-    tails = [r for w in core.states.values() for _, r in w._request_tails]
+    tails = [r for w in core.states.values() for _, r in w.measured._request_tails]
     assert len(tails) == 1 and tails[0] >= 1.0  # 19 gaps; the 4 of the short one say too little
 
 
@@ -552,7 +552,7 @@ def test_ended_requests_teach_the_spread_of_the_predictions_near_their_slo():
         await consume(core, request("ttft", max_tokens=20, slo_ttft_ms=0.01))
         # Predicted before any gaps were measured there: it teaches no spread.
         await consume(core, replace(request("cold", max_tokens=20), slo_itl_ms=0.01))
-        assert sum(w.itl_spread.samples for w in core.states.values()) == 0
+        assert sum(w.measured.itl_spread.samples for w in core.states.values()) == 0
         await gaps_measured(core)
         await consume(core, replace(request("itl", max_tokens=20), slo_itl_ms=0.01))
         await consume(core, request("loose", max_tokens=20))  # default SLOs: far under them
@@ -565,10 +565,14 @@ def test_ended_requests_teach_the_spread_of_the_predictions_near_their_slo():
     measured, predicted = ttft.measured_ttft_s, ttft.decision.chosen.ttft_s
     assert spread._errors[0] == pytest.approx(abs(np.log(measured / predicted)))
     d = core.states[itl.decision.chosen.decode_worker]
-    assert sum(w.itl_spread.samples for w in core.states.values()) == d.itl_spread.samples == 1
+    assert (
+        sum(w.measured.itl_spread.samples for w in core.states.values())
+        == d.measured.itl_spread.samples
+        == 1
+    )
     gaps = next(r.itl_s for r in sink.records if r.request_id == "itl")
     p99 = np.percentile(gaps, 99)
-    assert d.itl_spread._errors[0] == pytest.approx(
+    assert d.measured.itl_spread._errors[0] == pytest.approx(
         abs(np.log(p99 / itl.decision.chosen.itl_p99_s))
     )
 
@@ -582,15 +586,15 @@ def test_a_resumed_request_teaches_no_spread_its_gaps_across_two_workers():
         core = RequestCore(backend, await backend.infos(), RouterConfig(), TOKENIZER)
         await core.refresh()
         for w in core.states.values():
-            w.observe_gaps([0.001] * 60)
-            w.update_tail()
+            w.measured.observe_gaps([0.001] * 60)
+            w.measured.update_tail()
         await consume(core, replace(request("moved", max_tokens=30), slo_itl_ms=0.01))
         return core
 
     core = run(main())
     assert core.resumed == 1
     assert core.records[-1].decision.chosen.itl_checkable
-    assert sum(w.itl_spread.samples for w in core.states.values()) == 0
+    assert sum(w.measured.itl_spread.samples for w in core.states.values()) == 0
 
 
 def test_a_colocated_request_waiting_for_its_prefill_is_a_decode_to_come_on_its_worker():
@@ -641,9 +645,9 @@ def test_the_spreads_of_the_predictions_are_exported_per_kind_and_decode_worker(
     ttft = sample("pdserve_prediction_spread", {"kind": "ttft", "worker": ""})
     assert ttft == core.planner.ttft_spread.width and core.planner.ttft_spread.samples == 1
     d = core.states["decode-0"]
-    assert d.itl_spread.samples == 1
+    assert d.measured.itl_spread.samples == 1
     got = sample("pdserve_prediction_spread", {"kind": "itl_p99", "worker": "decode-0"})
-    assert got == d.itl_spread.width != PRIOR_WIDTH
+    assert got == d.measured.itl_spread.width != PRIOR_WIDTH
     assert sample("pdserve_prediction_spread", {"kind": "itl_p99", "worker": "prefill-0"}) is None
 
 
@@ -681,22 +685,22 @@ def test_each_kind_of_placement_teaches_its_own_bias_on_its_decode_worker():
     sink = Ended()
     core = run(main(FakeBackend(chunk_tokens=1), sink))
     d = core.states["decode-0"]
-    assert d.itl_bias[True].samples == 5 and d.itl_bias[False].samples == 2
-    assert core.states["prefill-0"].itl_bias[True].samples == 0
+    assert d.measured.itl_bias[True].samples == 5 and d.measured.itl_bias[False].samples == 2
+    assert core.states["prefill-0"].measured.itl_bias[True].samples == 0
     placed = [r for r in core.records if r.request_id != "gaps"]
     colocated = [r for r in placed if r.decision.chosen.path is RoutePath.COLOCATED]
-    errors = [e for _, e in d.itl_bias[True]._errors]
+    errors = [e for _, e in d.measured.itl_bias[True]._errors]
     for r, e in zip(colocated, errors, strict=True):
         gaps = next(x.itl_s for x in sink.records if x.request_id == r.request_id)
         assert r.decision.chosen.itl_bias == 1.0  # none yet at its placement
         assert e == pytest.approx(np.log(np.percentile(gaps, 99) / r.decision.chosen.raw_itl_p99_s))
     # The fake backend's gaps are far under any prediction: the factor stops at its bound.
     factor = min(MAX_BIAS, max(1 / MAX_BIAS, float(np.exp(np.median(errors)))))
-    assert d.itl_bias_factor(local=True) == pytest.approx(factor) != 1.0
+    assert d.measured.itl_bias_factor(local=True) == pytest.approx(factor) != 1.0
     # Two are too few: the received kind takes the worker's, over all seven.
-    both = errors + [e for _, e in d.itl_bias[False]._errors]
+    both = errors + [e for _, e in d.measured.itl_bias[False]._errors]
     pooled = min(MAX_BIAS, max(1 / MAX_BIAS, float(np.exp(np.median(both)))))
-    assert d.itl_bias_factor(local=False) == pytest.approx(pooled) != 1.0
+    assert d.measured.itl_bias_factor(local=False) == pytest.approx(pooled) != 1.0
     sample = sink.registry.get_sample_value
     labels = {"kind": "colocated", "worker": "decode-0"}
     assert sample("pdserve_prediction_bias_ratio", labels) == pytest.approx(factor)
@@ -704,19 +708,23 @@ def test_each_kind_of_placement_teaches_its_own_bias_on_its_decode_worker():
     assert received == pytest.approx(pooled)
 
     fell_back = run(main(FakeBackend(fallback=FallbackReason.TRANSFER_FAILED), Ended()))
-    assert sum(fell_back.states["decode-0"].itl_bias[k].samples for k in (True, False)) == 5
+    assert (
+        sum(fell_back.states["decode-0"].measured.itl_bias[k].samples for k in (True, False)) == 5
+    )
     # A handoff re-planned onto another prefill worker teaches neither kind, nor does a
     # request that resumed on another decode worker after losing its own.
     replanned = run(main(FakeBackend(num_prefill=2, replan=True), Ended()))
     d = replanned.states["decode-0"]
-    assert (d.itl_bias[True].samples, d.itl_bias[False].samples) == (5, 0)
+    assert (d.measured.itl_bias[True].samples, d.measured.itl_bias[False].samples) == (5, 0)
     assert sum(r.disturbed for r in replanned.records) == 2
     lost, ended = FakeBackend(num_decode=2), Ended()
     resumed = run(main(lost, ended, lose_after=5))
     assert len(lost.lost) == 1 and sum(r.resumed for r in ended.records) == 1
     checked = {r.request_id for r in resumed.records if r.decision.chosen.itl_checkable}
     assert {rid.split("#")[0] for rid in lost.lost} <= checked  # it would have taught
-    taught = sum(w.itl_bias[k].samples for w in resumed.states.values() for k in (True, False))
+    taught = sum(
+        w.measured.itl_bias[k].samples for w in resumed.states.values() for k in (True, False)
+    )
     assert taught == len(checked) - 1
 
 
@@ -733,9 +741,9 @@ def test_a_decoding_request_is_priced_with_the_bias_of_its_kind_of_placement():
         await core.refresh()
         d = core.states["decode-0"]
         for _ in range(5):
-            d.itl_bias[True].observe(0.05, 0.10)
-            d.itl_bias[False].observe(0.05, 0.15)
-        d.update_tail()
+            d.measured.itl_bias[True].observe(0.05, 0.10)
+            d.measured.itl_bias[False].observe(0.05, 0.15)
+        d.measured.update_tail()
         seen = {}
         for path in (RoutePath.COLOCATED, RoutePath.DISAGGREGATED):
             req = replace(request(path.value, max_tokens=20), path=path)

@@ -104,8 +104,8 @@ def test_the_measured_gap_tail_counts_in_the_itl_a_request_will_see():
     req = shape(16, slo_itl=0.06)
     calm = pl.candidates(req, [], [d])[0]
     assert calm.itl_tail == 1.0 and calm.new_miss(req) < 0.01  # a ~30 ms step, well under
-    d.observe_gaps([0.03] * 95 + [0.09] * 5)  # p99 gap three times the median
-    d.update_tail()  # (the router does at each load poll)
+    d.measured.observe_gaps([0.03] * 95 + [0.09] * 5)  # p99 gap three times the median
+    d.measured.update_tail()  # (the router does at each load poll)
     tailed = pl.candidates(req, [], [d])[0]
     assert tailed.itl_tail == pytest.approx(3.0, rel=0.05)
     assert tailed.new_miss(req) > 0.99
@@ -122,9 +122,9 @@ def test_the_gap_tail_delays_a_prefills_steps_as_it_does_the_typical_step():
     counts: 110 ms, about three misses (4 x (0.88 - 0.09) by the miss chances at 1.1 and 0.9
     of the SLO), not none. Work that already fails them is not the new request's doing."""
     d = trained("both-0", "both", seed=1)
-    d.observe_gaps([0.06] * 90 + [0.09] * 10)  # p99 1.5 x the median
-    d.update_tail()
-    assert d.gap_tail() == pytest.approx(1.5, rel=0.02)
+    d.measured.observe_gaps([0.06] * 90 + [0.09] * 10)  # p99 1.5 x the median
+    d.measured.update_tail()
+    assert d.measured.gap_tail() == pytest.approx(1.5, rel=0.02)
     with_decodes(d, 4, 200, itl_slo_s=0.1)
     before = 0.06
     assert caused_misses(d, 0.08, before) == pytest.approx(4 * (0.883 - 0.094), abs=0.02)
@@ -147,8 +147,8 @@ def test_running_requests_whose_kind_came_late_here_are_counted_as_late_under_ne
     in their batch, a step 2 ms longer, costs them next to nothing (scaling the whole gap with
     it, 92 ms read 276)."""
     d = trained("both-0", "both", seed=1)
-    d.observe_gaps([0.06] * 90 + [0.09] * 10)
-    d.update_tail()
+    d.measured.observe_gaps([0.06] * 90 + [0.09] * 10)
+    d.measured.update_tail()
     for i in range(4):
         d.add_decode(f"received-{i}", 200, 0.2, local=False)
 
@@ -159,9 +159,9 @@ def test_running_requests_whose_kind_came_late_here_are_counted_as_late_under_ne
     assert 0.005 < light < 0.05 and one > 0.99
     assert caused_misses(d, 0.14, 0.06) == pytest.approx(4 * light, abs=0.01)
     for _ in range(5):
-        d.itl_bias[False].observe(0.05, 0.05)  # received ones: as predicted
-        d.itl_bias[True].observe(0.05, 0.10)  # colocated ones: 2x
-    d.update_tail()
+        d.measured.itl_bias[False].observe(0.05, 0.05)  # received ones: as predicted
+        d.measured.itl_bias[True].observe(0.05, 0.10)  # colocated ones: 2x
+    d.measured.update_tail()
     assert d.itl_checks() == [ItlCheck(0.2, 1.0)] * 4
     assert caused_misses(d, 0.14, 0.06) == pytest.approx(4 * light, abs=0.01)
     d.add_decode("colocated", 200, 0.2, local=True)
@@ -170,13 +170,13 @@ def test_running_requests_whose_kind_came_late_here_are_counted_as_late_under_ne
     assert d.coming_itl_checks() == [ItlCheck(0.2, pytest.approx(2.0))]
     assert caused_misses(d, 0.14, 0.06, 0.14) == pytest.approx(4 * light + 2 * one, abs=0.02)
     for _ in range(20):
-        d.itl_bias[False].observe(0.05, 0.10)  # received ones: 2x too
-    d.update_tail()
+        d.measured.itl_bias[False].observe(0.05, 0.10)  # received ones: 2x too
+    d.measured.update_tail()
     assert caused_misses(d, 0.14, 0.06, 0.14) == pytest.approx(6 * one, abs=0.05)
     for _ in range(20):
-        d.itl_bias[False].observe(0.05, 0.15)  # received ones: 3x
-    d.update_tail()
-    assert d.itl_bias_factor(local=False) == pytest.approx(3.0)
+        d.measured.itl_bias[False].observe(0.05, 0.15)  # received ones: 3x
+    d.measured.update_tail()
+    assert d.measured.itl_bias_factor(local=False) == pytest.approx(3.0)
     assert caused_misses(d, 0.14, 0.06, 0.14) == pytest.approx(6 * one, abs=0.05)
     assert caused_misses(d, 0.062, 0.06, 0.062) < 0.01  # one more decode: 96 ms at most
 
@@ -190,9 +190,9 @@ def test_the_gaps_requests_see_now_floor_a_new_requests_predicted_step():
     d = trained("both-0", "both", seed=1)
     req = shape(16, slo_itl=0.24)
     assert pl.candidates(req, [], [d])[0].new_miss(req) < 0.01  # a ~30 ms step alone
-    d.observe_gaps([0.2] * 90 + [0.26] * 10)  # chunk steps: median 200 ms, p99 260 ms
-    d.update_tail()
-    assert d.typical_gap() == pytest.approx(0.2)
+    d.measured.observe_gaps([0.2] * 90 + [0.26] * 10)  # chunk steps: median 200 ms, p99 260 ms
+    d.measured.update_tail()
+    assert d.measured.typical_gap() == pytest.approx(0.2)
     busy = pl.candidates(req, [], [d])[0]
     assert busy.itl_p99_s == pytest.approx(0.26, rel=0.02)
     assert busy.new_miss(req) > 0.6
@@ -207,12 +207,12 @@ def test_the_tail_is_each_requests_own_once_enough_requests_ended():
     their median, while each request that ended saw its own p99 at 1.2 x its median. Once 8
     have ended, the tail (what a new request's p99 is predicted to be over its step) is theirs."""
     d = trained("both-0", "both", seed=1)
-    d.observe_gaps([0.05] * 95 + [0.15] * 5)
-    d.update_tail()
-    assert d.gap_tail() == pytest.approx(3.0, rel=0.02)  # too few requests ended: pooled
+    d.measured.observe_gaps([0.05] * 95 + [0.15] * 5)
+    d.measured.update_tail()
+    assert d.measured.gap_tail() == pytest.approx(3.0, rel=0.02)  # too few requests ended: pooled
     for i in range(8):
-        d.observe_request([0.05] * 98 + [0.06] * 2)  # p99 1.2 x the median
-        d.update_tail()
-        assert d.gap_tail() == pytest.approx(1.2 if i == 7 else 3.0, rel=0.02), i
-    d.observe_request([0.05] * 5)  # under 10 gaps: says too little
-    assert len(d._request_tails) == 8
+        d.measured.observe_request([0.05] * 98 + [0.06] * 2)  # p99 1.2 x the median
+        d.measured.update_tail()
+        assert d.measured.gap_tail() == pytest.approx(1.2 if i == 7 else 3.0, rel=0.02), i
+    d.measured.observe_request([0.05] * 5)  # under 10 gaps: says too little
+    assert len(d.measured._request_tails) == 8

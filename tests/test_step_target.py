@@ -29,33 +29,33 @@ def worker(target_s: float | None, slo_s: float | None = None, wid: str = "both-
 def test_a_tail_past_the_slo_shrinks_the_target_and_one_well_under_it_grows_it_back():
     tune = StepTargets(StepTargetConfig(window_s=20.0, min_gaps=50))
     w = worker(0.100, slo_s=0.150)
-    w.observe_gaps([0.05] * 50 + [0.30] * 10, now=100.0)  # p99 0.30 s, twice the SLO
+    w.measured.observe_gaps([0.05] * 50 + [0.30] * 10, now=100.0)  # p99 0.30 s, twice the SLO
     assert tune.retarget(w, now=101.0) == pytest.approx(0.070)  # by 30% at most
     w.model.step_target_s = 0.070
     tune.changed(w.worker_id, now=101.0)
     assert tune.retarget(w, now=105.0) is None  # once per half window
-    w.observe_gaps([0.05] * 40, now=112.0)  # p99 0.05 s, a third of the SLO
+    w.measured.observe_gaps([0.05] * 40, now=112.0)  # p99 0.05 s, a third of the SLO
     # Only the gaps since the change count: 40 are too few, the slow ones before it are out.
     assert tune.retarget(w, now=113.0) is None
-    w.observe_gaps([0.05] * 60, now=115.0)
+    w.measured.observe_gaps([0.05] * 60, now=115.0)
     assert tune.retarget(w, now=125.0) == pytest.approx(0.0875)  # by 25% at most
     w.model.step_target_s = 0.0875
     tune.changed(w.worker_id, now=125.0)
-    w.observe_gaps([0.131] * 100, now=140.0)  # p99 at 87% of the SLO: near the goal of 90%
+    w.measured.observe_gaps([0.131] * 100, now=140.0)  # p99 at 87% of the SLO: near the goal of 90%
     assert tune.retarget(w, now=140.0) is None
 
 
 def test_the_target_stays_within_the_slo_and_needs_enough_gaps():
     tune = StepTargets()
     few = worker(0.100, slo_s=0.150, wid="both-1")
-    few.observe_gaps([1.0] * 10, now=10.0)
+    few.measured.observe_gaps([1.0] * 10, now=10.0)
     assert tune.retarget(few, now=11.0) is None  # 10 gaps say too little
     loose = worker(
         0.800, slo_s=0.150, wid="both-2"
     )  # started from a default SLO far looser than asked
     assert tune.retarget(loose, now=0.0) == pytest.approx(0.8 * 0.150)
     floor = worker(0.035, slo_s=0.150, wid="both-3")
-    floor.observe_gaps([3.0] * 100, now=50.0)
+    floor.measured.observe_gaps([3.0] * 100, now=50.0)
     assert tune.retarget(floor, now=50.0) == pytest.approx(0.2 * 0.150)  # no lower than 20%
     assert tune.retarget(worker(None, slo_s=0.15), now=0.0) is None  # no target: untouched
 
@@ -66,7 +66,7 @@ def test_a_worker_with_no_request_to_decode_there_keeps_its_target():
     server's default SLO, 1 s, would have raised a 70 ms target to its floor, 200 ms)."""
     tune = StepTargets()
     idle = worker(0.070, wid="both-4")
-    idle.observe_gaps([0.05] * 100, now=0.0)
+    idle.measured.observe_gaps([0.05] * 100, now=0.0)
     assert tune.retarget(idle, now=1.0) is None  # none decodes there, nor will: left as it is
     idle.add_prefill("c", 1000, 5e5, local=True, itl_slo_s=0.145)  # colocated, prefilling
     assert tune.retarget(idle, now=1.0) == pytest.approx(0.0875)  # by 25%, for its 145 ms
@@ -84,10 +84,10 @@ def test_a_loose_slo_grows_a_tight_target_by_a_quarter_at_most():
     within the SLO grow it by 25%, and gaps past it leave it."""
     tune = StepTargets()
     w = worker(0.070, slo_s=1.0)
-    w.observe_gaps([0.05] * 100, now=0.0)
+    w.measured.observe_gaps([0.05] * 100, now=0.0)
     assert tune.retarget(w, now=1.0) == pytest.approx(0.0875)
     slow = worker(0.070, slo_s=1.0, wid="both-5")
-    slow.observe_gaps([2.0] * 100, now=0.0)
+    slow.measured.observe_gaps([2.0] * 100, now=0.0)
     assert tune.retarget(slow, now=1.0) is None
 
 
@@ -96,11 +96,13 @@ def test_the_target_is_a_step_whose_gaps_take_the_slo():
     gaps, so its target (a step) starts at 0.8 x 100 ms, and grows no further than 100 ms."""
     tune = StepTargets()
     w = worker(0.800, slo_s=0.150)
-    w._gap_factor = 1.5
+    w.measured._gap_factor = 1.5
     assert tune.for_request(w, 0.150) == pytest.approx(0.8 * 0.100)
     w.model.step_target_s = 0.095
     assert tune.for_request(w, 0.150) is None  # under 100 ms already
-    w.observe_gaps([0.05] * 100, now=50.0)  # p99 a third of the SLO: grow, to 100 ms at most
+    w.measured.observe_gaps(
+        [0.05] * 100, now=50.0
+    )  # p99 a third of the SLO: grow, to 100 ms at most
     assert tune.retarget(w, now=50.0) == pytest.approx(0.100)
 
 
@@ -113,7 +115,7 @@ def tuned_core(backend: FakeBackend) -> RequestCore:
         config = RouterConfig(slo_itl_s=0.15, tune_step_target=True)
         core = RequestCore(backend, infos, config, TOKENIZER)
         core.states["both-0"].add_decode("r", 100, 0.15, local=False)
-        core.states["both-0"].observe_gaps([0.3] * 100)
+        core.states["both-0"].measured.observe_gaps([0.3] * 100)
         await core.refresh()
         return core
 
