@@ -20,11 +20,10 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import math
 import statistics
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Awaitable, Collection, Sequence
+from collections.abc import AsyncGenerator, Collection, Sequence
 from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
@@ -43,6 +42,7 @@ from router.pool_state import WorkerState
 from router.request import ParsedRequest
 from router.stats import NullSink, StatsSink
 from router.step_target import StepTargets
+from router.target_calls import TargetCalls
 from router.tracker import Tracker
 from router.vocab import FinishReason, Frontend, Placement, RejectReason, RoutePath
 from worker_protocol.messages import TokenChunk, WorkerInfo
@@ -76,20 +76,16 @@ class RequestCore:
         self.states = self.members.states  # the books, by worker id (current incarnations)
         self.planner = Planner(config.policy, self.transfer, self.health)
         self.step_targets = StepTargets() if config.tune_step_target else None
+        self.target_calls: TargetCalls | None = None
         if self.step_targets is not None:
             self.planner.target_for = self.step_targets.for_request
-        # Step target calls made at placement, in flight, by worker (one each; see _tighten).
-        self._tightening: dict[str, asyncio.Future[None]] = {}
-        # The tightest ITL SLO asked of a worker while its call was in flight: sent once it ends.
-        self._tighten_next: dict[str, float] = {}
+            self.target_calls = TargetCalls(backend, self.members, self.step_targets)
         self.records: deque[DecisionRecord] = deque(maxlen=2048)
         self.margin = TtftMargin()  # admission's, from the first tokens (planner.ttft_margin)
         self.planner.rate_admission = config.decode_rate_admission
         self.counts = RequestCounts()
         self._poller: asyncio.Task[None] | None = None
         self._ids = itertools.count()  # workers see internal ids: clients' ids may collide
-        self._targets_sent = itertools.count(1)  # numbers the step target calls
-        self._latest_target: dict[str, int] = {}  # by worker: the number of the latest sent
 
     @property
     def pending(self) -> int:
@@ -132,90 +128,8 @@ class RequestCore:
         widths = {("ttft", ""): self.planner.ttft_spread.width}
         widths.update((("itl_p99", s.worker_id), s.measured.itl_spread.width) for s in decode)
         self.sink.spreads(widths)
-        if self.step_targets is not None and self.step_targets.due():
-            await self._retarget()
-
-    async def _retarget(self) -> None:
-        """Tune each worker's step target from the tail of the gaps its requests see."""
-        assert self.step_targets is not None
-        _, decode = self.members.pools()
-        moves = [(s, t) for s in decode if (t := self.step_targets.retarget(s)) is not None]
-        await self._set_targets(moves, "ITL p99 at the router")
-
-    def _tighten(self, decode_worker: str, slo_itl_s: float) -> None:
-        """Bring the step target of the worker a request will decode on down to its ITL SLO
-        (StepTargets.for_request). Not awaited: the call goes ahead of the request's own calls
-        to that worker, and the request waits for no engine step; one call per worker at a
-        time (a failed one is logged, and the next request placed there tries again). A request
-        placed while a call is in flight was predicted under the target it asks for: the
-        tightest asked meanwhile goes once the call ends."""
-        if self.step_targets is None:
-            return
-        if decode_worker in self._tightening:
-            waiting = self._tighten_next.get(decode_worker, math.inf)
-            self._tighten_next[decode_worker] = min(waiting, slo_itl_s)
-            return
-        state = self.members.state(decode_worker)
-        target = self.step_targets.for_request(state, slo_itl_s)
-        if target is None:
-            return
-        why = f"a request's ITL SLO {slo_itl_s * 1000:.0f} ms"
-        call = self._send_target(decode_worker, target)  # sent now
-        task = asyncio.ensure_future(self._set_targets([(state, target)], why, [call]))
-        self._tightening[decode_worker] = task
-        task.add_done_callback(lambda _: self._tightened(decode_worker))
-
-    def _tightened(self, decode_worker: str) -> None:
-        self._tightening.pop(decode_worker, None)
-        waiting = self._tighten_next.pop(decode_worker, None)
-        if waiting is not None:
-            self._tighten(decode_worker, waiting)
-
-    def _send_target(self, worker_id: str, target_s: float) -> Awaitable[int]:
-        """The backend's call, numbered (rising with each one sent), or its failure to leave (a
-        worker just gone), to be awaited; it gives the call's number."""
-        n = next(self._targets_sent)
-        self._latest_target[worker_id] = n
-        try:
-            call = self.backend.set_step_target(worker_id, target_s, n)
-        except Exception as exc:
-            failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            failed.set_exception(exc)
-            call = failed
-
-        async def numbered() -> int:
-            await call
-            return n
-
-        return numbered()
-
-    async def _set_targets(
-        self,
-        moves: list[tuple[WorkerState, float]],
-        why: str,
-        calls: list[Awaitable[int]] | None = None,
-    ) -> None:
-        """Send each worker its new target (unless `calls` already did) and record those that
-        took it within 5 s, unless a newer one was sent there meanwhile (it records itself: the
-        worker ignores an older one that Ray runs after it, Cluster.set_step_target)."""
-        assert self.step_targets is not None
-        if calls is None:
-            calls = [self._send_target(s.worker_id, t) for s, t in moves]
-        done = await asyncio.gather(
-            *(asyncio.wait_for(c, 5.0) for c in calls), return_exceptions=True
-        )
-        for (state, target), res in zip(moves, done):
-            if isinstance(res, BaseException):  # a worker mid-restart: tried again later
-                log.warning("step target of %s not set: %s: %s", state.worker_id,
-                            type(res).__name__, res)  # fmt: skip
-                continue
-            if res != self._latest_target.get(state.worker_id):
-                continue
-            log.info("step target of %s: %.0f -> %.0f ms (%s)",
-                     state.worker_id, (state.model.step_target_s or 0) * 1000,
-                     target * 1000, why)  # fmt: skip
-            state.model.step_target_s = target
-            self.step_targets.changed(state.worker_id)
+        if self.target_calls is not None and self.target_calls.targets.due():
+            await self.target_calls.retarget()
 
     # -- one request -------------------------------------------------------------------------
     def plan(self, req: ParsedRequest) -> tuple[RequestShape, Decision]:
@@ -308,7 +222,8 @@ class RequestCore:
         chosen = decision.chosen
         self._log_decision(req.request_id, shape, decision)
         p, d = books.place(shape, chosen)
-        self._tighten(chosen.decode_worker, shape.slo_itl_s)
+        if self.target_calls is not None:
+            self.target_calls.tighten(chosen.decode_worker, shape.slo_itl_s)
         handoff = Handoff(
             books.track, books.wid, chosen, p, d, self.transfer, self.health, self.sink
         )

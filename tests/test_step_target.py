@@ -190,22 +190,22 @@ def test_a_tighter_request_placed_while_a_target_call_is_in_flight_gets_its_targ
         infos = [replace(i, step_target_s=0.8) for i in await backend.infos()]
         core = RequestCore(backend, infos, RouterConfig(slo_itl_s=1.0, tune_step_target=True),
                            TOKENIZER)  # fmt: skip
-        core._tighten("both-0", 0.5)
-        core._tighten("both-0", 0.1)  # in flight: waits
-        core._tighten("both-0", 0.3)  # looser than the one waiting
+        core.target_calls.tighten("both-0", 0.5)
+        core.target_calls.tighten("both-0", 0.1)  # in flight: waits
+        core.target_calls.tighten("both-0", 0.3)  # looser than the one waiting
         await asyncio.sleep(0.01)
         assert backend.step_targets == {}
         backend.answer.set()
         for _ in range(100):
             await asyncio.sleep(0.01)
-            if not core._tightening:
+            if not core.target_calls.tightening:
                 break
         return backend, core
 
     backend, core = asyncio.run(asyncio.wait_for(main(), 30))
     assert backend.step_targets == {"both-0": pytest.approx(0.08)}
     assert core.states["both-0"].model.step_target_s == pytest.approx(0.08)
-    assert not core._tighten_next
+    assert not core.target_calls.tighten_next
 
 
 def test_a_target_call_that_ends_after_a_newer_one_is_not_recorded():
@@ -230,9 +230,9 @@ def test_a_target_call_that_ends_after_a_newer_one_is_not_recorded():
         core = RequestCore(backend, infos, RouterConfig(slo_itl_s=1.0, tune_step_target=True),
                            TOKENIZER)  # fmt: skip
         state = core.states["both-0"]
-        older = asyncio.ensure_future(core._set_targets([(state, 0.4)], "older"))
+        older = asyncio.ensure_future(core.target_calls.set_targets([(state, 0.4)], "older"))
         await asyncio.sleep(0.01)
-        newer = asyncio.ensure_future(core._set_targets([(state, 0.2)], "newer"))
+        newer = asyncio.ensure_future(core.target_calls.set_targets([(state, 0.2)], "newer"))
         await asyncio.sleep(0.01)
         assert backend.sent == [0.4, 0.2]
         backend.gates[1].set()
