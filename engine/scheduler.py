@@ -16,7 +16,7 @@ more tokens of the prompts behind it than their share of a step's fixed cost buy
 budget of the next prompts' chunks; on a GPU the budget fills).
 Where even the smallest chunk takes such a step past the target, with a hold set (a request's
 own, else `prefill_hold_s`) the prompts wait instead while the running decodes will end within
-their hold (see `_hold`).
+their hold (engine/prompt_hold.py).
 When blocks run out, the newest running request is preempted: its blocks are freed and it is
 recomputed later from prompt + outputs (recompute preemption).
 
@@ -35,6 +35,7 @@ from engine.chunk_sizer import ChunkSizer
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import ComputedBlocks, KVCacheManager, cdiv
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.prompt_hold import PromptHold
 from engine.prompt_steps import PromptStepCost
 from engine.request import FinishReason, Request, RequestStatus
 
@@ -64,11 +65,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
-        # Steps whose prompts waited for the decodes (SchedulerConfig.prefill_hold_s), and when
-        # the latest such step was scheduled (None: the latest step did not hold).
-        self.num_held_steps = 0
-        self._held_at: float | None = None
-        self._held_ids: set[str] = set()  # the prompts in line at it
+        self.prompt_hold = PromptHold(config.prefill_hold_s)  # prompts waiting for the decodes
         # Requests ended by the scheduler itself (the pool can't hold them), for the engine to
         # report; drained by `take_capacity_finished`.
         self.capacity_finished: list[Request] = []
@@ -118,34 +115,13 @@ class Scheduler:
 
     @property
     def hold_left_s(self) -> float | None:
-        """What is left of the hold (Request.prefill_hold_s, else SchedulerConfig.prefill_hold_s)
-        to the prompt in line (waiting, or prefilling in chunks) with the least of it, the held
-        step running now counted: how long more prompts here may wait for decodes. 0 where one in
-        line never waits (no hold, or it streamed already); None with no prompt in line."""
-        in_line = (*self.running_prefills(), *self.waiting)
-        if not in_line:
-            return None
-        least = self._least_hold_left(in_line, time.monotonic())
-        return 0.0 if least is None else max(0.0, least)
+        """What is left of the hold to the prompt in line (waiting, or prefilling in chunks) with
+        the least of it (PromptHold.left)."""
+        return self.prompt_hold.left((*self.running_prefills(), *self.waiting))
 
-    def _least_hold_left(self, in_line: Iterable[Request], now: float) -> float | None:
-        """The least of `_hold_left` over `in_line`; None as soon as one never waits."""
-        least = float("inf")
-        for r in in_line:
-            hold = self._hold_left(r, now)
-            if hold is None:
-                return None
-            least = min(least, hold)
-        return least
-
-    def _hold_left(self, r: Request, now: float) -> float | None:
-        """What is left of `r`'s hold; None where it never waits: no hold (or one of 0), or it
-        has streamed tokens already (a decode preempted), where a wait would be a gap in its
-        stream."""
-        limit = r.prefill_hold_s if r.prefill_hold_s is not None else self.config.prefill_hold_s
-        if not limit or r.num_output_tokens:
-            return None
-        return limit - r.held_s - self._held_now(r, now)
+    @property
+    def num_held_steps(self) -> int:
+        return self.prompt_hold.steps
 
     def running_prefills(self) -> Iterator[Request]:
         """The running requests still prefilling (more than their next token to compute)."""
@@ -157,12 +133,6 @@ class Scheduler:
         room for it yet, and a prompt here does not wait for its decode."""
         now = time.monotonic()
         return (r for r in self.waiting_for_kv.values() if r.kv_due_at <= now)
-
-    def _held_now(self, r: Request, now: float) -> float:
-        """The time of the held step running now that counts against `r` (0: not held at it)."""
-        if self._held_at is not None and r.request_id in self._held_ids:
-            return now - self._held_at
-        return 0.0
 
     @property
     def num_unfinished(self) -> int:
@@ -191,7 +161,7 @@ class Scheduler:
             # Handoffs whose KV may land count too: one that lands during a whole-budget
             # prefill step would wait that step out before its second token.
             budget = min(budget, len(decodes) + self.sizer.chunk)
-        if self._hold(decodes, prefills):
+        if self.prompt_hold.holds(decodes, [*prefills, *self.waiting], self.sizer, self.kv_due()):
             budget = len(decodes)  # the decodes alone: no chunk, no admission
         # Prompts alone: once one completes in this step, the later ones take at most this.
         behind = len(prefills) + len(self.waiting) - 1
@@ -229,39 +199,6 @@ class Scheduler:
         out = self._build_output(chunks, preempted)
         self._check_invariants(out)
         return out
-
-    def _hold(self, decodes: list[Request], prefills: list[Request]) -> bool:
-        """Whether this step's prompts wait for the running decodes: even the smallest chunk
-        beside them took a step past the target, and the longest of them (and of the handoffs
-        whose KV may land now, about to decode), at the decode steps measured, ends within what
-        is left of the hold of every prompt in line (`_hold_left`: its own, Request
-        prefill_hold_s, else SchedulerConfig.prefill_hold_s). The time from a held step to the
-        next counts against every prompt that was in line at it."""
-        sizer = self.sizer
-        if sizer is None:  # no target: nothing to count
-            self._held_at = None
-            return False
-        now = time.monotonic()
-        in_line = [*prefills, *self.waiting]
-        if self._held_at is not None:
-            for r in in_line:
-                r.held_s += self._held_now(r, now)
-            self._held_at, self._held_ids = None, set()
-        if not decodes or not in_line or sizer.fits():
-            return False
-        least = self._least_hold_left(in_line, now)
-        if least is None:  # one that never waits: none does
-            return False
-        # Before a decode-only step was measured, the smallest chunk's step (longer) stands in.
-        per_token = sizer.decode_s if sizer.decode_s is not None else sizer.floor_s
-        assert per_token is not None  # not fits(): a floor was measured
-        coming = [*decodes, *self.kv_due()]
-        left = max(r.sampling.max_tokens - r.num_output_tokens for r in coming)
-        if left * per_token > least:
-            return False
-        self._held_at, self._held_ids = now, {r.request_id for r in in_line}
-        self.num_held_steps += 1
-        return True
 
     def set_step_target(self, target_s: float | None) -> None:
         """Change the step target while serving (the router tunes it from the inter-token gaps
