@@ -21,12 +21,20 @@ pytestmark = pytest.mark.skipif(why_not is not None, reason=f"two-node test: {wh
 MODEL = "tiny-llama"  # as serve_and_probe starts it
 MAX_NEW = 300
 HANG_S = 5.0
+# Ray declares a node that stopped answering dead after about threshold x (timeout + period):
+# about 15 s here rather than over a minute (Ray's defaults), still well after the router's
+# watchdog (HANG_S), and only then does the replacement placed on the cut-off node go elsewhere.
+NODE_DEATH = {
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 2000,
+    "health_check_failure_threshold": 5,
+}
 
 
 @pytest.mark.timeout(420)
 def test_a_node_cut_off_under_streams_loses_none_of_them(tmp_path):
     prompts = random_prompts([19, 26, 31, 22], seed=94)
-    with netns.TwoNodes() as nodes:
+    with netns.TwoNodes(NODE_DEATH) as nodes:
         cut = ["ip", "link", "set", nodes.veth[0], "down"]  # from the head's side
         seen = serve_and_probe(
             nodes,
