@@ -53,6 +53,7 @@ PEERS = {
     WorkerRole.BOTH: frozenset(WorkerRole),
 }
 Counts = dict[WorkerRole, int]
+HUNG = "hung"  # the error of a worker stopped for giving no load (stop_hung)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,10 +151,14 @@ class Pools:
             if wid not in self.workers:
                 return wid
 
-    def _spawn(self, role: WorkerRole, worker_id: str, incarnation: int = 0) -> WorkerHandle:
+    def _spawn(
+        self, role: WorkerRole, worker_id: str, incarnation: int = 0, avoid: str | None = None
+    ) -> WorkerHandle:
+        """Create the actor of one incarnation, on the node spread_node chooses (not `avoid`
+        while another has room)."""
         placement = self.config.placement.get(role, Placement())
         nodes = ray.nodes()
-        node = spread_node(placement, nodes, self.handles())
+        node = spread_node(placement, nodes, self.handles(), self.config.placement, avoid)
         where = next((n["NodeManagerAddress"] for n in nodes if n["NodeID"] == node), "any node")
         log.info("starting %s (incarnation %d) on %s", worker_id, incarnation, where)
         cls: Any = ray.remote(ACTOR_CLASSES[role])
@@ -248,7 +253,7 @@ class Pools:
                   "or its node unreachable): stopped, its requests resume elsewhere",
                   h.worker_id, silent_s)  # fmt: skip
         self.ops.submit(self._kill(h))  # ahead of its replacement, on the same loop
-        self._dead(h, "hung")
+        self._dead(h, HUNG)
 
     async def _kill(self, h: WorkerHandle) -> None:
         try:
@@ -282,12 +287,16 @@ class Pools:
 
     async def _replace(self, dead: WorkerHandle) -> None:
         """Start new incarnations under `dead`'s id until one is up (backing off between
-        attempts), unless the id is replaced or removed by someone else meanwhile."""
+        attempts), unless the id is replaced or removed by someone else meanwhile. One that
+        hung, and one whose start failed, is started again on another node with room, if any:
+        what stopped it there (a device held by a process that did not die, a node cut off
+        from the router but not yet declared dead by Ray) may stop the next one too."""
         self.pairs.forget(dead.worker_id)
         backoff = self.config.restart_backoff_s
+        avoid = dead.node_id if dead.error == HUNG else None
         while not self._closing and self._current(dead, WorkerStatus.DEAD):
             try:
-                h = self._spawn(dead.role, dead.worker_id, dead.incarnation + 1)
+                h = self._spawn(dead.role, dead.worker_id, dead.incarnation + 1, avoid)
             except Exception as exc:  # Ray refused the actor: try again after the backoff
                 log.warning("replacing %s failed: %s: %s", dead.worker_id, type(exc).__name__, exc)
                 await asyncio.sleep(backoff)
@@ -306,7 +315,7 @@ class Pools:
                          h.incarnation)  # fmt: skip
                 return
             self._stop_actor(h, WorkerStatus.DEAD)  # stays the current one: tried again
-            dead = h
+            dead, avoid = h, h.node_id
             await asyncio.sleep(backoff)
             backoff = min(60.0, backoff * 2)
 

@@ -17,7 +17,7 @@ import asyncio
 import enum
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -58,12 +58,18 @@ class Placement:
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
         return opts
 
-    def fits(self, node: dict[str, Any]) -> bool:
-        """Whether a node (an entry of `ray.nodes()`) has what one worker asks for at all."""
-        have = node.get("Resources", {})
-        if not node.get("Alive", False) or have.get("GPU", 0.0) < self.gpus:
+    def fits(self, node: dict[str, Any], taken: dict[str, float] | None = None) -> bool:
+        """Whether a live node (an entry of `ray.nodes()`) has what one worker asks for, less
+        what `taken` (by resource) is asked there already."""
+        if not node.get("Alive", False):
             return False
-        return all(have.get(k, 0.0) >= v for k, v in self.resources)
+        have, taken = node.get("Resources", {}), taken or {}
+        asks = (("GPU", self.gpus), *self.resources)
+        return all(have.get(k, 0.0) - taken.get(k, 0.0) >= v for k, v in asks if v > 0)
+
+    def asks(self) -> dict[str, float]:
+        """What one worker takes of a node's resources."""
+        return {"GPU": self.gpus, **dict(self.resources)}
 
     def describe(self) -> str:
         parts = [f"{self.gpus:g} GPU"] + [f"{v:g} {k}" for k, v in self.resources]
@@ -140,18 +146,32 @@ class LoopThread:
 
 
 def spread_node(
-    placement: Placement, nodes: list[dict[str, Any]], handles: list[WorkerHandle]
+    placement: Placement,
+    nodes: list[dict[str, Any]],
+    handles: list[WorkerHandle],
+    placements: Mapping[WorkerRole, Placement] | None = None,
+    avoid: str | None = None,
 ) -> str | None:
     """The node a new worker should go to so that the pools spread over the nodes: among the
-    nodes that fit it, the one holding the fewest workers (any role), then the lowest node id.
-    Ray's SPREAD strategy does not spread actors that ask for no CPU or GPU, and placing by
-    hand also lets the count include workers still starting."""
-    fitting = [n["NodeID"] for n in nodes if placement.fits(n)]
-    if not fitting:
-        return None  # Ray will say why it cannot place it
+    nodes with room for it, the one holding the fewest workers (any role), then the lowest node
+    id; not `avoid` (where the worker hung, or its last start failed) while another has room.
+    Room is what a node has less what the workers placed there, not dead or stopped, ask for
+    (`placements`, by role): a node whose GPUs the pools hold takes no more. With no node
+    with room, None: Ray places it once one frees up. Ray's SPREAD strategy does not spread
+    actors that ask for no CPU or GPU, and placing by hand also lets the count include workers
+    still starting."""
     live = [h for h in handles if h.status not in (WorkerStatus.DEAD, WorkerStatus.STOPPED)]
+    taken: dict[str, dict[str, float]] = {}
+    for h in live:
+        if h.node_id is not None:
+            on_node = taken.setdefault(h.node_id, {})
+            for k, v in (placements or {}).get(h.role, Placement()).asks().items():
+                on_node[k] = on_node.get(k, 0.0) + v
+    fitting = [n["NodeID"] for n in nodes if placement.fits(n, taken.get(n["NodeID"]))]
+    if not fitting:
+        return None
 
-    def load(node_id: str) -> tuple[int, str]:
-        return sum(h.node_id == node_id for h in live), node_id
+    def load(node_id: str) -> tuple[bool, int, str]:
+        return node_id == avoid, sum(h.node_id == node_id for h in live), node_id
 
     return min(fitting, key=load)

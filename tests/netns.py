@@ -9,7 +9,6 @@ why not where they are missing.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -93,10 +92,7 @@ def stop(server: subprocess.Popen[bytes]) -> None:
 
 
 class TwoNodes:
-    def __init__(self, system_config: dict[str, int] | None = None) -> None:
-        # The head's Ray system config (`ray start --system-config`), e.g. how soon it declares
-        # a node that stopped answering dead.
-        self.system_config = system_config or {}
+    def __init__(self) -> None:
         tag = os.getpid() % 100000
         self.ns = (f"pdA{tag}", f"pdB{tag}")
         self.veth = (f"pdva{tag}", f"pdvb{tag}")  # the link's ends, in the first and the second
@@ -114,9 +110,7 @@ class TwoNodes:
             common = ["--num-cpus", "2", "--disable-usage-stats"]
             self.run(0, [ray, "start", "--head", "--node-ip-address", HEAD_IP, "--port",
                          str(RAY_PORT), "--resources", '{"node_a": 8}',
-                         "--include-dashboard=false", *common,
-                         *(["--system-config", json.dumps(self.system_config)]
-                           if self.system_config else [])],
+                         "--include-dashboard=false", *common],
                      env={"RAY_TMPDIR": str(self._tmp / "a")}, timeout=120)  # fmt: skip
             self.run(1, [ray, "start", "--address", self.head_address, "--node-ip-address",
                          NODE_IP, "--resources", '{"node_b": 8}', *common],
