@@ -63,9 +63,8 @@ def caused_misses(
     width = w.measured.itl_spread.width
 
     def lost(checks: Sequence[ItlCheck], step_s: float, new_step_s: float) -> float:
-        typical = max(
-            step_s * g, w.measured.typical_gap()
-        )  # what its gaps take now, as measured too
+        # What its gaps take now, as measured too.
+        typical = max(step_s * g, w.measured.typical_gap())
         without = typical * tail
         added = max(0.0, new_step_s * g - typical)  # the new steps as gaps, over the typical
         return sum(

@@ -28,6 +28,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,10 +153,14 @@ class Pools:
                 return wid
 
     def _spawn(
-        self, role: WorkerRole, worker_id: str, incarnation: int = 0, avoid: str | None = None
+        self,
+        role: WorkerRole,
+        worker_id: str,
+        incarnation: int = 0,
+        avoid: Collection[str] = (),
     ) -> WorkerHandle:
-        """Create the actor of one incarnation, on the node spread_node chooses (not `avoid`
-        while another has room)."""
+        """Create the actor of one incarnation, on the node spread_node chooses (none of
+        `avoid` while another has room)."""
         placement = self.config.placement.get(role, Placement())
         nodes = ray.nodes()
         node = spread_node(placement, nodes, self.handles(), self.config.placement, avoid)
@@ -180,6 +185,7 @@ class Pools:
         """Wait (bounded) for the actor's engine; keep what it says about itself."""
         try:
             h.info = await asyncio.wait_for(h.actor.ready.remote(), self.config.start_timeout_s)
+            h.node_id = h.node_id or h.info.node_id or None  # where Ray placed it, if it chose
             return True
         except asyncio.TimeoutError:
             placement = self.config.placement.get(h.role, Placement())
@@ -293,7 +299,8 @@ class Pools:
         from the router but not yet declared dead by Ray) may stop the next one too."""
         self.pairs.forget(dead.worker_id)
         backoff = self.config.restart_backoff_s
-        avoid = dead.node_id if dead.error == HUNG else None
+        # The nodes it hung on or failed to start on, kept out while another has room.
+        avoid = {dead.node_id} if dead.error == HUNG and dead.node_id else set()
         while not self._closing and self._current(dead, WorkerStatus.DEAD):
             try:
                 h = self._spawn(dead.role, dead.worker_id, dead.incarnation + 1, avoid)
@@ -315,7 +322,9 @@ class Pools:
                          h.incarnation)  # fmt: skip
                 return
             self._stop_actor(h, WorkerStatus.DEAD)  # stays the current one: tried again
-            dead, avoid = h, h.node_id
+            dead = h
+            if h.node_id:
+                avoid.add(h.node_id)
             await asyncio.sleep(backoff)
             backoff = min(60.0, backoff * 2)
 

@@ -79,9 +79,7 @@ class StepTargets:
         changed = self._changed.get(state.worker_id, -math.inf)
         if now - changed < c.window_s / 2:
             return None
-        gaps = state.measured.recent_gaps(
-            max(now - c.window_s, changed)
-        )  # under the current target
+        gaps = state.measured.recent_gaps(max(now - c.window_s, changed))  # under this target
         if len(gaps) < c.min_gaps:
             return None
         p99 = float(np.percentile(gaps, 99))

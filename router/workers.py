@@ -17,7 +17,7 @@ import asyncio
 import enum
 import threading
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Collection, Coroutine, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from worker_protocol.messages import WorkerInfo, WorkerRole
 
 T = TypeVar("T")
+RESOURCE_STEP = 1e-4  # the smallest amount of a resource Ray tells apart
 
 
 class WorkerStatus(enum.Enum):
@@ -65,7 +66,10 @@ class Placement:
             return False
         have, taken = node.get("Resources", {}), taken or {}
         asks = (("GPU", self.gpus), *self.resources)
-        return all(have.get(k, 0.0) - taken.get(k, 0.0) >= v for k, v in asks if v > 0)
+        # Ray counts resources in steps of 1e-4: sums of fractions (5 x 0.2 GPU) land on them.
+        return all(
+            have.get(k, 0.0) - taken.get(k, 0.0) >= v - RESOURCE_STEP / 2 for k, v in asks if v > 0
+        )
 
     def asks(self) -> dict[str, float]:
         """What one worker takes of a node's resources."""
@@ -149,29 +153,29 @@ def spread_node(
     placement: Placement,
     nodes: list[dict[str, Any]],
     handles: list[WorkerHandle],
-    placements: Mapping[WorkerRole, Placement] | None = None,
-    avoid: str | None = None,
+    placements: Mapping[WorkerRole, Placement],
+    avoid: Collection[str] = (),
 ) -> str | None:
     """The node a new worker should go to so that the pools spread over the nodes: among the
     nodes with room for it, the one holding the fewest workers (any role), then the lowest node
-    id; not `avoid` (where the worker hung, or its last start failed) while another has room.
-    Room is what a node has less what the workers placed there, not dead or stopped, ask for
-    (`placements`, by role): a node whose GPUs the pools hold takes no more. With no node
-    with room, None: Ray places it once one frees up. Ray's SPREAD strategy does not spread
-    actors that ask for no CPU or GPU, and placing by hand also lets the count include workers
-    still starting."""
+    id; none of `avoid` (where the worker hung, or a start of it failed) while another has
+    room. Room is what a node has less what the workers of these pools there, not dead or
+    stopped, ask for (`placements`, by role): a node whose GPUs the pools hold takes no more
+    (what else runs on the cluster is not counted). With no node with room, None: Ray places
+    it once one frees up. Ray's SPREAD strategy does not spread actors that ask for no CPU or
+    GPU, and placing by hand also lets the count include workers still starting."""
     live = [h for h in handles if h.status not in (WorkerStatus.DEAD, WorkerStatus.STOPPED)]
     taken: dict[str, dict[str, float]] = {}
     for h in live:
         if h.node_id is not None:
             on_node = taken.setdefault(h.node_id, {})
-            for k, v in (placements or {}).get(h.role, Placement()).asks().items():
+            for k, v in placements.get(h.role, Placement()).asks().items():
                 on_node[k] = on_node.get(k, 0.0) + v
     fitting = [n["NodeID"] for n in nodes if placement.fits(n, taken.get(n["NodeID"]))]
     if not fitting:
         return None
 
     def load(node_id: str) -> tuple[bool, int, str]:
-        return node_id == avoid, sum(h.node_id == node_id for h in live), node_id
+        return node_id in avoid, sum(h.node_id == node_id for h in live), node_id
 
     return min(fitting, key=load)

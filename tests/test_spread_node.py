@@ -1,12 +1,18 @@
 """Where a new worker goes (router/workers.py spread_node): the live node with room for it
-holding the fewest workers that are not dead or stopped, another than the one to avoid while
-another has room; none (Ray's choice) where no node has room."""
+holding the fewest workers that are not dead or stopped, none of the nodes to avoid while
+another has room; none (Ray's choice) where no node has room. And which nodes a replacement
+avoids (router/pools.py Pools._replace): the one its worker hung on, and each one a start of it
+failed on."""
 
 from __future__ import annotations
 
+import asyncio
+
+from router.pools import HUNG, PoolConfig, Pools
 from router.workers import Placement, WorkerHandle, WorkerStatus, spread_node
 from worker_protocol.messages import WorkerRole
 
+NONE: dict = {}  # no pool asks for anything
 ONE_GPU = {WorkerRole.DECODE: Placement(gpus=1.0)}
 
 
@@ -14,15 +20,15 @@ def node(node_id: str, alive: bool = True, **resources: float) -> dict:
     return {"NodeID": node_id, "Alive": alive, "Resources": {"CPU": 4.0, **resources}}
 
 
-def on(node_id: str, status: WorkerStatus = WorkerStatus.READY) -> WorkerHandle:
+def on(node_id: str | None, status: WorkerStatus = WorkerStatus.READY) -> WorkerHandle:
     return WorkerHandle("decode-0", WorkerRole.DECODE, None, 0, node_id, status)  # type: ignore[arg-type]
 
 
 def test_the_fitting_node_with_the_fewest_live_workers():
     nodes = [node("a"), node("b"), node("c", alive=False)]
-    assert spread_node(Placement(), nodes, [on("a")]) == "b"
-    assert spread_node(Placement(), nodes, [on("a", WorkerStatus.DEAD)]) == "a"  # dead: not counted
-    assert spread_node(Placement(resources=(("gpu_node", 1.0),)), nodes, []) is None
+    assert spread_node(Placement(), nodes, [on("a")], NONE) == "b"
+    assert spread_node(Placement(), nodes, [on("a", WorkerStatus.DEAD)], NONE) == "a"  # not counted
+    assert spread_node(Placement(resources=(("gpu_node", 1.0),)), nodes, [], NONE) is None
 
 
 def test_a_node_whose_gpus_the_pools_hold_takes_no_more():
@@ -35,16 +41,60 @@ def test_a_node_whose_gpus_the_pools_hold_takes_no_more():
     full = [on("a"), *(on("b") for _ in range(4))]
     assert spread_node(gpu, nodes, full, ONE_GPU) is None
     assert spread_node(gpu, nodes, [on("a", WorkerStatus.DEAD), on("b")], ONE_GPU) == "a"
-    # Half a GPU each: two share one device.
-    half = {WorkerRole.DECODE: Placement(gpus=0.5)}
-    assert spread_node(Placement(gpus=0.5), [node("a", GPU=1.0)], [on("a")], half) == "a"
-    assert spread_node(Placement(gpus=0.5), [node("a", GPU=1.0)], [on("a"), on("a")], half) is None
+    # Fractions share a device, as many as add up to it (5 x 0.2 sums to a hair under 1).
+    for share, n in ((0.5, 2), (0.2, 5), (0.1, 10)):
+        frac = {WorkerRole.DECODE: Placement(gpus=share)}
+        held = [on("a") for _ in range(n - 1)]
+        assert spread_node(Placement(gpus=share), [node("a", GPU=1.0)], held, frac) == "a"
+        held.append(on("a"))
+        assert spread_node(Placement(gpus=share), [node("a", GPU=1.0)], held, frac) is None
+    # Custom resources likewise, whatever the role asking.
+    slots = {WorkerRole.DECODE: Placement(resources=(("slot", 1.0),))}
+    ask = Placement(resources=(("slot", 1.0),))
+    assert spread_node(ask, [node("a", slot=1.0), node("b", slot=2.0)], [on("a")], slots) == "b"
 
 
-def test_the_node_to_avoid_is_taken_only_where_no_other_has_room():
-    nodes = [node("a"), node("b")]
-    assert spread_node(Placement(), nodes, [on("b")], avoid="a") == "b"  # more workers, not a
+def test_the_nodes_to_avoid_are_taken_only_where_no_other_has_room():
+    nodes = [node("a"), node("b"), node("c")]
+    assert spread_node(Placement(), nodes, [on("b")], NONE, avoid={"a"}) == "c"
+    assert spread_node(Placement(), nodes, [on("b")], NONE, avoid={"a", "c"}) == "b"
     gpu = Placement(gpus=1.0)
     gpus = [node("a", GPU=1.0), node("b", GPU=1.0)]
-    assert spread_node(gpu, gpus, [on("b")], ONE_GPU, avoid="a") == "a"  # b is full
-    assert spread_node(Placement(), [node("a")], [], avoid="a") == "a"
+    assert spread_node(gpu, gpus, [on("b")], ONE_GPU, avoid={"a"}) == "a"  # b is full
+    assert spread_node(Placement(), [node("a")], [], NONE, avoid={"a"}) == "a"
+
+
+def test_a_replacement_keeps_off_the_node_it_hung_on_and_those_its_starts_failed_on(monkeypatch):
+    """A worker that hung on b: its replacement avoids b; the start on a fails, the next avoids
+    a and b (and is up, on c). A worker that died (not hung) is started again anywhere first."""
+    for error, first in ((HUNG, {"b"}), ("RayActorError", set())):
+        pools = Pools(PoolConfig(spec=None, restart_backoff_s=0.01))  # type: ignore[arg-type]
+        dead = WorkerHandle("decode-0", WorkerRole.DECODE, None, 0, "b", WorkerStatus.DEAD)  # type: ignore[arg-type]
+        dead.error = error
+        pools.workers["decode-0"] = dead
+        avoided: list[set[str]] = []
+
+        def spawn(role, worker_id, incarnation=0, avoid=(), pools=pools, avoided=avoided):
+            avoided.append(set(avoid))
+            h = WorkerHandle(worker_id, role, None, incarnation, "ac"[len(avoided) - 1])  # type: ignore[arg-type]
+            pools.workers[worker_id] = h
+            return h
+
+        async def up(h):
+            return h.node_id == "c"
+
+        async def nothing(h):
+            return None
+
+        monkeypatch.setattr(pools, "_spawn", spawn)
+        monkeypatch.setattr(pools, "_engine_up", up)
+        monkeypatch.setattr(pools, "_pair_up", nothing)
+        monkeypatch.setattr(pools, "_warm", nothing)
+        monkeypatch.setattr(pools, "_stop_actor", lambda h, status: setattr(h, "status", status))
+        try:
+            pools.ops.call(asyncio.wait_for(pools._replace(dead), 10), 15)
+        finally:
+            pools.ops.stop()
+        assert avoided == [first, first | {"a"}]
+        assert pools.workers["decode-0"].status is WorkerStatus.READY
+        assert pools.workers["decode-0"].incarnation == 2

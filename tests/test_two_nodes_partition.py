@@ -54,9 +54,9 @@ def test_a_node_cut_off_under_streams_loses_none_of_them(tmp_path):
     # The router's watchdog stopped it, not Ray declaring its node dead (which comes later).
     assert f"worker {on_b} gave no load for" in text, text[-3000:]
     assert m[f"pdserve_worker_hangs_total{{role=decode,worker={on_b}}}"] == 1
-    # Its replacement started on the node that remains, not first on the node cut off (Ray
-    # would place it there until it declares that node dead, a minute and more later), takes
-    # load there, and every worker's KV blocks are free again.
+    # Its replacement started on the node that remains, not first on the node cut off (which
+    # holds the fewest workers, and which Ray lists as alive until it declares it dead, a minute
+    # and more later), takes load there, and every worker's KV blocks are free again.
     assert f"starting {on_b} (incarnation 1) on {netns.HEAD_IP}" in text, text[-3000:]
     assert f"starting {on_b} (incarnation 1) on {netns.NODE_IP}" not in text, text[-3000:]
     after = sorted((w["id"], w["status"], w["node_ip"]) for w in seen["after"])

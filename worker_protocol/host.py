@@ -71,6 +71,7 @@ class EngineHost:
             rate,
             incarnation=incarnation,
             node_ip=self.node_ip,
+            node_id=_node_id(),
             kv_host=self.kv_host,
             actor_id=_actor_id(),
             pid=os.getpid(),
@@ -162,6 +163,15 @@ def _actor_id() -> str:
     if not ray.is_initialized():
         return ""
     return ray.get_runtime_context().get_actor_id() or ""
+
+
+def _node_id() -> str:
+    """The Ray node id of this process's node ("" outside Ray)."""
+    import ray
+
+    if not ray.is_initialized():
+        return ""
+    return ray.get_runtime_context().get_node_id() or ""
 
 
 def worker_info(

@@ -74,6 +74,7 @@ class WorkerInfo:
     device: str = ""  # the type of device its engine runs on ("cpu", "cuda"; "": unknown)
     incarnation: int = 0  # 0 for the first actor under this id, +1 for each replacement
     node_ip: str = ""  # the address Ray knows the worker's node by
+    node_id: str = ""  # and its Ray node id
     kv_host: str = ""  # where its KV rendezvous and lanes listen
     actor_id: str = ""  # the Ray actor serving under this id now
     pid: int = 0  # its process id on its node
