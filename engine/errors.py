@@ -13,6 +13,12 @@ class InvalidRequestError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        # Picklable with its two arguments: raised in a worker, it reaches the router whole
+        # (Ray pickles it), not as an error about the error.
+        return type(self), (self.field, self.message)
 
 
 class ModelNotFoundError(ValueError):

@@ -29,6 +29,10 @@ class ModelLimits:
     max_model_len: int
     max_prompt_bytes: int = 1 << 20  # text (or chat) prompts larger than this are refused
     max_tokens: int | None = None  # the server's cap on one request's max_tokens (None: none)
+    # The KV cache of the smallest worker, in blocks of `block_size` tokens (0: not checked): a
+    # prompt it cannot hold could run nowhere.
+    kv_blocks: int = 0
+    block_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +126,14 @@ def _prompt_ids(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> list[i
             f"has {len(ids)} tokens; at most {limits.max_model_len - 1} "
             f"(the model's context is {limits.max_model_len})",
         )
+    if limits.kv_blocks:
+        most = limits.kv_blocks * limits.block_size - 1  # its first token's slot too
+        if len(ids) > most:
+            raise InvalidRequestError(
+                "prompt",
+                f"has {len(ids)} tokens; the workers' KV cache holds at most {most} "
+                f"({limits.kv_blocks} blocks of {limits.block_size} tokens; see --kv-cache-gib)",
+            )
     return ids
 
 

@@ -95,6 +95,8 @@ class Server:
             vocab_size=infos[0].vocab_size,
             max_model_len=infos[0].max_model_len,
             max_tokens=c.max_tokens_limit,
+            kv_blocks=min(i.num_blocks for i in infos),
+            block_size=infos[0].block_size,
         )
 
         if c.metrics_port is not None:

@@ -77,6 +77,25 @@ def test_bad_requests_name_their_field():
     refused("path", prompt="a", path=7)
 
 
+def test_a_prompt_no_workers_kv_cache_can_hold_is_refused_naming_it():
+    """8 blocks of 4 tokens hold a prompt of 31 (its first token takes the 32nd slot)."""
+    small = ModelLimits(vocab_size=259, max_model_len=1024, kv_blocks=8, block_size=4)
+    ok = check_request(request_fields(pb.GenerateRequest(prompt_token_ids=[1] * 31)), TOK, small)
+    assert len(ok.prompt_token_ids) == 31
+    with pytest.raises(InvalidRequestError) as info:
+        check_request(request_fields(pb.GenerateRequest(prompt_token_ids=[1] * 32)), TOK, small)
+    assert info.value.field == "prompt" and "at most 31" in str(info.value)
+
+
+def test_a_request_error_survives_pickling_whole():
+    """Ray pickles what a worker raises: the router gets the same error, field and message."""
+    import pickle
+
+    back = pickle.loads(pickle.dumps(InvalidRequestError("prompt", "needs 51 KV blocks")))
+    assert isinstance(back, InvalidRequestError)
+    assert back.field == "prompt" and str(back) == "prompt: needs 51 KV blocks"
+
+
 @pytest.mark.parametrize("model", ["smollm2-135m", "tiny-llama", "tiny-qwen2"])
 def test_fast_encode_gives_the_tokenizers_own_ids(model):
     from engine.config import ModelConfig

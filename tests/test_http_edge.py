@@ -10,6 +10,7 @@ import json
 import ssl
 import threading
 import time
+from dataclasses import replace
 
 import grpc
 import httpx2 as httpx
@@ -160,6 +161,34 @@ def test_no_decode_worker_is_a_503_and_health_says_so():
             resp = http.post(base(s) + "/v1/completions", json=BODY)
             assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_workers"
             assert http.get(base(s) + "/health").status_code == 503
+    finally:
+        s.close()
+
+
+class _SmallCache(FakeBackend):
+    """Workers whose KV cache holds 2 blocks of 16 tokens: a prompt of at most 31 tokens."""
+
+    def worker_info(self, worker_id):  # type: ignore[override]
+        return replace(super().worker_info(worker_id), num_blocks=2)
+
+
+@pytest.mark.timeout(120)
+def test_a_prompt_the_kv_cache_cannot_hold_is_a_400_naming_it_on_both_doors():
+    s = server(_SmallCache())
+    try:
+        with httpx.Client(timeout=30) as http:
+            resp = http.post(base(s) + "/v1/completions", json={**BODY, "prompt": [1] * 32})
+            assert resp.status_code == 400, resp.text
+            err = resp.json()["error"]
+            assert err["param"] == "prompt" and "at most 31" in err["message"], err
+            ok = http.post(base(s) + "/v1/completions", json={**BODY, "prompt": [1] * 31})
+            assert ok.status_code == 200, ok.text  # and it goes on serving
+        with grpc.insecure_channel(s.address) as ch:
+            req = pb.GenerateRequest(prompt_token_ids=[1] * 32)
+            with pytest.raises(grpc.RpcError) as info:
+                list(pb_grpc.GenerationStub(ch).Generate(req, timeout=30))
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "prompt" in info.value.details() and "at most 31" in info.value.details()
     finally:
         s.close()
 
