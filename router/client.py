@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
@@ -13,16 +14,43 @@ from pdserve_client import add_arguments as add_auth_arguments
 PATHS = ("auto", "colocated", "disaggregated")
 
 
+def _integer(low: int, high: int) -> Any:
+    """An argparse type: an integer in [low, high) (the range its proto field holds)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = low - 1
+        if not low <= n < high:
+            raise argparse.ArgumentTypeError(f"must be an integer in [{low}, {high}), got {text!r}")
+        return n
+
+    return parse
+
+
+def _positive(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if not 0 < x < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return x
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default="127.0.0.1:50051", help="the server's host:port")
-    p.add_argument("--max-tokens", type=int, default=None, help="default: the server's (256)")
+    p.add_argument(
+        "--max-tokens", type=_integer(1, 2**31), default=None, help="default: the server's (256)"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 (the default here) is greedy")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=_integer(0, 2**64), default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="send the prompt as one user message")
     p.add_argument("--path", choices=PATHS, default="auto", help="override the router's choice")
     p.add_argument("--json", action="store_true", help="print the whole answer as JSON")
-    p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+    p.add_argument("--timeout", type=_positive, default=600.0, help="deadline in seconds")
     p.add_argument(
         "--wait",
         action="store_true",
@@ -85,11 +113,16 @@ def run(args: argparse.Namespace) -> int:
     except grpc.RpcError as exc:
         if not args.json and text:
             sys.stdout.write("\n")
-        code = exc.code()
-        if code is grpc.StatusCode.UNAVAILABLE and not ids:
-            detail = f"no pdserve server answering at {args.address}? ({exc.details()})"
+        code, details = exc.code(), exc.details() or ""
+        if code is grpc.StatusCode.UNAVAILABLE and _unreached(details):
+            detail = f"no pdserve server answering at {args.address}? ({details})"
+        elif code is grpc.StatusCode.DEADLINE_EXCEEDED and args.wait and not ids:
+            detail = (
+                f"no answer from {args.address} within --timeout {args.timeout:g} s (waiting "
+                "for a server to come up there, then for the first token)"
+            )
         else:
-            detail = f"{code.name}: {exc.details()}"
+            detail = f"{code.name}: {details}"
         print(f"error: {detail}", file=sys.stderr)
         return 1
     if args.json:
@@ -101,3 +134,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
     return 0
+
+
+def _unreached(details: str) -> bool:
+    """Whether an UNAVAILABLE is gRPC's own (no connection to the address), not the server's
+    answer (a worker failed, none up)."""
+    lowered = details.lower()
+    return any(
+        s in lowered for s in ("failed to connect", "connection refused", "dns resolution failed")
+    )

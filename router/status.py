@@ -10,6 +10,7 @@ server started, interpolated within histogram buckets as Prometheus' histogram_q
 from __future__ import annotations
 
 import argparse
+import http.client
 import math
 import sys
 import time
@@ -183,8 +184,10 @@ def run(args: argparse.Namespace) -> int:
         before = scrape(args.address)
         time.sleep(args.interval)
         after = scrape(args.address)
-    except (urllib.error.URLError, OSError) as exc:
-        print(f"error: no pdserve metrics at {args.address}? ({exc})", file=sys.stderr)
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
+        # Not an HTTP server (a gRPC port answers HTTP/2 frames), or not Prometheus text.
+        why = f"{type(exc).__name__}: {exc}"[:200]
+        print(f"error: no pdserve metrics at {args.address}? ({why})", file=sys.stderr)
         return 1
     print(render(before, after, args.interval, args.address))
     return 0

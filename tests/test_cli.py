@@ -63,3 +63,50 @@ def test_usage_errors_exit_2(argv):
 def test_step_target_errors_name_the_flag(argv, field, capsys):
     assert run(argv) == 2  # refused before anything starts
     assert field in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--seed", "-1"), ("--seed", str(2**64)), ("--max-tokens", "99999999999"),
+     ("--max-tokens", "0"), ("--timeout", "-1"), ("--timeout", "nan")],
+)  # fmt: skip
+def test_complete_refuses_values_its_request_cannot_hold_naming_the_flag(flag, value, capsys):
+    assert run(["complete", "--address", "127.0.0.1:1", flag, value, "hi"]) == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: must be" in err and "Traceback" not in err
+
+
+def test_complete_says_no_server_only_where_none_answered(capsys):
+    """A closed port: no server there. A server's own UNAVAILABLE (a worker failed) is shown as
+    the server gave it."""
+    from router.client import _unreached
+
+    assert run(["complete", "--address", "127.0.0.1:1", "--timeout", "10", "hi"]) == 1
+    assert "no pdserve server answering at 127.0.0.1:1?" in capsys.readouterr().err
+    assert not _unreached("a worker failed: decode-0: its engine stopped")
+
+
+def test_status_at_a_port_that_is_not_prometheus_is_one_line(capsys):
+    """A gRPC port answers HTTP/2 frames to an HTTP/1 request: one error line, exit 1."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def answer() -> None:
+        conn, _ = srv.accept()
+        conn.recv(1024)
+        conn.sendall(b"\x00\x00\x06\x04\x00\x00\x00\x00\x00\x00\x03\x00\x00\x00\x64")
+        conn.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    port = srv.getsockname()[1]
+    try:
+        assert run(["status", "--address", f"127.0.0.1:{port}", "--interval", "0"]) == 1
+    finally:
+        srv.close()
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: no pdserve metrics at 127.0.0.1:{port}?"), err
+    assert "Traceback" not in err and err.count("\n") == 1
