@@ -80,16 +80,14 @@ class Server:
         # TLS and token files are read first: a bad one stops the start before any worker.
         creds = c.security.server_credentials()
         interceptors = c.security.interceptors()
+        tokenizer = self._tokenizer
+        if tokenizer is None:  # before any worker: a model that is not there stops the start
+            tokenizer = await asyncio.to_thread(model_tokenizer, c)
         backend = self._backend
         if backend is None:
             init_ray(c.cluster.address)  # on this thread: Ray sets its signal handlers here
             self.cluster = await asyncio.to_thread(Cluster, c.cluster)
             backend = self.cluster
-        tokenizer = self._tokenizer
-        if tokenizer is None:
-            # The workers' own model config (cache folder, seed), under the cluster's model name.
-            model = replace(c.cluster.engine.model, model=c.cluster.model)
-            tokenizer = await asyncio.to_thread(load_tokenizer, model)
         infos = await backend.infos()
         limits = ModelLimits(
             vocab_size=infos[0].vocab_size,
@@ -236,9 +234,17 @@ def _listen(
     return bound
 
 
+def model_tokenizer(c: ServeConfig) -> Any:
+    """The served model's tokenizer, read as the workers read the model (their model config:
+    cache folder, seed; under the cluster's model name); ModelNotFoundError where it is not
+    there."""
+    return load_tokenizer(replace(c.cluster.engine.model, model=c.cluster.model))
+
+
 async def serve(config: ServeConfig) -> None:
     """Run until SIGINT or SIGTERM, then drain and stop."""
-    server = Server(config)
+    # The model first: one that is not there stops the start before Ray and any worker.
+    server = Server(config, tokenizer=await asyncio.to_thread(model_tokenizer, config))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     # Ray installs its own SIGTERM handler (exit at once) when it starts: start it first, then

@@ -76,3 +76,15 @@ def test_serve_answers_complete_and_drains_on_sigterm(tmp_path):
             os.killpg(server.pid, signal.SIGKILL)
             server.wait(10)
         log.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_model_that_is_not_there_stops_serve_in_one_line_before_ray():
+    """Checked before Ray or any worker starts: exit 2, one line naming the model."""
+    argv = [sys.executable, "-m", "router.cli", "serve", "--model", "no-such-model",
+            "--ray-address", "local", "--port", "0", "--metrics-port", "-1"]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and "model 'no-such-model' not found" in errors[0], out.stderr
+    assert "Ray" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
