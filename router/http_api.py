@@ -196,14 +196,13 @@ class HttpApi:
     ) -> AsyncIterator[str]:
         """The response's server-sent events, from its first chunk on. A failure mid-answer
         ends them with an error event; EventStream closes the core's stream either way."""
-        offset = 0
+        offsets = self.shapes.offsets()
         try:
             if call.chat:
                 yield sse(self.shapes.chunk(call, {"delta": {"role": "assistant", "content": ""}}))
             chunk: CoreChunk | None = first
             while chunk is not None:
-                choice = self.shapes.streamed_choice(call, chunk, offset)
-                offset += sum(len(self.shapes.token(lp.token_id)) for lp in chunk.logprobs)
+                choice = self.shapes.streamed_choice(call, chunk, offsets)
                 yield sse(self.shapes.chunk(call, choice, chunk.final))
                 if chunk.final is not None:
                     if call.include_usage:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.outputs import TokenLogprobs
+from engine.token_bytes import TextOffsets, TokenBytes
 from router.core_types import Answer, CoreChunk, Summary
 from router.request import ParsedRequest
 from router.vocab import FinishReason
@@ -30,6 +31,7 @@ class Shapes:
     def __init__(self, model: str, tokenizer: Any) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self.token_bytes = TokenBytes(tokenizer)
 
     def chunk(
         self,
@@ -51,9 +53,10 @@ class Shapes:
             out["pdserve"] = pdserve(final)
         return out
 
-    def streamed_choice(self, call: Call, chunk: CoreChunk, offset: int) -> dict[str, Any]:
+    def streamed_choice(self, call: Call, chunk: CoreChunk, offsets: TextOffsets) -> dict[str, Any]:
+        """One chunk's choice; `offsets` carries the text offsets over the stream's chunks."""
         why = finish(chunk.final)
-        logprobs = self.logprobs(call, chunk.logprobs, offset)
+        logprobs = self.logprobs(call, chunk.logprobs, offsets)
         if call.chat:
             delta = {"content": chunk.text} if chunk.text or chunk.final is None else {}
             return {"delta": delta, "logprobs": logprobs, "finish_reason": why}
@@ -61,7 +64,7 @@ class Shapes:
 
     def whole(self, call: Call, answer: Answer) -> dict[str, Any]:
         text, final = answer.text, answer.final
-        logprobs = self.logprobs(call, answer.logprobs, 0)
+        logprobs = self.logprobs(call, answer.logprobs, self.offsets())
         if call.chat:
             choice = {
                 "index": 0,
@@ -89,16 +92,24 @@ class Shapes:
     def token(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))
 
+    def offsets(self) -> TextOffsets:
+        """A new answer's text offsets (completions' logprobs.text_offset)."""
+        return TextOffsets(self.token_bytes)
+
     def logprobs(
-        self, call: Call, lps: tuple[TokenLogprobs, ...], offset: int
+        self, call: Call, lps: tuple[TokenLogprobs, ...], offsets: TextOffsets
     ) -> dict[str, Any] | None:
         if call.req.sampling.logprobs is None:
             return None
         if call.chat:
 
             def entry(tid: int, lp: float) -> dict[str, Any]:
-                s = self.token(tid)
-                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+                # The token's own bytes: part of a character where it holds part of one.
+                return {
+                    "token": self.token(tid),
+                    "logprob": lp,
+                    "bytes": list(self.token_bytes(tid)),
+                }
 
             return {
                 "content": [
@@ -106,16 +117,11 @@ class Shapes:
                     for lp in lps
                 ]
             }
-        tokens = [self.token(lp.token_id) for lp in lps]
-        offsets = []
-        for s in tokens:
-            offsets.append(offset)
-            offset += len(s)
         return {
-            "tokens": tokens,
+            "tokens": [self.token(lp.token_id) for lp in lps],
             "token_logprobs": [lp.logprob for lp in lps],
             "top_logprobs": [{self.token(t): v for t, v in lp.top} for lp in lps],
-            "text_offset": offsets,
+            "text_offset": offsets.feed(lp.token_id for lp in lps),
         }
 
 
