@@ -82,6 +82,9 @@ class HttpApi:
         @app.exception_handler(StarletteHTTPException)
         async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
             code = "not_found" if exc.status_code == 404 else None
+            if exc.status_code == 400:  # FastAPI could not read the body at all
+                why = "could not be read as JSON (it must be UTF-8 JSON, not nested too deep)"
+                return ApiError(400, f"body: {why}", param="body").response()
             return ApiError(exc.status_code, str(exc.detail), code=code).response()
 
         # Without a token the routes are open, and the OpenAPI document says no auth.

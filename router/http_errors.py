@@ -21,6 +21,7 @@ log = logging.getLogger("pdserve.http")
 # The core's names for fields this API spells differently.
 _PARAM = {"slo.ttft_ms": "pdserve.slo.ttft_ms", "slo.itl_ms": "pdserve.slo.itl_ms"}
 # Pydantic names the union member it tried ("prompt.str"); the client's field is enough.
+_PROMPT_SHAPE = "must be text, a list of token ids (integers), or a list holding one of either"
 _UNION_MEMBERS = {"str", "int", "list[str]", "list[int]", "list[list[int]]", "list[TextPart]"}
 
 
@@ -105,7 +106,11 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         elif part != "body" and part not in _UNION_MEMBERS:
             param += f".{part}" if param else str(part)
     msg = str(err.get("msg", "invalid"))
-    if kind == "extra_forbidden":
+    if not param and kind in ("dict_type", "model_attributes_type", "model_type"):
+        msg = "must be a JSON object, sent as Content-Type: application/json"
+    elif param == "prompt" or param.startswith("prompt["):
+        param, msg = "prompt", _PROMPT_SHAPE
+    elif kind == "extra_forbidden":
         msg = "is not supported by pdserve"
     elif kind == "missing":
         msg = "is required"

@@ -2,12 +2,16 @@
 how one becomes the core's RequestFields. Like router/convert.py for gRPC, this reads the wire
 format and checks only its shape; router/request.py checks the values, for both doors.
 
-Unknown fields are refused (extra="forbid"), never ignored. Defaults follow OpenAI's: a
-completion's max_tokens is 16, a chat's is the server's own.
+Unknown fields are refused (extra="forbid"), never ignored, and so are values of the wrong type
+(strict: "5" is not an integer, 1 not a boolean). A field set to null is taken as not given, as
+OpenAI takes it. OpenAI fields pdserve does not implement are accepted at the value that asks
+for nothing (`echo: false`, `best_of: 1`, `logit_bias: {}`, ...; NOOP) and refused at any other.
+Defaults follow OpenAI's: a completion's max_tokens is 16, a chat's is the server's own.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any, Literal
 
@@ -21,8 +25,33 @@ COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the s
 _ZERO: dict[str, Any] = {"minimum": 0, "maximum": 0}
 
 
+# OpenAI's fields that pdserve does not implement, at the value that asks for nothing: clients
+# that send them at that value (LangChain, LiteLLM, agent SDKs) are served. `user` is only a
+# label for the caller's own monitoring.
+NOOP: dict[str, tuple[Any, ...]] = {
+    "echo": (False,),
+    "best_of": (1,),
+    "logit_bias": ({},),
+    "store": (False,),
+    "suffix": ("",),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "metadata": ({},),
+    "response_format": ({"type": "text"},),
+}
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # a field pdserve does not support is refused
+    # A field pdserve does not support is refused; so is a value of the wrong type.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        """A known field set to null takes its default (OpenAI's reading of null)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
 
 
 class SloHint(_Body):
@@ -46,8 +75,8 @@ class _Sampling(_Body):
     max_tokens: int | None = None
     # Only OpenAI's own rules are checked here (temperature up to 2, n 1); every range the
     # engine has is checked by router/request.py, for both doors, naming the field.
-    temperature: float | None = Field(None, le=2, description="0 (greedy) to 2")
-    top_p: float | None = Field(None, description="in (0, 1]")
+    temperature: float | None = Field(None, le=2, allow_inf_nan=False, description="0 to 2")
+    top_p: float | None = Field(None, allow_inf_nan=False, description="in (0, 1]")
     seed: int | None = Field(None, description="in [0, 2**64)")
     stop: str | list[str] | None = None
     n: int = Field(
@@ -61,10 +90,24 @@ class _Sampling(_Body):
     )
     # vLLM's extensions
     top_k: int | None = Field(None, description="-1 or 0: off")
-    min_p: float | None = Field(None, description="in [0, 1]")
+    min_p: float | None = Field(None, allow_inf_nan=False, description="in [0, 1]")
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     pdserve: PdserveOptions | None = None
+    # OpenAI's, at the value that asks for nothing only (NOOP); `user` is taken and left.
+    user: str | None = None
+    logit_bias: dict[str, float] = Field(default_factory=dict, description="only {}")
+    store: bool = Field(False, description="only false")
+    metadata: dict[str, str] = Field(default_factory=dict, description="only {}")
+
+    @field_validator(*NOOP, check_fields=False)
+    @classmethod
+    def _noop(cls, v: Any, info: Any) -> Any:
+        allowed = NOOP[info.field_name]
+        if v not in allowed:
+            shown = " or ".join(json.dumps(a) for a in allowed)
+            raise ValueError(f"only {shown} is supported, got {json.dumps(v)}")
+        return v
 
     @field_validator("n")
     @classmethod
@@ -92,6 +135,9 @@ class CompletionRequest(_Sampling):
         description="one prompt: text, or token ids (a list of one is taken as that one)"
     )
     logprobs: int | None = Field(None, description="top alternatives per token, 0 to 20")
+    echo: bool = Field(False, description="only false")
+    best_of: int = Field(1, description="only 1")
+    suffix: str = Field("", description='only ""')
 
 
 class TextPart(_Body):
@@ -109,6 +155,11 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, description="0 to 20; needs logprobs: true")
+    tools: list[Any] = Field(default_factory=list, description="only []")
+    tool_choice: str = Field("none", description='only "none"')
+    response_format: dict[str, Any] = Field(
+        default_factory=lambda: {"type": "text"}, description='only {"type": "text"}'
+    )
 
     @model_validator(mode="after")
     def _one_max(self) -> ChatCompletionRequest:
@@ -140,6 +191,8 @@ def request_fields(
     else:
         messages = [(m.role, _text(m.content)) for m in body.messages]
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        if body.top_logprobs is not None:
+            renames["logprobs"] = "top_logprobs"
         if body.max_completion_tokens is not None:
             max_tokens = body.max_completion_tokens
             renames["max_tokens"] = "max_completion_tokens"

@@ -18,7 +18,9 @@ from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from router.vocab import Frontend, RoutePath
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+# OpenAI's newer name for the system message: the chat templates know it as system.
+_ROLE_AS = {"developer": "system"}
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 1.0
 
@@ -152,7 +154,7 @@ def _chat_ids(
     _check_size("messages", size, limits)
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("messages", "this model has no chat template; send prompt")
-    chat = [{"role": role, "content": content} for role, content in messages]
+    chat = [{"role": _ROLE_AS.get(role, role), "content": content} for role, content in messages]
     try:
         return list(
             tokenizer.apply_chat_template(

@@ -309,3 +309,66 @@ def test_values_the_engine_cannot_take_are_a_400_not_a_failed_worker():
             assert ok.status_code == 200
     finally:
         s.close()
+
+
+@pytest.mark.timeout(120)
+def test_nulls_and_openai_fields_at_their_no_op_values_are_served_and_other_values_refused():
+    """As OpenAI reads a body: null is not given; fields pdserve does not implement are served at
+    the value that asks for nothing and refused, naming them, at any other; a value of the
+    wrong type is refused, not coerced ("5" is not an integer, 1 not a boolean)."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    served = [
+        ("completions", {**BODY, "n": None, "seed": None, "stream": None, "stop": None,
+                         "echo": False, "best_of": 1, "logit_bias": {}, "user": "u-1",
+                         "store": False, "suffix": None, "metadata": None,
+                         "presence_penalty": None, "logprobs": None}),
+        ("chat/completions", {**chat, "tools": None, "tool_choice": "none", "store": False,
+                              "response_format": {"type": "text"}, "logit_bias": None,
+                              "messages": [{"role": "developer", "content": "Be brief."},
+                                           {"role": "user", "content": "hi"}]}),
+        ("chat/completions", {**chat, "tools": []}),
+    ]  # fmt: skip
+    refused = [
+        ("completions", {**BODY, "echo": True}, "echo", "only false"),
+        ("completions", {**BODY, "best_of": 2}, "best_of", "only 1"),
+        ("completions", {**BODY, "logit_bias": {"5": 10}}, "logit_bias", "only {}"),
+        ("completions", {**BODY, "suffix": "end"}, "suffix", 'only ""'),
+        ("completions", {**BODY, "max_tokens": "5"}, "max_tokens", "integer"),
+        ("completions", {**BODY, "max_tokens": True}, "max_tokens", "integer"),
+        ("completions", {**BODY, "stream": "yes"}, "stream", "boolean"),
+        ("completions", {**BODY, "stream": 1}, "stream", "boolean"),
+        ("completions", {**BODY, "logprobs": True}, "logprobs", "integer"),
+        ("completions", {**BODY, "prompt": [True]}, "prompt", "token ids"),
+        ("completions", {**BODY, "prompt": [1.5]}, "prompt", "token ids"),
+        ("chat/completions", {**chat, "store": True}, "store", "only false"),
+        ("chat/completions", {**chat, "tools": [{"type": "function"}]}, "tools", "only []"),
+        ("chat/completions", {**chat, "response_format": {"type": "json_object"}},
+         "response_format", "only"),
+        ("chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs",
+         "[0, 20]"),
+    ]  # fmt: skip
+    s = server()
+    try:
+        with httpx.Client(timeout=30) as http:
+            for route, body in served:
+                resp = http.post(f"{base(s)}/v1/{route}", json=body)
+                assert resp.status_code == 200, (body, resp.text)
+            for route, body, param, says in refused:
+                resp = http.post(f"{base(s)}/v1/{route}", json=body)
+                assert resp.status_code == 400, (body, resp.text)
+                err = resp.json()["error"]
+                assert err["param"] == param and says in err["message"], (body, err)
+            url = f"{base(s)}/v1/completions"
+            nan = b'{"model": "%s", "prompt": [1], "temperature": NaN}' % MODEL.encode()
+            err = http.post(url, content=nan, headers={"content-type": "application/json"})
+            assert err.json()["error"]["param"] == "temperature", err.text
+            assert "finite" in err.json()["error"]["message"]
+            plain = http.post(url, content=json.dumps(BODY).encode())  # no content type
+            assert plain.status_code == 400 and "application/json" in plain.text, plain.text
+            latin = http.post(url, content=b'{"prompt": "caf\xe9"}',
+                              headers={"content-type": "application/json"})  # fmt: skip
+            assert latin.status_code == 400 and latin.json()["error"]["param"] == "body"
+            assert "UTF-8" in latin.json()["error"]["message"], latin.text
+            assert http.post(url, json=BODY).status_code == 200  # and it goes on serving
+    finally:
+        s.close()
