@@ -67,7 +67,10 @@ def _call(args: argparse.Namespace, method: str, request: Any) -> Any:
 
 
 def _failed(exc: Any, address: str) -> int:
-    print(f"error: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    hint = ""
+    if exc.code().name == "UNIMPLEMENTED":  # a server, but not its admin service
+        hint = " (is this the admin port? `pdserve serve` prints it: --admin-port, 50052)"
+    print(f"error: {address}: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
     return 1
 
 

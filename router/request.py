@@ -18,6 +18,7 @@ from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from router.vocab import Frontend, RoutePath
 
+MAX_REQUEST_ID = 256  # characters: a client's id goes into logs and every worker's books
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 # OpenAI's newer name for the system message: the chat templates know it as system.
 _ROLE_AS = {"developer": "system"}
@@ -85,6 +86,10 @@ def check_request(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> Pars
     for name, value in (("slo.ttft_ms", f.slo_ttft_ms), ("slo.itl_ms", f.slo_itl_ms)):
         if value is not None and not 0 <= value < math.inf:
             raise InvalidRequestError(name, f"must be finite and >= 0 (0: default), got {value}")
+    if f.request_id is not None and len(f.request_id) > MAX_REQUEST_ID:
+        raise InvalidRequestError(
+            "request_id", f"has {len(f.request_id)} characters; at most {MAX_REQUEST_ID}"
+        )
     return ParsedRequest(
         request_id=f.request_id or f"req-{uuid.uuid4().hex[:16]}",
         prompt_token_ids=tuple(ids),

@@ -191,11 +191,29 @@ def _flag_type(o: Option) -> Callable[[str], Any]:
     return convert
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (which YAML would take as
+    its last value, the first one lost silently)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # not an option name: refused as an unknown field later
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"field {key!r} is given twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_file(path: Path) -> dict[str, Any]:
     """The options a YAML file sets, checked; raises OptionError naming the field."""
     where = f"config {path}"
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeys)
     except OSError as exc:
         raise OptionError(f"{where}: cannot be read: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:

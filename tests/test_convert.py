@@ -75,6 +75,8 @@ def test_bad_requests_name_their_field():
         refused("temperature", prompt="a", sampling=pb.SamplingParams(temperature=bad))
         refused("slo.itl_ms", prompt="a", slo=pb.SloHint(itl_ms=bad))
     refused("path", prompt="a", path=7)
+    assert "at most 256" in refused("request_id", prompt="a", request_id="x" * 257)
+    assert parse(prompt="a", request_id="x" * 256).request_id == "x" * 256
 
 
 def test_a_prompt_no_workers_kv_cache_can_hold_is_refused_naming_it():

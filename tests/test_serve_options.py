@@ -106,6 +106,7 @@ def _parse(argv):
         ("worker_hang_timeout: 2\n", "worker_hang_timeout: must be a number >= 3, got 2 (or 0"),
         ("- decode\n", "must be a mapping of option names to values"),
         ("model: [1\n", "not valid YAML"),
+        ("prefill: 2\ndecode: 1\nprefill: 3\n", "field 'prefill' is given twice"),
         ("step_target_ms: 100\nchunked_prefill: false\n", "step_target_ms"),
         ("prefill_hold_ms: 3000\n", "prefill_hold_ms"),
         ("step_target_ms: 100\nprefill_hold_ms: soon\n", "prefill_hold_ms: must be a number"),
