@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import threading
@@ -446,12 +447,18 @@ class Pools:
     def shutdown(self) -> None:
         self._closing = True
         handles = self.handles()
+        # Every engine asked to stop at once, 10 s for all (a hung worker costs one wait, not
+        # one each); the actors are killed after either way.
+        up = (WorkerStatus.READY, WorkerStatus.DRAINING)
+        refs: list[Any] = []
         for h in handles:
-            if h.info is not None and h.status in (WorkerStatus.READY, WorkerStatus.DRAINING):
-                try:
-                    ray.get(h.actor.shutdown.remote(), timeout=10)
-                except Exception:
-                    pass  # already gone: killing it below is all that is left
+            if h.info is not None and h.status in up:
+                with contextlib.suppress(Exception):  # already gone: killed below
+                    refs.append(h.actor.shutdown.remote())
+        if refs:
+            with contextlib.suppress(Exception):
+                ray.wait(refs, num_returns=len(refs), timeout=10)
+        for h in handles:
             self._stop_actor(h, WorkerStatus.STOPPED)
         self.ops.stop()
 

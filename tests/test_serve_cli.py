@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -88,3 +90,73 @@ def test_a_model_that_is_not_there_stops_serve_in_one_line_before_ray():
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1 and "model 'no-such-model' not found" in errors[0], out.stderr
     assert "Ray" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.timeout(240)
+def test_a_second_interrupt_while_draining_ends_the_requests_in_flight_at_once(tmp_path):
+    """SIGINT drains (up to --drain-timeout, 120 s here) a stream that cannot end (its workers
+    stopped); a second SIGINT ends it now, and the server exits 0 in seconds."""
+    from pdserve_proto import admin_pb2, admin_pb2_grpc
+
+    port, admin = free_port(), free_port()
+    log_path = tmp_path / "serve.log"
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "serve", "--model", "tiny-llama", "--port",
+             str(port), "--admin-port", str(admin), "--metrics-port", "-1", "--kv-cache-gib",
+             "0.05", "--drain-timeout", "120"],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )  # fmt: skip
+    address = f"127.0.0.1:{port}"
+    req = pb.GenerateRequest(
+        prompt="stopped mid-stream",
+        sampling=pb.SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True),
+    )
+    got: list[int] = []
+    ended: list[grpc.StatusCode] = []
+    started = threading.Event()
+    stopped: list[int] = []
+
+    def stream() -> None:
+        try:
+            with grpc.insecure_channel(address) as channel:
+                stub = pb_grpc.GenerationStub(channel)
+                for msg in stub.Generate(req, timeout=180, wait_for_ready=True):
+                    got.extend(msg.token_ids)
+                    if not started.is_set():
+                        for pid in pids:  # its workers stop: the stream cannot end
+                            os.kill(pid, signal.SIGSTOP)
+                            stopped.append(pid)
+                        started.set()
+        except grpc.RpcError as exc:
+            ended.append(exc.code())
+
+    t = threading.Thread(target=stream)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{admin}") as channel:
+            listing = admin_pb2_grpc.AdminStub(channel).ListWorkers(
+                admin_pb2.ListWorkersRequest(), timeout=150, wait_for_ready=True
+            )
+        pids = [w.pid for w in listing.workers]
+        assert len(pids) == 2, listing
+        t.start()
+        assert started.wait(60), log_path.read_text()[-3000:]
+        server.send_signal(signal.SIGINT)
+        time.sleep(2)
+        assert server.poll() is None and t.is_alive(), (ended, len(got))  # draining
+        server.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        assert server.wait(90) == 0, log_path.read_text()[-3000:]
+        assert time.monotonic() - t0 < 45, time.monotonic() - t0  # not the 120 s drain
+        t.join(30)
+        assert ended and len(got) < 900, (ended, len(got))
+        assert "interrupted again" in log_path.read_text()
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(10)
