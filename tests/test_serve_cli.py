@@ -25,17 +25,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_serve(log_path, port: int, *flags: str) -> subprocess.Popen:
+    """`pdserve serve` on tiny-llama at 127.0.0.1:port (a private Ray runtime), its output into
+    `log_path`, in a session of its own."""
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "serve", "--model", "tiny-llama", "--port",
+             str(port), "--metrics-port", "-1", "--kv-cache-gib", "0.05", *flags],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )  # fmt: skip
+
+
 @pytest.mark.timeout(240)
 def test_serve_answers_complete_and_drains_on_sigterm(tmp_path):
     port = free_port()
-    log = open(tmp_path / "serve.log", "w")
-    env = dict(os.environ)
-    env.pop("RAY_ADDRESS", None)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "router.cli", "serve", "--model", "tiny-llama", "--port",
-         str(port), "--metrics-port", "-1", "--kv-cache-gib", "0.05"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-    )  # fmt: skip
+    server = start_serve(tmp_path / "serve.log", port)
     address = f"127.0.0.1:{port}"
     try:
         done = subprocess.run(
@@ -77,7 +83,6 @@ def test_serve_answers_complete_and_drains_on_sigterm(tmp_path):
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait(10)
-        log.close()
 
 
 @pytest.mark.timeout(120)
@@ -100,15 +105,7 @@ def test_a_second_interrupt_while_draining_ends_the_requests_in_flight_at_once(t
 
     port, admin = free_port(), free_port()
     log_path = tmp_path / "serve.log"
-    env = dict(os.environ)
-    env.pop("RAY_ADDRESS", None)
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "serve", "--model", "tiny-llama", "--port",
-             str(port), "--admin-port", str(admin), "--metrics-port", "-1", "--kv-cache-gib",
-             "0.05", "--drain-timeout", "120"],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )  # fmt: skip
+    server = start_serve(log_path, port, "--admin-port", str(admin), "--drain-timeout", "120")
     address = f"127.0.0.1:{port}"
     req = pb.GenerateRequest(
         prompt="stopped mid-stream",
