@@ -6,7 +6,8 @@ the text a client rebuilds from them is the model's.
   byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM): each character of the token's piece stands for
       one byte (the tokenizers library's ByteLevel table);
   SentencePiece: a byte-fallback piece `<0xNN>` is that byte, `▁` a space;
-  anything else (special tokens): the piece's UTF-8.
+  an added token (special or not): its text's UTF-8, as written.
+A special token adds no text (the detokenizer leaves it out): no characters to the offsets.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class TokenBytes:
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         self._byte_level = "ByteLevel" in repr(decoder)
         self._table = {c: b for b, c in bytes_to_unicode().items()}
+        self._added = set(getattr(tokenizer, "added_tokens_decoder", {}))
+        self.special = set(getattr(tokenizer, "all_special_ids", ()))
         self._cache: dict[int, bytes] = {}
 
     def __call__(self, token_id: int) -> bytes:
@@ -39,7 +42,7 @@ class TokenBytes:
         piece = self.tokenizer.convert_ids_to_tokens(int(token_id))
         if piece is None:
             return b""
-        if token_id in getattr(self.tokenizer, "all_special_ids", ()):
+        if token_id in self._added or token_id in self.special:
             return str(piece).encode()
         if self._byte_level and all(c in self._table for c in piece):
             return bytes(self._table[c] for c in piece)
@@ -63,5 +66,6 @@ class TextOffsets:
         out = []
         for t in token_ids:
             out.append(self.chars)
-            self.chars += len(self._utf8.decode(self._bytes(t)))
+            if t not in self._bytes.special:
+                self.chars += len(self._utf8.decode(self._bytes(t)))
         return out

@@ -139,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
 def _unreached(details: str) -> bool:
     """Whether an UNAVAILABLE is gRPC's own (no connection to the address), not the server's
     answer (a worker failed, none up)."""
-    lowered = details.lower()
-    return any(
-        s in lowered for s in ("failed to connect", "connection refused", "dns resolution failed")
+    # gRPC core's own wording; the server's answers start otherwise ("request failed: ...")
+    # and may quote a worker's connection error.
+    return details.lower().startswith(
+        ("failed to connect to all addresses", "dns resolution failed", "connection refused")
     )

@@ -55,10 +55,8 @@ class ApiError(Exception):
 
 def invalid(exc: InvalidRequestError, renames: dict[str, str]) -> ApiError:
     param = renames.get(exc.field, _PARAM.get(exc.field, exc.field))
-    message = str(exc)
-    if param != exc.field:
-        message = f"{param}:{message[len(exc.field) + 1 :]}"
-    return ApiError(400, message, param=param)
+    # From its parts: one a worker raised comes through Ray, whose str() is its traceback.
+    return ApiError(400, f"{param}: {getattr(exc, 'message', exc)}", param=param)
 
 
 # The status, the error's type and its code, by why the request failed (429 is built apart).
@@ -108,7 +106,7 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     msg = str(err.get("msg", "invalid"))
     if not param and kind in ("dict_type", "model_attributes_type", "model_type"):
         msg = "must be a JSON object, sent as Content-Type: application/json"
-    elif param == "prompt" or param.startswith("prompt["):
+    elif kind not in ("extra_forbidden", "missing") and param.split("[")[0] == "prompt":
         param, msg = "prompt", _PROMPT_SHAPE
     elif kind == "extra_forbidden":
         msg = "is not supported by pdserve"

@@ -146,7 +146,7 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: str = Field(description="system, user or assistant")
+    role: str = Field(description="system, developer (as system), user or assistant")
     content: str | list[TextPart]
 
 

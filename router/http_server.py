@@ -65,5 +65,9 @@ class HttpServer:
         await self.server.shutdown()
 
     def hurry(self) -> None:
-        """While stop() drains: end the requests in flight now (uvicorn's forced exit)."""
+        """While stop() drains: end the requests in flight now, as uvicorn does when its
+        graceful shutdown times out (cancelling a request's task closes its stream, which
+        aborts it on its workers)."""
         self.server.force_exit = True
+        for task in list(self.server.server_state.tasks):
+            task.cancel()

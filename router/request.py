@@ -139,7 +139,8 @@ def _prompt_ids(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> list[i
             raise InvalidRequestError(
                 "prompt",
                 f"has {len(ids)} tokens; the workers' KV cache holds at most {most} "
-                f"({limits.kv_blocks} blocks of {limits.block_size} tokens; see --kv-cache-gib)",
+                f"({limits.kv_blocks} blocks of {limits.block_size} tokens; "
+                "--kv-cache-gib sizes it on a CPU)",
             )
     return ids
 

@@ -198,6 +198,8 @@ class _UniqueKeys(yaml.SafeLoader):
     def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor` merges a mapping in: not a field of its own
             key = self.construct_object(key_node, deep=deep)
             if not isinstance(key, (str, int, float, bool)):
                 continue  # not an option name: refused as an unknown field later

@@ -74,8 +74,10 @@ class Server:
         self.metrics_port = 0
         self._health: Any = None
         self._watch: asyncio.Task[None] | None = None
-        # The front doors while stop() drains them (hurry).
+        # The front doors while stop() drains them, and whether to end their requests now.
         self._draining: tuple[grpc.aio.Server | None, HttpServer | None] = (None, None)
+        self._hurried = False
+        self._hurrying: list[asyncio.Future[None]] = []  # kept: the loop holds tasks weakly
 
     async def start(self) -> None:
         c = self.config
@@ -194,14 +196,17 @@ class Server:
         if self.admin is not None:
             await self.admin.stop(1.0)
             self.admin = None
-        # Both front doors drain at once, each for up to the drain timeout (hurry: at once).
+        # Both front doors drain at once, each for up to the drain timeout (hurried: none).
         self._draining = (self.grpc, self.http)
         stopping = []
         if self.grpc is not None:
-            stopping.append(self.grpc.stop(self.config.drain_timeout_s))
+            grace = 0.0 if self._hurried else self.config.drain_timeout_s
+            stopping.append(self.grpc.stop(grace))
             self.grpc = None
         if self.http is not None:
             stopping.append(self.http.stop())
+            if self._hurried:
+                self._draining[1].hurry()  # type: ignore[union-attr]
             self.http = None
         await asyncio.gather(*stopping)
         self._draining = (None, None)
@@ -214,11 +219,12 @@ class Server:
             self.metrics.close()
 
     def hurry(self) -> None:
-        """While stop() drains: the requests still in flight end now (closing their streams
-        aborts them on their workers), and the stop goes on."""
+        """The requests in flight end now, not at the drain timeout (closing their streams
+        aborts them on their workers): at once while stop() drains, else when it begins."""
+        self._hurried = True
         grpc_server, http = self._draining
-        if grpc_server is not None:
-            asyncio.ensure_future(grpc_server.stop(0))  # cuts the first stop's grace short
+        if grpc_server is not None:  # a second stop cuts the first one's grace short
+            self._hurrying.append(asyncio.ensure_future(grpc_server.stop(0)))
         if http is not None:
             http.hurry()
 

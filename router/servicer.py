@@ -152,6 +152,8 @@ class GenerationServicer:
             elif reason is not FailureReason.INVALID:
                 log.warning("request %s: %s: %s", req.request_id, type(exc).__name__, exc)
             detail = str(exc)
+            if isinstance(exc, InvalidRequestError):  # from its parts, as Ray's str() is long
+                detail = f"{exc.field}: {getattr(exc, 'message', exc)}"
             if reason is FailureReason.INTERNAL:
                 detail = f"{type(exc).__name__}: {exc}"
             await context.abort(STATUS[reason], f"{_WHY[reason]}{detail}")

@@ -84,6 +84,8 @@ def test_complete_says_no_server_only_where_none_answered(capsys):
     assert run(["complete", "--address", "127.0.0.1:1", "--timeout", "10", "hi"]) == 1
     assert "no pdserve server answering at 127.0.0.1:1?" in capsys.readouterr().err
     assert not _unreached("a worker failed: decode-0: its engine stopped")
+    # A server's answer quoting a worker's connection error is still the server's.
+    assert not _unreached("request failed: a worker failed: gloo: Connection refused")
 
 
 def test_status_at_a_port_that_is_not_prometheus_is_one_line(capsys):

@@ -346,6 +346,9 @@ def test_nulls_and_openai_fields_at_their_no_op_values_are_served_and_other_valu
          "response_format", "only"),
         ("chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs",
          "[0, 20]"),
+        ("chat/completions", {**chat, "prompt": "x"}, "prompt", "is not supported"),
+        ("completions", {"model": MODEL}, "prompt", "is required"),
+        ("completions", {"model": MODEL, "prompt": None}, "prompt", "is required"),
     ]  # fmt: skip
     s = server()
     try:

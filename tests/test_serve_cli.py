@@ -99,38 +99,53 @@ def test_a_model_that_is_not_there_stops_serve_in_one_line_before_ray():
 
 @pytest.mark.timeout(240)
 def test_a_second_interrupt_while_draining_ends_the_requests_in_flight_at_once(tmp_path):
-    """SIGINT drains (up to --drain-timeout, 120 s here) a stream that cannot end (its workers
-    stopped); a second SIGINT ends it now, and the server exits 0 in seconds."""
+    """SIGINT drains (up to --drain-timeout, 120 s here) a gRPC and an HTTP stream that cannot
+    end (their workers stopped); a second SIGINT ends both now, and the server exits 0 in
+    seconds."""
+    import httpx2 as httpx
+
     from pdserve_proto import admin_pb2, admin_pb2_grpc
 
-    port, admin = free_port(), free_port()
+    port, admin, http_port = free_port(), free_port(), free_port()
     log_path = tmp_path / "serve.log"
-    server = start_serve(log_path, port, "--admin-port", str(admin), "--drain-timeout", "120")
+    server = start_serve(log_path, port, "--admin-port", str(admin), "--http-port",
+                         str(http_port), "--drain-timeout", "120")  # fmt: skip
     address = f"127.0.0.1:{port}"
     req = pb.GenerateRequest(
         prompt="stopped mid-stream",
         sampling=pb.SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True),
     )
-    got: list[int] = []
-    ended: list[grpc.StatusCode] = []
-    started = threading.Event()
+    body = {"model": "tiny-llama", "prompt": "stopped too", "max_tokens": 900,
+            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    got = {"grpc": 0, "http": 0}
+    ended: dict[str, str] = {}
+    started = {k: threading.Event() for k in got}
     stopped: list[int] = []
 
-    def stream() -> None:
+    def grpc_stream() -> None:
         try:
             with grpc.insecure_channel(address) as channel:
                 stub = pb_grpc.GenerationStub(channel)
                 for msg in stub.Generate(req, timeout=180, wait_for_ready=True):
-                    got.extend(msg.token_ids)
-                    if not started.is_set():
-                        for pid in pids:  # its workers stop: the stream cannot end
-                            os.kill(pid, signal.SIGSTOP)
-                            stopped.append(pid)
-                        started.set()
+                    got["grpc"] += len(msg.token_ids)
+                    started["grpc"].set()
+            ended["grpc"] = "finished"
         except grpc.RpcError as exc:
-            ended.append(exc.code())
+            ended["grpc"] = exc.code().name
 
-    t = threading.Thread(target=stream)
+    def http_stream() -> None:
+        url = f"http://127.0.0.1:{http_port}/v1/completions"
+        try:
+            with httpx.Client(timeout=180) as client, client.stream("POST", url, json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        got["http"] += 1
+                        started["http"].set()
+            ended["http"] = "finished"
+        except httpx.HTTPError as exc:
+            ended["http"] = type(exc).__name__
+
+    threads = [threading.Thread(target=f) for f in (grpc_stream, http_stream)]
     try:
         with grpc.insecure_channel(f"127.0.0.1:{admin}") as channel:
             listing = admin_pb2_grpc.AdminStub(channel).ListWorkers(
@@ -138,18 +153,23 @@ def test_a_second_interrupt_while_draining_ends_the_requests_in_flight_at_once(t
             )
         pids = [w.pid for w in listing.workers]
         assert len(pids) == 2, listing
-        t.start()
-        assert started.wait(60), log_path.read_text()[-3000:]
+        for t in threads:
+            t.start()
+        assert all(e.wait(60) for e in started.values()), log_path.read_text()[-3000:]
+        for pid in pids:  # the workers stop: neither stream can end
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
         server.send_signal(signal.SIGINT)
         time.sleep(2)
-        assert server.poll() is None and t.is_alive(), (ended, len(got))  # draining
+        assert server.poll() is None and not ended, (ended, got)  # draining
         server.send_signal(signal.SIGINT)
         t0 = time.monotonic()
         assert server.wait(90) == 0, log_path.read_text()[-3000:]
         assert time.monotonic() - t0 < 45, time.monotonic() - t0  # not the 120 s drain
-        t.join(30)
-        assert ended and len(got) < 900, (ended, len(got))
-        assert "interrupted again" in log_path.read_text()
+        for t in threads:
+            t.join(30)
+        assert set(ended) == {"grpc", "http"} and got["grpc"] < 900, (ended, got)
+        assert got["http"] < 900 and "interrupted again" in log_path.read_text()
     finally:
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):

@@ -27,6 +27,15 @@ def effective(tmp_path, text: str, *flags: str, capsys) -> dict:
     return yaml.safe_load(capsys.readouterr().out)
 
 
+def test_yaml_anchors_and_merge_keys_are_read_as_yaml_reads_them(tmp_path, capsys):
+    got = effective(
+        tmp_path,
+        "prefill_resources: &pool {pool: 1, zone_a: 1}\ndecode_resources: {<<: *pool, zone_a: 2}\n",
+        capsys=capsys,
+    )
+    assert got["decode_resources"] == {"pool": 1.0, "zone_a": 2.0}
+
+
 def test_the_file_sets_options_and_flags_override_it(tmp_path, capsys):
     got = effective(
         tmp_path,

@@ -24,7 +24,29 @@ def test_the_tokens_bytes_rebuild_the_text_and_their_offsets_index_it(model):
     whole = TextOffsets(pieces).feed(ids)
     chunked = TextOffsets(pieces)
     assert [o for i in range(0, len(ids), 3) for o in chunked.feed(ids[i : i + 3])] == whole
-    for t, start, end in zip(ids, whole, [*whole[1:], len(TEXT)]):
-        own = pieces(t).decode(errors="ignore")  # the whole characters it holds, if any
-        assert TEXT[start:end].endswith(own) and end - start <= len(own) + 1
+    # Each offset is the characters of the text whose bytes came before the token: what is
+    # left of those bytes is part of one character (less than its 4 bytes).
+    before = b""
+    for t, start in zip(ids, whole):
+        head = TEXT[:start].encode()
+        assert before.startswith(head) and len(before) - len(head) < 4, (t, start)
+        before += pieces(t)
     assert chunked.chars == len(TEXT)
+    # A special token adds no text, so nothing to the offsets after it.
+    special = tok.all_special_ids[0]
+    assert TextOffsets(pieces).feed([*ids[:3], special, *ids[3:5]])[4] == whole[3]
+
+
+def test_sentencepiece_byte_pieces_and_spaces():
+    """A SentencePiece tokenizer's byte-fallback piece is its byte, its ▁ a space."""
+
+    class Pieces:
+        all_special_ids = [0]
+        added_tokens_decoder = {0: "<s>"}
+
+        def convert_ids_to_tokens(self, token_id):
+            return {0: "<s>", 1: "▁caf", 2: "<0xC3>", 3: "<0xA9>"}[token_id]
+
+    pieces = TokenBytes(Pieces())
+    assert b"".join(pieces(t) for t in (1, 2, 3)).decode() == " café"
+    assert TextOffsets(pieces).feed([0, 1, 2, 3]) == [0, 0, 4, 4]
