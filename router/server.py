@@ -100,6 +100,16 @@ class Server:
             kv_blocks=min(i.num_blocks for i in infos),
             block_size=infos[0].block_size,
         )
+        held = limits.kv_blocks * limits.block_size
+        if held < limits.max_model_len:
+            # vLLM refuses to start here; pdserve serves, and says what it means.
+            log.warning(
+                "a worker's KV cache holds %d tokens, less than the model's context (%d): a "
+                "longer prompt is refused, and a request that outgrows the cache alone ends "
+                "there (finish_reason length, stop_reason kv_cache_capacity)",
+                held,
+                limits.max_model_len,
+            )
 
         if c.metrics_port is not None:
             self.metrics = Metrics()

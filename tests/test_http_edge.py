@@ -173,8 +173,10 @@ class _SmallCache(FakeBackend):
 
 
 @pytest.mark.timeout(120)
-def test_a_prompt_the_kv_cache_cannot_hold_is_a_400_naming_it_on_both_doors():
+def test_a_prompt_the_kv_cache_cannot_hold_is_a_400_naming_it_on_both_doors(caplog):
     s = server(_SmallCache())
+    # Said at start: a cache smaller than the context.
+    assert "KV cache holds 32 tokens, less than the model's context" in caplog.text
     try:
         with httpx.Client(timeout=30) as http:
             resp = http.post(base(s) + "/v1/completions", json={**BODY, "prompt": [1] * 32})
