@@ -207,17 +207,16 @@ class Server:
             await self.admin.stop(1.0)
             self.admin = None
         # Both front doors drain at once, each for up to the drain timeout (hurried: none).
-        self._draining = (self.grpc, self.http)
+        grpc_server, http = self._draining = (self.grpc, self.http)
+        self.grpc = self.http = None
         stopping = []
-        if self.grpc is not None:
+        if grpc_server is not None:
             grace = 0.0 if self._hurried else self.config.drain_timeout_s
-            stopping.append(self.grpc.stop(grace))
-            self.grpc = None
-        if self.http is not None:
-            stopping.append(self.http.stop())
+            stopping.append(grpc_server.stop(grace))
+        if http is not None:
+            stopping.append(http.stop())
             if self._hurried:
-                self._draining[1].hurry()  # type: ignore[union-attr]
-            self.http = None
+                http.hurry()
         await asyncio.gather(*stopping)
         self._draining = (None, None)
         if self.core is not None:
