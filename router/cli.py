@@ -68,11 +68,13 @@ def _generate(args: argparse.Namespace, _extra: list[str]) -> int:
     from engine.errors import InvalidRequestError, ModelNotFoundError
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
+    from router.client import not_utf8
 
     # The weight-loading progress bar is noise for a one-shot command.
     disable_progress_bar()
     try:
         # Parameters first: a typo should not wait for the model to load.
+        not_utf8([*(("prompt", p) for p in args.prompt), *(("stop", s) for s in args.stop)])
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
@@ -235,7 +237,10 @@ def _bench(_args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="pdserve",
+        description="Serve LLM completions without prefill/decode interference (README.md).",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     _add_serve(sub)

@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 from pdserve_client import add_arguments as add_auth_arguments
@@ -80,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf import json_format
 
+    from engine.errors import InvalidRequestError
     from pdserve_client import ClientAuth
     from pdserve_client.connect import ClientAuthError
     from pdserve_proto import generation_pb2 as pb
@@ -87,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         auth = ClientAuth.from_args(args)
-    except ClientAuthError as exc:
+        not_utf8([("prompt", args.prompt), *(("stop", s) for s in args.stop)])
+    except (ClientAuthError, InvalidRequestError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     req = build_request(args)
@@ -144,3 +147,15 @@ def _unreached(details: str) -> bool:
     return details.lower().startswith(
         ("failed to connect to all addresses", "dns resolution failed", "connection refused")
     )
+
+
+def not_utf8(texts: Iterable[tuple[str, str]]) -> None:
+    """Raise InvalidRequestError naming the first (field, text) that is not valid UTF-8 (a
+    shell argument of other bytes arrives as lone surrogates)."""
+    from engine.errors import InvalidRequestError
+
+    for field, text in texts:
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            raise InvalidRequestError(field, "is not valid UTF-8") from None

@@ -90,6 +90,9 @@ def check_request(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> Pars
         raise InvalidRequestError(
             "request_id", f"has {len(f.request_id)} characters; at most {MAX_REQUEST_ID}"
         )
+    if f.request_id is not None and not f.request_id.isprintable():
+        # It is logged as given: a newline in it would forge a log line.
+        raise InvalidRequestError("request_id", "must hold printable characters only")
     return ParsedRequest(
         request_id=f.request_id or f"req-{uuid.uuid4().hex[:16]}",
         prompt_token_ids=tuple(ids),

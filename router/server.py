@@ -113,7 +113,13 @@ class Server:
 
         if c.metrics_port is not None:
             self.metrics = Metrics()
-            self.metrics_port = self.metrics.serve(c.host, c.metrics_port)
+            try:
+                self.metrics_port = self.metrics.serve(c.host, c.metrics_port)
+            except OSError as exc:
+                raise OSError(
+                    f"could not listen on {c.host}:{c.metrics_port} (--metrics-port): "
+                    f"{exc.strerror or exc}"
+                ) from None
             log.info("metrics on http://%s:%d/metrics", c.host, self.metrics_port)
         self.core = RequestCore(backend, infos, c.router, tokenizer, self.metrics)
         if self.metrics is not None:  # read from the core at each scrape
@@ -252,13 +258,16 @@ def _listen(
     option: str,
 ) -> int:
     address = f"{host}:{port}"
-    bound = (
-        server.add_insecure_port(address)
-        if creds is None
-        else server.add_secure_port(address, creds)
-    )
+    try:
+        bound = (
+            server.add_insecure_port(address)
+            if creds is None
+            else server.add_secure_port(address, creds)
+        )
+    except RuntimeError:  # newer gRPC raises where older ones returned 0
+        bound = 0
     if bound == 0:
-        raise OSError(f"could not listen on {address} ({option})")
+        raise OSError(f"could not listen on {address} ({option}): is the port taken?")
     return bound
 
 

@@ -21,9 +21,21 @@ from collections.abc import Iterable
 from pdserve_client.metrics import BUSY_SECONDS, Samples, by_labels, scrape, shares
 
 
+def _positive(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if not 0 < x < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return x
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default="127.0.0.1:9400", help="the server's metrics host:port")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between two scrapes")
+    p.add_argument(
+        "--interval", type=_positive, default=1.0, help="seconds between two scrapes (> 0)"
+    )
 
 
 def quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:

@@ -106,9 +106,27 @@ def test_status_at_a_port_that_is_not_prometheus_is_one_line(capsys):
     threading.Thread(target=answer, daemon=True).start()
     port = srv.getsockname()[1]
     try:
-        assert run(["status", "--address", f"127.0.0.1:{port}", "--interval", "0"]) == 1
+        assert run(["status", "--address", f"127.0.0.1:{port}", "--interval", "0.01"]) == 1
     finally:
         srv.close()
     err = capsys.readouterr().err
     assert err.startswith(f"error: no pdserve metrics at 127.0.0.1:{port}?"), err
     assert "Traceback" not in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["complete", "--address", "127.0.0.1:1", "ab\udcffc"],
+     ["complete", "--address", "127.0.0.1:1", "--stop", "\udcff", "hi"],
+     ["generate", "--model", "tiny-llama", "ab\udcffc"]],
+)  # fmt: skip
+def test_arguments_that_are_not_utf8_exit_2_naming_them(argv, capsys):
+    """A shell argument of bytes that are not UTF-8 reaches Python as lone surrogates."""
+    assert run(argv) == 2
+    err = capsys.readouterr().err
+    assert "is not valid UTF-8" in err and "Traceback" not in err, err
+
+
+def test_status_interval_must_be_positive(capsys):
+    assert run(["status", "--interval", "0"]) == 2
+    assert "argument --interval: must be" in capsys.readouterr().err

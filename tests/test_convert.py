@@ -76,6 +76,7 @@ def test_bad_requests_name_their_field():
         refused("slo.itl_ms", prompt="a", slo=pb.SloHint(itl_ms=bad))
     refused("path", prompt="a", path=7)
     assert "at most 256" in refused("request_id", prompt="a", request_id="x" * 257)
+    assert "printable" in refused("request_id", prompt="a", request_id="a\nforged line")
     assert parse(prompt="a", request_id="x" * 256).request_id == "x" * 256
 
 

@@ -377,3 +377,31 @@ def test_nulls_and_openai_fields_at_their_no_op_values_are_served_and_other_valu
             assert http.post(url, json=BODY).status_code == 200  # and it goes on serving
     finally:
         s.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("door", ["port", "metrics_port"])
+def test_a_port_that_is_taken_stops_the_start_naming_its_flag(door):
+    import socket
+
+    from router.server import Server
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    config = ServeConfig(
+        **{"port": 0, "metrics_port": None, "http_port": None, door: taken.getsockname()[1]}
+    )
+
+    async def start() -> None:
+        s = Server(config, backend=FakeBackend(), tokenizer=TOKENIZER)
+        try:
+            await s.start()
+        finally:
+            await s.stop()
+
+    try:
+        with pytest.raises(OSError, match=f"--{door.replace('_', '-')}"):
+            asyncio.run(start())
+    finally:
+        taken.close()
