@@ -235,7 +235,14 @@ class Pools:
     # -- death ---------------------------------------------------------------------------------
     def note_failure(self, h: WorkerHandle, exc: BaseException) -> bool:
         """True when `exc` says that `h`'s actor died (now or before); it then leaves its pool and
-        a replacement starts (unless it was being removed). Any thread."""
+        a replacement starts (unless it was being removed). Any thread. Ray's memory monitor
+        killing the process that ran the call (OutOfMemoryError) kills the actor: that process
+        is the actor's own."""
+        if isinstance(exc, ray.exceptions.OutOfMemoryError):
+            if self._dead(h, "OutOfMemoryError") and not self._closing:
+                log.warning("worker %s was killed by Ray's memory monitor and left its pool",
+                            h.worker_id)  # fmt: skip
+            return True
         if not isinstance(exc, ray.exceptions.RayActorError) or isinstance(
             exc,
             ray.exceptions.ActorUnavailableError,  # transient: it may answer again

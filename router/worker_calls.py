@@ -20,9 +20,10 @@ from worker_protocol.messages import TokenChunk
 
 log = logging.getLogger("pdserve.cluster")
 
-# What a call to a worker raises when the worker is gone: its actor died, or its engine stopped.
-# Among those, what it raises while the worker cannot be reached for now (it may come back).
-GONE = (ray.exceptions.RayActorError, EngineDeadError)
+# What a call to a worker raises when the worker is gone: its actor died (Ray's memory monitor
+# killing it included), or its engine stopped. Among those, what it raises while the worker
+# cannot be reached for now (it may come back).
+GONE = (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError, EngineDeadError)
 UNAVAILABLE = ray.exceptions.ActorUnavailableError
 UNAVAILABLE_RETRY_S = 0.5  # between tries of an abort on a worker unreachable for now
 

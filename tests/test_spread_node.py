@@ -98,3 +98,19 @@ def test_a_replacement_keeps_off_the_node_it_hung_on_and_those_its_starts_failed
         assert avoided == [first, first | {"a"}]
         assert pools.workers["decode-0"].status is WorkerStatus.READY
         assert pools.workers["decode-0"].incarnation == 2
+
+
+def test_a_worker_killed_by_rays_memory_monitor_is_dead_at_once():
+    """Ray's OutOfMemoryError on a call to a worker: the process that ran it, the actor's own,
+    was killed; the worker leaves its pool then, not at the hang timeout."""
+    import ray
+
+    pools = Pools(PoolConfig(spec=None, replace_dead=False))  # type: ignore[arg-type]
+    h = WorkerHandle("decode-0", WorkerRole.DECODE, None, 0, "a", WorkerStatus.READY)  # type: ignore[arg-type]
+    pools.workers["decode-0"] = h
+    try:
+        assert pools.note_failure(h, ray.exceptions.OutOfMemoryError("low on memory"))
+        assert h.status is WorkerStatus.DEAD and pools.dead == ["decode-0"]
+        assert not pools.note_failure(h, ValueError("not a death"))
+    finally:
+        pools.ops.stop()
