@@ -40,8 +40,13 @@ def start_serve(log_path, port: int, *flags: str) -> subprocess.Popen:
 
 @pytest.mark.timeout(240)
 def test_serve_answers_complete_and_drains_on_sigterm(tmp_path):
+    """A request in flight at SIGTERM finishes; a health Watch stream (a load balancer's, which
+    never ends by itself) hears NOT_SERVING and does not hold the exit to --drain-timeout
+    (120 s here)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     port = free_port()
-    server = start_serve(tmp_path / "serve.log", port)
+    server = start_serve(tmp_path / "serve.log", port, "--drain-timeout", "120")
     address = f"127.0.0.1:{port}"
     try:
         done = subprocess.run(
@@ -68,13 +73,27 @@ def test_serve_answers_complete_and_drains_on_sigterm(tmp_path):
                     if msg.HasField("final"):
                         final.append(msg.final)
 
-        t = threading.Thread(target=stream)
+        heard: list[int] = []
+
+        def watch() -> None:
+            with contextlib.suppress(grpc.RpcError), grpc.insecure_channel(address) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                for msg in stub.Watch(health_pb2.HealthCheckRequest(), timeout=170):
+                    heard.append(msg.status)
+
+        t, w = threading.Thread(target=stream), threading.Thread(target=watch)
         t.start()
+        w.start()
         assert started.wait(60)
         server.send_signal(signal.SIGTERM)
         t.join(120)
         assert len(got) == 300 and final and final[0].finish_reason == pb.FINISH_REASON_LENGTH
+        t0 = time.monotonic()
         assert server.wait(60) == 0
+        assert time.monotonic() - t0 < 30  # the Watch stream held it to the drain timeout
+        w.join(10)
+        assert heard[0] == health_pb2.HealthCheckResponse.SERVING, heard
+        assert heard[-1] == health_pb2.HealthCheckResponse.NOT_SERVING, heard
         # Once stopped, nothing answers.
         with grpc.insecure_channel(address) as channel:
             with pytest.raises(grpc.RpcError):
