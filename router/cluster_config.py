@@ -41,6 +41,9 @@ class ClusterConfig:
     pair_timeout_s: float = 10.0  # one attempt to pair a prefill and a decode worker
     replace_dead: bool = True  # start a new worker in place of one found dead
     drain_timeout_s: float = 30.0  # a removed worker's own requests, before it is stopped
+    # The most workers of all pools together, at start and after a resize: a typo in a
+    # resize (100000) must not start actors until the host runs out of memory.
+    max_workers: int = 64
     # What a disaggregated request whose KV does not come gets: "recompute" (its decode worker
     # prefills it) or "fail" (UNAVAILABLE with the reason). Counted as a fallback either way.
     kv_failure_policy: str = "recompute"
@@ -51,6 +54,11 @@ class ClusterConfig:
             raise ValueError("need num_prefill, num_decode and num_both >= 0")
         if self.num_decode + self.num_both < 1:
             raise ValueError("need at least one worker that decodes (num_decode + num_both >= 1)")
+        total = self.num_prefill + self.num_decode + self.num_both
+        if total > self.max_workers:
+            raise ValueError(
+                f"{total} workers: at most {self.max_workers} in all pools (--max-workers)"
+            )
         if self.kv_failure_policy not in KV_FAILURE_POLICIES:
             raise ValueError(
                 f"kv_failure_policy: must be one of {', '.join(KV_FAILURE_POLICIES)}, "
@@ -86,4 +94,5 @@ class ClusterConfig:
             pair_timeout_s=self.pair_timeout_s,
             replace_dead=self.replace_dead,
             drain_timeout_s=self.drain_timeout_s,
+            max_workers=self.max_workers,
         )

@@ -68,6 +68,7 @@ class PoolConfig:
     replace_dead: bool = True
     restart_backoff_s: float = 2.0  # after a replacement that failed to start; doubles to 60 s
     drain_timeout_s: float = 30.0  # a removed worker's own requests, before it is stopped
+    max_workers: int = 64  # of all pools together, after a resize (ClusterConfig.max_workers)
 
 
 class PoolsUnavailable(RuntimeError):
@@ -360,10 +361,13 @@ class Pools:
                 WorkerRole.DECODE: num_decode,
                 WorkerRole.BOTH: num_both,
             }
-            decoders = sum(
-                len(self._members(r)) if want[r] is None else int(want[r] or 0)
-                for r in (WorkerRole.DECODE, WorkerRole.BOTH)
-            )
+            after = {r: len(self._members(r)) if n is None else n for r, n in want.items()}
+            if sum(after.values()) > self.config.max_workers:
+                raise ValueError(
+                    f"{sum(after.values())} workers: at most {self.config.max_workers} in all "
+                    "pools (pdserve serve --max-workers)"
+                )
+            decoders = after[WorkerRole.DECODE] + after[WorkerRole.BOTH]
             if decoders < 1:
                 raise ValueError(
                     "decode: need at least 1 worker that decodes (a decode worker, or one of "

@@ -99,6 +99,8 @@ OPTIONS: tuple[Option, ...] = (
            "(recompute), or it ends with UNAVAILABLE and the reason (fail)"),
     Option("replace_dead_workers", flag, True,
            "start a new worker in place of one found dead", boolean=True),
+    Option("max_workers", integer(1), 64,
+           "the most workers of all pools together, at start and after `pdserve scale`"),
     Option("worker_hang_timeout", off_or(number(3)), 60.0,
            "seconds a worker may answer no load poll (it answers between engine steps: keep "
            "this well above the longest step) before it is taken for hung (its engine stuck, its "
@@ -311,6 +313,7 @@ class ServeOptions:
             start_timeout_s=v["start_timeout"],
             replace_dead=v["replace_dead_workers"],
             worker_hang_timeout_s=v["worker_hang_timeout"],
+            max_workers=v["max_workers"],
             kv_failure_policy=v["kv_failure_policy"],
             kv_transfer_deadline_s=v["kv_transfer_deadline"],
             drain_timeout_s=v["drain_timeout"],

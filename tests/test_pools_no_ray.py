@@ -1,12 +1,15 @@
-"""Where a new worker goes (router/workers.py spread_node): the live node with room for it
-holding the fewest workers that are not dead or stopped, none of the nodes to avoid while
-another has room; none (Ray's choice) where no node has room. And which nodes a replacement
-avoids (router/pools.py Pools._replace): the one its worker hung on, and each one a start of it
-failed on."""
+"""The pools' choices that need no Ray runtime. Where a new worker goes (router/workers.py
+spread_node): the live node with room for it holding the fewest workers that are not dead or
+stopped, none of the nodes to avoid while another has room; none (Ray's choice) where no node has
+room. Which nodes a replacement avoids (Pools._replace): the one its worker hung on, and each one
+a start of it failed on. A worker Ray's memory monitor killed is dead at once; a resize past
+--max-workers is refused before any actor starts."""
 
 from __future__ import annotations
 
 import asyncio
+
+import pytest
 
 from router.pools import HUNG, PoolConfig, Pools
 from router.workers import Placement, WorkerHandle, WorkerStatus, spread_node
@@ -112,5 +115,22 @@ def test_a_worker_killed_by_rays_memory_monitor_is_dead_at_once():
         assert pools.note_failure(h, ray.exceptions.OutOfMemoryError("low on memory"))
         assert h.status is WorkerStatus.DEAD and pools.dead == ["decode-0"]
         assert not pools.note_failure(h, ValueError("not a death"))
+    finally:
+        pools.ops.stop()
+
+
+def test_a_resize_past_max_workers_is_refused_before_any_worker_starts(monkeypatch):
+    pools = Pools(PoolConfig(spec=None, max_workers=4))  # type: ignore[arg-type]
+    for i in range(2):
+        wid = f"decode-{i}"
+        pools.workers[wid] = WorkerHandle(wid, WorkerRole.DECODE, None, 0, "a", WorkerStatus.READY)  # type: ignore[arg-type]
+    spawned: list[str] = []
+    monkeypatch.setattr(pools, "_spawn", lambda role, wid, *a: spawned.append(wid))
+    try:
+        with pytest.raises(ValueError, match="5 workers: at most 4"):
+            pools.ops.call(pools.scale(3, None, None), 10)  # 3 prefill + the 2 decode
+        with pytest.raises(ValueError, match="100002 workers: at most 4"):
+            pools.ops.call(pools.scale(None, None, None, num_both=100000), 10)
+        assert spawned == []
     finally:
         pools.ops.stop()
