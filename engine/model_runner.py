@@ -149,6 +149,7 @@ class ModelRunner:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
             g = torch.Generator(device=self.device).manual_seed(seed)
+            self._advance(g, sampling.drawn)  # past what it drew on another worker
             self.generators[request_id] = g
         return g
 
@@ -156,7 +157,10 @@ class ModelRunner:
         """Advance a request's generator past `n` samples drawn elsewhere (the prefill side)."""
         if sampling.greedy:
             return
-        g = self._generator_for(request_id, sampling)
+        self._advance(self._generator_for(request_id, sampling), n)
+
+    def _advance(self, g: torch.Generator, n: int) -> None:
+        """`n` samples' draws (one vocabulary-sized draw each: engine/sampler.py)."""
         for _ in range(n):
             torch.empty(self.model.vocab_size, device=self.device).exponential_(generator=g)
 

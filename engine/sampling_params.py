@@ -31,6 +31,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token, besides the chosen
     include_stop_str_in_output: bool = False
+    # Samples of this request drawn elsewhere before (its tokens so far, where it resumes on
+    # another worker): its generator starts past them, so that a seed gives the same tokens.
+    drawn: int = 0
 
     def __post_init__(self) -> None:
         # A lone string or id is a common slip; take it as a one-element list, and store tuples
@@ -75,6 +78,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 "stop_token_ids", "every stop token id must be an integer >= 0"
             )
+        if not isinstance(self.drawn, int) or self.drawn < 0:
+            raise InvalidRequestError("drawn", f"must be an integer >= 0, got {self.drawn!r}")
         if self.logprobs is not None and (
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
         ):

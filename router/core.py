@@ -252,8 +252,10 @@ class RequestCore:
     ) -> AsyncGenerator[TokenChunk, None]:
         """The backend stream for one placement; after a resume, prompt + tokens so far."""
         params, emitted = req.sampling, books.emitted
-        if emitted:
-            params = replace(params, max_tokens=params.max_tokens - len(emitted))
+        if emitted:  # its samples so far were drawn on the worker it leaves
+            params = replace(
+                params, max_tokens=params.max_tokens - len(emitted), drawn=len(emitted)
+            )
         placement = Placement(
             path=chosen.path,
             request_id=books.wid,

@@ -78,6 +78,7 @@ class FakeBackend:
         self.lost: list[str] = []  # request ids whose decode worker "died" under them
         self.started: list[str] = []  # request ids, in the order they reached the backend
         self.placements: list[Placement] = []  # as they reached the backend
+        self.sampling: list[SamplingParams] = []  # each generate call's, in order
         self.closed: list[str] = []  # request ids whose stream ended, for any reason
         self.step_targets: dict[str, float | None] = {}  # as set by the router, by worker
 
@@ -113,6 +114,7 @@ class FakeBackend:
         rid = placement.request_id
         self.started.append(rid)
         self.placements.append(placement)
+        self.sampling.append(params)
         handoff = on_prefill if placement.path is RoutePath.DISAGGREGATED else None
         try:
             if self.gate is not None:

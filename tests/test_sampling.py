@@ -80,6 +80,22 @@ def test_seeded_request_same_after_preemption():
     assert_pool_free(engine)
 
 
+def test_a_seeded_request_resumed_elsewhere_goes_on_with_the_same_tokens():
+    """A request resumed on another worker comes back as its prompt and the tokens it had, with
+    the samples drawn for them (SamplingParams.drawn): its next tokens are those it would have
+    drawn, not the seed's first ones again."""
+    whole = run_alone(SEEDED)
+    engine = make_engine("tiny-llama")
+    rest = replace(SEEDED, max_tokens=SEEDED.max_tokens - 6, drawn=6)
+    rid = engine.add_request(list(PROMPT) + whole[:6], rest)
+    assert drain(engine)[rid] == whole[6:]
+    assert_pool_free(engine)
+    # Without it, the resumed request draws the seed's first samples again: other tokens.
+    engine = make_engine("tiny-llama")
+    rid = engine.add_request(list(PROMPT) + whole[:6], replace(rest, drawn=0))
+    assert drain(engine)[rid] != whole[6:]
+
+
 def test_other_seed_gives_other_tokens():
     a = run_alone(SEEDED)
     b = run_alone(replace(SEEDED, seed=4321))
