@@ -106,7 +106,7 @@ class Server:
             log.warning(
                 "a worker's KV cache holds %d tokens, less than the model's context (%d): a "
                 "longer prompt is refused, and a request that outgrows the cache alone ends "
-                "there (finish_reason length, stop_reason kv_cache_capacity)",
+                "there (finish_reason length, length_reason kv_cache_capacity)",
                 held,
                 limits.max_model_len,
             )

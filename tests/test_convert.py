@@ -129,3 +129,29 @@ def test_chat_without_a_template_or_refused_by_it_names_messages():
     with pytest.raises(InvalidRequestError) as info:
         check_request(request_fields(pb.GenerateRequest(messages=msgs)), strict, LIMITS)
     assert info.value.field == "messages" and "roles must alternate" in str(info.value)
+
+
+def test_a_length_the_kv_cache_ended_is_not_a_stop_string():
+    """A request that outgrew its worker's KV cache ends LENGTH with stop_reason
+    kv_cache_capacity: on the wire that is length_reason, not a stop string a client would take
+    for one of its own."""
+    from dataclasses import replace as _replace
+
+    from router.convert import final_to_wire
+    from router.fake_backend import FakeBackend
+    from router.http_shapes import pdserve
+    from router.vocab import FinishReason
+    from tests.test_router_core import consume, make_core, request, run
+
+    async def main():
+        core = await make_core(FakeBackend())
+        return (await consume(core, request("r")))[-1].final
+
+    done = run(main())
+    cut = _replace(done, finish_reason=FinishReason.LENGTH, stop_reason="kv_cache_capacity")
+    wire = final_to_wire(cut)
+    assert wire.WhichOneof("stop_reason") is None and wire.length_reason == "kv_cache_capacity"
+    assert pdserve(cut)["length_reason"] == "kv_cache_capacity"
+    assert pdserve(cut)["stop_reason"] is None
+    stopped = final_to_wire(_replace(done, finish_reason=FinishReason.STOP, stop_reason="END"))
+    assert stopped.stop_string == "END" and stopped.length_reason == ""
