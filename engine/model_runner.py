@@ -149,7 +149,10 @@ class ModelRunner:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
             g = torch.Generator(device=self.device).manual_seed(seed)
-            self._advance(g, sampling.drawn)  # past what it drew on another worker
+            if sampling.seed is not None:
+                # Past what it drew on another worker, so that its seed gives the tokens an
+                # uninterrupted run would (unseeded, a fresh seed is as good, and costs nothing).
+                self._advance(g, sampling.drawn)
             self.generators[request_id] = g
         return g
 

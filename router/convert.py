@@ -101,9 +101,8 @@ def final_to_wire(s: Summary) -> pb.FinalInfo:
         decision_reason=s.decision.reason,
         kv_fallback=s.kv_fallback.value if s.kv_fallback is not None else "",
     )
-    if s.finish_reason is FinishReason.LENGTH and isinstance(s.stop_reason, str):
-        info.length_reason = s.stop_reason  # not a stop string: the KV cache ran out
-    elif isinstance(s.stop_reason, str):
+    info.length_reason = s.length_reason or ""
+    if isinstance(s.stop_reason, str):
         info.stop_string = s.stop_reason
     elif isinstance(s.stop_reason, int):
         info.stop_token_id = s.stop_reason

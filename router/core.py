@@ -178,8 +178,8 @@ class RequestCore:
     async def generate(self, req: ParsedRequest, arrived: float) -> AsyncGenerator[CoreChunk, None]:
         """Run one admitted request; raises Overloaded before any work is done. If its decode
         worker dies, leaves its pool or cannot be reached (WorkerLost), it resumes on another
-        from its prompt and the tokens already streamed (greedy output is unchanged; a seeded
-        sample continues with a fresh generator)."""
+        from its prompt and the tokens already streamed (greedy output is unchanged, and so is a
+        seeded sample's: the new worker's generator starts past the samples already drawn)."""
         shape, decision = self.plan(req)
         self._admit(shape, decision, req.frontend)
         self.planner.demand.arrived(shape.prompt_len, shape.max_tokens)  # taken: it will decode
@@ -314,9 +314,12 @@ class RequestCore:
     ) -> Summary:
         stopped = text.stop_hit is not None
         ended = FinishReason(chunk.finish_reason) if chunk.finish_reason else None
+        # A string with a LENGTH finish is no stop string: what cut it (the engine's KV cache).
+        cut = ended is FinishReason.LENGTH and isinstance(chunk.stop_reason, str)
         return Summary(
             finish_reason=FinishReason.STOP if stopped else ended,
-            stop_reason=text.stop_hit if stopped else chunk.stop_reason,
+            stop_reason=text.stop_hit if stopped else None if cut else chunk.stop_reason,
+            length_reason=str(chunk.stop_reason) if cut and not stopped else None,
             prompt_tokens=len(req.prompt_token_ids),
             completion_tokens=track.output_tokens,
             cached_prompt_tokens=chunk.num_cached_tokens,

@@ -145,6 +145,8 @@ class Summary:
     ttft_s: float
     decision: Decision
     kv_fallback: FallbackReason | None = None  # a disaggregated request prefilled locally
+    # A LENGTH finish neither max_tokens nor the context made: what did (kv_cache_capacity).
+    length_reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -152,13 +152,8 @@ def pdserve(s: Summary) -> dict[str, Any]:
         "ttft_ms": s.ttft_s * 1000,
         "decision_reason": s.decision.reason,
         "kv_fallback": s.kv_fallback.value if s.kv_fallback is not None else None,
-        # A stop string or token id that ended it; for a LENGTH finish that neither max_tokens
-        # nor the context made, what did (kv_cache_capacity), as length_reason.
-        **(
-            {"stop_reason": None, "length_reason": s.stop_reason}
-            if s.finish_reason is FinishReason.LENGTH and isinstance(s.stop_reason, str)
-            else {"stop_reason": s.stop_reason, "length_reason": None}
-        ),
+        "stop_reason": s.stop_reason,
+        "length_reason": s.length_reason,
     }
 
 

@@ -240,6 +240,8 @@ class Pools:
         killing the process that ran the call (OutOfMemoryError) kills the actor: that process
         is the actor's own."""
         if isinstance(exc, ray.exceptions.OutOfMemoryError):
+            if h.status in (WorkerStatus.READY, WorkerStatus.DRAINING) and not self._closing:
+                self.ops.submit(self._kill(h))  # should it live on, it holds its device
             if self._dead(h, "OutOfMemoryError") and not self._closing:
                 log.warning("worker %s was killed by Ray's memory monitor and left its pool",
                             h.worker_id)  # fmt: skip

@@ -209,6 +209,7 @@ class Server:
         if self._health is not None:
             for name in ("", SERVICE):
                 await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self._health.end_watches()  # said NOT_SERVING: they would hold the drain open
         if self.admin is not None:
             await self.admin.stop(1.0)
             self.admin = None
@@ -223,15 +224,7 @@ class Server:
             stopping.append(http.stop())
             if self._hurried:
                 http.hurry()
-        drained = asyncio.ensure_future(asyncio.gather(*stopping))
-        ended = asyncio.ensure_future(self._requests_ended())
-        await asyncio.wait({drained, ended}, return_when=asyncio.FIRST_COMPLETED)
-        if not drained.done() and grpc_server is not None:
-            # No request left: what still holds the gRPC door open are streams that never end
-            # by themselves (a load balancer's health Watch); the drain is over.
-            await grpc_server.stop(0)
-        ended.cancel()
-        await drained
+        await asyncio.gather(*stopping)
         self._draining = (None, None)
         if self.core is not None:
             await self.core.stop()
@@ -240,15 +233,6 @@ class Server:
             self.cluster = None
         if self.metrics is not None:
             self.metrics.close()
-
-    async def _requests_ended(self, settle_s: float = 0.2) -> None:
-        """Once no admitted request is left, twice `settle_s` apart (one arriving just before
-        the door closed has been admitted by then)."""
-        quiet = 0
-        while quiet < 2:
-            await asyncio.sleep(settle_s)
-            busy = self.core is not None and (self.core.active or self.core.pending)
-            quiet = 0 if busy else quiet + 1
 
     def hurry(self) -> None:
         """The requests in flight end now, not at the drain timeout (closing their streams
@@ -284,7 +268,10 @@ def _listen(
     except RuntimeError:  # newer gRPC raises where older ones returned 0
         bound = 0
     if bound == 0:
-        raise OSError(f"could not listen on {address} ({option}): is the port taken?")
+        raise OSError(
+            f"could not listen on {address} ({option}): is the port taken, or the host not an "
+            "address of this machine?"
+        )
     return bound
 
 

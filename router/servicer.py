@@ -191,6 +191,36 @@ class GenerationServicer:
         )
 
 
+class DrainingHealth(health.aio.HealthServicer):
+    """grpc.health.v1, whose Watch streams end at shutdown (end_watches) once they have said
+    NOT_SERVING: a stream that never ends by itself (a load balancer's) would hold the server's
+    drain to its timeout, as the drain waits for every call to end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ending = asyncio.Event()
+
+    def end_watches(self) -> None:
+        self._ending.set()
+
+    async def Watch(self, request: Any, context: Any) -> None:  # noqa: N802 (gRPC's name)
+        inner = asyncio.ensure_future(super().Watch(request, context))
+        ending = asyncio.ensure_future(self._ending.wait())
+        try:
+            await asyncio.wait({inner, ending}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ending.cancel()
+        if inner.done():
+            return inner.result()
+        inner.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await inner
+        # Said last, whether or not the inner stream got to say it, then the stream ends.
+        await context.write(
+            health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+        )
+
+
 async def add_services(server: grpc.aio.Server, servicer: GenerationServicer) -> Any:
     """Register Generation, health (SERVING) and reflection on `server`; returns the health
     servicer so that shutdown can report NOT_SERVING first."""
@@ -212,7 +242,7 @@ async def add_services(server: grpc.aio.Server, servicer: GenerationServicer) ->
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = DrainingHealth()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -132,9 +132,9 @@ def test_chat_without_a_template_or_refused_by_it_names_messages():
 
 
 def test_a_length_the_kv_cache_ended_is_not_a_stop_string():
-    """A request that outgrew its worker's KV cache ends LENGTH with stop_reason
-    kv_cache_capacity: on the wire that is length_reason, not a stop string a client would take
-    for one of its own."""
+    """A request that outgrew its worker's KV cache ends LENGTH with the engine's stop_reason
+    kv_cache_capacity: the core's summary, and the wire, say it as length_reason, not as a stop
+    string a client would take for one of its own."""
     from dataclasses import replace as _replace
 
     from router.convert import final_to_wire
@@ -143,12 +143,21 @@ def test_a_length_the_kv_cache_ended_is_not_a_stop_string():
     from router.vocab import FinishReason
     from tests.test_router_core import consume, make_core, request, run
 
-    async def main():
-        core = await make_core(FakeBackend())
+    class Cut(FakeBackend):
+        async def generate(self, *args, **kw):  # type: ignore[override]
+            async for chunk in super().generate(*args, **kw):
+                if chunk.finished:
+                    chunk = _replace(chunk, finish_reason="length", stop_reason="kv_cache_capacity")
+                yield chunk
+
+    async def main(backend):
+        core = await make_core(backend)
         return (await consume(core, request("r")))[-1].final
 
-    done = run(main())
-    cut = _replace(done, finish_reason=FinishReason.LENGTH, stop_reason="kv_cache_capacity")
+    cut = run(main(Cut()))
+    assert cut.finish_reason is FinishReason.LENGTH and cut.stop_reason is None
+    assert cut.length_reason == "kv_cache_capacity"
+    done = run(main(FakeBackend()))
     wire = final_to_wire(cut)
     assert wire.WhichOneof("stop_reason") is None and wire.length_reason == "kv_cache_capacity"
     assert pdserve(cut)["length_reason"] == "kv_cache_capacity"

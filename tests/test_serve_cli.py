@@ -85,6 +85,10 @@ def test_serve_answers_complete_and_drains_on_sigterm(tmp_path):
         t.start()
         w.start()
         assert started.wait(60)
+        deadline = time.monotonic() + 30
+        while not heard:  # the Watch has said SERVING: it is open
+            assert time.monotonic() < deadline, "no health Watch answer"
+            time.sleep(0.05)
         server.send_signal(signal.SIGTERM)
         t.join(120)
         assert len(got) == 300 and final and final[0].finish_reason == pb.FINISH_REASON_LENGTH
