@@ -30,7 +30,8 @@ def _integer(low: int, high: int) -> Any:
     return parse
 
 
-def _positive(text: str) -> float:
+def seconds(text: str) -> float:
+    """An argparse type: a number of seconds > 0 (pdserve complete, pdserve status)."""
     try:
         x = float(text)
     except ValueError:
@@ -51,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="send the prompt as one user message")
     p.add_argument("--path", choices=PATHS, default="auto", help="override the router's choice")
     p.add_argument("--json", action="store_true", help="print the whole answer as JSON")
-    p.add_argument("--timeout", type=_positive, default=600.0, help="deadline in seconds")
+    p.add_argument("--timeout", type=seconds, default=600.0, help="deadline in seconds")
     p.add_argument(
         "--wait",
         action="store_true",

@@ -19,22 +19,13 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from pdserve_client.metrics import BUSY_SECONDS, Samples, by_labels, scrape, shares
-
-
-def _positive(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        x = math.nan
-    if not 0 < x < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
-    return x
+from router.client import seconds
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default="127.0.0.1:9400", help="the server's metrics host:port")
     p.add_argument(
-        "--interval", type=_positive, default=1.0, help="seconds between two scrapes (> 0)"
+        "--interval", type=seconds, default=1.0, help="seconds between two scrapes (> 0)"
     )
 
 
