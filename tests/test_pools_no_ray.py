@@ -111,10 +111,23 @@ def test_a_worker_killed_by_rays_memory_monitor_is_dead_at_once():
     pools = Pools(PoolConfig(spec=None, replace_dead=False))  # type: ignore[arg-type]
     h = WorkerHandle("decode-0", WorkerRole.DECODE, None, 0, "a", WorkerStatus.READY)  # type: ignore[arg-type]
     pools.workers["decode-0"] = h
+    done: list[str] = []
+
+    async def killed(w):
+        done.append(f"kill {w.worker_id}")
+
+    async def forgotten(w):
+        done.append(f"forget {w.worker_id}")
+
+    pools._kill = killed  # type: ignore[method-assign]
+    pools._forget_dead = forgotten  # type: ignore[method-assign]
     try:
         assert pools.note_failure(h, ray.exceptions.OutOfMemoryError("low on memory"))
-        assert h.status is WorkerStatus.DEAD and pools.dead == ["decode-0"]
+        assert h.status is WorkerStatus.DEAD and h.error == "OutOfMemoryError"
+        assert pools.dead == ["decode-0"]
         assert not pools.note_failure(h, ValueError("not a death"))
+        pools.ops.call(asyncio.sleep(0), 5.0)  # what was submitted before it has run
+        assert done == ["kill decode-0", "forget decode-0"]
     finally:
         pools.ops.stop()
 
