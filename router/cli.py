@@ -11,6 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the handlers import these lazily
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
 
 # Same status argparse uses for a usage error.
 EXIT_USAGE = 2
@@ -48,7 +53,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="wrap each prompt in the model's chat template (default: on when the model has one)",
     )
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=None,
+        help="tokens to generate at most (default: 256, or what the context leaves of it)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 (the default here) is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 disables")
@@ -59,6 +69,32 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--enforce-eager", action="store_true", help=EAGER_HELP)
     p.add_argument("prompt", nargs="+")
     p.set_defaults(handler=_generate, passthrough=False)
+
+
+DEFAULT_GENERATE_TOKENS = 256
+
+
+def _within_context(
+    params: SamplingParams, prompt_len: int, asked: int | None, engine: LLMEngine
+) -> SamplingParams:
+    """`params` for a prompt of `prompt_len` tokens: the default max_tokens cut to what the
+    context leaves, an asked-for one past it refused (as the server refuses it)."""
+    from dataclasses import replace
+
+    from engine.errors import InvalidRequestError
+
+    room = engine.max_model_len - prompt_len
+    if room < 1:
+        return params  # the engine refuses the prompt itself, naming its length
+    if asked is None:
+        return replace(params, max_tokens=min(params.max_tokens, room))
+    if asked > room:
+        raise InvalidRequestError(
+            "max_tokens",
+            f"must be in [1, {room}] for a {prompt_len}-token prompt "
+            f"(context {engine.max_model_len}), got {asked}",
+        )
+    return params
 
 
 def _generate(args: argparse.Namespace, _extra: list[str]) -> int:
@@ -76,7 +112,7 @@ def _generate(args: argparse.Namespace, _extra: list[str]) -> int:
         # Parameters first: a typo should not wait for the model to load.
         not_utf8([*(("prompt", p) for p in args.prompt), *(("stop", s) for s in args.stop)])
         params = SamplingParams(
-            max_tokens=args.max_tokens,
+            max_tokens=args.max_tokens or DEFAULT_GENERATE_TOKENS,
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k,
@@ -100,7 +136,8 @@ def _generate(args: argparse.Namespace, _extra: list[str]) -> int:
         if chat is None:
             chat = bool(getattr(engine.tokenizer, "chat_template", None))
         prompts = [engine.encode(p, chat=chat) for p in args.prompt]
-        completions = engine.generate(prompts, params)
+        plist = [_within_context(params, len(p), args.max_tokens, engine) for p in prompts]
+        completions = engine.generate(prompts, plist)
     except (InvalidRequestError, ModelNotFoundError) as exc:
         return _error(exc)
     if len(completions) == 1:
@@ -154,17 +191,14 @@ def _serve(args: argparse.Namespace, _extra: list[str]) -> int:
 
     try:
         options = serve_options.resolve(args)
-    except serve_options.OptionError as exc:
+        config = options.serve_config()  # the engine's and the cluster's own checks
+        config.security.check()
+    except ValueError as exc:  # OptionError and SecurityError included
         return _error(exc)
-    if args.print_config:
+    if args.print_config:  # a config that serve would take, nothing less
         print(options.to_yaml(), end="")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    try:
-        config = options.serve_config()
-        config.security.check()
-    except ValueError as exc:  # SecurityError included
-        return _error(exc)
 
     import asyncio
 

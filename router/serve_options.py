@@ -362,6 +362,12 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
             "decode (--decode): need at least 1 worker that decodes: a decode worker, or one "
             "of --workers"
         )
+    if values["max_num_seqs"] > values["max_num_batched_tokens"]:
+        raise OptionError(
+            f"max_num_batched_tokens (--max-num-batched-tokens): must be >= max_num_seqs "
+            f"(--max-num-seqs, {values['max_num_seqs']}): every step's decodes must fit its "
+            f"budget, got {values['max_num_batched_tokens']}"
+        )
     if values["step_target_ms"] is not None and not values["chunked_prefill"]:
         raise OptionError(
             "step_target_ms (--step-target-ms): sizes prefill chunks, so it needs chunked_prefill"

@@ -42,6 +42,19 @@ def test_unknown_model_exits_2_naming_it(capsys):
     assert "Traceback" not in err
 
 
+def test_max_tokens_past_the_context_is_refused_and_the_default_is_cut_to_it(capsys):
+    """As the server: an asked-for max_tokens past the context is refused, naming it; the
+    default (256) is cut to what the context leaves (tiny-llama's is 1024 tokens)."""
+    argv = ["generate", "--model", "tiny-llama", "--no-chat"]
+    assert run([*argv, "--max-tokens", "1020", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert "max_tokens: must be in [1, 1019] for a 5-token prompt (context 1024)" in err, err
+    assert run([*argv, "--max-tokens", "0", "hello"]) == 2
+    assert "--max-tokens" in capsys.readouterr().err
+    assert run([*argv, "x" * 1000]) == 0  # 24 tokens of room: the default fits itself to them
+    capsys.readouterr()
+
+
 def test_empty_prompt_exits_2(capsys):
     assert run(["generate", "--model", "tiny-llama", ""]) == 2
     assert "prompt" in capsys.readouterr().err

@@ -119,15 +119,33 @@ def _parse(argv):
         ("step_target_ms: 100\nchunked_prefill: false\n", "step_target_ms"),
         ("prefill_hold_ms: 3000\n", "prefill_hold_ms"),
         ("step_target_ms: 100\nprefill_hold_ms: soon\n", "prefill_hold_ms: must be a number"),
+        ("max_num_batched_tokens: 8\n", "(--max-num-batched-tokens): must be >= max_num_seqs"),
     ],
 )
 def test_a_bad_file_is_refused_at_start_naming_the_field(tmp_path, capsys, text, field):
     path = write(tmp_path, text)
     assert main(["serve", "--config", str(path)]) == 2  # before Ray or a model is touched
     err = capsys.readouterr().err
-    cross = "step_target_ms" in err or "--decode" in err  # checked across fields, after the file
+    cross = any(f in err for f in ("step_target_ms", "--decode", "--max-num-batched"))  # x-field
     assert err.startswith(f"error: config {path}: ") or cross, err
     assert field in err, err
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--max-num-batched-tokens", "1"], "must be >= max_num_seqs"),
+        (["--max-num-seqs", "300", "--max-num-batched-tokens", "256"], "must be >= max_num_seqs"),
+        (["--tls-cert", "cert.pem"], "tls_cert and tls_key: give both or neither"),
+        (["--auth-token-file", "/no/such/token"], "/no/such/token"),
+    ],
+)
+def test_print_config_refuses_what_serve_refuses(capsys, flags, says):
+    """A printed config is one that `serve` takes: the same checks run first."""
+    assert main(["serve", *flags, "--print-config"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and says in out.err, out.err
+    assert main(["serve", *flags]) == 2 and says in capsys.readouterr().err
 
 
 def test_a_missing_file_is_named(tmp_path, capsys):
