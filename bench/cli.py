@@ -88,22 +88,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--trace", default="mixed", help=f"{trace.BUILTIN}, a .jsonl/.json file, or synthetic"
     )
-    p.add_argument("--num-requests", type=int, default=None, help="the first N requests")
+    p.add_argument(
+        "--num-requests", type=int, default=None, help="the first N requests (default: all)"
+    )
     p.add_argument("--rate", type=float, default=1.0, help="requests/s (trace arrivals / rate)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every length")
     p.add_argument("--burstiness", type=float, default=1.0, help="synthetic: gamma shape")
-    p.add_argument("--prompt-len", type=_lengths, default=(32, 512), help="synthetic: A:B")
-    p.add_argument("--output-len", type=_lengths, default=(16, 128), help="synthetic: A:B")
+    p.add_argument(
+        "--prompt-len", type=_lengths, default=(32, 512), help="synthetic: A:B (default: 32:512)"
+    )
+    p.add_argument(
+        "--output-len", type=_lengths, default=(16, 128), help="synthetic: A:B (default: 16:128)"
+    )
     p.add_argument(
         "--policy",
         default=None,
         help=f"comma-separated (default: {','.join(POLICIES)}; with --overload one, default auto)",
     )
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--prefill", type=int, default=1)
-    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--model", default="smollm2-135m", help="the servers' --model")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers of fixed pools")
+    p.add_argument("--decode", type=int, default=1, help="decode workers of fixed pools")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="per CPU worker")
     p.add_argument(
         "--gpus-per-worker",
         type=_float_at_least(0),
@@ -111,8 +117,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="--gpus-per-worker for the servers (default: theirs, 1 where CUDA is present); "
         "a fraction shares one GPU among workers",
     )
-    p.add_argument("--threshold-tokens", type=int, default=512)
-    p.add_argument("--threshold-queue", type=int, default=4)
+    p.add_argument(
+        "--threshold-tokens",
+        type=int,
+        default=512,
+        help="threshold policy: prompts with more uncached tokens go disaggregated",
+    )
+    p.add_argument(
+        "--threshold-queue",
+        type=int,
+        default=4,
+        help="threshold policy: ...while the prefill queue holds fewer requests",
+    )
     p.add_argument(
         "--step-target-ms",
         type=lambda v: v if v == "auto" else _positive_float(v),
@@ -128,11 +144,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "running decodes where no chunk beside them keeps to the step target); auto: a share "
         "(half) of each request's TTFT SLO",
     )
-    p.add_argument("--slo-ttft", type=float, default=None, help="seconds")
-    p.add_argument("--slo-itl", type=float, default=None, help="seconds")
-    p.add_argument("--slo-itl-metric", choices=["itl_p99", "tpot"], default="itl_p99")
-    p.add_argument("--slo-ttft-scale", type=float, default=3.0)
-    p.add_argument("--slo-itl-scale", type=float, default=2.0)
+    p.add_argument(
+        "--slo-ttft", type=float, default=None, help="seconds (default: measured, see above)"
+    )
+    p.add_argument(
+        "--slo-itl", type=float, default=None, help="seconds (default: measured, see above)"
+    )
+    p.add_argument(
+        "--slo-itl-metric",
+        choices=["itl_p99", "tpot"],
+        default="itl_p99",
+        help="what --slo-itl bounds",
+    )
+    p.add_argument(
+        "--slo-ttft-scale", type=float, default=3.0, help="measured SLO: x TTFT measured alone"
+    )
+    p.add_argument(
+        "--slo-itl-scale", type=float, default=2.0, help="measured SLO: x ITL measured alone"
+    )
     p.add_argument("--long-prompt", type=int, default=512, help="prompts this long are 'long'")
     p.add_argument("--no-baseline", action="store_true", help="skip the decode-only baseline")
     p.add_argument(
@@ -169,9 +198,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--rate and with the SLO hint, so that every policy is measured after its router has "
         "seen the workload (step times, transfers); 0: one short request",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="of the trace and of sampling")
     p.add_argument("--timeout", type=float, default=900.0, help="per request, seconds")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="folder for PNGs")
     overload.add_arguments(p)
 

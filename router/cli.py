@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the handlers import these lazily
     from engine.llm_engine import LLMEngine
@@ -21,6 +21,28 @@ if TYPE_CHECKING:  # the handlers import these lazily
 EXIT_USAGE = 2
 
 Handler = Callable[[argparse.Namespace, list[str]], int]
+
+
+class _Help(argparse.HelpFormatter):
+    """argparse's help, each option's default said where it has one and its help does not say
+    it already (argparse.ArgumentDefaultsHelpFormatter would also print "default: None")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or default in (None, False, argparse.SUPPRESS)
+            or default == []
+            or not action.option_strings
+            or isinstance(action, argparse._HelpAction)
+        ):
+            return action.help
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+def _parser(sub: argparse._SubParsersAction, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    return sub.add_parser(name, formatter_class=_Help, **kwargs)
 
 
 def _positive_int(text: str) -> int:
@@ -45,7 +67,7 @@ def _error(exc: Exception) -> int:
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     from router.serve_options import DTYPE_HELP, DTYPES, EAGER_HELP
 
-    p = sub.add_parser("generate", help="complete prompts offline with one in-process engine")
+    p = _parser(sub, "generate", help="complete prompts offline with one in-process engine")
     p.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf")
     p.add_argument(
         "--chat",
@@ -60,9 +82,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="tokens to generate at most (default: 256, or what the context leaves of it)",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 (the default here) is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 disables")
     p.add_argument("--top-k", type=int, default=0, help="0 disables")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="for sampling (default: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
@@ -152,7 +174,8 @@ def _generate(args: argparse.Namespace, _extra: list[str]) -> int:
 def _add_bench_engine(sub: argparse._SubParsersAction) -> None:
     # The benchmark's own arguments are defined by engine.bench_engine, which is imported only when
     # this subcommand runs; everything after the subcommand name is handed to its parser.
-    p = sub.add_parser(
+    p = _parser(
+        sub,
         "bench-engine",
         help="benchmark the engine offline (see `pdserve bench-engine -h`)",
         add_help=False,
@@ -167,7 +190,7 @@ def _bench_engine(_args: argparse.Namespace, extra: list[str]) -> int:
         if exc.name != "engine.bench_engine":
             raise
         return _error(RuntimeError("bench-engine is not available in this installation"))
-    parser = argparse.ArgumentParser(prog="pdserve bench-engine")
+    parser = argparse.ArgumentParser(prog="pdserve bench-engine", formatter_class=_Help)
     bench_engine.add_arguments(parser)
     return int(bench_engine.run(parser.parse_args(extra)))
 
@@ -175,7 +198,8 @@ def _bench_engine(_args: argparse.Namespace, extra: list[str]) -> int:
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     from router import serve_options
 
-    p = sub.add_parser(
+    p = _parser(
+        sub,
         "serve",
         help="start the gRPC server with prefill and decode pools",
         description="Every option is also a key of the --config YAML file; flags override it.",
@@ -217,7 +241,7 @@ def _serve(args: argparse.Namespace, _extra: list[str]) -> int:
 def _add_complete(sub: argparse._SubParsersAction) -> None:
     from router import client
 
-    p = sub.add_parser("complete", help="send one completion request to a running server")
+    p = _parser(sub, "complete", help="send one completion request to a running server")
     client.add_arguments(p)
     p.set_defaults(handler=_complete, passthrough=False)
 
@@ -231,10 +255,10 @@ def _complete(args: argparse.Namespace, _extra: list[str]) -> int:
 def _add_scale(sub: argparse._SubParsersAction) -> None:
     from router import admin_client
 
-    p = sub.add_parser("scale", help="resize a running server's pools (its admin port)")
+    p = _parser(sub, "scale", help="resize a running server's pools (its admin port)")
     admin_client.add_scale_arguments(p)
     p.set_defaults(handler=lambda a, _e: admin_client.run_scale(a), passthrough=False)
-    p = sub.add_parser("workers", help="list a running server's workers (its admin port)")
+    p = _parser(sub, "workers", help="list a running server's workers (its admin port)")
     admin_client.add_workers_arguments(p)
     p.set_defaults(handler=lambda a, _e: admin_client.run_workers(a), passthrough=False)
 
@@ -242,7 +266,7 @@ def _add_scale(sub: argparse._SubParsersAction) -> None:
 def _add_status(sub: argparse._SubParsersAction) -> None:
     from router import status
 
-    p = sub.add_parser("status", help="summarize a running server from its metrics endpoint")
+    p = _parser(sub, "status", help="summarize a running server from its metrics endpoint")
     status.add_arguments(p)
     p.set_defaults(handler=_status, passthrough=False)
 
@@ -254,7 +278,8 @@ def _status(args: argparse.Namespace, _extra: list[str]) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = _parser(
+        sub,
         "bench",
         help="SLO goodput benchmark: a trace through each policy (see `pdserve bench -h`)",
         add_help=False,
@@ -265,9 +290,17 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def _bench(_args: argparse.Namespace, extra: list[str]) -> int:
     from bench import cli as bench_cli
 
-    parser = argparse.ArgumentParser(prog="pdserve bench", description=bench_cli.__doc__)
+    return int(bench_cli.run(bench_parser().parse_args(extra)))
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    from bench import cli as bench_cli
+
+    parser = argparse.ArgumentParser(
+        prog="pdserve bench", description=bench_cli.__doc__, formatter_class=_Help
+    )
     bench_cli.add_arguments(parser)
-    return int(bench_cli.run(parser.parse_args(extra)))
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -47,7 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-tokens", type=_integer(1, 2**31), default=None, help="default: the server's (256)"
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 (the default here) is greedy")
-    p.add_argument("--seed", type=_integer(0, 2**64), default=None)
+    p.add_argument(
+        "--seed", type=_integer(0, 2**64), default=None, help="for sampling (default: random)"
+    )
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="send the prompt as one user message")
     p.add_argument("--path", choices=PATHS, default="auto", help="override the router's choice")

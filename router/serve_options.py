@@ -65,7 +65,9 @@ OPTIONS: tuple[Option, ...] = (
            "workers that do both, request by request: prefill for a peer (streaming the KV "
            "out) or decode (receiving it, or prefilling locally); beside the dedicated pools"),
     Option("threads", integer(1), 1, "torch threads per worker"),
-    Option("kv_cache_gib", optional(number(0, strict=True)), None, "KV cache per worker (CPU)"),
+    Option("kv_cache_gib", optional(number(0, strict=True)), None,
+           "KV cache per CPU worker, GiB (default: 2; a GPU worker's takes 0.8 of the memory "
+           "its device has free once the model is loaded)"),
     # placement on a Ray cluster
     Option("ray_address", optional(text), None,
            "HOST:PORT joins that Ray cluster, auto the one this machine is part of, local "
@@ -125,8 +127,10 @@ OPTIONS: tuple[Option, ...] = (
     # policy and SLOs
     Option("policy", choice(*POLICIES), "auto",
            "how each request's path is chosen (auto: the cost model)"),
-    Option("threshold_tokens", integer(0), 256, "threshold policy: T"),
-    Option("threshold_queue", integer(0), 4, "threshold policy: Q"),
+    Option("threshold_tokens", integer(0), 256,
+           "threshold policy: prompts with more uncached tokens go disaggregated"),
+    Option("threshold_queue", integer(0), 4,
+           "threshold policy: ...while the prefill queue holds fewer requests"),
     Option("slo_ttft_ms", number(0, strict=True), 60000.0, "default TTFT SLO"),
     Option("slo_itl_ms", number(0, strict=True), 1000.0, "default ITL SLO"),
     Option("max_pending", integer(1), 256,

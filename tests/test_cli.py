@@ -1,7 +1,11 @@
 """`pdserve generate` in-process: output on success, one-line errors with exit status 2."""
 
+import argparse
+import re
+
 import pytest
 
+from router import serve_options
 from router.cli import main
 
 
@@ -143,3 +147,31 @@ def test_arguments_that_are_not_utf8_exit_2_naming_them(argv, capsys):
 def test_status_interval_must_be_positive(capsys):
     assert run(["status", "--interval", "0"]) == 2
     assert "argument --interval: must be" in capsys.readouterr().err
+
+
+def _subcommands():
+    from router.cli import bench_parser, build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parsers = {name: p for name, p in sub.choices.items() if name not in ("bench", "bench-engine")}
+    return {**parsers, "bench": bench_parser()}
+
+
+@pytest.mark.parametrize(
+    "name", ["generate", "serve", "complete", "scale", "workers", "status", "bench"]
+)
+def test_every_option_with_a_default_says_it_in_its_help(name):
+    parser = _subcommands()[name]
+    text = parser.format_help()
+    blocks = re.split(r"\n  (?=-)", text)  # one block per option, its help beside it
+    for action in parser._actions:
+        if not action.option_strings or isinstance(action, argparse._HelpAction):
+            continue
+        flag = action.option_strings[0]
+        block = next(b for b in blocks if b.startswith(flag + " ") or b.startswith(flag + ","))
+        default = action.default
+        if name == "serve" and flag not in ("--config", "--print-config"):  # defaults in help
+            default = serve_options.BY_NAME[action.dest].default
+        if default in (None, False, [], {}, argparse.SUPPRESS):
+            continue  # nothing, or off: the help says what giving it does
+        assert "default" in block, f"pdserve {name} {flag}: {block!r}"
