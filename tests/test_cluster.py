@@ -71,16 +71,20 @@ def leave_after(cluster, prompt, placement, n):
         return got
 
     got = gather([main()])[0]
-    for _ in range(100):
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
         loads = asyncio.run(cluster.load())
         if all(x.num_free_blocks == x.num_blocks and x.running == 0 for x in loads):
             break
-        asyncio.run(asyncio.sleep(0.05))
+        time.sleep(0.05)
     return got
 
 
 def assert_pools_full(cluster):
-    for load in asyncio.run(cluster.load()):
+    loads = asyncio.run(cluster.load(10.0))
+    # Every worker answered: one that did not would pass the checks below unseen.
+    assert {ld.worker_id for ld in loads} == {h.worker_id for h in cluster.pools.live()}, loads
+    for load in loads:
         assert load.num_free_blocks == load.num_blocks, load
         assert load.running == load.waiting == load.waiting_for_kv == load.held == 0, load
         assert load.open_transfers == 0, load  # every transfer record released

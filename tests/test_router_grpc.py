@@ -61,7 +61,10 @@ def assert_pools_full(srv, within_s: float = 0.0) -> None:
     deadline = time.monotonic() + within_s
     core = srv.server.core
     while True:
-        loads = srv.run(srv.server.cluster.load())
+        cluster = srv.server.cluster
+        loads = srv.run(cluster.load(10.0))
+        # Every worker answered: one that did not would pass these checks unseen.
+        assert {ld.worker_id for ld in loads} == {h.worker_id for h in cluster.pools.live()}
         busy = [
             ld
             for ld in loads
