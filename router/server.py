@@ -30,9 +30,11 @@ from router.http_api import HttpApi
 from router.http_server import HttpServer
 from router.metrics import Metrics
 from router.ray_runtime import init_ray
+from router.refusal_log import LoggedRefusals
 from router.request import ModelLimits
 from router.security import SecurityConfig
 from router.servicer import SERVICE, GenerationServicer, add_services
+from router.stats import NullSink
 
 log = logging.getLogger("pdserve.server")
 
@@ -121,7 +123,9 @@ class Server:
                     f"{exc.strerror or exc}"
                 ) from None
             log.info("metrics on http://%s:%d/metrics", c.host, self.metrics_port)
-        self.core = RequestCore(backend, infos, c.router, tokenizer, self.metrics)
+        # Refusals are also logged, with the metrics off too.
+        sink = LoggedRefusals(self.metrics if self.metrics is not None else NullSink())
+        self.core = RequestCore(backend, infos, c.router, tokenizer, sink)
         if self.metrics is not None:  # read from the core at each scrape
             core = self.core
             self.metrics.pending.set_function(lambda: core.pending)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import math
 import os
 
@@ -61,7 +62,10 @@ def probe(srv) -> overload.Probe:
 
 
 @pytest.mark.timeout(300)
-def test_three_times_capacity_is_shed_at_admission_and_every_request_is_accounted_for(srv, ledger):
+def test_three_times_capacity_is_shed_at_admission_and_every_request_is_accounted_for(
+    srv, ledger, caplog
+):
+    caplog.set_level(logging.WARNING, "pdserve.router")
     vocab = srv.server.cluster.worker_info("decode-0").vocab_size
     shapes = trace.synthetic(50, PROMPT, OUTPUT, 1.0, seed=3)
     cap = overload.capacity(srv.address, shapes, vocab, 6, 4.0, 7, 60.0)
@@ -107,6 +111,11 @@ def test_three_times_capacity_is_shed_at_admission_and_every_request_is_accounte
     # No queue grows without bound: the router's never passes --max-pending.
     assert all(s.router_pending is not None for s in run.samples)
     assert fig["max_router_pending"] <= MAX_PENDING, fig["max_router_pending"]
+    # The log says it refused, and why, a line per 10 s window (not one per request).
+    said = [r.getMessage() for r in caplog.records if r.name == "pdserve.router"]
+    said = [m for m in said if m.startswith(("refusing requests", "refused "))]
+    assert said and said[0].startswith("refusing requests (grpc): "), said
+    assert len(said) <= 12, said  # capacity (<= 60 s) and overload (12 s), over 10 s windows
     assert run.samples[-1].in_flight == 0
     # Memory sampled all along (one sample a second, plus the first and the last) and flat.
     procs = fig["processes"]

@@ -1,0 +1,82 @@
+"""Admission refusals in the server's log: the first one after a quiet spell at once, then one
+line per window while they go on, with the counts by reason and front door. Each refusal is
+also counted in pdserve_admission_rejections_total; the log says that the server is refusing,
+and why, without a line per request under overload."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+from router.stats import StatsSink
+from router.vocab import Frontend, RejectReason
+
+log = logging.getLogger("pdserve.router")
+
+WINDOW_S = 10.0
+
+WHY = {
+    RejectReason.QUEUE_FULL: "too many requests wait for a first token (--max-pending)",
+    RejectReason.SLO: "its predicted TTFT misses its SLO while the queue drains",
+    RejectReason.DECODE_RATE: "requests come faster than the decodes hold the ITL SLO",
+    RejectReason.CLIENT_LIMIT: "its client runs as many requests as it may "
+    "(--max-streams-per-client)",
+    RejectReason.NO_WORKERS: "no worker that decodes is up",
+}
+
+
+class RefusalLog:
+    """Counts refusals and logs them at most once per `window_s` (the first at once). Any
+    thread."""
+
+    def __init__(self, window_s: float = WINDOW_S) -> None:
+        self.window_s = window_s
+        self._lock = threading.Lock()
+        self._counts: Counter[tuple[RejectReason, Frontend]] = Counter()
+        self._since: float | None = None  # start of the window being counted; None: quiet
+
+    def refused(self, reason: RejectReason, frontend: Frontend, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if self._since is None or now - self._since >= 2 * self.window_s:
+                # After a quiet spell: this one at once, and what the last window left unsaid.
+                left = self._summary(now) if self._counts else ""
+                self._counts.clear()
+                self._since = now
+                log.warning(
+                    "refusing requests (%s): %s: %s%s; counted in "
+                    "pdserve_admission_rejections_total, logged every %.0f s while it lasts",
+                    frontend.value, reason.value, WHY[reason],
+                    f"; before: {left}" if left else "", self.window_s,
+                )  # fmt: skip
+                return
+            self._counts[reason, frontend] += 1
+            if now - self._since >= self.window_s:
+                log.warning("refused %s", self._summary(now))
+                self._counts.clear()
+                self._since = now
+
+    def _summary(self, now: float) -> str:
+        assert self._since is not None
+        n = sum(self._counts.values())
+        parts = ", ".join(f"{r.value} {c} ({f.value})" for (r, f), c in self._counts.most_common())
+        return f"{n} requests in the last {now - self._since:.0f} s: {parts}"
+
+
+class LoggedRefusals:
+    """A StatsSink that passes every record on to `inner` (the metrics, or nothing), and logs
+    the refusals too (RefusalLog): the log says so with the metrics off as well."""
+
+    def __init__(self, inner: StatsSink, window_s: float = WINDOW_S) -> None:
+        self.inner = inner
+        self.log = RefusalLog(window_s)
+
+    def rejected(self, reason: RejectReason, frontend: Frontend) -> None:
+        self.inner.rejected(reason, frontend)
+        self.log.refused(reason, frontend)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

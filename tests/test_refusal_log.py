@@ -1,0 +1,80 @@
+"""Admission refusals reach the server's log: the first at once, then one line per window with
+the counts, never a line per request."""
+
+from __future__ import annotations
+
+import logging
+
+from router.metrics import Metrics
+from router.refusal_log import LoggedRefusals, RefusalLog
+from router.vocab import Frontend, RejectReason
+
+Q, RATE, LIMIT = RejectReason.QUEUE_FULL, RejectReason.DECODE_RATE, RejectReason.CLIENT_LIMIT
+GRPC, HTTP = Frontend.GRPC, Frontend.HTTP
+
+
+def lines(caplog) -> list[str]:
+    out = [r.getMessage() for r in caplog.records if r.name == "pdserve.router"]
+    caplog.clear()
+    return out
+
+
+def test_the_first_refusal_is_logged_at_once_then_one_line_per_window(caplog):
+    caplog.set_level(logging.WARNING, "pdserve.router")
+    rl = RefusalLog(window_s=10.0)
+    rl.refused(Q, GRPC, now=100.0)
+    [first] = lines(caplog)
+    assert first.startswith("refusing requests (grpc): queue_full: too many requests wait")
+    assert "--max-pending" in first and "pdserve_admission_rejections_total" in first
+    for i in range(500):  # an overload: 500 refusals within the window, no line
+        rl.refused(Q if i % 5 else RATE, HTTP if i % 2 else GRPC, now=100.0 + i * 0.01)
+    assert lines(caplog) == []
+    rl.refused(LIMIT, HTTP, now=110.0)  # the window is over: one line with every count
+    [summary] = lines(caplog)
+    assert summary.startswith("refused 501 requests in the last 10 s: ")
+    assert "queue_full 200 (http)" in summary and "queue_full 200 (grpc)" in summary
+    assert "decode_rate 50 (grpc)" in summary and "decode_rate 50 (http)" in summary
+    assert "client_limit 1 (http)" in summary
+
+
+def test_after_a_quiet_spell_a_refusal_is_logged_at_once_with_what_was_left(caplog):
+    caplog.set_level(logging.WARNING, "pdserve.router")
+    rl = RefusalLog(window_s=10.0)
+    rl.refused(Q, GRPC, now=0.0)
+    rl.refused(Q, GRPC, now=1.0)
+    rl.refused(RATE, GRPC, now=2.0)
+    lines(caplog)
+    rl.refused(RejectReason.NO_WORKERS, HTTP, now=500.0)
+    [line] = lines(caplog)
+    assert line.startswith("refusing requests (http): no_workers: no worker that decodes is up")
+    assert "before: 2 requests in the last 500 s: queue_full 1 (grpc), decode_rate 1 (grpc)" in line
+
+
+def test_every_reason_is_explained():
+    from router.refusal_log import WHY
+
+    assert set(WHY) == set(RejectReason)
+
+
+def test_the_servers_sink_counts_and_logs_with_the_metrics_on_or_off(caplog):
+    from router.stats import NullSink
+
+    caplog.set_level(logging.WARNING, "pdserve.router")
+    m = Metrics()
+    sink = LoggedRefusals(m)
+    sink.rejected(RejectReason.SLO, Frontend.HTTP)
+    assert (
+        m.registry.get_sample_value(
+            "pdserve_admission_rejections_total", {"reason": "slo", "frontend": "http"}
+        )
+        == 1
+    )
+    [line] = lines(caplog)
+    assert line.startswith("refusing requests (http): slo: its predicted TTFT misses its SLO")
+    sink.decided("colocated", "policy")  # every other record goes on to the metrics
+    assert m.registry.get_sample_value(
+        "pdserve_path_decisions_total", {"path": "colocated", "reason": "policy"}
+    )
+    LoggedRefusals(NullSink()).rejected(RejectReason.QUEUE_FULL, Frontend.GRPC)
+    [line] = lines(caplog)
+    assert line.startswith("refusing requests (grpc): queue_full")
