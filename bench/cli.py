@@ -276,7 +276,8 @@ def run(args: argparse.Namespace) -> int:
                             args.step_target_ms,
                             prefill_hold_ms=args.prefill_hold_ms,
                             gpus_per_worker=args.gpus_per_worker)  # fmt: skip
-    logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
+    # The logs of the servers this run starts (none with --address).
+    logs = None if args.address else Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
     out: dict[str, Any] = {**session.provenance(),
                            "trace": args.trace, "rate": args.rate, "num_requests": len(reqs),
                            "warmup": args.warmup,
@@ -294,8 +295,10 @@ def run(args: argparse.Namespace) -> int:
         (r, policies[(i + r) % len(policies)]) for r in range(rounds) for i in range(len(policies))
     ]
     for rnd, policy in schedule:
-        log = logs / (f"{policy}.log" if rnd == 0 else f"{policy}-{rnd + 1}.log")
-        server = None if args.address else ServerProcess(deployment, policy, log)
+        server = None
+        if logs is not None:
+            log = logs / (f"{policy}.log" if rnd == 0 else f"{policy}-{rnd + 1}.log")
+            server = ServerProcess(deployment, policy, log)
         try:
             info = (
                 server.wait_ready()
@@ -364,7 +367,8 @@ def run(args: argparse.Namespace) -> int:
         if sweeps:
             plots.goodput_vs_rate(sweeps, folder)
         print(f"plots in {folder}/")
-    print(f"server logs in {logs}/")
+    if logs is not None:
+        print(f"server logs in {logs}/")
     return 0
 
 

@@ -300,8 +300,8 @@ def run(args: argparse.Namespace) -> int:
     deployment = Deployment(args.model, args.prefill, args.decode, args.threads, args.kv_cache_gib,
                             args.threshold_tokens, args.threshold_queue, args.step_target_ms,
                             args.max_pending, gpus_per_worker=args.gpus_per_worker)  # fmt: skip
-    logs = Path(tempfile.mkdtemp(prefix="pdserve-overload-"))
-    server = None if args.address else ServerProcess(deployment, policy, logs / f"{policy}.log")
+    logs = None if args.address else Path(tempfile.mkdtemp(prefix="pdserve-overload-"))
+    server = None if logs is None else ServerProcess(deployment, policy, logs / f"{policy}.log")
     auth = ClientAuth.from_args(args)
     out: dict[str, Any] = {**session.provenance(),
                            "mode": "overload", "factor": args.overload, "policy": policy,
@@ -352,7 +352,8 @@ def run(args: argparse.Namespace) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         plots.rss_over_time(result.samples, folder)
         print(f"plots in {folder}/")
-    print(f"server log in {logs}/")
+    if logs is not None:
+        print(f"server log in {logs}/")
     got = out["figures"]
     bad = got["lost"] + got["rejected_without_retry_after"] + got["failed"]
     return 0 if got["accounted"] and not bad else 1

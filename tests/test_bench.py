@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -385,6 +386,7 @@ def _on_a_fake_server(monkeypatch, fake_run) -> argparse.ArgumentParser:
 
 def test_repeated_rounds_report_each_rounds_goodput_and_ratio(monkeypatch, tmp_path, capsys):
     calls = []
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a log folder would go
 
     def fake_run(address, reqs, rate, vocab, args, label, objective=None, seed=None):
         calls.append(label)
@@ -405,9 +407,12 @@ def test_repeated_rounds_report_each_rounds_goodput_and_ratio(monkeypatch, tmp_p
     goods = doc["spread"]["colocated"]["goodput_rps"]
     assert len(doc["rounds"]) == 3 and goods[0] == goods[2] > 0 == goods[1]
     assert doc["spread"]["colocated"]["vs_best_fixed"] == [1.0, 1.0]  # round 2: no goodput
-    assert "goodput per round" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "goodput per round" in printed
+    assert "server logs in" not in printed  # it started no server: no (empty) log folder
     # Every round's request records are kept, each with its round.
     assert [x["round"] for x in doc["requests"]] == [1] * 5 + [2] * 5 + [3] * 5
+    assert not list(tmp_path.glob("pdserve-bench-*"))
 
 
 @pytest.mark.parametrize("warmup", [0, 3])
