@@ -5,9 +5,9 @@ chunks; one host-to-device copy, see engine/step_inputs.py) -> forward over the 
 decode-only step on CUDA: the replay of a captured graph, padded to its ladder size, see
 engine/cuda_graphs.py) ->
 sample the rows whose chunk ended its sequence, on the device -> one device-to-host copy of the
-sampled ids -> ModelRunnerOutput. The runner keeps one torch.Generator and one block-table row
-per live request, and drops both when the scheduler reports the request finished (the row also
-when it is preempted).
+sampled ids -> ModelRunnerOutput. The runner keeps one torch.Generator (with its seed and count of
+draws: engine/sampler.py) and one block-table row per live request, and drops both when the
+scheduler reports the request finished (the row also when it is preempted).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import model_dtype
 from engine.model import PagedDecoderModel
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from engine.sampler import sample
+from engine.sampler import Draws, sample, sample_seed
 from engine.sampling_params import SamplingParams
 from engine.step_inputs import StepBatch, StepInputs
 
@@ -93,7 +93,7 @@ class ModelRunner:
             graphs = cuda_graphs.DecodeGraphs(capture, sizes, self._padded_forward)
             if graphs.capture_all(self.inputs.generation):
                 self.graphs = graphs
-        self.generators: dict[str, torch.Generator] = {}
+        self.draws: dict[str, Draws] = {}  # of each request that samples
         # When a list, every executed step's shape is appended (benchmarks replay them).
         self.trace: list[StepShape] | None = None
         self._seed_source = torch.Generator().manual_seed(config.model.seed)
@@ -138,41 +138,37 @@ class ModelRunner:
         return self.spec.num_blocks_for_bytes(cc.cpu_kv_cache_gib * (1 << 30))
 
     def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
+        """The generator of the request's next sample: seeded from its seed and that sample's
+        number (sample_seed)."""
         if s.sampling.greedy:
             return None
-        return self._generator_for(s.request_id, s.sampling)
+        d = self._draws_for(s.request_id, s.sampling)
+        d.generator.manual_seed(sample_seed(d.seed, d.drawn))
+        d.drawn += 1
+        return d.generator
 
-    def _generator_for(self, request_id: str, sampling: SamplingParams) -> torch.Generator:
-        g = self.generators.get(request_id)
-        if g is None:
-            seed = sampling.seed
-            if seed is None:
+    def _draws_for(self, request_id: str, sampling: SamplingParams) -> Draws:
+        d = self.draws.get(request_id)
+        if d is None:
+            seed, drawn = sampling.seed, sampling.drawn
+            if seed is None:  # a fresh seed: as good as any, past draws or not
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
-            g = torch.Generator(device=self.device).manual_seed(seed)
-            if sampling.seed is not None:
-                # Past what it drew on another worker, so that its seed gives the tokens an
-                # uninterrupted run would (unseeded, a fresh seed is as good, and costs nothing).
-                self._advance(g, sampling.drawn)
-            self.generators[request_id] = g
-        return g
+                drawn = 0
+            d = self.draws[request_id] = Draws(torch.Generator(device=self.device), seed, drawn)
+        return d
 
     def skip_draws(self, request_id: str, sampling: SamplingParams, n: int) -> None:
-        """Advance a request's generator past `n` samples drawn elsewhere (the prefill side)."""
-        if sampling.greedy:
-            return
-        self._advance(self._generator_for(request_id, sampling), n)
-
-    def _advance(self, g: torch.Generator, n: int) -> None:
-        """`n` samples' draws (one vocabulary-sized draw each: engine/sampler.py)."""
-        for _ in range(n):
-            torch.empty(self.model.vocab_size, device=self.device).exponential_(generator=g)
+        """Count `n` samples of the request as drawn elsewhere (the prefill side's first
+        token): its next sample is the one after them."""
+        if not sampling.greedy:
+            self._draws_for(request_id, sampling).drawn += n
 
     def execute(
         self, so: SchedulerOutput, on_layer: Callable[[int], None] | None = None
     ) -> ModelRunnerOutput:
         """Run one step. `on_layer(i)` is called once layer i's new KV is in the cache."""
         for rid in so.finished_request_ids:
-            self.generators.pop(rid, None)
+            self.draws.pop(rid, None)
             self.inputs.release(rid)
         for rid in so.preempted_request_ids:
             self.inputs.release(rid)  # recomputed later on new blocks

@@ -1,12 +1,16 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, per-request generators, logprobs.
 
 A request's random draws come only from its own generator, one fixed-size draw per sampled token,
-so with a seed its tokens depend on the seed and its own logits, not on the batch around it.
+the generator seeded for each sample from the request's seed and the sample's number
+(`sample_seed`): with a seed, its tokens depend on the seed and its own logits, not on the batch
+around it, and a request that goes on elsewhere (a handoff's first token, a resume after its
+worker left) takes up its draws at the next sample's number, at no cost.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -14,6 +18,27 @@ from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 FilterKey = tuple[float, int, float, float]  # temperature, top_k, top_p, min_p
+
+_MASK = (1 << 64) - 1
+
+
+def sample_seed(seed: int, k: int) -> int:
+    """The seed of a request's sample number `k` (from 0): splitmix64's finalizer over
+    seed + (k + 1) x the golden ratio, so that nearby seeds and numbers give unrelated streams."""
+    z = (seed + (k + 1) * 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+@dataclass(slots=True)
+class Draws:
+    """A sampling request's generator, its seed, and how many samples it has drawn (here, or
+    before elsewhere: SamplingParams.drawn, the prefill side's first token)."""
+
+    generator: torch.Generator
+    seed: int
+    drawn: int = 0
 
 
 def _filter(logits: torch.Tensor, key: FilterKey) -> torch.Tensor:

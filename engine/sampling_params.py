@@ -32,7 +32,8 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return per token, besides the chosen
     include_stop_str_in_output: bool = False
     # Samples of this request drawn elsewhere before (its tokens so far, where it resumes on
-    # another worker): its generator starts past them, so that a seed gives the same tokens.
+    # another worker): its draws start at the next sample's number (engine/sampler.py), so that
+    # a seed gives the same tokens.
     drawn: int = 0
 
     def __post_init__(self) -> None:

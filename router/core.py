@@ -179,7 +179,8 @@ class RequestCore:
         """Run one admitted request; raises Overloaded before any work is done. If its decode
         worker dies, leaves its pool or cannot be reached (WorkerLost), it resumes on another
         from its prompt and the tokens already streamed (greedy output is unchanged, and so is a
-        seeded sample's: the new worker's generator starts past the samples already drawn)."""
+        seeded sample's: the new worker draws from the next sample's number on: engine/sampler.py
+        explains)."""
         shape, decision = self.plan(req)
         self._admit(shape, decision, req.frontend)
         self.planner.demand.arrived(shape.prompt_len, shape.max_tokens)  # taken: it will decode

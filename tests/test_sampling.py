@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.sampler import sample
+from engine.sampler import sample, sample_seed
 from engine.sampling_params import SamplingParams
 from tests.helpers import assert_pool_free, drain, loaded, make_engine, random_prompts
 
@@ -94,6 +94,34 @@ def test_a_seeded_request_resumed_elsewhere_goes_on_with_the_same_tokens():
     engine = make_engine("tiny-llama")
     rid = engine.add_request(list(PROMPT) + whole[:6], replace(rest, drawn=0))
     assert drain(engine)[rid] != whole[6:]
+
+
+@pytest.mark.timeout(60)
+def test_a_resume_after_any_number_of_samples_costs_nothing_to_take_up():
+    """A seed's sample k is drawn from a generator seeded for k: a request resumed after a
+    trillion samples starts at once (advancing a generator past them would take days), and
+    its draws go on from there."""
+    engine = make_engine("tiny-llama")
+    far = replace(SEEDED, max_tokens=4, drawn=10**12)
+    rid = engine.add_request(PROMPT, far)
+    engine.step()
+    assert engine.runner.draws[rid].drawn == 10**12 + 1
+    out = drain(engine)[rid]
+    assert len(out) == 3  # the first came from the step above
+    assert_pool_free(engine)
+
+
+def test_per_sample_seeds_draw_from_the_filtered_distribution():
+    """One generator seeded afresh for each sample (sample_seed(seed, k)) draws as one
+    generator running on: the frequencies are the probabilities."""
+    sp = SamplingParams(temperature=1.0)
+    gens = [torch.Generator().manual_seed(sample_seed(7, k)) for k in range(DRAWS)]
+    tokens, _ = sample(LOGITS.expand(DRAWS, -1), [sp] * DRAWS, gens)
+    counts = torch.bincount(torch.tensor(tokens), minlength=LOGITS.shape[-1])
+    for i, p in enumerate(PROBS.tolist()):
+        assert counts[i].item() / DRAWS == pytest.approx(p, abs=0.03)
+    assert len({sample_seed(7, k) for k in range(DRAWS)}) == DRAWS
+    assert sample_seed(7, 0) != sample_seed(8, 0) and 0 <= sample_seed(2**64 - 1, 5) < 2**64
 
 
 def test_other_seed_gives_other_tokens():
