@@ -82,6 +82,9 @@ class Cluster:
         self.handoffs = Handoffs(config, self.pools, lambda: self.prefill_ids)
         self._poll = LoadPoll(config.worker_hang_timeout_s)
         self._rr = itertools.count()
+        # The server stops: a request ended early is answered before its abort has gone through
+        # (which a stopped worker would hold to the control timeout); the abort goes on alone.
+        self.closing = False
 
     # -- the Backend the request core drives -----------------------------------------------------
     @property
@@ -229,7 +232,9 @@ class Cluster:
             raise WorkerLost(d.worker_id, why) from exc
         finally:
             d.active -= 1
-            if not finished:
+            if not finished and self.closing:
+                self.pools.ops.submit(self._abort(ids, p, d))
+            elif not finished:
                 await asyncio.shield(self._abort(ids, p, d))
 
     async def _abort(self, ids: list[str], p: WorkerHandle | None, d: WorkerHandle) -> None:

@@ -33,6 +33,7 @@ from engine.text_stream import TextStream
 from router.admission import TtftMargin, refusal
 from router.books import RequestBooks, RequestCounts
 from router.core_types import Backend, CoreChunk, DecisionRecord, NoWorkers, RouterConfig, Summary
+from router.endings import Endings
 from router.errors import WorkerLost
 from router.handoff import Handoff
 from router.handoff_model import HandoffHealth, TransferTimeModel
@@ -84,6 +85,7 @@ class RequestCore:
         self.margin = TtftMargin()  # admission's, from the first tokens (planner.ttft_margin)
         self.planner.rate_admission = config.decode_rate_admission
         self.counts = RequestCounts()
+        self.endings = Endings()  # the streams in flight, to end when the server stops
         self._poller: asyncio.Task[None] | None = None
         self._ids = itertools.count()  # workers see internal ids: clients' ids may collide
 
@@ -185,17 +187,30 @@ class RequestCore:
         self._admit(shape, decision, req.frontend)
         self.planner.demand.arrived(shape.prompt_len, shape.max_tokens)  # taken: it will decode
         text = TextStream(self.tokenizer, req.prompt_token_ids, req.sampling)
-        with self._books(req, decision, arrived) as books:  # settled however it ends
-            for attempt in range(MAX_RESUMES + 1):
+        live = self.endings.open()  # end_all ends it (the server stopping)
+        try:
+            with self._books(req, decision, arrived) as books:  # settled however it ends
                 try:
-                    async with aclosing(self._placed(req, shape, decision, books, text)) as chunks:
-                        async for chunk in chunks:
-                            yield chunk
-                    return
-                except WorkerLost as lost:
-                    if attempt == MAX_RESUMES or not self.backend.decode_ids:
-                        raise
-                    shape, decision = self._resumed(req, shape, books, lost)
+                    for attempt in range(MAX_RESUMES + 1):
+                        try:
+                            placed = self._placed(req, shape, decision, books, text)
+                            async with aclosing(placed) as chunks:
+                                async for chunk in chunks:
+                                    live.yielding()
+                                    yield chunk
+                                    live.resumed()
+                            return
+                        except WorkerLost as lost:
+                            if attempt == MAX_RESUMES or not self.backend.decode_ids:
+                                raise
+                            shape, decision = self._resumed(req, shape, books, lost)
+                except asyncio.CancelledError:
+                    ended = live.cancelled()
+                    if ended is None:
+                        raise  # its reader left
+                    raise ended from None
+        finally:
+            self.endings.close(live)
 
     def _books(self, req: ParsedRequest, decision: Decision, arrived: float) -> RequestBooks:
         path = decision.chosen.path.value

@@ -26,6 +26,11 @@ class HandoffFailed(RuntimeError):
         self.reason = reason
 
 
+class ShuttingDown(RuntimeError):
+    """The server is stopping and ended the request before it finished (router/endings.py):
+    its drain timeout passed, or it was interrupted again. It was aborted on its workers."""
+
+
 def failure_reason(exc: BaseException) -> FailureReason:
     """What the core (or a front door's own check) raised, as one reason both doors answer."""
     from router.core_types import NoWorkers, Overloaded  # core_types does not import this module
@@ -36,6 +41,8 @@ def failure_reason(exc: BaseException) -> FailureReason:
         return FailureReason.OVERLOADED
     if isinstance(exc, NoWorkers):
         return FailureReason.NO_WORKERS
+    if isinstance(exc, ShuttingDown):
+        return FailureReason.SHUTTING_DOWN
     if isinstance(exc, HandoffFailed):
         return FailureReason.HANDOFF_FAILED
     if isinstance(exc, (WorkerLost, TimeoutError)) or any(

@@ -64,6 +64,7 @@ _STATUS = {
     FailureReason.NO_WORKERS: (503, "service_unavailable", "no_workers"),
     FailureReason.WORKER_FAILED: (503, "service_unavailable", "worker_failed"),
     FailureReason.HANDOFF_FAILED: (503, "service_unavailable", "handoff_failed"),
+    FailureReason.SHUTTING_DOWN: (503, "service_unavailable", "shutting_down"),
     FailureReason.INTERNAL: (500, "internal_error", "internal_error"),
 }
 

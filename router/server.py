@@ -5,7 +5,8 @@ the core (with its load poller), then the gRPC server on host:port with health S
 the admin service (Scale, ListWorkers) on host:admin_port, and the OpenAI-compatible HTTP API on
 host:http_port when it is set. Stop (SIGINT/SIGTERM, or `stop()`): health NOT_SERVING, the admin
 service, no new RPCs or HTTP requests, in-flight requests drained for up to `drain_timeout_s`
-(then cancelled, which aborts them on the workers), the poller, the actors, the metrics endpoint.
+(then ended with ShuttingDown, answered UNAVAILABLE or 503 and aborted on the workers:
+router/endings.py), the poller, the actors, the metrics endpoint.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,6 +39,9 @@ from router.servicer import SERVICE, GenerationServicer, add_services
 from router.stats import NullSink
 
 log = logging.getLogger("pdserve.server")
+# Once the requests in flight are ended (at the drain timeout, or interrupted again): how long
+# more the front doors wait for their answers to go out before cutting their calls.
+END_GRACE_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +167,8 @@ class Server:
                 c.security.token(),
                 clients,
             )
-            self.http = HttpServer(api.app, c.host, c.http_port, c.security, c.drain_timeout_s)
+            grace = c.drain_timeout_s + END_GRACE_S  # see stop()
+            self.http = HttpServer(api.app, c.host, c.http_port, c.security, grace)
             await self.http.start()
             self.http_port = self.http.port
             log.info(
@@ -217,18 +223,21 @@ class Server:
         if self.admin is not None:
             await self.admin.stop(1.0)
             self.admin = None
-        # Both front doors drain at once, each for up to the drain timeout (hurried: none).
+        # Both front doors take no new request and drain at once. At the drain timeout (at
+        # once, hurried) the requests still in flight end with ShuttingDown, which each door
+        # answers as a failure (router/endings.py); the doors' own grace is END_GRACE_S more,
+        # for those answers to go out.
         grpc_server, http = self._draining = (self.grpc, self.http)
         self.grpc = self.http = None
+        drain = 0.0 if self._hurried else self.config.drain_timeout_s
+        ending = asyncio.ensure_future(self._end_in_flight(drain))
         stopping = []
         if grpc_server is not None:
-            grace = 0.0 if self._hurried else self.config.drain_timeout_s
-            stopping.append(grpc_server.stop(grace))
+            stopping.append(grpc_server.stop(drain + END_GRACE_S))
         if http is not None:
             stopping.append(http.stop())
-            if self._hurried:
-                http.hurry()
         await asyncio.gather(*stopping)
+        ending.cancel()
         self._draining = (None, None)
         if self.core is not None:
             await self.core.stop()
@@ -238,13 +247,39 @@ class Server:
         if self.metrics is not None:
             self.metrics.close()
 
+    async def _end_in_flight(self, after_s: float) -> None:
+        """Once `after_s` has passed with requests still in flight, end them (ShuttingDown)."""
+        if self.core is None:
+            return
+        deadline = time.monotonic() + after_s
+        while self.core.endings.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        why = (
+            "the server is shutting down: interrupted again"
+            if self._hurried
+            else f"the server is shutting down: its drain timeout ({after_s:g} s) passed"
+        )
+        if self.cluster is not None and self.core.endings.live:
+            self.cluster.closing = True  # their aborts go on without holding their answers
+        n = self.core.endings.end_all(why)
+        if n:
+            log.warning("%s: ended the %d requests still in flight", why.split(": ", 1)[1], n)
+
     def hurry(self) -> None:
-        """The requests in flight end now, not at the drain timeout (closing their streams
-        aborts them on their workers): at once while stop() drains, else when it begins."""
+        """The requests in flight end now, not at the drain timeout (each with ShuttingDown,
+        which aborts it on its workers): at once while stop() drains, else when it begins. The
+        front doors' calls still open END_GRACE_S later are cut."""
         self._hurried = True
         grpc_server, http = self._draining
+        if grpc_server is None and http is None:
+            return
+        self._hurrying.append(asyncio.ensure_future(self._end_in_flight(0.0)))
+        self._hurrying.append(asyncio.ensure_future(self._cut(grpc_server, http)))
+
+    async def _cut(self, grpc_server: grpc.aio.Server | None, http: HttpServer | None) -> None:
+        await asyncio.sleep(END_GRACE_S)
         if grpc_server is not None:  # a second stop cuts the first one's grace short
-            self._hurrying.append(asyncio.ensure_future(grpc_server.stop(0)))
+            await grpc_server.stop(0)
         if http is not None:
             http.hurry()
 

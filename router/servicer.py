@@ -40,6 +40,7 @@ STATUS = {
     FailureReason.NO_WORKERS: grpc.StatusCode.UNAVAILABLE,
     FailureReason.WORKER_FAILED: grpc.StatusCode.UNAVAILABLE,
     FailureReason.HANDOFF_FAILED: grpc.StatusCode.UNAVAILABLE,
+    FailureReason.SHUTTING_DOWN: grpc.StatusCode.UNAVAILABLE,
     FailureReason.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 _WHY = {r: "" for r in FailureReason} | {

@@ -108,4 +108,5 @@ class FailureReason(enum.Enum):
     NO_WORKERS = "no_workers"  # no decode worker is up
     WORKER_FAILED = "worker_failed"  # a worker died or timed out under it; no resume was left
     HANDOFF_FAILED = "handoff_failed"  # its KV never came, under --kv-failure-policy fail
+    SHUTTING_DOWN = "shutting_down"  # the server is stopping, and its drain timeout passed
     INTERNAL = "internal"  # a fault in the router itself

@@ -762,3 +762,40 @@ def test_a_decoding_request_is_priced_with_the_bias_of_its_kind_of_placement():
     assert seen[RoutePath.COLOCATED] == [ItlCheck(pytest.approx(slo), pytest.approx(2.0))]
     assert seen[RoutePath.DISAGGREGATED] == [ItlCheck(pytest.approx(slo), pytest.approx(3.0))]
     assert d.itl_checks() == []
+
+
+def test_ending_every_stream_answers_each_with_shutting_down_and_settles_the_books():
+    """The server stopping (router/endings.py): a stream waiting for its next chunk ends at
+    once, one whose reader holds a chunk ends when it asks for the next; each raises
+    ShuttingDown (not a cancellation), and the books are settled."""
+    from router.errors import ShuttingDown, failure_reason
+    from router.vocab import FailureReason
+
+    async def main():
+        gate = asyncio.Event()
+        gate.set()
+        backend = FakeBackend(gate=gate)
+        core = await make_core(backend)
+        held = core.generate(request("held", max_tokens=50), time.monotonic())
+        first = await anext(held)  # its reader holds this chunk
+        gate.clear()
+        waiting = asyncio.ensure_future(consume(core, request("waiting")))
+        await asyncio.sleep(0.05)
+        assert core.active == 2 and len(core.endings.live) == 2
+        assert core.endings.end_all("the server is shutting down: a test") == 2
+        with pytest.raises(ShuttingDown, match="a test") as err:
+            await waiting
+        assert failure_reason(err.value) is FailureReason.SHUTTING_DOWN
+        assert first.token_ids
+        with pytest.raises(ShuttingDown):
+            await anext(held)
+        assert core.active == core.pending == 0 and not core.endings.live
+        # A reader that leaves is no shutdown: its cancellation goes through as such.
+        leaving = asyncio.ensure_future(consume(core, request("leaving")))
+        await asyncio.sleep(0.05)
+        leaving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        assert core.active == 0 and not core.endings.live
+
+    run(main())

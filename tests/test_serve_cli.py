@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -120,83 +121,137 @@ def test_a_model_that_is_not_there_stops_serve_in_one_line_before_ray():
     assert "Ray" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
-@pytest.mark.timeout(240)
-def test_a_second_interrupt_while_draining_ends_the_requests_in_flight_at_once(tmp_path):
-    """SIGINT drains (up to --drain-timeout, 120 s here) a gRPC and an HTTP stream that cannot
-    end (their workers stopped); a second SIGINT ends both now, and the server exits 0 in
-    seconds."""
-    import httpx2 as httpx
+class StuckStreams:
+    """A gRPC and an HTTP stream of 900 tokens on a server started with an admin and an HTTP
+    port, whose workers are then stopped (SIGSTOP): neither can end by itself. How each ended:
+    `ended["grpc"]` its status and details, `ended["http"]` the last event's error code (or
+    the transport error)."""
 
-    from pdserve_proto import admin_pb2, admin_pb2_grpc
+    def __init__(self, tmp_path, drain_timeout: str) -> None:
+        from pdserve_proto import admin_pb2, admin_pb2_grpc
 
-    port, admin, http_port = free_port(), free_port(), free_port()
-    log_path = tmp_path / "serve.log"
-    server = start_serve(log_path, port, "--admin-port", str(admin), "--http-port",
-                         str(http_port), "--drain-timeout", "120")  # fmt: skip
-    address = f"127.0.0.1:{port}"
-    req = pb.GenerateRequest(
-        prompt="stopped mid-stream",
-        sampling=pb.SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True),
-    )
-    body = {"model": "tiny-llama", "prompt": "stopped too", "max_tokens": 900,
-            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
-    got = {"grpc": 0, "http": 0}
-    ended: dict[str, str] = {}
-    started = {k: threading.Event() for k in got}
-    stopped: list[int] = []
-
-    def grpc_stream() -> None:
-        try:
-            with grpc.insecure_channel(address) as channel:
-                stub = pb_grpc.GenerationStub(channel)
-                for msg in stub.Generate(req, timeout=180, wait_for_ready=True):
-                    got["grpc"] += len(msg.token_ids)
-                    started["grpc"].set()
-            ended["grpc"] = "finished"
-        except grpc.RpcError as exc:
-            ended["grpc"] = exc.code().name
-
-    def http_stream() -> None:
-        url = f"http://127.0.0.1:{http_port}/v1/completions"
-        try:
-            with httpx.Client(timeout=180) as client, client.stream("POST", url, json=body) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        got["http"] += 1
-                        started["http"].set()
-            ended["http"] = "finished"
-        except httpx.HTTPError as exc:
-            ended["http"] = type(exc).__name__
-
-    threads = [threading.Thread(target=f) for f in (grpc_stream, http_stream)]
-    try:
+        port, admin, self.http_port = free_port(), free_port(), free_port()
+        self.log_path = tmp_path / "serve.log"
+        self.server = start_serve(self.log_path, port, "--admin-port", str(admin),
+                                  "--http-port", str(self.http_port),
+                                  "--drain-timeout", drain_timeout)  # fmt: skip
+        self.address = f"127.0.0.1:{port}"
+        self.got = {"grpc": 0, "http": 0}
+        self.ended: dict[str, str] = {}
+        self.started = {k: threading.Event() for k in self.got}
+        self.stopped: list[int] = []
+        self.threads = [threading.Thread(target=f) for f in (self._grpc, self._http)]
         with grpc.insecure_channel(f"127.0.0.1:{admin}") as channel:
             listing = admin_pb2_grpc.AdminStub(channel).ListWorkers(
                 admin_pb2.ListWorkersRequest(), timeout=150, wait_for_ready=True
             )
-        pids = [w.pid for w in listing.workers]
-        assert len(pids) == 2, listing
-        for t in threads:
+        self.pids = [w.pid for w in listing.workers]
+        assert len(self.pids) == 2, listing
+
+    def _grpc(self) -> None:
+        req = pb.GenerateRequest(
+            prompt="stopped mid-stream",
+            sampling=pb.SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True),
+        )
+        try:
+            with grpc.insecure_channel(self.address) as channel:
+                stub = pb_grpc.GenerationStub(channel)
+                for msg in stub.Generate(req, timeout=180, wait_for_ready=True):
+                    self.got["grpc"] += len(msg.token_ids)
+                    self.started["grpc"].set()
+            self.ended["grpc"] = "finished"
+        except grpc.RpcError as exc:
+            self.ended["grpc"] = f"{exc.code().name}: {exc.details()}"
+
+    def _http(self) -> None:
+        import httpx2 as httpx
+
+        body = {"model": "tiny-llama", "prompt": "stopped too", "max_tokens": 900,
+                "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+        url = f"http://127.0.0.1:{self.http_port}/v1/completions"
+        last = ""
+        try:
+            with httpx.Client(timeout=180) as client, client.stream("POST", url, json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        last = line
+                        self.got["http"] += 1
+                        self.started["http"].set()
+            error = json.loads(last[len("data: ") :]).get("error") if last else None
+            self.ended["http"] = f"error {error['code']}: {error['message']}" if error else "done"
+        except httpx.HTTPError as exc:
+            self.ended["http"] = type(exc).__name__
+
+    def stream_then_stop_the_workers(self) -> None:
+        for t in self.threads:
             t.start()
-        assert all(e.wait(60) for e in started.values()), log_path.read_text()[-3000:]
-        for pid in pids:  # the workers stop: neither stream can end
+        ok = all(e.wait(60) for e in self.started.values())
+        assert ok, self.log_path.read_text()[-3000:]
+        for pid in self.pids:  # the workers stop: neither stream can end
             os.kill(pid, signal.SIGSTOP)
-            stopped.append(pid)
-        server.send_signal(signal.SIGINT)
-        time.sleep(2)
-        assert server.poll() is None and not ended, (ended, got)  # draining
-        server.send_signal(signal.SIGINT)
-        t0 = time.monotonic()
-        assert server.wait(90) == 0, log_path.read_text()[-3000:]
-        assert time.monotonic() - t0 < 45, time.monotonic() - t0  # not the 120 s drain
-        for t in threads:
-            t.join(30)
-        assert set(ended) == {"grpc", "http"} and got["grpc"] < 900, (ended, got)
-        assert got["http"] < 900 and "interrupted again" in log_path.read_text()
-    finally:
-        for pid in stopped:
+            self.stopped.append(pid)
+
+    def close(self) -> None:
+        for pid in self.stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(10)
+        if self.server.poll() is None:
+            os.killpg(self.server.pid, signal.SIGKILL)
+            self.server.wait(10)
+
+    def assert_clean_log(self) -> None:
+        text = self.log_path.read_text()
+        for bad in ("Traceback", "Exception in ASGI application", "CancelledError"):
+            assert bad not in text, text[-4000:]
+
+
+@pytest.mark.timeout(240)
+def test_requests_left_at_the_drain_timeout_end_with_a_clear_error_on_both_doors(tmp_path):
+    """SIGTERM drains for --drain-timeout (3 s); a gRPC and an HTTP stream that cannot end by
+    then get an answer that says so (UNAVAILABLE; an error event), not a cut call, and the
+    server exits 0 without a traceback."""
+    run = StuckStreams(tmp_path, "3")
+    try:
+        run.stream_then_stop_the_workers()
+        run.server.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        for t in run.threads:
+            t.join(60)
+        took = time.monotonic() - t0
+        assert 3 <= took < 3 + 5, took  # at the drain timeout, not at the doors' own grace
+        why = "the server is shutting down: its drain timeout (3 s) passed"
+        assert run.ended["grpc"] == f"UNAVAILABLE: {why}", run.ended
+        assert run.ended["http"] == f"error shutting_down: {why}", run.ended
+        assert run.server.wait(90) == 0, run.log_path.read_text()[-3000:]
+        assert "drain timeout (3 s) passed: ended the 2 requests still in flight" in (
+            run.log_path.read_text()
+        )
+        run.assert_clean_log()
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_second_interrupt_while_draining_ends_the_requests_in_flight_at_once(tmp_path):
+    """SIGINT drains (up to --drain-timeout, 120 s here) a gRPC and an HTTP stream that cannot
+    end (their workers stopped); a second SIGINT ends both now, each with an answer that says
+    so, and the server exits 0 in seconds."""
+    run = StuckStreams(tmp_path, "120")
+    try:
+        run.stream_then_stop_the_workers()
+        run.server.send_signal(signal.SIGINT)
+        time.sleep(2)
+        assert run.server.poll() is None and not run.ended, (run.ended, run.got)  # draining
+        run.server.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        assert run.server.wait(90) == 0, run.log_path.read_text()[-3000:]
+        assert time.monotonic() - t0 < 45, time.monotonic() - t0  # not the 120 s drain
+        for t in run.threads:
+            t.join(30)
+        why = "the server is shutting down: interrupted again"
+        assert run.ended == {"grpc": f"UNAVAILABLE: {why}", "http": f"error shutting_down: {why}"}
+        assert run.got["grpc"] < 900 and run.got["http"] < 900, run.got
+        assert "interrupted again" in run.log_path.read_text()
+        run.assert_clean_log()
+    finally:
+        run.close()

@@ -1,0 +1,74 @@
+"""Ending the requests in flight when the server stops: its drain timeout passed, or it was
+interrupted again. Each ends with ShuttingDown, which both front doors answer as they answer
+any failure (gRPC UNAVAILABLE; HTTP 503, or an error event mid-stream), aborted on its workers
+as its stream closes; where the front doors' own shutdown would cancel their calls instead (gRPC's
+"Cancelling all calls", a cut HTTP body).
+
+The core's stream of a request runs in the task of whoever reads it (the HTTP edge reads its
+first chunk in one task and the rest in another): after each chunk it notes the task reading it.
+A stream waiting for its next chunk there is ended by cancelling that task, the cancellation
+taken back and turned into ShuttingDown inside the stream; one whose reader holds a chunk (a
+write in progress) ends when it asks for the next."""
+
+from __future__ import annotations
+
+import asyncio
+
+from router.errors import ShuttingDown
+
+
+class LiveStream:
+    """One request's stream in the core."""
+
+    __slots__ = ("task", "inside", "why")
+
+    def __init__(self) -> None:
+        self.task = asyncio.current_task()  # the task reading it now
+        self.inside = True  # awaiting its next chunk (else its reader holds the last one)
+        self.why: str | None = None  # set: ended, and why
+
+    def yielding(self) -> None:
+        """A chunk goes to the reader."""
+        self.inside = False
+
+    def resumed(self) -> None:
+        """The reader asks for the next chunk (raises ShuttingDown where it was ended)."""
+        self.task = asyncio.current_task()
+        self.inside = True
+        if self.why is not None:
+            raise ShuttingDown(self.why)
+
+    def cancelled(self) -> ShuttingDown | None:
+        """The stream caught a cancellation: ShuttingDown (the cancellation taken back) where it
+        came from end_all, else None (the reader left: let the cancellation through)."""
+        if self.why is None:
+            return None
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        return ShuttingDown(self.why)
+
+
+class Endings:
+    """The core's live streams, and ending them all."""
+
+    def __init__(self) -> None:
+        self.live: set[LiveStream] = set()
+
+    def open(self) -> LiveStream:
+        s = LiveStream()
+        self.live.add(s)
+        return s
+
+    def close(self, s: LiveStream) -> None:
+        self.live.discard(s)
+
+    def end_all(self, why: str) -> int:
+        """End every live stream with ShuttingDown(why); returns how many. On the event loop."""
+        for s in self.live:
+            if s.why is not None:
+                continue
+            s.why = why
+            if s.inside and s.task is not None:
+                s.task.cancel()
+        return len(self.live)
