@@ -137,8 +137,8 @@ def _tie_broken(
     kept_apart = not prefills and quickest.decode_lean[1]
     if kept_apart and not both:
         parts.append(
-            f"prefilled on {chosen.prefill_worker}, not beside the decodes to come on "
-            f"{quickest.decode_worker} ({where}, TTFT {_ms(quickest.ttft_s)})"
+            f"prefilled on {chosen.prefill_worker or chosen.decode_worker}, not beside the "
+            f"decodes to come on {quickest.decode_worker} ({where}, TTFT {_ms(quickest.ttft_s)})"
         )
         return "cost_split"
     there = f"{-lean} decodes running or to come there" if both else "a dedicated decode worker"

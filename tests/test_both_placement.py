@@ -253,3 +253,15 @@ def test_the_first_requests_on_idle_workers_of_both_kinds_form_the_split():
     p.done("first")
     p.add_prefill("local", 300, prefill_pairs(300, 0), local=True)
     assert p.local_prefills == 1
+
+
+def test_a_colocated_choice_kept_apart_names_the_worker_that_prefills_it():
+    """Idle 1P+1D+1B, a 400-token prompt: colocated on the dedicated decode worker, not on the
+    worker of both kinds where decodes are to come; the reason names where it is prefilled
+    (a colocated placement has no prefill worker of its own)."""
+    pl = planner()
+    p, d = trained("prefill-0", "prefill"), trained("decode-0", "decode", seed=1)
+    b = trained("both-0", "both", seed=2)
+    decision = pl.decide(shape(400, seed=3, slo_itl=1.0), [p, b], [d, b])
+    assert decision.chosen.path is RoutePath.COLOCATED and decision.reason_code == "cost_split"
+    assert "prefilled on decode-0, not beside the decodes to come on both-0" in decision.reason
