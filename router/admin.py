@@ -81,14 +81,17 @@ class AdminServicer(pb_grpc.AdminServicer):
             await context.abort(bad, f"workers: must be >= 0, got {both}")
         if drain is not None and not drain >= 0:
             await context.abort(bad, f"drain_timeout_s: must be >= 0, got {drain}")
-        log.info("scale: prefill %s, decode %s, workers %s (drain %s s)", prefill, decode, both,
-                 drain)  # fmt: skip
+        asked = f"prefill {prefill}, decode {decode}, workers {both} (drain {drain} s)"
+        log.info("scale asked: %s", asked)
         try:
             await self.cluster.scale(prefill, decode, drain, both)
-        except ValueError as exc:  # no worker would be left to decode
+        except ValueError as exc:  # no worker would be left to decode, or too many workers
+            log.warning("scale refused: %s", exc)
             await context.abort(bad, str(exc))
         except RuntimeError as exc:
+            log.warning("scale failed: %s", exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        log.info("scale done: %s", asked)
         return pb.ScaleResponse(workers=self._workers())
 
 

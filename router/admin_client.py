@@ -13,6 +13,7 @@ from typing import Any
 
 from pdserve_client import ClientAuth
 from pdserve_client import add_arguments as add_auth_arguments
+from router.client import seconds
 
 DEFAULT_ADDRESS = "127.0.0.1:50052"
 
@@ -33,13 +34,18 @@ def add_scale_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="seconds a removed worker may finish its own requests (default: the server's)",
     )
-    p.add_argument("--timeout", type=float, default=900.0, help="deadline in seconds")
+    p.add_argument(
+        "--timeout",
+        type=seconds,
+        default=900.0,
+        help="deadline in seconds; a resize still going on then goes on in the server",
+    )
     add_auth_arguments(p)
 
 
 def add_workers_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=DEFAULT_ADDRESS, help="the server's admin host:port")
-    p.add_argument("--timeout", type=float, default=10.0, help="deadline in seconds")
+    p.add_argument("--timeout", type=seconds, default=10.0, help="deadline in seconds")
     add_auth_arguments(p)
 
 
@@ -66,8 +72,7 @@ def _call(args: argparse.Namespace, method: str, request: Any) -> Any:
         return getattr(stub, method)(request, timeout=args.timeout, metadata=auth.metadata)
 
 
-def _failed(exc: Any, address: str) -> int:
-    hint = ""
+def _failed(exc: Any, address: str, hint: str = "") -> int:
     if exc.code().name == "UNIMPLEMENTED":  # a server, but not its admin service
         hint = " (is this the admin port? `pdserve serve` prints it: --admin-port, 50052)"
     print(f"error: {address}: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
@@ -94,7 +99,13 @@ def run_scale(args: argparse.Namespace) -> int:
     try:
         res = _call(args, "Scale", req)
     except grpc.RpcError as exc:
-        return _failed(exc, args.address)
+        going_on = ""
+        if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+            going_on = (
+                f" after {args.timeout:g} s; the resize goes on in the server "
+                "(`pdserve workers` shows where it stands)"
+            )
+        return _failed(exc, args.address, going_on)
     print(_table(res.workers))
     return 0
 

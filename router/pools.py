@@ -414,6 +414,7 @@ class Pools:
         else:
             log.info("%s drained", h.worker_id)
         await self._retire(h, graceful=not h.active)
+        log.info("%s stopped: it left its pool", h.worker_id)
 
     async def _retire(self, h: WorkerHandle, graceful: bool) -> None:
         """Stop a removed worker and take its pairs down on the peers."""

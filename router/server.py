@@ -353,3 +353,4 @@ async def serve(config: ServeConfig) -> None:
             await server.stop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+    log.info("stopped")

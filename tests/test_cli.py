@@ -93,6 +93,16 @@ def test_complete_refuses_values_its_request_cannot_hold_naming_the_flag(flag, v
     assert f"argument {flag}: must be" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["scale", "--decode", "1", "--timeout", "0"], ["workers", "--timeout", "-1"],
+     ["scale", "--decode", "1", "--timeout", "inf"]],
+)  # fmt: skip
+def test_admin_commands_refuse_a_deadline_that_is_not_one(argv, capsys):
+    assert run([argv[0], "--address", "127.0.0.1:1", *argv[1:]]) == 2  # before any call
+    assert "argument --timeout: must be a number of seconds > 0" in capsys.readouterr().err
+
+
 def test_complete_says_no_server_only_where_none_answered(capsys):
     """A closed port: no server there. A server's own UNAVAILABLE (a worker failed) is shown as
     the server gave it."""

@@ -4,6 +4,7 @@ greedy one; the added workers take requests; the removed ones stop; the pools en
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import threading
@@ -215,16 +216,16 @@ def test_requests_left_on_a_removed_worker_after_its_drain_resume_elsewhere(srv)
 
 
 @pytest.mark.timeout(300)
-def test_a_scale_whose_caller_gives_up_still_completes(srv):
+def test_a_scale_whose_caller_gives_up_still_completes(srv, capsys):
+    from router.cli import main
+
     cluster = srv.server.cluster
     admin = f"127.0.0.1:{srv.server.admin_port}"
     before = len(cluster.prefill_ids)
-    with grpc.insecure_channel(admin) as ch:
-        with pytest.raises(grpc.RpcError) as err:
-            admin_pb2_grpc.AdminStub(ch).Scale(
-                admin_pb2.ScaleRequest(prefill=before + 1), timeout=0.3
-            )
-    assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    argv = ["scale", "--address", admin, "--prefill", str(before + 1), "--timeout", "0.3"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "DEADLINE_EXCEEDED" in err and "after 0.3 s; the resize goes on in the server" in err
     deadline = time.monotonic() + 120
     while len(cluster.prefill_ids) != before + 1:  # the new worker comes up anyway
         assert time.monotonic() < deadline, listed(srv)
@@ -238,7 +239,8 @@ def test_a_scale_whose_caller_gives_up_still_completes(srv):
 
 
 @pytest.mark.timeout(60)
-def test_bad_sizes_are_refused_naming_the_field(srv):
+def test_bad_sizes_are_refused_naming_the_field(srv, caplog):
+    caplog.set_level(logging.INFO, "pdserve.admin")
     admin = f"127.0.0.1:{srv.server.admin_port}"
     with grpc.insecure_channel(admin) as ch:
         stub = admin_pb2_grpc.AdminStub(ch)
@@ -251,6 +253,10 @@ def test_bad_sizes_are_refused_naming_the_field(srv):
                 stub.Scale(req, timeout=10)
             assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
             assert err.value.details().startswith(f"{field}: ")
+    # The log says it was refused, and why (a check past the request's own fields).
+    said = [r.getMessage() for r in caplog.records if r.name == "pdserve.admin"]
+    assert any(m.startswith("scale refused: decode: need at least 1 worker") for m in said), said
+    assert not any(m.startswith("scale done") for m in said), said
     # The server still serves.
     with grpc.insecure_channel(srv.address) as ch:
         res = pb_grpc.GenerationStub(ch).Complete(
