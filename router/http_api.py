@@ -142,8 +142,8 @@ class HttpApi:
             "max_model_len": self.limits.max_model_len,
         }
 
-    def _check_model(self, model: str) -> None:
-        if model != self.model:
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model:  # none given: the one served
             raise ApiError(
                 404,
                 f"model: {model!r} is not served here; this server serves {self.model!r}",
@@ -202,11 +202,16 @@ class HttpApi:
         offsets = self.shapes.offsets()
         try:
             if call.chat:
-                yield sse(self.shapes.chunk(call, {"delta": {"role": "assistant", "content": ""}}))
+                delta = {"role": "assistant", "content": ""}
+                opening = {"delta": delta, "logprobs": None, "finish_reason": None}
+                yield sse(self.shapes.chunk(call, opening))
             chunk: CoreChunk | None = first
             while chunk is not None:
                 choice = self.shapes.streamed_choice(call, chunk, offsets)
-                yield sse(self.shapes.chunk(call, choice, chunk.final))
+                # Tokens whose text is held back (a stop string may begin there) make no event
+                # of their own, unless they carry logprobs.
+                if chunk.text or chunk.final is not None or choice["logprobs"] is not None:
+                    yield sse(self.shapes.chunk(call, choice, chunk.final))
                 if chunk.final is not None:
                     if call.include_usage:
                         yield sse(self.shapes.chunk(call, None, usage_=usage(chunk.final)))

@@ -71,7 +71,7 @@ class StreamOptions(_Body):
 
 
 class _Sampling(_Body):
-    model: str
+    model: str | None = Field(None, description="the served model's name (default: it)")
     max_tokens: int | None = None
     # Only OpenAI's own rules are checked here (temperature up to 2, n 1); every range the
     # engine has is checked by router/request.py, for both doors, naming the field.
@@ -149,6 +149,18 @@ class ChatMessage(_Body):
     role: str = Field(description="system, developer (as system), user or assistant")
     content: str | list[TextPart]
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            for i, part in enumerate(v):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(
+                        f"part {i}: only text parts are supported, got type {json.dumps(kind)}"
+                    )
+        return v
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
@@ -190,6 +202,7 @@ def request_fields(
         default_max_tokens = COMPLETIONS_MAX_TOKENS
     else:
         messages = [(m.role, _text(m.content)) for m in body.messages]
+        renames["prompt"] = "messages"  # the prompt the chat template makes of them
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None:
             renames["logprobs"] = "top_logprobs"

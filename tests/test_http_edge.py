@@ -185,6 +185,12 @@ def test_a_prompt_the_kv_cache_cannot_hold_is_a_400_naming_it_on_both_doors(capl
             assert err["param"] == "prompt" and "at most 31" in err["message"], err
             ok = http.post(base(s) + "/v1/completions", json={**BODY, "prompt": [1] * 31})
             assert ok.status_code == 200, ok.text  # and it goes on serving
+            # A chat's prompt is what the chat template makes of its messages: named so.
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 40}]}
+            resp = http.post(base(s) + "/v1/chat/completions", json=chat)
+            err = resp.json()["error"]
+            assert resp.status_code == 400 and err["param"] == "messages", err
+            assert err["message"].startswith("messages: has "), err
         with grpc.insecure_channel(s.address) as ch:
             req = pb.GenerateRequest(prompt_token_ids=[1] * 32)
             with pytest.raises(grpc.RpcError) as info:
@@ -405,3 +411,50 @@ def test_a_port_that_is_taken_stops_the_start_naming_its_flag(door):
             asyncio.run(start())
     finally:
         taken.close()
+
+
+@pytest.mark.timeout(120)
+def test_what_openai_clients_send_and_read_beside_the_plain_request():
+    """`model` may be left out (the served one); an image part is refused naming the part; a
+    chat's stream opens with a role chunk that has every key; tokens whose text is held back
+    (a stop string may begin there) make no empty event."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    s = server()
+    try:
+        with httpx.Client(timeout=30) as http:
+            no_model = {k: v for k, v in BODY.items() if k != "model"}
+            resp = http.post(base(s) + "/v1/completions", json=no_model)
+            assert resp.status_code == 200 and resp.json()["model"] == MODEL, resp.text
+            image = {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}
+            body = {**chat, "messages": [{"role": "user", "content": [image]}]}
+            resp = http.post(base(s) + "/v1/chat/completions", json=body)
+            err = resp.json()["error"]
+            assert resp.status_code == 400 and err["param"] == "messages[0].content", err
+            assert 'part 0: only text parts are supported, got type "image_url"' in err["message"]
+            with http.stream(
+                "POST", base(s) + "/v1/chat/completions", json={**chat, "stream": True}
+            ) as r:
+                events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+            assert events[0]["choices"][0] == {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            # The text of each token alone, then a stop string that the second token's text
+            # begins: its event waits for the third token's, which shows the match broke.
+            whole = {**BODY, "max_tokens": 6, "stream": True}
+            pieces = completion_events(http, s, whole)
+            assert len(pieces) == 6 and all(pieces), pieces
+            held = completion_events(http, s, {**whole, "stop": [pieces[1] + "\x00"]})
+            assert "".join(held) == "".join(pieces)
+            assert len(held) == 5 and all(held[:-1]), held  # one event fewer, none empty
+    finally:
+        s.close()
+
+
+def completion_events(http, s, body) -> list[str]:
+    """The text of each event of a streamed completion, the last (final) one included."""
+    with http.stream("POST", base(s) + "/v1/completions", json=body) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: {")]
+    return [json.loads(ln[6:])["choices"][0]["text"] for ln in lines]
