@@ -60,6 +60,13 @@ def _fmt_s(v: float | None) -> str:
     return f"{v * 1000:.0f} ms" if v < 1 else f"{v:.2f} s"
 
 
+def _fmt_rate(bytes_per_s: float) -> str:
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if bytes_per_s >= scale:
+            return f"{bytes_per_s / scale:.2f} {unit}"
+    return f"{bytes_per_s:.0f} B/s"
+
+
 def render(before: Samples, after: Samples, seconds: float, address: str) -> str:
     lines = [f"pdserve metrics at {address}"]
     roles = by_labels(after, "pdserve_workers", "role")
@@ -111,7 +118,7 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
     spreads = by_labels(after, "pdserve_prediction_spread", "kind", "worker")
     if spreads:
         lines.append(
-            "predictions err by (sd of ln measured/predicted): "
+            "how far predictions err (sd of ln(measured / predicted)): "
             + ", ".join(
                 f"{k[0]}{' ' + k[1] if k[1] else ''} {v:.2f}" for k, v in sorted(spreads.items())
             )
@@ -119,7 +126,7 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
     biases = by_labels(after, "pdserve_prediction_bias_ratio", "kind", "worker")
     if biases:
         lines.append(
-            "p99 gaps came at x of their prediction: "
+            "measured p99 gap over predicted: "
             + ", ".join(f"{k[1]} {k[0]} {v:.2f}" for k, v in sorted(biases.items()))
         )
     factors = by_labels(after, "pdserve_worker_gap_over_step_ratio", "worker")
@@ -147,7 +154,7 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
     ):
         qs = _quantiles(after, metric)
         text = "; ".join(f"{p} {_fmt_s(a)} / {_fmt_s(b)}" for p, (a, b) in qs.items())
-        lines.append(f"{label} p50 / p99: {text or '-'}")
+        lines.append(f"{label} p50 / p99 since start: {text or '-'}")
     dec = by_labels(after, "pdserve_path_decisions_total", "path", "reason")
     lines.append(
         "decisions: " + (", ".join(f"{p}/{r} {v:.0f}" for (p, r), v in sorted(dec.items())) or "-")
@@ -162,8 +169,10 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
     bw = sum(by_labels(after, "pdserve_kv_transfer_bandwidth_bytes_per_second").values())
     lines.append(
         f"KV transfers: {ok:.0f} done, {nbytes / 1e6:.1f} MB, "
-        f"{sum(fails.values()):.0f} failed, latest {bw / 1e9:.2f} GB/s"
+        f"{sum(fails.values()):.0f} failed, latest {_fmt_rate(bw)}"
     )
+    resumed = sum(by_labels(after, "pdserve_requests_resumed_total").values())
+    lines.append(f"resumed on another worker (theirs lost): {resumed:.0f}")
     falls = by_labels(after, "pdserve_local_prefill_fallbacks_total", "reason")
     lines.append(
         "prefilled on the decode worker after all: "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import subprocess
 import time
@@ -173,10 +174,13 @@ def test_metrics_through_a_real_prometheus(srv, prometheus):
     assert f"requests: {n} (colocated {len(lengths)}, disaggregated {len(lengths)})" in text
     assert "decode-0" in text and "prefill-0" in text
     assert "steps beside a busy peer on the node: 127.0.0.1 " in text
-    assert "predictions err by (sd of ln measured/predicted): itl_p99 decode-0 " in text
+    assert "how far predictions err (sd of ln(measured / predicted)): itl_p99 decode-0 " in text
     assert "gaps at the router over steps: decode-0 " in text
-    assert "p99 gaps came at x of their prediction: decode-0 colocated " in text
+    assert "measured p99 gap over predicted: decode-0 colocated " in text
     assert f"KV transfers: {len(lengths)} done" in text
+    assert re.search(r"latest \d+\.\d\d [kMG]?B/s", text), text  # in units that show it
+    assert "resumed on another worker (theirs lost): 0" in text
+    assert "TTFT p50 / p99 since start: colocated " in text
     # Per worker: the prefills placed on it, for a peer or to decode itself.
     placed = status.by_labels(samples, "pdserve_worker_prefills_total", "worker", "kind")
     assert placed[("prefill-0", "for_peer")] == len(lengths)
