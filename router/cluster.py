@@ -82,9 +82,6 @@ class Cluster:
         self.handoffs = Handoffs(config, self.pools, lambda: self.prefill_ids)
         self._poll = LoadPoll(config.worker_hang_timeout_s)
         self._rr = itertools.count()
-        # The server stops: a request ended early is answered before its abort has gone through
-        # (which a stopped worker would hold to the control timeout); the abort goes on alone.
-        self.closing = False
 
     # -- the Backend the request core drives -----------------------------------------------------
     @property
@@ -160,6 +157,16 @@ class Cluster:
             # id may be starting, but takes no request before it is ready.
             raise WorkerLost(worker_id, "not in its pool")
         return h
+
+    @property
+    def closing(self) -> bool:
+        """The server stops: a request ended early is answered before its aborts have gone
+        through (which a stopped worker would hold to the control timeout); they go on alone."""
+        return self.handoffs.closing
+
+    @closing.setter
+    def closing(self, value: bool) -> None:
+        self.handoffs.closing = value
 
     # -- requests ----------------------------------------------------------------------------
     async def generate(

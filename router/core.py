@@ -183,12 +183,12 @@ class RequestCore:
         from its prompt and the tokens already streamed (greedy output is unchanged, and so is a
         seeded sample's: the new worker draws from the next sample's number on: engine/sampler.py
         explains)."""
-        shape, decision = self.plan(req)
-        self._admit(shape, decision, req.frontend)
-        self.planner.demand.arrived(shape.prompt_len, shape.max_tokens)  # taken: it will decode
-        text = TextStream(self.tokenizer, req.prompt_token_ids, req.sampling)
-        live = self.endings.open()  # end_all ends it (the server stopping)
+        live = self.endings.open()  # end_all ends it (the server stopping), or refuses it now
         try:
+            shape, decision = self.plan(req)
+            self._admit(shape, decision, req.frontend)
+            self.planner.demand.arrived(shape.prompt_len, shape.max_tokens)  # taken: it decodes
+            text = TextStream(self.tokenizer, req.prompt_token_ids, req.sampling)
             with self._books(req, decision, arrived) as books:  # settled however it ends
                 try:
                     for attempt in range(MAX_RESUMES + 1):
@@ -198,6 +198,8 @@ class RequestCore:
                                 async for chunk in chunks:
                                     live.yielding()
                                     yield chunk
+                                    if chunk.final is not None:
+                                        return  # answered: nothing is left to end
                                     live.resumed()
                             return
                         except WorkerLost as lost:

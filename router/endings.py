@@ -40,12 +40,13 @@ class LiveStream:
 
     def cancelled(self) -> ShuttingDown | None:
         """The stream caught a cancellation: ShuttingDown (the cancellation taken back) where it
-        came from end_all, else None (the reader left: let the cancellation through)."""
+        came from end_all, else None (its reader left, also where that came at the same time:
+        let the cancellation through)."""
         if self.why is None:
             return None
-        task = asyncio.current_task()
-        if task is not None:
-            task.uncancel()
+        uncancel = getattr(asyncio.current_task(), "uncancel", None)  # Python 3.11 on
+        if uncancel is not None and uncancel() > 0:
+            return None  # another cancellation stands
         return ShuttingDown(self.why)
 
 
@@ -54,8 +55,12 @@ class Endings:
 
     def __init__(self) -> None:
         self.live: set[LiveStream] = set()
+        self.why: str | None = None  # set by end_all: a stream opened after it ends at once
 
     def open(self) -> LiveStream:
+        """A new request's stream (raises ShuttingDown once end_all has run)."""
+        if self.why is not None:
+            raise ShuttingDown(self.why)
         s = LiveStream()
         self.live.add(s)
         return s
@@ -64,11 +69,15 @@ class Endings:
         self.live.discard(s)
 
     def end_all(self, why: str) -> int:
-        """End every live stream with ShuttingDown(why); returns how many. On the event loop."""
+        """End every live stream with ShuttingDown(why), and every one opened later; returns
+        how many were ended now. On the event loop."""
+        if self.why is None:
+            self.why = why
+        n = 0
         for s in self.live:
             if s.why is not None:
                 continue
-            s.why = why
+            s.why, n = why, n + 1
             if s.inside and s.task is not None:
                 s.task.cancel()
-        return len(self.live)
+        return n

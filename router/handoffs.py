@@ -50,6 +50,7 @@ class Handoffs:
         self.fallbacks: deque[tuple[str, FallbackReason, str]] = deque(maxlen=256)
         self.fallback_counts = {r: 0 for r in FallbackReason}
         self.replans = 0  # requests prefilled again on another prefill worker after one died
+        self.closing = False  # Cluster.closing
 
     async def run(
         self,
@@ -171,7 +172,11 @@ class Handoffs:
                         again, other, d, fallback, listener, ids, replan=False
                     )
                 except BaseException:  # cancelled (the client left): stop its prefill too
-                    await asyncio.shield(self._abort_on(other, again.request_id))
+                    abort = self._abort_on(other, again.request_id)
+                    if self.closing:  # the server stops: the answer goes out first
+                        self.pools.ops.submit(abort)
+                    else:
+                        await asyncio.shield(abort)
                     raise
             finally:
                 other.active -= 1

@@ -16,7 +16,7 @@ from router.security import SecurityConfig
 
 class HttpServer:
     def __init__(
-        self, app: Any, host: str, port: int, security: SecurityConfig, drain_timeout_s: float
+        self, app: Any, host: str, port: int, security: SecurityConfig, grace_s: float
     ) -> None:
         sec = security
         self.config = uvicorn.Config(
@@ -26,7 +26,7 @@ class HttpServer:
             lifespan="off",
             log_level="warning",
             access_log=False,
-            timeout_graceful_shutdown=max(1, round(drain_timeout_s)),
+            timeout_graceful_shutdown=max(1, round(grace_s)),
             ssl_certfile=str(sec.tls_cert) if sec.tls_cert else None,
             ssl_keyfile=str(sec.tls_key) if sec.tls_key else None,
             ssl_ca_certs=str(sec.tls_client_ca) if sec.tls_client_ca else None,
@@ -55,8 +55,9 @@ class HttpServer:
         self._loop = asyncio.ensure_future(self.server.main_loop())
 
     async def stop(self) -> None:
-        """No new connections; requests in flight get the drain timeout, then are cancelled
-        (which aborts them on their workers)."""
+        """No new connections; requests in flight get the grace this server was given (the
+        server's drain timeout and END_GRACE_S: router/server.py ends them before it), then
+        are cancelled (which aborts them on their workers)."""
         self.server.should_exit = True
         if self._loop is not None:
             with contextlib.suppress(asyncio.CancelledError):
@@ -65,9 +66,9 @@ class HttpServer:
         await self.server.shutdown()
 
     def hurry(self) -> None:
-        """While stop() drains: end the requests in flight now, as uvicorn does when its
-        graceful shutdown times out (cancelling a request's task closes its stream, which
-        aborts it on its workers)."""
+        """While stop() drains: cancel the requests still in flight now, as uvicorn does when
+        its graceful shutdown times out (cancelling a request's task closes its stream, which
+        aborts it on its workers). The server calls it END_GRACE_S after ending them."""
         self.server.force_exit = True
         for task in list(self.server.server_state.tasks):
             task.cancel()

@@ -1,6 +1,7 @@
 """The StatsSink the request core reports to (router/stats.py's records), and the workers' load
 reports, recorded into the router's Prometheus metrics (router/metric_families.py, where every
-name and label is defined), and /metrics served.
+name and label is defined), and /metrics served. Refusals also go to the log
+(router/refusal_log.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from prometheus_client import start_http_server
 
 from router.host_share import PeerWork
 from router.metric_families import MetricFamilies
+from router.refusal_log import RefusalLog
 from router.stats import FirstTokenRecord, RequestRecord, TransferRecord
 from router.vocab import PLACEMENT_KINDS, Frontend, RejectReason
 from worker_protocol.messages import WorkerLoad, WorkerRole
@@ -25,6 +27,7 @@ class Metrics(MetricFamilies):
         self._last: dict[str, WorkerLoad] = {}
         self._kinds_seen: set[tuple[str, str, str]] = set()
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self.refusals = RefusalLog()  # each refusal counted here is also said in the log
 
     def _c(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, looked up once (the request path calls these per token)."""
@@ -52,6 +55,7 @@ class Metrics(MetricFamilies):
 
     def rejected(self, reason: RejectReason, frontend: Frontend) -> None:
         self._c(self.rejections, reason.value, frontend.value).inc()
+        self.refusals.refused(reason, frontend)
 
     def first_token(self, rec: FirstTokenRecord) -> None:
         p = rec.path

@@ -170,7 +170,7 @@ async def _bare_http() -> tuple[Any, int]:
     from router.http_server import HttpServer
     from router.security import SecurityConfig
 
-    server = HttpServer(_bare_app(), "127.0.0.1", 0, SecurityConfig(), drain_timeout_s=1)
+    server = HttpServer(_bare_app(), "127.0.0.1", 0, SecurityConfig(), grace_s=1)
     await server.start()
     return server, server.port
 

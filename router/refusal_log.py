@@ -9,9 +9,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Any
 
-from router.stats import StatsSink
 from router.vocab import Frontend, RejectReason
 
 log = logging.getLogger("pdserve.router")
@@ -64,19 +62,3 @@ class RefusalLog:
         n = sum(self._counts.values())
         parts = ", ".join(f"{r.value} {c} ({f.value})" for (r, f), c in self._counts.most_common())
         return f"{n} requests in the last {now - self._since:.0f} s: {parts}"
-
-
-class LoggedRefusals:
-    """A StatsSink that passes every record on to `inner` (the metrics, or nothing), and logs
-    the refusals too (RefusalLog): the log says so with the metrics off as well."""
-
-    def __init__(self, inner: StatsSink, window_s: float = WINDOW_S) -> None:
-        self.inner = inner
-        self.log = RefusalLog(window_s)
-
-    def rejected(self, reason: RejectReason, frontend: Frontend) -> None:
-        self.inner.rejected(reason, frontend)
-        self.log.refused(reason, frontend)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)

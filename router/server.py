@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -32,11 +31,9 @@ from router.http_api import HttpApi
 from router.http_server import HttpServer
 from router.metrics import Metrics
 from router.ray_runtime import init_ray
-from router.refusal_log import LoggedRefusals
 from router.request import ModelLimits
 from router.security import SecurityConfig
 from router.servicer import SERVICE, GenerationServicer, add_services
-from router.stats import NullSink
 
 log = logging.getLogger("pdserve.server")
 # Once the requests in flight are ended (at the drain timeout, or interrupted again): how long
@@ -118,23 +115,21 @@ class Server:
                 limits.max_model_len,
             )
 
+        # Kept with the endpoint off too: the core reports to it, and its refusal lines are
+        # the log's (router/refusal_log.py).
+        self.metrics = metrics = Metrics()
         if c.metrics_port is not None:
-            self.metrics = Metrics()
             try:
-                self.metrics_port = self.metrics.serve(c.host, c.metrics_port)
+                self.metrics_port = metrics.serve(c.host, c.metrics_port)
             except OSError as exc:
                 raise OSError(
                     f"could not listen on {c.host}:{c.metrics_port} (--metrics-port): "
                     f"{exc.strerror or exc}"
                 ) from None
             log.info("metrics on http://%s:%d/metrics", c.host, self.metrics_port)
-        # Refusals are also logged, with the metrics off too.
-        sink = LoggedRefusals(self.metrics if self.metrics is not None else NullSink())
-        self.core = RequestCore(backend, infos, c.router, tokenizer, sink)
-        if self.metrics is not None:  # read from the core at each scrape
-            core = self.core
-            self.metrics.pending.set_function(lambda: core.pending)
-            self.metrics.active.set_function(lambda: core.active)
+        self.core = core = RequestCore(backend, infos, c.router, tokenizer, metrics)
+        metrics.pending.set_function(lambda: core.pending)  # read at each scrape
+        metrics.active.set_function(lambda: core.active)
         await self.core.refresh()
         self.core.start()
         self.grpc = grpc.aio.server(
@@ -231,6 +226,8 @@ class Server:
         self.grpc = self.http = None
         drain = 0.0 if self._hurried else self.config.drain_timeout_s
         ending = asyncio.ensure_future(self._end_in_flight(drain))
+        if self._hurried:  # interrupted again before the drain began
+            self._hurrying.append(asyncio.ensure_future(self._cut(grpc_server, http)))
         stopping = []
         if grpc_server is not None:
             stopping.append(grpc_server.stop(drain + END_GRACE_S))
@@ -248,12 +245,11 @@ class Server:
             self.metrics.close()
 
     async def _end_in_flight(self, after_s: float) -> None:
-        """Once `after_s` has passed with requests still in flight, end them (ShuttingDown)."""
+        """Once `after_s` has passed (the front doors not yet closed, or this is cancelled), end
+        the requests in flight, and those still to open their streams (ShuttingDown)."""
         if self.core is None:
             return
-        deadline = time.monotonic() + after_s
-        while self.core.endings.live and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await asyncio.sleep(after_s)
         why = (
             "the server is shutting down: interrupted again"
             if self._hurried

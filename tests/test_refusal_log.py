@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from router.metrics import Metrics
-from router.refusal_log import LoggedRefusals, RefusalLog
+from router.refusal_log import RefusalLog
 from router.vocab import Frontend, RejectReason
 
 Q, RATE, LIMIT = RejectReason.QUEUE_FULL, RejectReason.DECODE_RATE, RejectReason.CLIENT_LIMIT
@@ -56,25 +56,13 @@ def test_every_reason_is_explained():
     assert set(WHY) == set(RejectReason)
 
 
-def test_the_servers_sink_counts_and_logs_with_the_metrics_on_or_off(caplog):
-    from router.stats import NullSink
-
+def test_the_servers_metrics_count_and_log_each_refusal(caplog):
     caplog.set_level(logging.WARNING, "pdserve.router")
     m = Metrics()
-    sink = LoggedRefusals(m)
-    sink.rejected(RejectReason.SLO, Frontend.HTTP)
-    assert (
-        m.registry.get_sample_value(
-            "pdserve_admission_rejections_total", {"reason": "slo", "frontend": "http"}
-        )
-        == 1
+    m.rejected(RejectReason.SLO, Frontend.HTTP)
+    sample = m.registry.get_sample_value(
+        "pdserve_admission_rejections_total", {"reason": "slo", "frontend": "http"}
     )
+    assert sample == 1
     [line] = lines(caplog)
     assert line.startswith("refusing requests (http): slo: its predicted TTFT misses its SLO")
-    sink.decided("colocated", "policy")  # every other record goes on to the metrics
-    assert m.registry.get_sample_value(
-        "pdserve_path_decisions_total", {"path": "colocated", "reason": "policy"}
-    )
-    LoggedRefusals(NullSink()).rejected(RejectReason.QUEUE_FULL, Frontend.GRPC)
-    [line] = lines(caplog)
-    assert line.startswith("refusing requests (grpc): queue_full")

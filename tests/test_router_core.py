@@ -786,14 +786,38 @@ def test_ending_every_stream_answers_each_with_shutting_down_and_settles_the_boo
         with pytest.raises(ShuttingDown, match="a test") as err:
             await waiting
         assert failure_reason(err.value) is FailureReason.SHUTTING_DOWN
+        assert waiting.cancelling() == 0  # the cancellation was taken back
         assert first.token_ids
         with pytest.raises(ShuttingDown):
             await anext(held)
         assert core.active == core.pending == 0 and not core.endings.live
-        # A reader that leaves is no shutdown: its cancellation goes through as such.
+        # A request after it is refused at once, before any work.
+        with pytest.raises(ShuttingDown, match="a test"):
+            await consume(core, request("late"))
+        assert not [w for w in backend.started if w.startswith("late#")]
+
+    run(main())
+
+
+def test_a_stream_answered_or_left_at_the_shutdown_ends_as_it_would_have():
+    """Its final chunk already out: it just ends (no error after the answer). Its reader
+    leaving as it is ended: the reader's cancellation goes through."""
+
+    async def main():
+        gate = asyncio.Event()
+        gate.set()
+        core = await make_core(FakeBackend(gate=gate))
+        done = core.generate(request("done", max_tokens=1), time.monotonic())
+        last = await anext(done)
+        assert last.final is not None  # its reader holds the answer's last chunk
+        core.endings.end_all("the server is shutting down: a test")
+        with pytest.raises(StopAsyncIteration):
+            await anext(done)
+        core = await make_core(FakeBackend(gate=asyncio.Event()))
         leaving = asyncio.ensure_future(consume(core, request("leaving")))
         await asyncio.sleep(0.05)
-        leaving.cancel()
+        leaving.cancel()  # the reader leaves, and at once the server ends it
+        core.endings.end_all("the server is shutting down: a test")
         with pytest.raises(asyncio.CancelledError):
             await leaving
         assert core.active == 0 and not core.endings.live

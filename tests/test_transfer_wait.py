@@ -132,10 +132,11 @@ def _ticks_while(work) -> tuple[object, float]:
         ticking = asyncio.create_task(ticker())
         await asyncio.sleep(0)
         try:
-            return await work(), longest
+            result = await work()
         finally:
             done.set()
-            await ticking
+            await ticking  # its last wait measured too (a block at the end of the work)
+        return result, longest
 
     return asyncio.run(asyncio.wait_for(main(), 10))
 
