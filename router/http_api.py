@@ -197,8 +197,9 @@ class HttpApi:
     async def _events(
         self, call: Call, first: CoreChunk, chunks: AsyncIterator[CoreChunk]
     ) -> AsyncIterator[str]:
-        """The response's server-sent events, from its first chunk on. A failure mid-answer
-        ends them with an error event; EventStream closes the core's stream either way."""
+        """The response's server-sent events, from its first chunk on, then `[DONE]`. A failure
+        mid-answer makes the last one before `[DONE]` an error event; EventStream closes the
+        core's stream either way."""
         offsets = self.shapes.offsets()
         try:
             if call.chat:
@@ -220,3 +221,4 @@ class HttpApi:
             yield "data: [DONE]\n\n"
         except Exception as exc:  # a worker failed mid-answer: tell the client, then end
             yield sse(from_core(exc).body())
+            yield "data: [DONE]\n\n"  # as after an answer: a reader waiting for it stops

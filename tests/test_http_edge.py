@@ -227,7 +227,8 @@ def test_a_worker_failing_mid_answer_is_a_503_or_an_error_event():
             ) as resp:
                 lines = [ln for ln in resp.iter_lines() if ln.startswith("data: ")]
             assert resp.status_code == 200
-            assert '"error"' in lines[-1] and "worker_failed" in lines[-1]
+            assert '"error"' in lines[-2] and "worker_failed" in lines[-2]
+            assert lines[-1] == "data: [DONE]"  # the stream ends as an answer's does
             assert s.server.core.active == 0 and s.server.core.pending == 0
     finally:
         s.close()
