@@ -81,6 +81,48 @@ def test_a_dead_decode_worker_s_request_resumes_on_another_token_for_token(srv, 
     assert metric("pdserve_worker_failures_total", {"worker": killed, "role": "decode"}) >= 1
 
 
+@pytest.mark.timeout(180)
+def test_a_seeded_request_handed_off_then_resumed_gives_the_tokens_its_seed_gives(srv):
+    """Sampled with a seed: prefilled on the prefill worker (its first sample there), decoded on
+    a decode worker that is killed mid-stream, resumed on another: the tokens are those of the
+    same request run colocated without a fault (each sample is drawn by its number)."""
+    cluster = srv.server.cluster
+    prompt = random_prompts([21], seed=27)[0]
+    sampling = pb.SamplingParams(
+        max_tokens=MAX_NEW, temperature=0.9, top_p=0.95, seed=4242, ignore_eos=True
+    )
+
+    def run(rid: str, path: int, kill: bool) -> tuple[list[int], pb.FinalInfo, str | None]:
+        req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                                 path=path)  # fmt: skip
+        got: list[int] = []
+        final, killed = None, None
+        with grpc.insecure_channel(srv.address) as channel:
+            for msg in pb_grpc.GenerationStub(channel).Generate(req, timeout=90):
+                got.extend(msg.token_ids)
+                if kill and killed is None and len(got) >= 5:
+                    killed = decoding(srv, rid)
+                    assert killed is not None
+                    ray.kill(cluster.actor(killed), no_restart=True)
+                if msg.HasField("final"):
+                    final = msg.final
+        assert final is not None
+        return got, final, killed
+
+    want, _, _ = run("seeded-whole", pb.PATH_COLOCATED, kill=False)
+    assert len(want) == MAX_NEW and want != hf_greedy(MODEL, prompt, MAX_NEW)  # sampled
+    resumed = srv.server.core.resumed
+    got, final, killed = run("seeded-victim", pb.PATH_DISAGGREGATED, kill=True)
+    assert final.path == pb.PATH_DISAGGREGATED and final.prefill_worker  # handed off first
+    assert killed in cluster.dead and final.decode_worker != killed
+    assert srv.server.core.resumed == resumed + 1
+    assert got == want
+    deadline = time.monotonic() + 60  # the module's workers as they were, for the next test
+    while killed not in cluster.decode_ids:
+        assert time.monotonic() < deadline, f"{killed} was not replaced within 60 s"
+        time.sleep(0.1)
+
+
 @pytest.mark.timeout(120)
 def test_a_worker_whose_engine_step_fails_is_replaced_and_its_request_resumes(srv):
     def break_engine_step(worker) -> None:
