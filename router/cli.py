@@ -99,24 +99,16 @@ DEFAULT_GENERATE_TOKENS = 256
 def _within_context(
     params: SamplingParams, prompt_len: int, asked: int | None, engine: LLMEngine
 ) -> SamplingParams:
-    """`params` for a prompt of `prompt_len` tokens: the default max_tokens cut to what the
-    context leaves, an asked-for one past it refused (as the server refuses it)."""
+    """`params` for a prompt of `prompt_len` tokens: max_tokens as the server makes it (the
+    default cut to what the context leaves, an asked-for one past it refused)."""
     from dataclasses import replace
 
-    from engine.errors import InvalidRequestError
+    from router.request import max_tokens_for
 
-    room = engine.max_model_len - prompt_len
-    if room < 1:
+    if prompt_len >= engine.max_model_len:
         return params  # the engine refuses the prompt itself, naming its length
-    if asked is None:
-        return replace(params, max_tokens=min(params.max_tokens, room))
-    if asked > room:
-        raise InvalidRequestError(
-            "max_tokens",
-            f"must be in [1, {room}] for a {prompt_len}-token prompt "
-            f"(context {engine.max_model_len}), got {asked}",
-        )
-    return params
+    n = max_tokens_for(asked, DEFAULT_GENERATE_TOKENS, prompt_len, engine.max_model_len)
+    return replace(params, max_tokens=n)
 
 
 def _generate(args: argparse.Namespace, _extra: list[str]) -> int:

@@ -154,11 +154,8 @@ def _unreached(details: str) -> bool:
 
 def not_utf8(texts: Iterable[tuple[str, str]]) -> None:
     """Raise InvalidRequestError naming the first (field, text) that is not valid UTF-8 (a
-    shell argument of other bytes arrives as lone surrogates)."""
-    from engine.errors import InvalidRequestError
+    shell argument of other bytes arrives as lone surrogates): the server's own check."""
+    from router.request import utf8_len
 
     for field, text in texts:
-        try:
-            text.encode()
-        except UnicodeEncodeError:
-            raise InvalidRequestError(field, "is not valid UTF-8") from None
+        utf8_len(field, text)

@@ -35,6 +35,7 @@ from router.worker_calls import (
     UNAVAILABLE,
     abort_soon,
     lost,
+    settle_abort,
     stream_of,
     why_gone,
 )
@@ -239,10 +240,8 @@ class Cluster:
             raise WorkerLost(d.worker_id, why) from exc
         finally:
             d.active -= 1
-            if not finished and self.closing:
-                self.pools.ops.submit(self._abort(ids, p, d))
-            elif not finished:
-                await asyncio.shield(self._abort(ids, p, d))
+            if not finished:
+                await settle_abort(self._abort(ids, p, d), self.closing, self.pools.ops.submit)
 
     async def _abort(self, ids: list[str], p: WorkerHandle | None, d: WorkerHandle) -> None:
         """One try on each worker, at once; a worker unreachable for now gets the rest on the

@@ -31,6 +31,7 @@ from router.worker_calls import (
     abort_soon,
     lost,
     renew,
+    settle_abort,
     stream_of,
     why_gone,
 )
@@ -173,10 +174,7 @@ class Handoffs:
                     )
                 except BaseException:  # cancelled (the client left): stop its prefill too
                     abort = self._abort_on(other, again.request_id)
-                    if self.closing:  # the server stops: the answer goes out first
-                        self.pools.ops.submit(abort)
-                    else:
-                        await asyncio.shield(abort)
+                    await settle_abort(abort, self.closing, self.pools.ops.submit)
                     raise
             finally:
                 other.active -= 1

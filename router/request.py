@@ -124,7 +124,7 @@ def _prompt_ids(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> list[i
                 "prompt_token_ids", f"token id {bad} is outside [0, {limits.vocab_size})"
             )
     elif f.prompt is not None:
-        _check_size("prompt", _utf8_len("prompt", f.prompt), limits)
+        _check_size("prompt", utf8_len("prompt", f.prompt), limits)
         ids = encode(tokenizer, f.prompt)
     else:
         ids = _chat_ids(f.messages or (), tokenizer, limits)
@@ -159,7 +159,7 @@ def _chat_ids(
             raise InvalidRequestError(
                 f"messages[{i}].role", f"must be one of {CHAT_ROLES}, got {role!r}"
             )
-        size += _utf8_len(f"messages[{i}].content", content)
+        size += utf8_len(f"messages[{i}].content", content)
     _check_size("messages", size, limits)
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("messages", "this model has no chat template; send prompt")
@@ -183,7 +183,7 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text))
 
 
-def _utf8_len(field: str, text: str) -> int:
+def utf8_len(field: str, text: str) -> int:
     """Its length in UTF-8; a lone surrogate (JSON allows "\\ud800") cannot be encoded."""
     try:
         return len(text.encode())
@@ -198,20 +198,33 @@ def _check_size(field: str, nbytes: int, limits: ModelLimits) -> None:
         )
 
 
-def _sampling(f: RequestFields, prompt_len: int, limits: ModelLimits) -> SamplingParams:
-    room = limits.max_model_len - prompt_len
-    cap = room if limits.max_tokens is None else min(room, limits.max_tokens)
-    max_tokens = f.max_tokens if f.max_tokens is not None else min(f.default_max_tokens, cap)
-    if f.max_tokens is not None and not 1 <= max_tokens <= cap:
-        why = f"(context {limits.max_model_len})"
+def max_tokens_for(
+    asked: int | None, default: int, prompt_len: int, max_model_len: int, limit: int | None = None
+) -> int:
+    """A request's max_tokens: `default` cut to what the context leaves (and to `limit`, the
+    server's --max-tokens-limit) where none was asked for; one asked for past them is refused,
+    naming the field (the server's check, and `pdserve generate`'s)."""
+    room = max_model_len - prompt_len
+    cap = room if limit is None else min(room, limit)
+    if asked is None:
+        return min(default, cap)
+    if not 1 <= asked <= cap:
+        why = f"(context {max_model_len})"
         if cap < room:
-            why = f"(the server's --max-tokens-limit {limits.max_tokens})"
+            why = f"(the server's --max-tokens-limit {limit})"
         raise InvalidRequestError(
             "max_tokens",
-            f"must be in [1, {cap}] for a {prompt_len}-token prompt {why}, got {max_tokens}",
+            f"must be in [1, {cap}] for a {prompt_len}-token prompt {why}, got {asked}",
         )
+    return asked
+
+
+def _sampling(f: RequestFields, prompt_len: int, limits: ModelLimits) -> SamplingParams:
+    max_tokens = max_tokens_for(
+        f.max_tokens, f.default_max_tokens, prompt_len, limits.max_model_len, limits.max_tokens
+    )
     for i, stop in enumerate(f.stop):
-        _utf8_len(f"stop[{i}]", stop)
+        utf8_len(f"stop[{i}]", stop)
     bad_stop = next((t for t in f.stop_token_ids if not 0 <= t < limits.vocab_size), None)
     if bad_stop is not None:
         raise InvalidRequestError(

@@ -68,6 +68,19 @@ def abort_failed(h: WorkerHandle, rid: str, exc: BaseException) -> None:
     log.warning("abort of %s on %s failed: %s: %s", rid, h.worker_id, type(exc).__name__, exc)
 
 
+async def settle_abort(
+    abort: Coroutine[Any, Any, Any], closing: bool, later: Callable[[Coroutine[Any, Any, Any]], Any]
+) -> None:
+    """Run a request's `abort` to its end, shielded from the caller's cancellation (its blocks
+    are free once its books settle); while the server closes, leave it to `later` (the
+    supervisor loop's submit), so that the request's answer goes out first (a stopped worker
+    would hold the abort to the control timeout)."""
+    if closing:
+        later(abort)
+    else:
+        await asyncio.shield(abort)
+
+
 async def abort_soon(
     h: WorkerHandle, rid: str, timeout_s: float, later: Callable[[Coroutine[Any, Any, bool]], Any]
 ) -> BaseException | None:
