@@ -18,6 +18,7 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -77,6 +78,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "engine; the table shows each round's ratio and the median (a noisy machine moves single "
         "runs by 20%%)",
     )
+    p.add_argument(
+        "--penalties",
+        action="store_true",
+        help="in each round, also run the engine with every request penalized (repetition 1.1, "
+        "presence 0.5, frequency 0.5): pdserve_penalized, its cost beside pdserve",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results to this file")
 
@@ -130,6 +137,11 @@ def run(args: argparse.Namespace) -> int:
     for _ in range(max(1, args.rounds)):
         engine_run, steps, paged_model = _run_pdserve(cfg, loaded, prompts, params)
         runs.append({"pdserve": engine_run})
+        if args.penalties:
+            penalized = replace(params, repetition_penalty=1.1, presence_penalty=0.5,
+                                frequency_penalty=0.5)  # fmt: skip
+            runs[-1]["pdserve_penalized"], _, unused = _run_pdserve(cfg, loaded, prompts, penalized)
+            del unused
         if "bare_forward" not in skip and steps:
             secs = replay(paged_model, steps)
             toks = engine_run.get("output_tokens", 0)
@@ -146,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
     for r in rounds:
         if "bare_forward" in r:
             r["ratio"] = r["pdserve"] / r["bare_forward"]
+        if "pdserve_penalized" in r:
+            r["penalized_ratio"] = r["pdserve_penalized"] / r["pdserve"]
     # The table shows the median round (by the ratio, or by pdserve's rate alone).
     key = "ratio" if "ratio" in rounds[0] else "pdserve"
     order = sorted(range(len(rounds)), key=lambda i: rounds[i][key])
@@ -241,20 +255,25 @@ def print_table(result: dict[str, Any]) -> None:
         f"\nmodel {result['model']}, {result['requests']} requests, {result['threads']} threads, "
         f"engine detokenizing: {text}"
     )
-    print(f"{'system':<15}{'tok/s':>10}{'seconds':>10}{'pdserve / system':>18}")
-    for name in ("pdserve", "hf_sequential", "hf_continuous", "bare_forward"):
+    print(f"{'system':<18}{'tok/s':>10}{'seconds':>10}{'pdserve / system':>18}")
+    for name in ("pdserve", "pdserve_penalized", "hf_sequential", "hf_continuous", "bare_forward"):
         r = sy.get(name)
         if r is None:
             continue
         if "error" in r:
-            print(f"{name:<15}{'error: ' + r['error'][:60]}")
+            print(f"{name:<18}{'error: ' + r['error'][:60]}")
             continue
         ratio = f"{base / r['output_tok_s']:.2f}x" if base else "-"
-        print(f"{name:<15}{r['output_tok_s']:>10.1f}{r['seconds']:>10.1f}{ratio:>18}")
+        print(f"{name:<18}{r['output_tok_s']:>10.1f}{r['seconds']:>10.1f}{ratio:>18}")
     ratios = [r["ratio"] for r in result.get("rounds", ()) if "ratio" in r]
     if len(ratios) > 1:
         each = ", ".join(f"{x:.2f}" for x in ratios)
         print(f"pdserve / bare_forward per round: {each}; median {statistics.median(ratios):.2f}x")
+    penalized = [r["penalized_ratio"] for r in result.get("rounds", ()) if "penalized_ratio" in r]
+    if penalized:
+        each = ", ".join(f"{x:.3f}" for x in penalized)
+        print(f"pdserve_penalized / pdserve per round: {each}; median "
+              f"{statistics.median(penalized):.3f}x")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

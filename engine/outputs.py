@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from engine.penalties import Seen
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 
@@ -21,6 +22,7 @@ class ScheduledRequest(NamedTuple):
     block_ids: tuple[int, ...]  # the request's whole block table
     sample: bool  # the chunk ends the known sequence: sample the next token
     sampling: SamplingParams
+    seen: Seen | None = None  # a penalized request's tokens, where it samples (else None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
@@ -77,6 +78,8 @@ class Request:
     # Waiting for KV (kv_handoff.reserve): time.monotonic() from which its KV may land. Until
     # then it neither shrinks the prefill chunks here nor holds prompts for its decode.
     kv_due_at: float = 0.0
+    # A penalized request's token_ids as int64, extended where it samples (engine/penalties.py).
+    seen_ids: array[int] | None = None
 
     @property
     def queue_s(self) -> float:

@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request generators, logprobs.
+"""Token sampling: penalties, greedy, temperature, top-k, top-p, min-p, per-request generators,
+logprobs.
 
 A request's random draws come only from its own generator, one fixed-size draw per sampled token,
 the generator seeded for each sample from the request's seed and the sample's number
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.outputs import TokenLogprobs
+from engine.penalties import Seen, penalize_
 from engine.sampling_params import SamplingParams
 
 FilterKey = tuple[float, int, float, float]  # temperature, top_k, top_p, min_p
@@ -74,10 +76,18 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    seen: Sequence[Seen | None] = (),
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """Sample one token per row of `logits` [N, V], on their device; the ids (and logprobs)
-    come back to the host in one copy at the end."""
-    logits = logits.float()
+    come back to the host in one copy at the end. `seen` (by row; empty: none) holds what each
+    penalized row's request has seen (engine/penalties.py): their rows of `logits` are penalized
+    in place. Logprobs are the model's, before penalties."""
+    raw = logits = logits.float()
+    penalized = [(i, params[i], s) for i, s in enumerate(seen) if s is not None]
+    if penalized:
+        if any(sp.logprobs is not None for sp in params):
+            logits = logits.clone()
+        penalize_(logits, penalized)
     tokens = logits.argmax(dim=-1)  # greedy rows keep these
     groups: dict[FilterKey, list[int]] = {}
     for i, sp in enumerate(params):
@@ -99,7 +109,7 @@ def sample(
     want = [i for i, sp in enumerate(params) if sp.logprobs is not None]
     if not want:
         return tokens.tolist(), [None] * len(params)
-    return _with_logprobs(logits, tokens, params, want)
+    return _with_logprobs(raw, tokens, params, want)
 
 
 def _with_logprobs(

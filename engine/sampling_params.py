@@ -9,6 +9,7 @@ from engine.errors import InvalidRequestError
 
 _MIN_TEMPERATURE = 1e-5
 _SEED_LIMIT = 1 << 64  # it seeds a torch.Generator, which takes 64 bits
+_PENALTY_LIMIT = 2.0  # presence and frequency penalties, as OpenAI's API bounds them
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +19,11 @@ class SamplingParams:
     temperature 0 (or below 1e-5) means greedy. top_k 0 (or -1) disables top-k; top_p 1 and
     min_p 0 disable theirs. A seed makes the request's samples depend only on the seed and its
     own logits, whatever batch it shares a step with.
+
+    Penalties change the logits before all of that, greedy too (engine/penalties.py):
+    repetition_penalty (1: off) divides a positive logit, multiplies a negative one, of every
+    token in the prompt or the output so far; presence_penalty is subtracted once from each
+    token in the output so far, frequency_penalty once per time it occurs there (0: off).
     """
 
     max_tokens: int = 256
@@ -31,9 +37,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token, besides the chosen
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     # Samples of this request drawn elsewhere before (its tokens so far, where it resumes on
     # another worker): its draws start at the next sample's number (engine/sampler.py), so that
-    # a seed gives the same tokens.
+    # a seed gives the same tokens; and the last `drawn` tokens of its prompt are outputs, which
+    # presence and frequency penalties count.
     drawn: int = 0
 
     def __post_init__(self) -> None:
@@ -81,10 +91,25 @@ class SamplingParams:
             )
         if not isinstance(self.drawn, int) or self.drawn < 0:
             raise InvalidRequestError("drawn", f"must be an integer >= 0, got {self.drawn!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -_PENALTY_LIMIT <= v <= _PENALTY_LIMIT:  # also rejects NaN
+                raise InvalidRequestError(name, f"must be in [-2, 2], got {v!r}")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise InvalidRequestError(
+                "repetition_penalty",
+                f"must be finite and > 0 (1: off), got {self.repetition_penalty!r}",
+            )
         if self.logprobs is not None and (
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
         ):
             raise InvalidRequestError("logprobs", f"must be in [0, 20], got {self.logprobs!r}")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:

@@ -35,6 +35,7 @@ from engine.chunk_sizer import ChunkSizer
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import ComputedBlocks, KVCacheManager, cdiv
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.penalties import seen
 from engine.prompt_hold import PromptHold
 from engine.prompt_steps import PromptStepCost
 from engine.request import FinishReason, Request, RequestStatus
@@ -276,14 +277,17 @@ class Scheduler:
         for rid, n in chunks.items():
             req = self.requests[rid]
             start = req.num_computed_tokens
+            sample = start + n == req.num_tokens
+            penalized = sample and req.sampling.penalized
             scheduled.append(
                 ScheduledRequest(
                     request_id=rid,
                     token_ids=tuple(req.token_ids[start : start + n]),
                     start_pos=start,
                     block_ids=tuple(req.block_ids),
-                    sample=start + n == req.num_tokens,
+                    sample=sample,
                     sampling=req.sampling,
+                    seen=seen(req) if penalized else None,
                 )
             )
         finished, self._finished_ids = tuple(self._finished_ids), []

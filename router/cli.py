@@ -65,6 +65,7 @@ def _error(exc: Exception) -> int:
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
+    from router.client import add_penalty_arguments
     from router.serve_options import DTYPE_HELP, DTYPES, EAGER_HELP
 
     p = _parser(sub, "generate", help="complete prompts offline with one in-process engine")
@@ -86,6 +87,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 disables")
     p.add_argument("--seed", type=int, default=None, help="for sampling (default: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_penalty_arguments(p)
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
     p.add_argument("--enforce-eager", action="store_true", help=EAGER_HELP)
@@ -118,7 +120,7 @@ def _generate(args: argparse.Namespace, _extra: list[str]) -> int:
     from engine.errors import InvalidRequestError, ModelNotFoundError
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
-    from router.client import not_utf8
+    from router.client import PENALTIES, not_utf8
 
     # The weight-loading progress bar is noise for a one-shot command.
     disable_progress_bar()
@@ -132,6 +134,7 @@ def _generate(args: argparse.Namespace, _extra: list[str]) -> int:
             top_k=args.top_k,
             seed=args.seed,
             stop=tuple(args.stop),
+            **{k: getattr(args, k) for k in PENALTIES if getattr(args, k) is not None},
         )
         model = ModelConfig(
             model=args.model,

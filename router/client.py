@@ -51,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--seed", type=_integer(0, 2**64), default=None, help="for sampling (default: random)"
     )
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_penalty_arguments(p)
     p.add_argument("--chat", action="store_true", help="send the prompt as one user message")
     p.add_argument("--path", choices=PATHS, default="auto", help="override the router's choice")
     p.add_argument("--json", action="store_true", help="print the whole answer as JSON")
@@ -64,6 +65,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt")
 
 
+def add_penalty_arguments(p: argparse.ArgumentParser) -> None:
+    """Penalties' flags (`pdserve complete` and `pdserve generate`); the server or the engine
+    checks their ranges and names the field."""
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help="> 0; above 1 holds back tokens of the prompt and output (default: 1, off)",
+    )
+    p.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=None,
+        help="-2 to 2, once per token already in the output (default: 0)",
+    )
+    p.add_argument("--frequency-penalty", type=float, default=None,
+                   help="-2 to 2, per time a token is in the output (default: 0)")  # fmt: skip
+
+
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
 def build_request(args: argparse.Namespace) -> Any:
     from pdserve_proto import generation_pb2 as pb
 
@@ -72,6 +95,9 @@ def build_request(args: argparse.Namespace) -> Any:
         sampling.max_tokens = args.max_tokens
     if args.seed is not None:
         sampling.seed = args.seed
+    for name in PENALTIES:
+        if getattr(args, name) is not None:
+            setattr(sampling, name, getattr(args, name))
     req = pb.GenerateRequest(sampling=sampling, path=pb.Path.Value(f"PATH_{args.path.upper()}"))
     if args.chat:
         req.messages.append(pb.ChatMessage(role="user", content=args.prompt))

@@ -22,7 +22,6 @@ from router.request import DEFAULT_MAX_TOKENS, RequestFields
 from router.vocab import Frontend, RoutePath
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the server's own)
-_ZERO: dict[str, Any] = {"minimum": 0, "maximum": 0}
 
 
 # OpenAI's fields that pdserve does not implement, at the value that asks for nothing: clients
@@ -84,13 +83,18 @@ class _Sampling(_Body):
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, description="only 0 is supported", json_schema_extra=_ZERO)
-    frequency_penalty: float = Field(
-        0.0, description="only 0 is supported", json_schema_extra=_ZERO
+    presence_penalty: float | None = Field(
+        None, ge=-2, le=2, allow_inf_nan=False, description="-2 to 2, per token in the output"
+    )
+    frequency_penalty: float | None = Field(
+        None, ge=-2, le=2, allow_inf_nan=False, description="-2 to 2, per occurrence in the output"
     )
     # vLLM's extensions
     top_k: int | None = Field(None, description="-1 or 0: off")
     min_p: float | None = Field(None, allow_inf_nan=False, description="in [0, 1]")
+    repetition_penalty: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="> 0 (1: off), prompt and output tokens"
+    )
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     pdserve: PdserveOptions | None = None
@@ -115,13 +119,6 @@ class _Sampling(_Body):
         if n != 1:
             raise ValueError(f"only n=1 is supported, got {n}")
         return n
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float) -> float:
-        if v != 0:
-            raise ValueError(f"only 0 is supported, got {v}")
-        return v
 
     @model_validator(mode="after")
     def _options_need_stream(self) -> _Sampling:
@@ -227,6 +224,9 @@ def request_fields(
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
         path=RoutePath(opts.path),
         slo_ttft_ms=opts.slo.ttft_ms if opts.slo else None,
         slo_itl_ms=opts.slo.itl_ms if opts.slo else None,

@@ -58,6 +58,9 @@ class RequestFields:
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives per token (0: the chosen token's only)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     path: RoutePath = RoutePath.AUTO
     slo_ttft_ms: float | None = None  # None or 0: the server's default
     slo_itl_ms: float | None = None
@@ -242,6 +245,9 @@ def _sampling(f: RequestFields, prompt_len: int, limits: ModelLimits) -> Samplin
         stop_token_ids=tuple(f.stop_token_ids),
         ignore_eos=f.ignore_eos,
         logprobs=f.logprobs,
+        presence_penalty=f.presence_penalty or 0.0,
+        frequency_penalty=f.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if f.repetition_penalty is None else f.repetition_penalty,
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -47,8 +49,9 @@ def make_engine(
     return LLMEngine(cfg, loaded(name))
 
 
-def hf_greedy(name: str, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' own greedy generation; stops at EOS like the engine does."""
+def hf_greedy(name: str, prompt: list[int], max_new_tokens: int, **generate: Any) -> list[int]:
+    """transformers' own greedy generation; stops at EOS like the engine does. `generate`: more
+    of generate's arguments (repetition_penalty)."""
     model = loaded(name).hf_model
     with torch.no_grad():
         out = model.generate(
@@ -56,6 +59,7 @@ def hf_greedy(name: str, prompt: list[int], max_new_tokens: int) -> list[int]:
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=max_new_tokens,
             do_sample=False,
+            **generate,
         )
     return out[0, len(prompt) :].tolist()
 

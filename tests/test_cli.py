@@ -39,6 +39,17 @@ def test_bad_top_p_exits_2_naming_the_field(capsys):
     assert "Traceback" not in err and err.count("\n") == 1
 
 
+def test_generate_penalties_reach_the_engine_and_bad_ones_are_named(capsys):
+    argv = ["generate", "--model", "tiny-llama", "--max-tokens", "24", "hello"]
+    assert run(argv) == 0
+    plain = capsys.readouterr().out
+    assert run([*argv, "--repetition-penalty", "2", "--frequency-penalty", "2"]) == 0
+    assert capsys.readouterr().out != plain
+    assert run([*argv, "--presence-penalty", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: presence_penalty: ") and "Traceback" not in err
+
+
 def test_unknown_model_exits_2_naming_it(capsys):
     assert run(["generate", "--model", "no-such-model", "hello"]) == 2
     err = capsys.readouterr().err

@@ -121,6 +121,23 @@ def test_greedy_matches_transformers_with_prompts_completing_alone(arch):
     assert_pool_free(engine)
 
 
+@pytest.mark.parametrize(("arch", "penalty"), [("tiny-llama", 1.5), ("tiny-qwen2", 0.6)])
+def test_repetition_penalty_matches_transformers_chunked_and_preempted(arch, penalty):
+    """Greedy with a repetition penalty (above 1 against repeats, below 1 for them) equals
+    transformers' generate with the same penalty, through chunks, prefix hits and preemption."""
+    engine = make_engine(arch, block_size=4, num_blocks=24, budget=10, max_num_seqs=8)
+    prompts = shared_prefix_prompts()
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, repetition_penalty=penalty)
+    got = run_staggered(engine, prompts, params)
+    assert engine.scheduler.num_preemptions > 0
+    plain = 0
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy(arch, p, MAX_NEW, repetition_penalty=penalty), f"{len(p)} tokens"
+        plain += g == hf_greedy(arch, p, MAX_NEW)
+    assert plain < len(prompts) // 2  # the penalty changed most outputs
+    assert_pool_free(engine)
+
+
 def test_greedy_matches_transformers_unchunked():
     engine = make_engine("tiny-llama", block_size=8, budget=16, chunked=False)
     prompts = random_prompts([5, 40, 11], seed=3)

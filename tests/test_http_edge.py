@@ -336,6 +336,8 @@ def test_nulls_and_openai_fields_at_their_no_op_values_are_served_and_other_valu
                               "messages": [{"role": "developer", "content": "Be brief."},
                                            {"role": "user", "content": "hi"}]}),
         ("chat/completions", {**chat, "tools": []}),
+        ("completions", {**BODY, "presence_penalty": -2, "frequency_penalty": 2,
+                         "repetition_penalty": 1.2}),
     ]  # fmt: skip
     refused = [
         ("completions", {**BODY, "echo": True}, "echo", "only false"),
@@ -357,6 +359,9 @@ def test_nulls_and_openai_fields_at_their_no_op_values_are_served_and_other_valu
          "[0, 20]"),
         ("chat/completions", {**chat, "prompt": "x"}, "prompt", "is not supported"),
         ("completions", {"model": MODEL}, "prompt", "is required"),
+        ("completions", {**BODY, "frequency_penalty": 2.5}, "frequency_penalty", "2"),
+        ("chat/completions", {**chat, "presence_penalty": -3}, "presence_penalty", "-2"),
+        ("completions", {**BODY, "repetition_penalty": 0}, "repetition_penalty", "0"),
         ("completions", {"model": MODEL, "prompt": None}, "prompt", "is required"),
     ]  # fmt: skip
     s = server()

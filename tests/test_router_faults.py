@@ -81,46 +81,75 @@ def test_a_dead_decode_worker_s_request_resumes_on_another_token_for_token(srv, 
     assert metric("pdserve_worker_failures_total", {"worker": killed, "role": "decode"}) >= 1
 
 
+def stream(
+    srv, rid: str, prompt: list[int], sampling: pb.SamplingParams, path: int, kill: bool
+) -> tuple[list[int], pb.FinalInfo, str | None]:
+    """One request's tokens, its final message, and the decode worker killed after its fifth
+    token (where `kill`)."""
+    cluster = srv.server.cluster
+    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                             path=path)  # fmt: skip
+    got: list[int] = []
+    final, killed = None, None
+    with grpc.insecure_channel(srv.address) as channel:
+        for msg in pb_grpc.GenerationStub(channel).Generate(req, timeout=90):
+            got.extend(msg.token_ids)
+            if kill and killed is None and len(got) >= 5:
+                killed = decoding(srv, rid)
+                assert killed is not None
+                ray.kill(cluster.actor(killed), no_restart=True)
+            if msg.HasField("final"):
+                final = msg.final
+    assert final is not None
+    return got, final, killed
+
+
+def handed_off_and_resumed(srv, rid: str, prompt: list[int], sampling: pb.SamplingParams):
+    """The request prefilled on the prefill worker, its decode worker killed mid-stream, resumed
+    on another (checked): its tokens. Waits for the killed worker's replacement."""
+    cluster = srv.server.cluster
+    resumed = srv.server.core.resumed
+    got, final, killed = stream(srv, rid, prompt, sampling, pb.PATH_DISAGGREGATED, kill=True)
+    assert final.path == pb.PATH_DISAGGREGATED and final.prefill_worker  # handed off first
+    assert killed in cluster.dead and final.decode_worker != killed
+    assert srv.server.core.resumed == resumed + 1
+    deadline = time.monotonic() + 60  # the module's workers as they were, for the next test
+    while killed not in cluster.decode_ids:
+        assert time.monotonic() < deadline, f"{killed} was not replaced within 60 s"
+        time.sleep(0.1)
+    return got
+
+
 @pytest.mark.timeout(180)
 def test_a_seeded_request_handed_off_then_resumed_gives_the_tokens_its_seed_gives(srv):
     """Sampled with a seed: prefilled on the prefill worker (its first sample there), decoded on
     a decode worker that is killed mid-stream, resumed on another: the tokens are those of the
     same request run colocated without a fault (each sample is drawn by its number)."""
-    cluster = srv.server.cluster
     prompt = random_prompts([21], seed=27)[0]
     sampling = pb.SamplingParams(
         max_tokens=MAX_NEW, temperature=0.9, top_p=0.95, seed=4242, ignore_eos=True
     )
-
-    def run(rid: str, path: int, kill: bool) -> tuple[list[int], pb.FinalInfo, str | None]:
-        req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-                                 path=path)  # fmt: skip
-        got: list[int] = []
-        final, killed = None, None
-        with grpc.insecure_channel(srv.address) as channel:
-            for msg in pb_grpc.GenerationStub(channel).Generate(req, timeout=90):
-                got.extend(msg.token_ids)
-                if kill and killed is None and len(got) >= 5:
-                    killed = decoding(srv, rid)
-                    assert killed is not None
-                    ray.kill(cluster.actor(killed), no_restart=True)
-                if msg.HasField("final"):
-                    final = msg.final
-        assert final is not None
-        return got, final, killed
-
-    want, _, _ = run("seeded-whole", pb.PATH_COLOCATED, kill=False)
+    want, _, _ = stream(srv, "seeded-whole", prompt, sampling, pb.PATH_COLOCATED, kill=False)
     assert len(want) == MAX_NEW and want != hf_greedy(MODEL, prompt, MAX_NEW)  # sampled
-    resumed = srv.server.core.resumed
-    got, final, killed = run("seeded-victim", pb.PATH_DISAGGREGATED, kill=True)
-    assert final.path == pb.PATH_DISAGGREGATED and final.prefill_worker  # handed off first
-    assert killed in cluster.dead and final.decode_worker != killed
-    assert srv.server.core.resumed == resumed + 1
-    assert got == want
-    deadline = time.monotonic() + 60  # the module's workers as they were, for the next test
-    while killed not in cluster.decode_ids:
-        assert time.monotonic() < deadline, f"{killed} was not replaced within 60 s"
-        time.sleep(0.1)
+    assert handed_off_and_resumed(srv, "seeded-victim", prompt, sampling) == want
+
+
+@pytest.mark.timeout(240)
+def test_penalized_requests_handed_off_then_resumed_give_the_tokens_of_no_fault(srv):
+    """Greedy with a repetition penalty, handed off, its decode worker killed mid-stream and
+    resumed: transformers' tokens with that penalty (the prompt and the whole output penalized
+    on every worker). With presence and frequency penalties: the tokens of the same request run
+    colocated without a fault (the output before the resume still counts)."""
+    prompt = random_prompts([21], seed=29)[0]
+    rep = pb.SamplingParams(max_tokens=MAX_NEW, temperature=0.0, repetition_penalty=1.3)
+    want = hf_greedy(MODEL, prompt, MAX_NEW, repetition_penalty=1.3)
+    assert len(want) > 20 and want != hf_greedy(MODEL, prompt, MAX_NEW)  # long enough to cut
+    assert handed_off_and_resumed(srv, "repetition-victim", prompt, rep) == want
+    both = pb.SamplingParams(max_tokens=MAX_NEW, temperature=0.0, presence_penalty=0.4,
+                             frequency_penalty=0.05, ignore_eos=True)  # fmt: skip
+    want, _, _ = stream(srv, "penalized-whole", prompt, both, pb.PATH_COLOCATED, kill=False)
+    assert want != hf_greedy(MODEL, prompt, MAX_NEW)
+    assert handed_off_and_resumed(srv, "penalized-victim", prompt, both) == want
 
 
 @pytest.mark.timeout(120)
