@@ -121,6 +121,11 @@ class LLMEngine:
             )
         token_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.validate_prompt(token_ids)
+        bad = next((t for t, _ in params.logit_bias if t >= self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                "logit_bias", f"token id {bad} is outside [0, {self.vocab_size})"
+            )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.outputs or rid in self.scheduler.held:
             raise InvalidRequestError("request_id", f"{rid!r} is already in use")

@@ -1,5 +1,6 @@
-"""Repetition, presence and frequency penalties: a sampled row's logits changed by the tokens its
-request has seen, before temperature and the filters (greedy rows too).
+"""Repetition, presence and frequency penalties, then logit biases: a sampled row's logits
+changed by the tokens its request has seen and the biases it asked for, before temperature and
+the filters (greedy rows too).
 
 - repetition_penalty r (as transformers' and vLLM's): each token of the prompt or the output so
   far has its logit divided by r where positive, multiplied by r where not;
@@ -73,3 +74,16 @@ def penalize_(logits: torch.Tensor, rows: Sequence[tuple[int, SamplingParams, Se
     freq = each([-sp.frequency_penalty for _, sp, _ in rows])[out]
     logits.index_put_(where, freq, accumulate=True)  # f = 0: unchanged
     logits[where] = logits[where] - each([sp.presence_penalty for _, sp, _ in rows])[out]
+
+
+@torch.inference_mode()
+def bias_(logits: torch.Tensor, rows: Sequence[tuple[int, SamplingParams]]) -> None:
+    """Add each listed row's logit_bias to its tokens' logits [N, V], in place (each token
+    once: SamplingParams names each once)."""
+    pairs = [(i, t, b) for i, sp in rows for t, b in sp.logit_bias]
+    if not pairs:
+        return
+    row, ids, bias = zip(*pairs, strict=True)
+    dev = logits.device
+    where = (torch.tensor(row, device=dev), torch.tensor(ids, device=dev))
+    logits[where] = logits[where] + torch.tensor(bias, dtype=logits.dtype, device=dev)

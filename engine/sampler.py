@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.outputs import TokenLogprobs
-from engine.penalties import Seen, penalize_
+from engine.penalties import Seen, bias_, penalize_
 from engine.sampling_params import SamplingParams
 
 FilterKey = tuple[float, int, float, float]  # temperature, top_k, top_p, min_p
@@ -81,13 +81,16 @@ def sample(
     """Sample one token per row of `logits` [N, V], on their device; the ids (and logprobs)
     come back to the host in one copy at the end. `seen` (by row; empty: none) holds what each
     penalized row's request has seen (engine/penalties.py): their rows of `logits` are penalized
-    in place. Logprobs are the model's, before penalties."""
+    in place, as are the rows of requests with a logit_bias. Logprobs are the model's, before
+    penalties and biases."""
     raw = logits = logits.float()
     penalized = [(i, params[i], s) for i, s in enumerate(seen) if s is not None]
-    if penalized:
+    biased = [(i, sp) for i, sp in enumerate(params) if sp.logit_bias]
+    if penalized or biased:
         if any(sp.logprobs is not None for sp in params):
             logits = logits.clone()
         penalize_(logits, penalized)
+        bias_(logits, biased)
     tokens = logits.argmax(dim=-1)  # greedy rows keep these
     groups: dict[FilterKey, list[int]] = {}
     for i, sp in enumerate(params):

@@ -10,6 +10,7 @@ from engine.errors import InvalidRequestError
 _MIN_TEMPERATURE = 1e-5
 _SEED_LIMIT = 1 << 64  # it seeds a torch.Generator, which takes 64 bits
 _PENALTY_LIMIT = 2.0  # presence and frequency penalties, as OpenAI's API bounds them
+_BIAS_LIMIT = 100.0  # a logit bias, as OpenAI's API bounds it
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +24,8 @@ class SamplingParams:
     Penalties change the logits before all of that, greedy too (engine/penalties.py):
     repetition_penalty (1: off) divides a positive logit, multiplies a negative one, of every
     token in the prompt or the output so far; presence_penalty is subtracted once from each
-    token in the output so far, frequency_penalty once per time it occurs there (0: off).
+    token in the output so far, frequency_penalty once per time it occurs there (0: off);
+    then logit_bias adds to the logits of the tokens it names.
     """
 
     max_tokens: int = 256
@@ -40,6 +42,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # (token id, bias) pairs added to those tokens' logits after the penalties (OpenAI's
+    # logit_bias: -100 all but bans a token, 100 all but forces it).
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # Samples of this request drawn elsewhere before (its tokens so far, where it resumes on
     # another worker): its draws start at the next sample's number (engine/sampler.py), so that
     # a seed gives the same tokens; and the last `drawn` tokens of its prompt are outputs, which
@@ -100,6 +105,19 @@ class SamplingParams:
                 "repetition_penalty",
                 f"must be finite and > 0 (1: off), got {self.repetition_penalty!r}",
             )
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        object.__setattr__(self, "logit_bias", tuple(tuple(p) for p in self.logit_bias))
+        ids = [t for t, _ in self.logit_bias]
+        if any((not isinstance(t, int)) or t < 0 for t in ids) or len(set(ids)) < len(ids):
+            raise InvalidRequestError(
+                "logit_bias", "every token id must be an integer >= 0, each named once"
+            )
+        bad = next((b for _, b in self.logit_bias if not -_BIAS_LIMIT <= b <= _BIAS_LIMIT), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                "logit_bias", f"every bias must be in [-100, 100], got {bad!r}"
+            )
         if self.logprobs is not None and (
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
         ):
@@ -107,6 +125,7 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
+        """Whether its sampled rows depend on the tokens it has seen."""
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
         )

@@ -25,43 +25,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10generation.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd8\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"*\n\x07SloHint\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x02\x12\x0e\n\x06itl_ms\x18\x02 \x01(\x02\"\xea\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x08messages\x18\x04 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12 \n\x03slo\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.SloHint\x12\x1e\n\x04path\x18\x07 \x01(\x0e\x32\x10.pdserve.v1.Path\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\x94\x01\n\x0ePathPrediction\x12\x1e\n\x04path\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Path\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x02\x12\x0e\n\x06itl_ms\x18\x03 \x01(\x02\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\t\x12\x12\n\nitl_p99_ms\x18\x06 \x01(\x02\"\xf3\x02\n\tFinalInfo\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x1e\n\x04path\x18\x05 \x01(\x0e\x32\x10.pdserve.v1.Path\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rdecode_worker\x18\x07 \x01(\t\x12\x0f\n\x07ttft_ms\x18\x08 \x01(\x02\x12/\n\x0bpredictions\x18\t \x03(\x0b\x32\x1a.pdserve.v1.PathPrediction\x12\x17\n\x0f\x64\x65\x63ision_reason\x18\n \x01(\t\x12\x13\n\x0bkv_fallback\x18\x0b \x01(\t\x12\x15\n\rlength_reason\x18\x0c \x01(\tB\r\n\x0bstop_reason\"\x99\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12$\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.FinalInfo\"\x99\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12$\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.FinalInfo\"\r\n\x0bInfoRequest\"\x89\x01\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x17\n\x0fprefill_workers\x18\x04 \x03(\t\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x05 \x03(\t\x12\x0e\n\x06policy\x18\x06 \x01(\t*A\n\x04Path\x12\r\n\tPATH_AUTO\x10\x00\x12\x12\n\x0ePATH_COLOCATED\x10\x01\x12\x16\n\x12PATH_DISAGGREGATED\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xd7\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.CompleteResponse\x12\x39\n\x04Info\x12\x17.pdserve.v1.InfoRequest\x1a\x18.pdserve.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10generation.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc9\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"*\n\x07SloHint\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x02\x12\x0e\n\x06itl_ms\x18\x02 \x01(\x02\"\xea\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x08messages\x18\x04 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12 \n\x03slo\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.SloHint\x12\x1e\n\x04path\x18\x07 \x01(\x0e\x32\x10.pdserve.v1.Path\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\x94\x01\n\x0ePathPrediction\x12\x1e\n\x04path\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Path\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x02\x12\x0e\n\x06itl_ms\x18\x03 \x01(\x02\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\t\x12\x12\n\nitl_p99_ms\x18\x06 \x01(\x02\"\xf3\x02\n\tFinalInfo\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x1e\n\x04path\x18\x05 \x01(\x0e\x32\x10.pdserve.v1.Path\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rdecode_worker\x18\x07 \x01(\t\x12\x0f\n\x07ttft_ms\x18\x08 \x01(\x02\x12/\n\x0bpredictions\x18\t \x03(\x0b\x32\x1a.pdserve.v1.PathPrediction\x12\x17\n\x0f\x64\x65\x63ision_reason\x18\n \x01(\t\x12\x13\n\x0bkv_fallback\x18\x0b \x01(\t\x12\x15\n\rlength_reason\x18\x0c \x01(\tB\r\n\x0bstop_reason\"\x99\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12$\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.FinalInfo\"\x99\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12$\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.FinalInfo\"\r\n\x0bInfoRequest\"\x89\x01\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x17\n\x0fprefill_workers\x18\x04 \x03(\t\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x05 \x03(\t\x12\x0e\n\x06policy\x18\x06 \x01(\t*A\n\x04Path\x12\r\n\tPATH_AUTO\x10\x00\x12\x12\n\x0ePATH_COLOCATED\x10\x01\x12\x16\n\x12PATH_DISAGGREGATED\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xd7\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.CompleteResponse\x12\x39\n\x04Info\x12\x17.pdserve.v1.InfoRequest\x1a\x18.pdserve.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PATH']._serialized_start=2052
-  _globals['_PATH']._serialized_end=2117
-  _globals['_FINISHREASON']._serialized_start=2119
-  _globals['_FINISHREASON']._serialized_end=2239
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_PATH']._serialized_start=2165
+  _globals['_PATH']._serialized_end=2230
+  _globals['_FINISHREASON']._serialized_start=2232
+  _globals['_FINISHREASON']._serialized_end=2352
   _globals['_CHATMESSAGE']._serialized_start=32
   _globals['_CHATMESSAGE']._serialized_end=76
   _globals['_SAMPLINGPARAMS']._serialized_start=79
-  _globals['_SAMPLINGPARAMS']._serialized_end=551
-  _globals['_SLOHINT']._serialized_start=553
-  _globals['_SLOHINT']._serialized_end=595
-  _globals['_GENERATEREQUEST']._serialized_start=598
-  _globals['_GENERATEREQUEST']._serialized_end=832
-  _globals['_TOPLOGPROB']._serialized_start=834
-  _globals['_TOPLOGPROB']._serialized_end=881
-  _globals['_TOKENLOGPROB']._serialized_start=883
-  _globals['_TOKENLOGPROB']._serialized_end=969
-  _globals['_USAGE']._serialized_start=971
-  _globals['_USAGE']._serialized_end=1058
-  _globals['_PATHPREDICTION']._serialized_start=1061
-  _globals['_PATHPREDICTION']._serialized_end=1209
-  _globals['_FINALINFO']._serialized_start=1212
-  _globals['_FINALINFO']._serialized_end=1583
-  _globals['_GENERATERESPONSE']._serialized_start=1586
-  _globals['_GENERATERESPONSE']._serialized_end=1739
-  _globals['_COMPLETERESPONSE']._serialized_start=1742
-  _globals['_COMPLETERESPONSE']._serialized_end=1895
-  _globals['_INFOREQUEST']._serialized_start=1897
-  _globals['_INFOREQUEST']._serialized_end=1910
-  _globals['_INFORESPONSE']._serialized_start=1913
-  _globals['_INFORESPONSE']._serialized_end=2050
-  _globals['_GENERATION']._serialized_start=2242
-  _globals['_GENERATION']._serialized_end=2457
+  _globals['_SAMPLINGPARAMS']._serialized_end=664
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=467
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=515
+  _globals['_SLOHINT']._serialized_start=666
+  _globals['_SLOHINT']._serialized_end=708
+  _globals['_GENERATEREQUEST']._serialized_start=711
+  _globals['_GENERATEREQUEST']._serialized_end=945
+  _globals['_TOPLOGPROB']._serialized_start=947
+  _globals['_TOPLOGPROB']._serialized_end=994
+  _globals['_TOKENLOGPROB']._serialized_start=996
+  _globals['_TOKENLOGPROB']._serialized_end=1082
+  _globals['_USAGE']._serialized_start=1084
+  _globals['_USAGE']._serialized_end=1171
+  _globals['_PATHPREDICTION']._serialized_start=1174
+  _globals['_PATHPREDICTION']._serialized_end=1322
+  _globals['_FINALINFO']._serialized_start=1325
+  _globals['_FINALINFO']._serialized_end=1696
+  _globals['_GENERATERESPONSE']._serialized_start=1699
+  _globals['_GENERATERESPONSE']._serialized_end=1852
+  _globals['_COMPLETERESPONSE']._serialized_start=1855
+  _globals['_COMPLETERESPONSE']._serialized_end=2008
+  _globals['_INFOREQUEST']._serialized_start=2010
+  _globals['_INFOREQUEST']._serialized_end=2023
+  _globals['_INFORESPONSE']._serialized_start=2026
+  _globals['_INFORESPONSE']._serialized_end=2163
+  _globals['_GENERATION']._serialized_start=2355
+  _globals['_GENERATION']._serialized_end=2570
 # @@protoc_insertion_point(module_scope)

@@ -53,6 +53,7 @@ def request_fields(req: pb.GenerateRequest) -> RequestFields:
         presence_penalty=opt("presence_penalty"),
         frequency_penalty=opt("frequency_penalty"),
         repetition_penalty=opt("repetition_penalty"),
+        logit_bias=dict(sp.logit_bias) or None,
         path=PATH_FROM_WIRE[req.path],
         slo_ttft_ms=req.slo.ttft_ms,
         slo_itl_ms=req.slo.itl_ms,

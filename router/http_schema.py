@@ -5,7 +5,7 @@ format and checks only its shape; router/request.py checks the values, for both 
 Unknown fields are refused (extra="forbid"), never ignored, and so are values of the wrong type
 (strict: "5" is not an integer, 1 not a boolean). A field set to null is taken as not given, as
 OpenAI takes it. OpenAI fields pdserve does not implement are accepted at the value that asks
-for nothing (`echo: false`, `best_of: 1`, `logit_bias: {}`, ...; NOOP) and refused at any other.
+for nothing (`echo: false`, `best_of: 1`, `store: false`, ...; NOOP) and refused at any other.
 Defaults follow OpenAI's: a completion's max_tokens is 16, a chat's is the server's own.
 """
 
@@ -30,7 +30,6 @@ COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the s
 NOOP: dict[str, tuple[Any, ...]] = {
     "echo": (False,),
     "best_of": (1,),
-    "logit_bias": ({},),
     "store": (False,),
     "suffix": ("",),
     "tools": ([],),
@@ -98,9 +97,11 @@ class _Sampling(_Body):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     pdserve: PdserveOptions | None = None
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100]"
+    )
     # OpenAI's, at the value that asks for nothing only (NOOP); `user` is taken and left.
     user: str | None = None
-    logit_bias: dict[str, float] = Field(default_factory=dict, description="only {}")
     store: bool = Field(False, description="only false")
     metadata: dict[str, str] = Field(default_factory=dict, description="only {}")
 
@@ -227,12 +228,23 @@ def request_fields(
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,
+        logit_bias=_token_biases(body.logit_bias),
         path=RoutePath(opts.path),
         slo_ttft_ms=opts.slo.ttft_ms if opts.slo else None,
         slo_itl_ms=opts.slo.itl_ms if opts.slo else None,
         frontend=Frontend.HTTP,
     )
     return fields, renames
+
+
+def _token_biases(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias, whose keys are token ids written as strings."""
+    if not bias:
+        return None
+    bad = next((k for k in bias if not (k.isascii() and k.isdigit())), None)
+    if bad is not None:
+        raise InvalidRequestError("logit_bias", f"keys must be token ids, got {bad!r}")
+    return {int(k): v for k, v in bias.items()}
 
 
 def _one_prompt(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +61,7 @@ class RequestFields:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: Mapping[int, float] | None = None  # token id -> bias
     path: RoutePath = RoutePath.AUTO
     slo_ttft_ms: float | None = None  # None or 0: the server's default
     slo_itl_ms: float | None = None
@@ -228,11 +229,10 @@ def _sampling(f: RequestFields, prompt_len: int, limits: ModelLimits) -> Samplin
     )
     for i, stop in enumerate(f.stop):
         utf8_len(f"stop[{i}]", stop)
-    bad_stop = next((t for t in f.stop_token_ids if not 0 <= t < limits.vocab_size), None)
-    if bad_stop is not None:
-        raise InvalidRequestError(
-            "stop_token_ids", f"token id {bad_stop} is outside [0, {limits.vocab_size})"
-        )
+    for name, ids in (("stop_token_ids", f.stop_token_ids), ("logit_bias", f.logit_bias or ())):
+        bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(name, f"token id {bad} is outside [0, {limits.vocab_size})")
     # SamplingParams checks every range itself and names the field.
     return SamplingParams(
         max_tokens=max_tokens,
@@ -248,6 +248,7 @@ def _sampling(f: RequestFields, prompt_len: int, limits: ModelLimits) -> Samplin
         presence_penalty=f.presence_penalty or 0.0,
         frequency_penalty=f.frequency_penalty or 0.0,
         repetition_penalty=1.0 if f.repetition_penalty is None else f.repetition_penalty,
+        logit_bias=tuple(sorted((f.logit_bias or {}).items())),
     )
 
 

@@ -138,6 +138,24 @@ def test_repetition_penalty_matches_transformers_chunked_and_preempted(arch, pen
     assert_pool_free(engine)
 
 
+def test_logit_bias_matches_transformers_sequence_bias():
+    """Greedy with logit biases (one all but banning a token, one raising another) equals
+    transformers' generate with the same biases as one-token sequence biases."""
+    engine = make_engine("tiny-llama", block_size=4, budget=10, max_num_seqs=8)
+    prompts = shared_prefix_prompts()
+    bias = ((3, -100.0), (7, 4.0), (184, 2.5))
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, logit_bias=bias)
+    got = run_staggered(engine, prompts, params)
+    hf_bias = [[[t], b] for t, b in bias]
+    plain = 0
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy("tiny-llama", p, MAX_NEW, sequence_bias=hf_bias), f"{len(p)} tokens"
+        assert 3 not in g
+        plain += g == hf_greedy("tiny-llama", p, MAX_NEW)
+    assert plain < len(prompts) // 2  # the biases changed most outputs
+    assert_pool_free(engine)
+
+
 def test_greedy_matches_transformers_unchunked():
     engine = make_engine("tiny-llama", block_size=8, budget=16, chunked=False)
     prompts = random_prompts([5, 40, 11], seed=3)

@@ -106,6 +106,31 @@ def test_openai_client_gets_the_grpc_text_through_every_call(srv, stub, client, 
     assert_pools_full(srv, within_s=2.0)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", ["colocated", "disaggregated"])
+def test_penalties_and_logit_bias_reach_the_engine_through_both_doors(srv, stub, client, path):
+    """A bias of 100 forces its token at every step; penalties and biases sent over HTTP give
+    the text gRPC gives for the same request, which is not the plain request's."""
+    forced = pb.SamplingParams(max_tokens=MAX_NEW, temperature=0.0, logit_bias={42: 100.0})
+    resp = stub.Complete(pb.GenerateRequest(prompt=PROMPT, sampling=forced, path=PATHS[path]),
+                         timeout=60)  # fmt: skip
+    assert list(resp.token_ids) == [42] * MAX_NEW
+    sampling = pb.SamplingParams(max_tokens=MAX_NEW, temperature=0.0, repetition_penalty=1.5,
+                                 presence_penalty=1.0, frequency_penalty=0.5,
+                                 logit_bias={7: 3.0, 1: -100.0})  # fmt: skip
+    resp = stub.Complete(pb.GenerateRequest(prompt=PROMPT, sampling=sampling, path=PATHS[path]),
+                         timeout=60)  # fmt: skip
+    plain, _, _ = grpc_answer(stub, path, prompt=PROMPT)
+    assert resp.text != plain
+    got = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=MAX_NEW, temperature=0, presence_penalty=1.0,
+        frequency_penalty=0.5, logit_bias={"7": 3.0, "1": -100.0},
+        extra_body={"repetition_penalty": 1.5, "pdserve": {"path": path}},
+    )  # fmt: skip
+    assert got.choices[0].text == resp.text
+    assert_pools_full(srv, within_s=2.0)
+
+
 def test_chat_logprobs_and_completion_logprobs_have_openai_shapes(srv, client):
     chat = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2

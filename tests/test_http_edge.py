@@ -337,12 +337,14 @@ def test_nulls_and_openai_fields_at_their_no_op_values_are_served_and_other_valu
                                            {"role": "user", "content": "hi"}]}),
         ("chat/completions", {**chat, "tools": []}),
         ("completions", {**BODY, "presence_penalty": -2, "frequency_penalty": 2,
-                         "repetition_penalty": 1.2}),
+                         "repetition_penalty": 1.2, "logit_bias": {"5": -100, "7": 3.5}}),
     ]  # fmt: skip
     refused = [
         ("completions", {**BODY, "echo": True}, "echo", "only false"),
         ("completions", {**BODY, "best_of": 2}, "best_of", "only 1"),
-        ("completions", {**BODY, "logit_bias": {"5": 10}}, "logit_bias", "only {}"),
+        ("completions", {**BODY, "logit_bias": {"x": 10}}, "logit_bias", "token ids"),
+        ("completions", {**BODY, "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+        ("chat/completions", {**chat, "logit_bias": {"99999999": 1}}, "logit_bias", "outside"),
         ("completions", {**BODY, "suffix": "end"}, "suffix", 'only ""'),
         ("completions", {**BODY, "max_tokens": "5"}, "max_tokens", "integer"),
         ("completions", {**BODY, "max_tokens": True}, "max_tokens", "integer"),

@@ -105,3 +105,29 @@ def test_a_penalized_request_resumed_elsewhere_counts_its_earlier_output():
     assert run(list(PROMPT) + whole[:6], rest) == whole[6:]
     # Taken as prompt, they would not be penalized: other tokens.
     assert run(list(PROMPT) + whole[:6], replace(rest, drawn=0)) != whole[6:]
+
+
+@pytest.mark.parametrize(
+    "bias", [((1, 101.0),), ((1, float("nan")),), ((-1, 1.0),), ((1, 1.0), (1, 2.0))]
+)
+def test_bad_logit_biases_are_refused_naming_the_field(bias):
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(logit_bias=bias)
+    assert err.value.field == "logit_bias"
+
+
+def test_logit_bias_is_added_after_penalties_and_logprobs_stay_the_models():
+    logits = torch.tensor([[0.0, 3.0, 2.9, 1.0]])
+    sp = SamplingParams(temperature=0.0, presence_penalty=1.0, logit_bias={3: 1.5}, logprobs=1)
+    assert sp.logit_bias == ((3, 1.5),)  # a dict is taken as its pairs
+    tokens, lps = sample(logits, [sp], [None], [Seen(array("q", [1]), 1, 0)])
+    assert tokens == [2] and lps[0] is not None and lps[0].top[0][0] == 1
+    tokens, _ = sample(logits, [replace(sp, presence_penalty=0.0, logit_bias=((3, 2.5),))], [None])
+    assert tokens == [3]  # 1.0 + 2.5 > 3.0, with no penalized row at all
+
+
+def test_an_engine_refuses_a_logit_bias_outside_its_vocabulary():
+    engine = make_engine("tiny-llama")
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request(PROMPT, SamplingParams(logit_bias=((1 << 20, 1.0),)))
+    assert err.value.field == "logit_bias" and "outside" in str(err.value)

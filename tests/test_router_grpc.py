@@ -211,6 +211,10 @@ BAD_REQUESTS = {
     "top_p 0": (_bad(sampling={"top_p": 0.0}), "top_p"),
     "token id outside the vocabulary": (_bad(prompt_token_ids=[1, 259, 2]), "prompt_token_ids"),
     "10 MB prompt": (_bad(prompt="a" * (10 << 20)), "prompt"),
+    "presence_penalty 3": (_bad(sampling={"presence_penalty": 3.0}), "presence_penalty"),
+    "repetition_penalty 0": (_bad(sampling={"repetition_penalty": 0.0}), "repetition_penalty"),
+    "logit_bias past 100": (_bad(sampling={"logit_bias": {5: 200.0}}), "logit_bias"),
+    "logit_bias outside the vocabulary": (_bad(sampling={"logit_bias": {259: 1.0}}), "logit_bias"),
 }
 
 
