@@ -19,26 +19,28 @@ class ClientLimit:
         self.sink = sink
         self._running: dict[str, int] = {}  # requests running per client, while a limit is set
 
-    def take(self, client: str, frontend: Frontend) -> Callable[[], None]:
-        """Count one more request of `client` (Overloaded past the limit); call what it returns
-        once, when the request ends."""
+    def take(self, client: str, frontend: Frontend, count: int = 1) -> Callable[[], None]:
+        """Count `count` more requests of `client` (a request's choices; Overloaded past the
+        limit); call what it returns once, when they end."""
         if self.limit is None:
             return _nothing
-        if self._running.get(client, 0) >= self.limit:
+        running = self._running.get(client, 0)
+        if running + count > self.limit:
             self.sink.rejected(RejectReason.CLIENT_LIMIT, frontend)
+            why = f"this client already has {running} requests running"
+            if count > 1:
+                why += f"; these {count} choices would pass {self.limit}"
             raise Overloaded(
-                RejectReason.CLIENT_LIMIT,
-                f"this client already has {self.limit} requests running (--max-streams-per-client)",
-                RETRY_AFTER_S,
+                RejectReason.CLIENT_LIMIT, f"{why} (--max-streams-per-client)", RETRY_AFTER_S
             )
-        self._running[client] = self._running.get(client, 0) + 1
+        self._running[client] = self._running.get(client, 0) + count
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                self._running[client] -= 1
+                self._running[client] -= count
                 if not self._running[client]:
                     del self._running[client]
 

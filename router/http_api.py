@@ -31,9 +31,11 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import InvalidRequestError
+from engine.token_bytes import TextOffsets
 from router.client_limit import ClientLimit, client_host
 from router.core import RequestCore
-from router.core_types import CoreChunk, Overloaded, collect
+from router.core_types import CoreChunk, Overloaded, Summary
+from router.http_choices import Choices, choice_requests
 from router.http_errors import ApiError, from_core, validation_error
 from router.http_schema import ChatCompletionRequest, CompletionRequest, request_fields
 from router.http_shapes import Call, Shapes, sse, usage
@@ -162,7 +164,7 @@ class HttpApi:
             fields, renames = request_fields(body)
             req = await check_request_async(fields, self.tokenizer, self.limits)
             host = client_host(request.client.host if request.client else "")
-            release = self.clients.take(host, Frontend.HTTP)
+            release = self.clients.take(host, Frontend.HTTP, body.n)
         except (InvalidRequestError, Overloaded) as exc:
             raise from_core(exc, renames) from None
         call = Call(
@@ -173,51 +175,53 @@ class HttpApi:
             bool(body.stream_options and body.stream_options.include_usage),
             int(time.time()),
         )
-        # Admission and placement happen at the first chunk: a refusal is still an HTTP status,
-        # so a stream's headers go out with its first token. A whole answer is collected under
-        # the same watch for a closed connection.
-        chunks = self.core.generate(req, arrived)
-        work = anext(chunks) if call.stream else collect(chunks)
+        # Admission and placement happen at the first chunk (of every choice): a refusal is
+        # still an HTTP status, so a stream's headers go out with its first tokens. A whole
+        # answer is collected under the same watch for a closed connection.
+        choices = Choices([self.core.generate(r, arrived) for r in choice_requests(req, body.n)])
+        work = choices.firsts() if call.stream else choices.answers()
         try:
             got = await until_disconnected(request.receive, work)
         except BaseException as exc:
-            await close(chunks, release)
+            await close(choices, release)
             if isinstance(exc, (StopAsyncIteration, asyncio.CancelledError)):
                 raise
             raise from_core(exc) from None
         if got is None or not call.stream:
-            await close(chunks, release)
+            await close(choices, release)
         if got is None:  # the client left: the request was aborted on its workers
             return JSONResponse({}, status_code=499)
         if not call.stream:
             return JSONResponse(self.shapes.whole(call, got))
         headers = {"Cache-Control": "no-cache", "X-Request-Id": req.request_id}
-        return EventStream(self._events(call, got, chunks), chunks, release, headers)
+        return EventStream(self._events(call, choices.merged(got)), choices, release, headers)
 
     async def _events(
-        self, call: Call, first: CoreChunk, chunks: AsyncIterator[CoreChunk]
+        self, call: Call, chunks: AsyncIterator[tuple[int, CoreChunk]]
     ) -> AsyncIterator[str]:
-        """The response's server-sent events, from its first chunk on, then `[DONE]`. A failure
-        mid-answer makes the last one before `[DONE]` an error event; EventStream closes the
-        core's stream either way."""
-        offsets = self.shapes.offsets()
+        """The response's server-sent events, from the choices' first chunks on, then
+        `[DONE]`. A failure mid-answer makes the last one before `[DONE]` an error event;
+        EventStream closes the core's streams either way."""
+        offsets: dict[int, TextOffsets] = {}
+        finals: dict[int, Summary] = {}
         try:
-            if call.chat:
-                delta = {"role": "assistant", "content": ""}
-                opening = {"delta": delta, "logprobs": None, "finish_reason": None}
-                yield sse(self.shapes.chunk(call, opening))
-            chunk: CoreChunk | None = first
-            while chunk is not None:
-                choice = self.shapes.streamed_choice(call, chunk, offsets)
+            async for i, chunk in chunks:
+                if i not in offsets:
+                    offsets[i] = self.shapes.offsets()
+                    if call.chat:
+                        delta = {"role": "assistant", "content": ""}
+                        opening = {"delta": delta, "logprobs": None, "finish_reason": None}
+                        yield sse(self.shapes.chunk(call, opening, index=i))
+                choice = self.shapes.streamed_choice(call, chunk, offsets[i])
                 # Tokens whose text is held back (a stop string may begin there) make no event
                 # of their own, unless they carry logprobs.
                 if chunk.text or chunk.final is not None or choice["logprobs"] is not None:
-                    yield sse(self.shapes.chunk(call, choice, chunk.final))
+                    yield sse(self.shapes.chunk(call, choice, chunk.final, index=i))
                 if chunk.final is not None:
-                    if call.include_usage:
-                        yield sse(self.shapes.chunk(call, None, usage_=usage(chunk.final)))
-                    break
-                chunk = await anext(chunks, None)  # type: ignore[arg-type]
+                    finals[i] = chunk.final
+            if call.include_usage:
+                summaries = [finals[i] for i in sorted(finals)]
+                yield sse(self.shapes.chunk(call, None, usage_=usage(summaries)))
             yield "data: [DONE]\n\n"
         except Exception as exc:  # a worker failed mid-answer: tell the client, then end
             yield sse(from_core(exc).body())

@@ -22,6 +22,7 @@ from router.request import DEFAULT_MAX_TOKENS, RequestFields
 from router.vocab import Frontend, RoutePath
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the server's own)
+MAX_CHOICES = 16  # n: each choice is a request of its own (router/http_choices.py)
 
 
 # OpenAI's fields that pdserve does not implement, at the value that asks for nothing: clients
@@ -77,9 +78,7 @@ class _Sampling(_Body):
     top_p: float | None = Field(None, allow_inf_nan=False, description="in (0, 1]")
     seed: int | None = Field(None, description="in [0, 2**64)")
     stop: str | list[str] | None = None
-    n: int = Field(
-        1, description="only 1 is supported", json_schema_extra={"minimum": 1, "maximum": 1}
-    )
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description=f"choices to generate, 1 to {MAX_CHOICES}")
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(
@@ -113,13 +112,6 @@ class _Sampling(_Body):
             shown = " or ".join(json.dumps(a) for a in allowed)
             raise ValueError(f"only {shown} is supported, got {json.dumps(v)}")
         return v
-
-    @field_validator("n")
-    @classmethod
-    def _one(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"only n=1 is supported, got {n}")
-        return n
 
     @model_validator(mode="after")
     def _options_need_stream(self) -> _Sampling:

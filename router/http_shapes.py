@@ -39,13 +39,14 @@ class Shapes:
         choice: dict[str, Any] | None,
         final: Summary | None = None,
         usage_: dict[str, Any] | None = None,
+        index: int = 0,
     ) -> dict[str, Any]:
         out: dict[str, Any] = {
             "id": response_id(call),
             "object": "chat.completion.chunk" if call.chat else "text_completion",
             "created": call.created,
             "model": self.model,
-            "choices": [] if choice is None else [{"index": 0, **choice}],
+            "choices": [] if choice is None else [{"index": index, **choice}],
         }
         if call.include_usage:
             out["usage"] = usage_
@@ -62,31 +63,25 @@ class Shapes:
             return {"delta": delta, "logprobs": logprobs, "finish_reason": why}
         return {"text": chunk.text, "logprobs": logprobs, "finish_reason": why}
 
-    def whole(self, call: Call, answer: Answer) -> dict[str, Any]:
-        text, final = answer.text, answer.final
-        logprobs = self.logprobs(call, answer.logprobs, self.offsets())
-        if call.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish(final),
-            }
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": finish(final),
-            }
+    def whole(self, call: Call, answers: list[Answer]) -> dict[str, Any]:
+        """The whole answer: a choice per answer; `pdserve` says how the first was served."""
+        choices = []
+        for i, answer in enumerate(answers):
+            logprobs = self.logprobs(call, answer.logprobs, self.offsets())
+            if call.chat:
+                said: dict[str, Any] = {"message": {"role": "assistant", "content": answer.text}}
+            else:
+                said = {"text": answer.text}
+            why = finish(answer.final)
+            choices.append({"index": i, **said, "logprobs": logprobs, "finish_reason": why})
         return {
             "id": response_id(call),
             "object": "chat.completion" if call.chat else "text_completion",
             "created": call.created,
             "model": self.model,
-            "choices": [choice],
-            "usage": usage(final),
-            "pdserve": pdserve(final),
+            "choices": choices,
+            "usage": usage([a.final for a in answers]),
+            "pdserve": pdserve(answers[0].final),
         }
 
     def token(self, token_id: int) -> str:
@@ -134,12 +129,16 @@ def finish(final: Summary | None) -> str | None:
     return FINISH[final.finish_reason]
 
 
-def usage(s: Summary) -> dict[str, Any]:
+def usage(finals: list[Summary]) -> dict[str, Any]:
+    """A request's usage over its choices: the prompt once (its cache hits the first choice's),
+    the completion tokens of all."""
+    first = finals[0]
+    completion = sum(s.completion_tokens for s in finals)
     return {
-        "prompt_tokens": s.prompt_tokens,
-        "completion_tokens": s.completion_tokens,
-        "total_tokens": s.prompt_tokens + s.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens},
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.cached_prompt_tokens},
     }
 
 

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
 
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Send
-
-from router.core_types import CoreChunk
 
 
 async def until_disconnected(receive: Receive, work: Awaitable[Any]) -> Any:
@@ -37,9 +35,13 @@ async def until_disconnected(receive: Receive, work: Awaitable[Any]) -> Any:
     return task.result() if task in done else None
 
 
-async def close(chunks: AsyncGenerator[CoreChunk, None], release: Callable[[], None]) -> None:
-    """Close the core's stream (aborting the request wherever it still runs), then free the
-    client's slot, whatever the close raises."""
+class Closable(Protocol):
+    async def aclose(self) -> None: ...
+
+
+async def close(chunks: Closable, release: Callable[[], None]) -> None:
+    """Close the core's stream or streams (aborting the request wherever it still runs), then
+    free the client's slots, whatever the close raises."""
     try:
         await chunks.aclose()
     finally:
@@ -52,7 +54,7 @@ class EventStream(StreamingResponse):
     def __init__(
         self,
         events: AsyncIterator[str],
-        chunks: AsyncGenerator[CoreChunk, None],
+        chunks: Closable,
         release: Callable[[], None],
         headers: dict[str, str],
     ) -> None:

@@ -131,6 +131,56 @@ def test_penalties_and_logit_bias_reach_the_engine_through_both_doors(srv, stub,
     assert_pools_full(srv, within_s=2.0)
 
 
+@pytest.mark.timeout(120)
+def test_n_choices_whole_and_streamed_are_seeded_apart_and_counted_together(srv, client):
+    """n seeded choices: choice 0 is the request with n = 1, the others differ and come back the
+    same with the same seed; streamed, each choice's deltas (after its own role chunk) make the
+    whole answer's text; usage counts the prompt once and every choice's tokens."""
+    opts = {"max_tokens": MAX_NEW, "temperature": 1.0, "seed": 5,
+            "extra_body": {"ignore_eos": True}}  # fmt: skip
+    one = client.completions.create(model=MODEL, prompt=PROMPT, **opts)
+    three = client.completions.create(model=MODEL, prompt=PROMPT, n=3, **opts)
+    texts = [c.text for c in sorted(three.choices, key=lambda c: c.index)]
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert texts[0] == one.choices[0].text and len(set(texts)) == 3
+    again = client.completions.create(model=MODEL, prompt=PROMPT, n=3, **opts)
+    assert [c.text for c in again.choices] == texts
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * MAX_NEW
+
+    whole = client.chat.completions.create(model=MODEL, messages=CHAT, n=2, **opts)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=CHAT, n=2, stream=True, stream_options={"include_usage": True},
+        **opts,
+    ))  # fmt: skip
+    streamed: dict[int, str] = {}
+    for c in chunks:
+        for choice in c.choices:
+            if choice.index not in streamed:
+                assert choice.delta.role == "assistant"  # each choice opens with its role
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    assert streamed == {c.index: c.message.content for c in whole.choices}
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 2 * MAX_NEW
+    assert_pools_full(srv, within_s=2.0)
+
+
+@pytest.mark.timeout(120)
+def test_n_greedy_choices_handed_off_each_move_their_kv(srv, stub, client):
+    """Each choice is a request of its own: disaggregated, each moves its KV (none falls back),
+    and each greedy choice is the gRPC answer."""
+    text, _, _ = grpc_answer(stub, "disaggregated", prompt=PROMPT)
+    before = received(srv)
+    got = client.completions.create(
+        model=MODEL, prompt=PROMPT, n=4, max_tokens=MAX_NEW, temperature=0,
+        extra_body={"pdserve": {"path": "disaggregated"}},
+    )  # fmt: skip
+    assert [c.text for c in got.choices] == [text] * 4
+    nbytes, ok = received(srv)
+    assert ok - before[1] == 4 and nbytes > before[0]
+    assert got.model_extra["pdserve"]["kv_fallback"] is None
+    assert_pools_full(srv, within_s=2.0)
+
+
 def test_chat_logprobs_and_completion_logprobs_have_openai_shapes(srv, client):
     chat = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
@@ -150,8 +200,9 @@ def test_chat_logprobs_and_completion_logprobs_have_openai_shapes(srv, client):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("path", ["colocated", "disaggregated"])
-def test_closing_a_stream_mid_answer_frees_its_blocks_within_a_second(srv, base, path):
+def test_closing_a_stream_mid_answer_frees_its_blocks_within_a_second(srv, base, path, n):
     body = {
         "model": MODEL,
         "prompt": [3] * 40,
@@ -159,6 +210,7 @@ def test_closing_a_stream_mid_answer_frees_its_blocks_within_a_second(srv, base,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
+        "n": n,
         "pdserve": {"path": path},
     }
     with httpx.Client(timeout=30) as http:
@@ -178,7 +230,8 @@ def test_bad_requests_get_a_400_naming_the_parameter_and_the_server_keeps_servin
     srv, base, client
 ):
     cases = [
-        ({"model": MODEL, "prompt": "x", "n": 2}, "n"),
+        ({"model": MODEL, "prompt": "x", "n": 17}, "n"),
+        ({"model": MODEL, "prompt": "x", "n": 0}, "n"),
         ({"model": MODEL, "prompt": "x", "max_tokens": -1}, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "temperature": 2.5}, "temperature"),
         ({"model": MODEL, "prompt": "x", "max_tokens": "ten"}, "max_tokens"),

@@ -119,6 +119,10 @@ def test_admission_and_the_client_limit_answer_429_with_retry_after():
             _release(s, gate, held)
             s.run(_set(gate))
             assert http.post(url, json=BODY).status_code == 200
+            # Each choice counts: three are over the limit at once, two are served.
+            many = http.post(url, json={**BODY, "n": 3})
+            assert many.status_code == 429 and "3 choices" in many.json()["error"]["message"]
+            assert len(http.post(url, json={**BODY, "n": 2}).json()["choices"]) == 2
             assert not s.server.clients._running  # every slot was given back
     finally:
         s.run(_set(gate))
