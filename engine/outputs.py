@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from engine.penalties import Seen
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
+from engine.seen import Seen
 
 
 class ScheduledRequest(NamedTuple):
@@ -22,7 +22,9 @@ class ScheduledRequest(NamedTuple):
     block_ids: tuple[int, ...]  # the request's whole block table
     sample: bool  # the chunk ends the known sequence: sample the next token
     sampling: SamplingParams
-    seen: Seen | None = None  # a penalized request's tokens, where it samples (else None)
+    # A penalized request's tokens where it samples (else None): a view of a buffer that only
+    # grows, read in this step (engine/seen.py).
+    seen: Seen | None = None
 
 
 @dataclass(frozen=True, slots=True)

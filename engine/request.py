@@ -78,7 +78,7 @@ class Request:
     # Waiting for KV (kv_handoff.reserve): time.monotonic() from which its KV may land. Until
     # then it neither shrinks the prefill chunks here nor holds prompts for its decode.
     kv_due_at: float = 0.0
-    # A penalized request's token_ids as int64, extended where it samples (engine/penalties.py).
+    # A penalized request's token_ids as int64, extended where it samples (engine/seen.py).
     seen_ids: array[int] | None = None
 
     @property

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.outputs import TokenLogprobs
-from engine.penalties import Seen, bias_, penalize_
+from engine.penalties import bias_, penalize_
 from engine.sampling_params import SamplingParams
+from engine.seen import Seen
 
 FilterKey = tuple[float, int, float, float]  # temperature, top_k, top_p, min_p
 

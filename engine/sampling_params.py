@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from engine.errors import InvalidRequestError
 
@@ -11,6 +12,15 @@ _MIN_TEMPERATURE = 1e-5
 _SEED_LIMIT = 1 << 64  # it seeds a torch.Generator, which takes 64 bits
 _PENALTY_LIMIT = 2.0  # presence and frequency penalties, as OpenAI's API bounds them
 _BIAS_LIMIT = 100.0  # a logit bias, as OpenAI's API bounds it
+MAX_LOGIT_BIAS = 300  # tokens one request may bias, as OpenAI's API bounds it
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +54,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # (token id, bias) pairs added to those tokens' logits after the penalties (OpenAI's
     # logit_bias: -100 all but bans a token, 100 all but forces it).
-    logit_bias: tuple[tuple[int, float], ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # sorted by token id
+    penalized: bool = field(init=False, repr=False, compare=False)  # set in __post_init__
     # Samples of this request drawn elsewhere before (its tokens so far, where it resumes on
     # another worker): its draws start at the next sample's number (engine/sampler.py), so that
     # a seed gives the same tokens; and the last `drawn` tokens of its prompt are outputs, which
@@ -105,30 +116,37 @@ class SamplingParams:
                 "repetition_penalty",
                 f"must be finite and > 0 (1: off), got {self.repetition_penalty!r}",
             )
-        if isinstance(self.logit_bias, dict):
-            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
-        object.__setattr__(self, "logit_bias", tuple(tuple(p) for p in self.logit_bias))
-        ids = [t for t, _ in self.logit_bias]
-        if any((not isinstance(t, int)) or t < 0 for t in ids) or len(set(ids)) < len(ids):
-            raise InvalidRequestError(
-                "logit_bias", "every token id must be an integer >= 0, each named once"
-            )
-        bad = next((b for _, b in self.logit_bias if not -_BIAS_LIMIT <= b <= _BIAS_LIMIT), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                "logit_bias", f"every bias must be in [-100, 100], got {bad!r}"
-            )
+        self._check_logit_bias()
         if self.logprobs is not None and (
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
         ):
             raise InvalidRequestError("logprobs", f"must be in [0, 20], got {self.logprobs!r}")
+        # Whether its sampled rows depend on the tokens it has seen (read every step).
+        penalized = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+        object.__setattr__(self, "penalized", bool(penalized))
 
-    @property
-    def penalized(self) -> bool:
-        """Whether its sampled rows depend on the tokens it has seen."""
-        return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-        )
+    def _check_logit_bias(self) -> None:
+        given: Any = self.logit_bias
+        if isinstance(given, dict):  # the engine API's users may give one
+            given = given.items()
+        pairs: tuple[Any, ...] = tuple(tuple(p) for p in given)
+        if len(pairs) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                "logit_bias", f"names {len(pairs)} tokens; at most {MAX_LOGIT_BIAS}"
+            )
+        if any(len(p) != 2 for p in pairs):
+            raise InvalidRequestError("logit_bias", "must be (token id, bias) pairs")
+        ids = [t for t, _ in pairs]
+        if any(not _is_int(t) or t < 0 for t in ids) or len(set(ids)) < len(ids):
+            raise InvalidRequestError(
+                "logit_bias", "every token id must be an integer >= 0, each named once"
+            )
+        for _, b in pairs:
+            if not (_is_number(b) and -_BIAS_LIMIT <= b <= _BIAS_LIMIT):  # also rejects NaN
+                raise InvalidRequestError(
+                    "logit_bias", f"every bias must be a number in [-100, 100], got {b!r}"
+                )
+        object.__setattr__(self, "logit_bias", tuple(sorted(pairs)))
 
     @property
     def greedy(self) -> bool:

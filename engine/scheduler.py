@@ -35,10 +35,10 @@ from engine.chunk_sizer import ChunkSizer
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import ComputedBlocks, KVCacheManager, cdiv
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from engine.penalties import seen
 from engine.prompt_hold import PromptHold
 from engine.prompt_steps import PromptStepCost
 from engine.request import FinishReason, Request, RequestStatus
+from engine.seen import seen
 
 _FINISH_STATUS = {
     FinishReason.STOP: RequestStatus.FINISHED_STOPPED,

@@ -5,7 +5,8 @@ as its stream closes; where the front doors' own shutdown would cancel their cal
 "Cancelling all calls", a cut HTTP body).
 
 The core's stream of a request runs in the task of whoever reads it (the HTTP edge reads its
-first chunk in one task and the rest in another): after each chunk it notes the task reading it.
+first chunk in one task and the rest in another; each of a request's n choices has a task per
+chunk): after each chunk it notes the task reading it.
 A stream waiting for its next chunk there is ended by cancelling that task, the cancellation
 taken back and turned into ShuttingDown inside the stream; one whose reader holds a chunk (a
 write in progress) ends when it asks for the next."""

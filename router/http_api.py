@@ -18,10 +18,11 @@ closes its connection aborts the request on every worker it touched.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
@@ -163,6 +164,10 @@ class HttpApi:
         try:
             fields, renames = request_fields(body)
             req = await check_request_async(fields, self.tokenizer, self.limits)
+            limit = self.clients.limit
+            if limit is not None and body.n > limit:  # it could never be admitted
+                why = f"{body.n} choices, each a request: at most {limit} run per client"
+                raise InvalidRequestError("n", f"{why} (--max-streams-per-client)")
             host = client_host(request.client.host if request.client else "")
             release = self.clients.take(host, Frontend.HTTP, body.n)
         except (InvalidRequestError, Overloaded) as exc:
@@ -197,7 +202,7 @@ class HttpApi:
         return EventStream(self._events(call, choices.merged(got)), choices, release, headers)
 
     async def _events(
-        self, call: Call, chunks: AsyncIterator[tuple[int, CoreChunk]]
+        self, call: Call, chunks: AsyncGenerator[tuple[int, CoreChunk], None]
     ) -> AsyncIterator[str]:
         """The response's server-sent events, from the choices' first chunks on, then
         `[DONE]`. A failure mid-answer makes the last one before `[DONE]` an error event;
@@ -205,20 +210,13 @@ class HttpApi:
         offsets: dict[int, TextOffsets] = {}
         finals: dict[int, Summary] = {}
         try:
-            async for i, chunk in chunks:
-                if i not in offsets:
-                    offsets[i] = self.shapes.offsets()
-                    if call.chat:
-                        delta = {"role": "assistant", "content": ""}
-                        opening = {"delta": delta, "logprobs": None, "finish_reason": None}
-                        yield sse(self.shapes.chunk(call, opening, index=i))
-                choice = self.shapes.streamed_choice(call, chunk, offsets[i])
-                # Tokens whose text is held back (a stop string may begin there) make no event
-                # of their own, unless they carry logprobs.
-                if chunk.text or chunk.final is not None or choice["logprobs"] is not None:
-                    yield sse(self.shapes.chunk(call, choice, chunk.final, index=i))
-                if chunk.final is not None:
-                    finals[i] = chunk.final
+            # Closed here however the reading ends: its tasks end before the streams close.
+            async with contextlib.aclosing(chunks):
+                async for i, chunk in chunks:
+                    for event in self._chunk_events(call, i, chunk, offsets):
+                        yield event
+                    if chunk.final is not None:
+                        finals[i] = chunk.final
             if call.include_usage:
                 summaries = [finals[i] for i in sorted(finals)]
                 yield sse(self.shapes.chunk(call, None, usage_=usage(summaries)))
@@ -226,3 +224,21 @@ class HttpApi:
         except Exception as exc:  # a worker failed mid-answer: tell the client, then end
             yield sse(from_core(exc).body())
             yield "data: [DONE]\n\n"  # as after an answer: a reader waiting for it stops
+
+    def _chunk_events(
+        self, call: Call, i: int, chunk: CoreChunk, offsets: dict[int, TextOffsets]
+    ) -> list[str]:
+        """Choice i's chunk as events: a chat choice's first opens with its role. Tokens whose
+        text is held back (a stop string may begin there) make no event of their own, unless
+        they carry logprobs."""
+        events = []
+        if i not in offsets:
+            offsets[i] = self.shapes.offsets()
+            if call.chat:
+                delta = {"role": "assistant", "content": ""}
+                opening = {"delta": delta, "logprobs": None, "finish_reason": None}
+                events.append(sse(self.shapes.chunk(call, opening, index=i)))
+        choice = self.shapes.streamed_choice(call, chunk, offsets[i])
+        if chunk.text or chunk.final is not None or choice["logprobs"] is not None:
+            events.append(sse(self.shapes.chunk(call, choice, chunk.final, index=i)))
+        return events

@@ -1,16 +1,21 @@
 """A request's `n` choices (OpenAI's `n`): n requests of the core, one per choice, read together.
 
-Choice 0 is the request as asked; choice i > 0 is the same request under its own id (`<id>-<i>`)
-and, where a seed was given, its own seed made from it (choice_seed), so that a seeded request
-gives the same n choices each time and n = 1 gives what it always gave. Each choice is admitted,
-placed and metered as a request of its own; the answer goes out once all n are admitted.
-Closing the choices closes every core stream, aborting each choice wherever it still runs.
+Choice 0 is the request as asked (its id, its seed); choice i > 0 is the same request under its
+own id (`<id>-<i>`) and, where a seed was given, its own seed made from it (choice_seed), so that
+a seeded request gives the same n choices each time and n = 1 gives what it always gave. Each
+choice is admitted, placed and metered as a request of its own; the answer goes out once all n
+are admitted, and a refusal or a failure of any is the answer's. Closing the choices closes the
+reading of them, then every core stream, aborting each choice wherever it still runs.
+
+With one choice its stream is read in the reader's own task, as a plain stream is; with more,
+each choice's next chunk is read by a task of its own (router/endings.py ends whichever task
+reads a stream).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import replace
 from typing import TypeVar
 
@@ -27,16 +32,14 @@ def choice_seed(seed: int, index: int) -> int:
 
 
 def choice_requests(req: ParsedRequest, n: int) -> list[ParsedRequest]:
-    if n == 1:
-        return [req]
     sp, seed = req.sampling, req.sampling.seed
-    return [
+    return [req] + [
         replace(
             req,
             request_id=f"{req.request_id}-{i}",
             sampling=sp if seed is None else replace(sp, seed=choice_seed(seed, i)),
         )
-        for i in range(n)
+        for i in range(1, n)
     ]
 
 
@@ -62,6 +65,7 @@ class Choices:
 
     def __init__(self, streams: list[AsyncGenerator[CoreChunk, None]]) -> None:
         self.streams = streams
+        self._merged: AsyncGenerator[tuple[int, CoreChunk], None] | None = None
 
     def __len__(self) -> int:
         return len(self.streams)
@@ -73,9 +77,20 @@ class Choices:
     async def answers(self) -> list[Answer]:
         return await together([collect(s) for s in self.streams])
 
-    async def merged(self, firsts: list[CoreChunk]) -> AsyncIterator[tuple[int, CoreChunk]]:
+    def merged(self, firsts: list[CoreChunk]) -> AsyncGenerator[tuple[int, CoreChunk], None]:
         """The choices' chunks with their index: the first ones (in order), then the others as
-        they come, up to every choice's final chunk. A failure of any is raised."""
+        they come, up to every choice's final chunk. A failure of any is raised. aclose()
+        closes it first."""
+        self._merged = self._one(firsts[0]) if len(firsts) == 1 else self._many(firsts)
+        return self._merged
+
+    async def _one(self, chunk: CoreChunk) -> AsyncGenerator[tuple[int, CoreChunk], None]:
+        yield 0, chunk
+        while chunk.final is None:
+            chunk = await _next(self.streams[0])
+            yield 0, chunk
+
+    async def _many(self, firsts: list[CoreChunk]) -> AsyncGenerator[tuple[int, CoreChunk], None]:
         reading: dict[asyncio.Future[CoreChunk], int] = {}
 
         def read(i: int) -> None:
@@ -100,8 +115,11 @@ class Choices:
             await asyncio.gather(*reading, return_exceptions=True)
 
     async def aclose(self) -> None:
-        """Close every stream (each aborts its choice wherever it still runs), then raise the
+        """Close the merged reading (its tasks cancelled and finished: none reads a stream
+        then), then every stream (each aborts its choice wherever it still runs); raise the
         first failure of a close, if any."""
+        if self._merged is not None:
+            await self._merged.aclose()
         results = await asyncio.gather(*(s.aclose() for s in self.streams), return_exceptions=True)
         failed = next((r for r in results if isinstance(r, BaseException)), None)
         if failed is not None:

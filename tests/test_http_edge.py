@@ -119,10 +119,16 @@ def test_admission_and_the_client_limit_answer_429_with_retry_after():
             _release(s, gate, held)
             s.run(_set(gate))
             assert http.post(url, json=BODY).status_code == 200
-            # Each choice counts: three are over the limit at once, two are served.
+            # Each choice counts: three could never run under a limit of two (400 naming n),
+            # two are served, and two more while one runs are over the limit (429).
             many = http.post(url, json={**BODY, "n": 3})
-            assert many.status_code == 429 and "3 choices" in many.json()["error"]["message"]
+            assert many.status_code == 400 and many.json()["error"]["param"] == "n", many.text
             assert len(http.post(url, json={**BODY, "n": 2}).json()["choices"]) == 2
+            gate.clear()
+            held = _hold(s, url, 1)
+            more = http.post(url, json={**BODY, "n": 2})
+            assert more.status_code == 429 and "2 choices" in more.json()["error"]["message"]
+            _release(s, gate, held)
             assert not s.server.clients._running  # every slot was given back
     finally:
         s.run(_set(gate))

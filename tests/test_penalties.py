@@ -108,8 +108,10 @@ def test_a_penalized_request_resumed_elsewhere_counts_its_earlier_output():
 
 
 @pytest.mark.parametrize(
-    "bias", [((1, 101.0),), ((1, float("nan")),), ((-1, 1.0),), ((1, 1.0), (1, 2.0))]
-)
+    "bias",
+    [((1, 101.0),), ((1, float("nan")),), ((-1, 1.0),), ((1, 1.0), (1, 2.0)), ((True, 1.0),),
+     ((1, "1"),), ((1,),), tuple((t, 1.0) for t in range(301))],
+)  # fmt: skip
 def test_bad_logit_biases_are_refused_naming_the_field(bias):
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(logit_bias=bias)
@@ -120,6 +122,8 @@ def test_logit_bias_is_added_after_penalties_and_logprobs_stay_the_models():
     logits = torch.tensor([[0.0, 3.0, 2.9, 1.0]])
     sp = SamplingParams(temperature=0.0, presence_penalty=1.0, logit_bias={3: 1.5}, logprobs=1)
     assert sp.logit_bias == ((3, 1.5),)  # a dict is taken as its pairs
+    assert SamplingParams(logit_bias={9: 1, 2: -1}).logit_bias == ((2, -1), (9, 1))  # sorted
+    assert sp.penalized and not replace(sp, presence_penalty=0.0).penalized
     tokens, lps = sample(logits, [sp], [None], [Seen(array("q", [1]), 1, 0)])
     assert tokens == [2] and lps[0] is not None and lps[0].top[0][0] == 1
     tokens, _ = sample(logits, [replace(sp, presence_penalty=0.0, logit_bias=((3, 2.5),))], [None])
