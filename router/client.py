@@ -142,12 +142,22 @@ def run(args: argparse.Namespace) -> int:
                 if not args.json and msg.text:
                     sys.stdout.write(msg.text)
                     sys.stdout.flush()
+    except KeyboardInterrupt:  # closing the channel cancels the call: the server aborts it
+        if not args.json and text:
+            sys.stdout.write("\n")
+        print("interrupted", file=sys.stderr)
+        return 130
     except grpc.RpcError as exc:
         if not args.json and text:
             sys.stdout.write("\n")
         code, details = exc.code(), exc.details() or ""
         if code is grpc.StatusCode.UNAVAILABLE and _unreached(details):
             detail = f"no pdserve server answering at {args.address}? ({details})"
+        elif code is grpc.StatusCode.UNIMPLEMENTED:  # a gRPC server, not pdserve's main port
+            detail = (
+                f"{code.name}: {details} ({args.address} serves no pdserve.v1.Generation: "
+                "is it pdserve's main port? `pdserve serve` prints it: --port, 50051)"
+            )
         elif code is grpc.StatusCode.DEADLINE_EXCEEDED and args.wait and not ids:
             detail = (
                 f"no answer from {args.address} within --timeout {args.timeout:g} s (waiting "

@@ -40,6 +40,7 @@ from decode_worker.worker import DecodeWorker
 from prefill_worker.worker import PrefillWorker
 from router.pairing import PairBook
 from router.workers import LoopThread, Placement, WorkerHandle, WorkerStatus, spread_node
+from worker_protocol.code_id import code_id
 from worker_protocol.messages import WorkerInfo, WorkerRole, WorkerSpec
 
 log = logging.getLogger("pdserve.pools")
@@ -166,8 +167,13 @@ class Pools:
         placement = self.config.placement.get(role, Placement())
         nodes = ray.nodes()
         node = spread_node(placement, nodes, self.handles(), self.config.placement, avoid)
-        where = next((n["NodeManagerAddress"] for n in nodes if n["NodeID"] == node), "any node")
-        log.info("starting %s (incarnation %d) on %s", worker_id, incarnation, where)
+        where = next((n["NodeManagerAddress"] for n in nodes if n["NodeID"] == node), None)
+        if where is None:
+            log.warning("starting %s (incarnation %d): no node has room for it now (it asks "
+                        "for %s); Ray places it once one has", worker_id, incarnation,
+                        placement.describe())  # fmt: skip
+        else:
+            log.info("starting %s (incarnation %d) on %s", worker_id, incarnation, where)
         cls: Any = ray.remote(ACTOR_CLASSES[role])
         actor = cls.options(**placement.actor_options(node)).remote(
             worker_id, self.config.spec, incarnation
@@ -188,7 +194,14 @@ class Pools:
         try:
             h.info = await asyncio.wait_for(h.actor.ready.remote(), self.config.start_timeout_s)
             h.node_id = h.node_id or h.info.node_id or None  # where Ray placed it, if it chose
-            return True
+            theirs = await self._code_of(h)
+            if theirs == code_id():
+                return True
+            said = f"its {theirs}" if theirs else "its from before the check"
+            h.error = (
+                f"it runs other pdserve code than the router ({said}, the router's "
+                f"{code_id()}): install one version on every node"
+            )
         except asyncio.TimeoutError:
             placement = self.config.placement.get(h.role, Placement())
             h.error = (
@@ -201,6 +214,14 @@ class Pools:
         log.warning("worker %s (incarnation %d) did not start: %s", h.worker_id, h.incarnation,
                     h.error)  # fmt: skip
         return False
+
+    async def _code_of(self, h: WorkerHandle) -> str | None:
+        """The code the worker runs (worker_protocol/code_id.py); None: from before the check."""
+        try:
+            call: Any = h.actor.code_id.remote()
+        except AttributeError:
+            return None
+        return str(await asyncio.wait_for(call, self.config.start_timeout_s))
 
     async def _pair_up(self, h: WorkerHandle) -> None:
         """Pair a new worker with every peer (PEERS) whose engine is up."""

@@ -54,6 +54,36 @@ def running_runtime(timeout_s: float = 1.0) -> str | None:
         return None  # a stale record: that runtime is gone
 
 
+REACH_TIMEOUT_S = 5.0  # for a cluster's address to accept a connection
+
+
+def _check_reachable(address: str) -> None:
+    """Fail at once, naming the address, where Ray would retry for minutes (deaf to Ctrl-C):
+    `auto` with no runtime left running on this machine, or a HOST:PORT that does not accept a
+    connection within REACH_TIMEOUT_S. (A ray:// client address is left to Ray.)"""
+    if address == AUTO:
+        if running_runtime(REACH_TIMEOUT_S) is None:
+            raise RayUnavailable(
+                "--ray-address auto: no Ray runtime that `ray start` left on this machine "
+                "answers. Start one (`ray start --head`), give its HOST:PORT, or pass "
+                "--ray-address local to start a private Ray"
+            )
+        return
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_TIMEOUT_S):
+            return
+    except OSError as exc:
+        why = "no answer" if isinstance(exc, TimeoutError) else exc.strerror or str(exc)
+    raise RayUnavailable(
+        f"could not reach the Ray cluster at {address!r} ({why} within {REACH_TIMEOUT_S:g} s). "
+        "Check the address and that `ray status` works on a node of that cluster, or pass "
+        "--ray-address local to start a private Ray"
+    )
+
+
 def init_ray(address: str | None) -> str:
     """Join or start Ray as `address` says (see the module docstring); returns the address
     joined, or "local". Raises RayUnavailable with what to do when it can't."""
@@ -71,6 +101,7 @@ def init_ray(address: str | None) -> str:
             )
             address = found
     if address and address != LOCAL:
+        _check_reachable(address)
         try:
             ray.init(address=address, log_to_driver=False)
         except (ConnectionError, RuntimeError, ValueError) as exc:

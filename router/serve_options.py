@@ -381,4 +381,29 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
             "prefill_hold_ms (--prefill-hold-ms): prompts wait where a chunk cannot keep to the "
             "step target, so it needs step_target_ms"
         )
+    gpus = values["gpus_per_worker"]
+    if gpus is not None and gpus > 1 and gpus != int(gpus):
+        raise OptionError(
+            f"gpus_per_worker (--gpus-per-worker): Ray shares a GPU in fractions below 1; above "
+            f"1 it must be a whole number, got {gpus:g}"
+        )
+    _check_ports(values)
     return ServeOptions(MappingProxyType(values))
+
+
+def _check_ports(values: Mapping[str, Any]) -> None:
+    """The ports the server listens on (0: any free one, -1: off) must differ."""
+    taken: dict[int, str] = {}
+    for name in ("port", "http_port", "admin_port", "metrics_port"):
+        port = values[name]
+        if port > 0 and port in taken:
+            other = taken[port]
+            raise OptionError(
+                f"{name} ({_flag(name)}): {port} is {_flag(other)}'s too; each port the server "
+                "listens on must differ"
+            )
+        taken[port] = name
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")

@@ -198,8 +198,15 @@ def run(args: argparse.Namespace) -> int:
         after = scrape(args.address)
     except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
         # Not an HTTP server (a gRPC port answers HTTP/2 frames), or not Prometheus text.
-        why = f"{type(exc).__name__}: {exc}"[:200]
-        print(f"error: no pdserve metrics at {args.address}? ({why})", file=sys.stderr)
+        if isinstance(exc, http.client.BadStatusLine):  # its first bytes: binary, unprintable
+            why = "it does not answer HTTP: a gRPC port?"
+        else:
+            why = f"{type(exc).__name__}: {exc}"[:200]
+        print(
+            f"error: no pdserve metrics at {args.address}? ({why}; `pdserve serve` prints the "
+            "metrics port: --metrics-port, 9400)",
+            file=sys.stderr,
+        )
         return 1
     print(render(before, after, args.interval, args.address))
     return 0

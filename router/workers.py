@@ -161,8 +161,9 @@ def spread_node(
     id; none of `avoid` (where the worker hung, or a start of it failed) while another has
     room. Room is what a node has less what the workers of these pools there, not dead or
     stopped, ask for (`placements`, by role): a node whose GPUs the pools hold takes no more
-    (what else runs on the cluster is not counted). With no node with room, None: Ray places
-    it once one frees up. Ray's SPREAD strategy does not spread actors that ask for no CPU or
+    (what else runs on the cluster is not counted). Draining workers hold their room but are
+    not counted among a node's workers: they are leaving. With no node with room, None: Ray
+    places it once one frees up. Ray's SPREAD strategy does not spread actors that ask for no CPU or
     GPU, and placing by hand also lets the count include workers still starting."""
     live = [h for h in handles if h.status not in (WorkerStatus.DEAD, WorkerStatus.STOPPED)]
     taken: dict[str, dict[str, float]] = {}
@@ -175,7 +176,9 @@ def spread_node(
     if not fitting:
         return None
 
+    staying = [h for h in live if h.status is not WorkerStatus.DRAINING]
+
     def load(node_id: str) -> tuple[bool, int, str]:
-        return node_id in avoid, sum(h.node_id == node_id for h in live), node_id
+        return node_id in avoid, sum(h.node_id == node_id for h in staying), node_id
 
     return min(fitting, key=load)

@@ -149,7 +149,44 @@ def test_status_at_a_port_that_is_not_prometheus_is_one_line(capsys):
         srv.close()
     err = capsys.readouterr().err
     assert err.startswith(f"error: no pdserve metrics at 127.0.0.1:{port}?"), err
+    assert "a gRPC port?" in err and "--metrics-port" in err and "\\x00" not in err, err
     assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_complete_at_a_grpc_port_that_is_not_pdserves_main_one_says_so(capsys):
+    """The admin port (or any gRPC server without pdserve's Generation service)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    srv = grpc.server(ThreadPoolExecutor(1))
+    port = srv.add_insecure_port("127.0.0.1:0")
+    srv.start()
+    try:
+        assert run(["complete", "--address", f"127.0.0.1:{port}", "--timeout", "10", "hi"]) == 1
+    finally:
+        srv.stop(0)
+    err = capsys.readouterr().err
+    assert "UNIMPLEMENTED" in err and "is it pdserve's main port?" in err and "--port" in err
+
+
+def test_complete_interrupted_exits_130_without_a_traceback(monkeypatch, capsys):
+    """Ctrl-C while the answer streams: the call is cancelled (the server aborts it), one line."""
+    from pdserve_proto import generation_pb2 as pb
+    from pdserve_proto import generation_pb2_grpc as pb_grpc
+
+    def answer(*args, **kwargs):
+        yield pb.GenerateResponse(request_id="r", token_ids=[1], text="Par")
+        raise KeyboardInterrupt
+
+    class Stub:
+        def __init__(self, channel):
+            self.Generate = answer
+
+    monkeypatch.setattr(pb_grpc, "GenerationStub", Stub)
+    assert run(["complete", "--address", "127.0.0.1:1", "hi"]) == 130
+    out = capsys.readouterr()
+    assert out.out == "Par\n" and out.err == "interrupted\n"
 
 
 @pytest.mark.parametrize(

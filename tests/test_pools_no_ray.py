@@ -32,6 +32,9 @@ def test_the_fitting_node_with_the_fewest_live_workers():
     assert spread_node(Placement(), nodes, [on("a")], NONE) == "b"
     assert spread_node(Placement(), nodes, [on("a", WorkerStatus.DEAD)], NONE) == "a"  # not counted
     assert spread_node(Placement(resources=(("gpu_node", 1.0),)), nodes, [], NONE) is None
+    # Draining workers are leaving: b's two count for nothing, a's one stays.
+    leaving = [on("a"), on("b", WorkerStatus.DRAINING), on("b", WorkerStatus.DRAINING)]
+    assert spread_node(Placement(), nodes, leaving, NONE) == "b"
 
 
 def test_a_node_whose_gpus_the_pools_hold_takes_no_more():
@@ -147,3 +150,40 @@ def test_a_resize_past_max_workers_is_refused_before_any_worker_starts(monkeypat
         assert spawned == []
     finally:
         pools.ops.stop()
+
+
+class Remote:
+    """An actor method stand-in: .remote() gives an awaitable of `value` (or raises it)."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def remote(self):
+        async def call():
+            if isinstance(self.value, BaseException):
+                raise self.value
+            return self.value
+
+        return call()
+
+
+@pytest.mark.parametrize("theirs", ["same", "other", "none"])
+def test_a_worker_running_other_code_than_the_router_does_not_start(theirs):
+    """Its pickled messages would not read alike on both sides (a request's sampling fields
+    shifted): it is refused at start, naming both codes, rather than failing every call."""
+    from types import SimpleNamespace
+
+    from worker_protocol.code_id import code_id
+
+    pools = Pools(PoolConfig(spec=None, start_timeout_s=5))  # type: ignore[arg-type]
+    actor = SimpleNamespace(ready=Remote(SimpleNamespace(node_id="a")))
+    if theirs != "none":  # "none": a worker from before the check has no such method
+        actor.code_id = Remote(code_id() if theirs == "same" else "0123456789abcdef")
+    h = WorkerHandle("decode-0", WorkerRole.DECODE, actor, 0, None)  # type: ignore[arg-type]
+    try:
+        up = pools.ops.call(pools._engine_up(h), 10)
+    finally:
+        pools.ops.stop()
+    assert up is (theirs == "same"), h.error
+    if theirs != "same":
+        assert "other pdserve code than the router" in h.error and code_id() in h.error

@@ -138,6 +138,9 @@ def test_a_bad_file_is_refused_at_start_naming_the_field(tmp_path, capsys, text,
         (["--max-num-seqs", "300", "--max-num-batched-tokens", "256"], "must be >= max_num_seqs"),
         (["--tls-cert", "cert.pem"], "tls_cert and tls_key: give both or neither"),
         (["--auth-token-file", "/no/such/token"], "/no/such/token"),
+        (["--gpus-per-worker", "1.5"], "gpus_per_worker (--gpus-per-worker): Ray shares"),
+        (["--metrics-port", "50071", "--port", "50071"], "metrics_port (--metrics-port): 50071"),
+        (["--http-port", "50051"], "http_port (--http-port): 50051 is --port's too"),
     ],
 )
 def test_print_config_refuses_what_serve_refuses(capsys, flags, says):

@@ -24,6 +24,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import SchedulerOutput
 from engine.sampling_params import SamplingParams
 from worker_protocol.address import kv_bind_host, node_ip
+from worker_protocol.code_id import code_id
 from worker_protocol.ended import EndedRequests
 from worker_protocol.messages import WorkerInfo, WorkerLoad, WorkerRole, WorkerSpec
 
@@ -96,6 +97,10 @@ class EngineHost:
 
     def info(self) -> WorkerInfo:
         return self._info
+
+    def code_id(self) -> str:
+        """The code it runs (worker_protocol/code_id.py): the router checks it is its own."""
+        return code_id()
 
     async def warmup(self) -> int:
         """Run one short greedy request through the engine, so that the first request routed

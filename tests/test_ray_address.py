@@ -1,0 +1,51 @@
+"""A --ray-address that does not answer fails at once, naming it (Ray itself retries for
+minutes, deaf to Ctrl-C)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from router import ray_runtime
+from router.ray_runtime import RayUnavailable, _check_reachable
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(120)
+def test_serve_at_an_address_nothing_listens_on_exits_2_naming_it():
+    address = f"127.0.0.1:{closed_port()}"
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "router.cli", "serve", "--model", "tiny-llama",
+         "--ray-address", address, "--metrics-port", "-1", "--admin-port", "-1"],
+        capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"could not reach the Ray cluster at {address!r}" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert time.monotonic() - t0 < 60
+
+
+def test_an_address_that_does_not_answer_in_time_is_named(monkeypatch):
+    def silent(*args, **kwargs):
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(socket, "create_connection", silent)
+    with pytest.raises(RayUnavailable, match=r"10\.9\.8\.7:6379' \(no answer within 5 s\)"):
+        _check_reachable("10.9.8.7:6379")
+
+
+def test_auto_with_no_runtime_left_on_this_machine_is_named(monkeypatch):
+    monkeypatch.setattr(ray_runtime, "running_runtime", lambda timeout_s=1.0: None)
+    with pytest.raises(RayUnavailable, match="--ray-address auto: no Ray runtime"):
+        _check_reachable("auto")
+    _check_reachable("ray://head:10001")  # a client address is Ray's to reach
