@@ -4,6 +4,7 @@ ports), a short mixed load, then Prometheus' HTTP API and `pdserve status`."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve_proto import generation_pb2 as pb
@@ -80,12 +82,25 @@ def test_promtool_accepts_the_config_and_the_rules():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_the_dashboard_is_what_its_script_writes():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("make", DEPLOY / "grafana" / "make_dashboard.py")
+def script(path: Path):
+    """A deploy/ script, loaded as a module."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_operators_rules_are_what_their_script_writes_from_alerts_yml():
+    mod = script(DEPLOY / "prometheus" / "make_rule.py")
+    text = (DEPLOY / "kuberay" / "prometheusrule.yaml").read_text()
+    assert text == mod.render(), "run python deploy/prometheus/make_rule.py"
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    assert yaml.safe_load(text)["spec"] == rules
+
+
+def test_the_dashboard_is_what_its_script_writes():
+    mod = script(DEPLOY / "grafana" / "make_dashboard.py")
     assert (DEPLOY / "grafana" / "pdserve.json").read_text() == mod.render(), (
         "run python deploy/grafana/make_dashboard.py"
     )
