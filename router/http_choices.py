@@ -67,9 +67,6 @@ class Choices:
         self.streams = streams
         self._merged: AsyncGenerator[tuple[int, CoreChunk], None] | None = None
 
-    def __len__(self) -> int:
-        return len(self.streams)
-
     async def firsts(self) -> list[CoreChunk]:
         """Every choice's first chunk: each admitted and placed (a refusal of any is raised)."""
         return await together([anext(s) for s in self.streams])  # type: ignore[arg-type]

@@ -197,10 +197,10 @@ class Pools:
             theirs = await self._code_of(h)
             if theirs == code_id():
                 return True
-            said = f"its {theirs}" if theirs else "its from before the check"
+            said = theirs or "a version from before this check"
             h.error = (
-                f"it runs other pdserve code than the router ({said}, the router's "
-                f"{code_id()}): install one version on every node"
+                f"it runs other pdserve code than the router (worker_protocol/code_id.py: "
+                f"its {said}, the router's {code_id()}): install one version on every node"
             )
         except asyncio.TimeoutError:
             placement = self.config.placement.get(h.role, Placement())
@@ -216,12 +216,13 @@ class Pools:
         return False
 
     async def _code_of(self, h: WorkerHandle) -> str | None:
-        """The code the worker runs (worker_protocol/code_id.py); None: from before the check."""
+        """The code the worker runs (worker_protocol/code_id.py); None: a version from before
+        the check (its actor has no such method: Ray's call fails on its side)."""
         try:
             call: Any = h.actor.code_id.remote()
-        except AttributeError:
+            return str(await asyncio.wait_for(call, self.config.control_timeout_s))
+        except (AttributeError, ray.exceptions.RayTaskError):
             return None
-        return str(await asyncio.wait_for(call, self.config.start_timeout_s))
 
     async def _pair_up(self, h: WorkerHandle) -> None:
         """Pair a new worker with every peer (PEERS) whose engine is up."""

@@ -198,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
         after = scrape(args.address)
     except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
         # Not an HTTP server (a gRPC port answers HTTP/2 frames), or not Prometheus text.
-        if isinstance(exc, http.client.BadStatusLine):  # its first bytes: binary, unprintable
+        bad = isinstance(exc, http.client.BadStatusLine)
+        if bad and not isinstance(exc, http.client.RemoteDisconnected):  # binary first bytes
             why = "it does not answer HTTP: a gRPC port?"
         else:
             why = f"{type(exc).__name__}: {exc}"[:200]

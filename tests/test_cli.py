@@ -171,7 +171,7 @@ def test_complete_at_a_grpc_port_that_is_not_pdserves_main_one_says_so(capsys):
 
 
 def test_complete_interrupted_exits_130_without_a_traceback(monkeypatch, capsys):
-    """Ctrl-C while the answer streams: the call is cancelled (the server aborts it), one line."""
+    """Ctrl-C while the answer streams: the text so far, then one line and exit 130."""
     from pdserve_proto import generation_pb2 as pb
     from pdserve_proto import generation_pb2_grpc as pb_grpc
 

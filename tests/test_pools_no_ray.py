@@ -176,8 +176,13 @@ def test_a_worker_running_other_code_than_the_router_does_not_start(theirs):
     from worker_protocol.code_id import code_id
 
     pools = Pools(PoolConfig(spec=None, start_timeout_s=5))  # type: ignore[arg-type]
+    import ray
+
     actor = SimpleNamespace(ready=Remote(SimpleNamespace(node_id="a")))
-    if theirs != "none":  # "none": a worker from before the check has no such method
+    if theirs == "none":  # a worker from before the check: Ray's call fails on its side
+        missing = AttributeError("'DecodeWorker' object has no attribute 'code_id'")
+        actor.code_id = Remote(ray.exceptions.RayTaskError("code_id", "", missing))
+    else:
         actor.code_id = Remote(code_id() if theirs == "same" else "0123456789abcdef")
     h = WorkerHandle("decode-0", WorkerRole.DECODE, actor, 0, None)  # type: ignore[arg-type]
     try:
@@ -187,3 +192,4 @@ def test_a_worker_running_other_code_than_the_router_does_not_start(theirs):
     assert up is (theirs == "same"), h.error
     if theirs != "same":
         assert "other pdserve code than the router" in h.error and code_id() in h.error
+        assert ("0123456789abcdef" if theirs == "other" else "from before this check") in h.error

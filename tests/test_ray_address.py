@@ -10,7 +10,6 @@ import time
 
 import pytest
 
-from router import ray_runtime
 from router.ray_runtime import RayUnavailable, _check_reachable
 
 
@@ -27,12 +26,12 @@ def test_serve_at_an_address_nothing_listens_on_exits_2_naming_it():
     done = subprocess.run(
         [sys.executable, "-m", "router.cli", "serve", "--model", "tiny-llama",
          "--ray-address", address, "--metrics-port", "-1", "--admin-port", "-1"],
-        capture_output=True, text=True, timeout=100,
+        capture_output=True, text=True, timeout=110,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert f"could not reach the Ray cluster at {address!r}" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
-    assert time.monotonic() - t0 < 60
+    assert time.monotonic() - t0 < 90  # the imports and the tokenizer, then 5 s at most
 
 
 def test_an_address_that_does_not_answer_in_time_is_named(monkeypatch):
@@ -44,8 +43,10 @@ def test_an_address_that_does_not_answer_in_time_is_named(monkeypatch):
         _check_reachable("10.9.8.7:6379")
 
 
-def test_auto_with_no_runtime_left_on_this_machine_is_named(monkeypatch):
-    monkeypatch.setattr(ray_runtime, "running_runtime", lambda timeout_s=1.0: None)
-    with pytest.raises(RayUnavailable, match="--ray-address auto: no Ray runtime"):
-        _check_reachable("auto")
-    _check_reachable("ray://head:10001")  # a client address is Ray's to reach
+def test_auto_and_client_addresses_are_left_to_ray(monkeypatch):
+    def unreachable(*args, **kwargs):
+        raise AssertionError("probed")
+
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    _check_reachable("auto")  # Ray finds it (RAY_ADDRESS, its record, a local GCS)
+    _check_reachable("ray://head:10001")

@@ -1,29 +1,35 @@
-"""Which code a process runs: a digest of the source files of pdserve's packages, computed alike
-by the router and by each worker. The router and its workers exchange pickled messages whose
-fields must read alike on both sides; a worker whose code differs from the router's (a node
-left on an older version, an upgrade half done) is refused at start, naming both
-(router/pools.py), rather than failing every request it is handed."""
+"""Which code a process speaks to its peers with: a digest of the modules whose types and
+constants cross between the router and its workers (pickled by Ray) and between two workers
+(the KV transfer's wire), computed alike on every side. A worker whose digest differs from the
+router's (a node left on an older version, an upgrade half done) is refused at start, naming
+both (router/pools.py), rather than failing every request it is handed: a message pickled by
+one version reads shifted in another.
+
+Only these modules count: a change elsewhere (the router's own code, a file left behind by a
+sync that deletes nothing) refuses no worker."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 from pathlib import Path
 
-PACKAGES = (
-    "engine", "worker_protocol", "kv_transfer", "prefill_worker", "decode_worker", "both_worker",
-    "router", "pdserve_proto",
+BOUNDARY = (
+    "engine.config", "engine.device_rate", "engine.errors", "engine.outputs",
+    "engine.sampling_params", "engine.seen", "kv_transfer.base", "kv_transfer.faults",
+    "kv_transfer.layout", "kv_transfer.wire", "worker_protocol.messages",
 )  # fmt: skip
 
 
 @functools.cache
 def code_id() -> str:
-    """16 hex digits of the SHA-256 of every .py file of PACKAGES (path and content), read
+    """16 hex digits of the SHA-256 of BOUNDARY's source files (each named by its module), read
     once per process."""
-    root = Path(__file__).resolve().parent.parent
     digest = hashlib.sha256()
-    for package in PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
-            digest.update(path.relative_to(root).as_posix().encode() + b"\0")
-            digest.update(path.read_bytes() + b"\0")
+    for name in BOUNDARY:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            raise ImportError(f"{name}: not found")
+        digest.update(name.encode() + b"\0" + Path(spec.origin).read_bytes() + b"\0")
     return digest.hexdigest()[:16]
