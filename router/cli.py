@@ -134,6 +134,7 @@ def _generate(args: argparse.Namespace, _extra: list[str]) -> int:
             top_k=args.top_k,
             seed=args.seed,
             stop=tuple(args.stop),
+            logit_bias=tuple(dict(args.logit_bias).items()),
             **{k: getattr(args, k) for k in PENALTIES if getattr(args, k) is not None},
         )
         model = ModelConfig(

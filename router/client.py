@@ -66,8 +66,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_penalty_arguments(p: argparse.ArgumentParser) -> None:
-    """Penalties' flags (`pdserve complete` and `pdserve generate`); the server or the engine
-    checks their ranges and names the field."""
+    """Penalties' and biases' flags (`pdserve complete` and `pdserve generate`); the server or
+    the engine checks their ranges and names the field."""
+    p.add_argument(
+        "--logit-bias",
+        type=token_bias,
+        action="append",
+        default=[],
+        metavar="TOKEN=BIAS",
+        help="add BIAS (-100 to 100) to token id TOKEN's logit (repeatable)",
+    )
     p.add_argument(
         "--repetition-penalty",
         type=float,
@@ -87,6 +95,16 @@ def add_penalty_arguments(p: argparse.ArgumentParser) -> None:
 PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
+def token_bias(text: str) -> tuple[int, float]:
+    token, _, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be TOKEN=BIAS (a token id and a number), got {text!r}"
+        ) from None
+
+
 def build_request(args: argparse.Namespace) -> Any:
     from pdserve_proto import generation_pb2 as pb
 
@@ -98,6 +116,7 @@ def build_request(args: argparse.Namespace) -> Any:
     for name in PENALTIES:
         if getattr(args, name) is not None:
             setattr(sampling, name, getattr(args, name))
+    sampling.logit_bias.update(dict(args.logit_bias))
     req = pb.GenerateRequest(sampling=sampling, path=pb.Path.Value(f"PATH_{args.path.upper()}"))
     if args.chat:
         req.messages.append(pb.ChatMessage(role="user", content=args.prompt))
@@ -151,7 +170,12 @@ def run(args: argparse.Namespace) -> int:
         if not args.json and text:
             sys.stdout.write("\n")
         code, details = exc.code(), exc.details() or ""
-        if code is grpc.StatusCode.UNAVAILABLE and _unreached(details):
+        if code is grpc.StatusCode.UNAVAILABLE and _http1(details):
+            detail = (
+                f"{args.address} answers HTTP/1, not gRPC: pdserve's HTTP or metrics port? "
+                "`pdserve serve` prints its gRPC port: --port, 50051"
+            )
+        elif code is grpc.StatusCode.UNAVAILABLE and _unreached(details):
             detail = f"no pdserve server answering at {args.address}? ({details})"
         elif code is grpc.StatusCode.UNIMPLEMENTED:  # a gRPC server, not pdserve's main port
             detail = (
@@ -176,6 +200,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
     return 0
+
+
+def _http1(details: str) -> bool:
+    """Whether gRPC's UNAVAILABLE says an HTTP/1 server answered (uvicorn's, or another's)."""
+    said = details.lower()
+    return "http1.x server" in said or "failed parsing http/2" in said
 
 
 def _unreached(details: str) -> bool:

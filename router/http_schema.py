@@ -159,6 +159,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, description="0 to 20; needs logprobs: true")
     tools: list[Any] = Field(default_factory=list, description="only []")
     tool_choice: str = Field("none", description='only "none"')
+    parallel_tool_calls: bool | None = Field(None, description="no tools: either asks nothing")
     response_format: dict[str, Any] = Field(
         default_factory=lambda: {"type": "text"}, description='only {"type": "text"}'
     )

@@ -58,13 +58,16 @@ class Shapes:
         """One chunk's choice; `offsets` carries the text offsets over the stream's chunks."""
         why = finish(chunk.final)
         logprobs = self.logprobs(call, chunk.logprobs, offsets)
+        # A choice's last chunk says what stopped it (a stop string or token; None: none did).
+        end = {"stop_reason": chunk.final.stop_reason} if chunk.final is not None else {}
         if call.chat:
             delta = {"content": chunk.text} if chunk.text or chunk.final is None else {}
-            return {"delta": delta, "logprobs": logprobs, "finish_reason": why}
-        return {"text": chunk.text, "logprobs": logprobs, "finish_reason": why}
+            return {"delta": delta, "logprobs": logprobs, "finish_reason": why, **end}
+        return {"text": chunk.text, "logprobs": logprobs, "finish_reason": why, **end}
 
     def whole(self, call: Call, answers: list[Answer]) -> dict[str, Any]:
-        """The whole answer: a choice per answer; `pdserve` says how the first was served."""
+        """The whole answer: a choice per answer, each with what stopped it (stop_reason, as
+        vLLM's); `pdserve` says how the first was served."""
         choices = []
         for i, answer in enumerate(answers):
             logprobs = self.logprobs(call, answer.logprobs, self.offsets())
@@ -72,8 +75,8 @@ class Shapes:
                 said: dict[str, Any] = {"message": {"role": "assistant", "content": answer.text}}
             else:
                 said = {"text": answer.text}
-            why = finish(answer.final)
-            choices.append({"index": i, **said, "logprobs": logprobs, "finish_reason": why})
+            end = {"finish_reason": finish(answer.final), "stop_reason": answer.final.stop_reason}
+            choices.append({"index": i, **said, "logprobs": logprobs, **end})
         return {
             "id": response_id(call),
             "object": "chat.completion" if call.chat else "text_completion",

@@ -48,6 +48,33 @@ def test_generate_penalties_reach_the_engine_and_bad_ones_are_named(capsys):
     assert run([*argv, "--presence-penalty", "3"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: presence_penalty: ") and "Traceback" not in err
+    assert run([*argv, "--logit-bias", "5=101"]) == 2
+    assert capsys.readouterr().err.startswith("error: logit_bias: ")
+    assert run([*argv, "--logit-bias", "five=1"]) == 2
+    assert "TOKEN=BIAS" in capsys.readouterr().err
+    # A bias of 100 on one token: every token is that one.
+    assert run(["generate", "--model", "tiny-llama", "--max-tokens", "4", "--logit-bias", "42=100",
+                "hello"]) == 0  # fmt: skip
+    from engine.config import ModelConfig
+    from engine.loader import load_model
+
+    forced = load_model(ModelConfig(model="tiny-llama")).tokenizer.decode([42] * 4)
+    assert capsys.readouterr().out.strip() == forced.strip()
+
+
+def test_complete_sends_penalties_and_biases():
+    import argparse
+
+    from router.client import add_arguments, build_request
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--repetition-penalty", "1.3", "--logit-bias", "5=-100", "--logit-bias",
+                         "7=2.5", "hi"])  # fmt: skip
+    sampling = build_request(args).sampling
+    assert dict(sampling.logit_bias) == {5: -100.0, 7: 2.5}
+    assert sampling.repetition_penalty == pytest.approx(1.3)
+    assert not sampling.HasField("presence_penalty")  # unset: the server's default
 
 
 def test_unknown_model_exits_2_naming_it(capsys):
@@ -168,6 +195,22 @@ def test_complete_at_a_grpc_port_that_is_not_pdserves_main_one_says_so(capsys):
         srv.stop(0)
     err = capsys.readouterr().err
     assert "UNIMPLEMENTED" in err and "is it pdserve's main port?" in err and "--port" in err
+
+
+def test_complete_at_an_http_port_says_it_answers_http(capsys):
+    """pdserve's HTTP (OpenAI) or metrics port given to a gRPC command."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        address = f"127.0.0.1:{srv.server_address[1]}"
+        assert run(["complete", "--address", address, "--timeout", "10", "hi"]) == 1
+    finally:
+        srv.shutdown()
+    err = capsys.readouterr().err
+    assert "answers HTTP/1, not gRPC" in err and "--port, 50051" in err, err
 
 
 def test_complete_interrupted_exits_130_without_a_traceback(monkeypatch, capsys):

@@ -145,6 +145,7 @@ def test_n_choices_whole_and_streamed_are_seeded_apart_and_counted_together(srv,
     assert texts[0] == one.choices[0].text and len(set(texts)) == 3
     again = client.completions.create(model=MODEL, prompt=PROMPT, n=3, **opts)
     assert [c.text for c in again.choices] == texts
+    assert all("stop_reason" in c.model_extra for c in three.choices)  # per choice, as vLLM's
     assert three.usage.prompt_tokens == one.usage.prompt_tokens
     assert three.usage.completion_tokens == 3 * MAX_NEW
 

@@ -345,7 +345,7 @@ def test_nulls_and_openai_fields_at_their_no_op_values_are_served_and_other_valu
                               "response_format": {"type": "text"}, "logit_bias": None,
                               "messages": [{"role": "developer", "content": "Be brief."},
                                            {"role": "user", "content": "hi"}]}),
-        ("chat/completions", {**chat, "tools": []}),
+        ("chat/completions", {**chat, "tools": [], "parallel_tool_calls": False}),
         ("completions", {**BODY, "presence_penalty": -2, "frequency_penalty": 2,
                          "repetition_penalty": 1.2, "logit_bias": {"5": -100, "7": 3.5}}),
     ]  # fmt: skip
