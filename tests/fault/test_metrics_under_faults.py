@@ -56,7 +56,11 @@ def rule_health(port: int) -> list[tuple[str, str, str]]:
 
 
 def left_side(expr: str) -> str:
-    """An alert's expression without its final comparison: what it selects."""
+    """An alert's expression without its final comparison: what it selects (for absent(x), x:
+    it fires on the very absence of what it selects)."""
+    absent = re.match(r"(?s)^absent\((.*)\)$", expr.strip())
+    if absent:
+        return absent.group(1)
     m = re.match(r"(?s)^(.*?)\s*(>|<|==|!=|>=|<=)\s*[0-9.]+\s*$", expr.strip())
     assert m, expr
     return m.group(1)
@@ -189,7 +193,7 @@ def test_counters_move_by_what_was_injected_and_the_alerts_fire(tmp_path, ledger
                 assert time.monotonic() < deadline, (missing, now, rule_health(port))
                 time.sleep(0.5)
             names = {a["alertname"] for a in now}
-            assert not names & {"PdserveDown", "PdserveNoWorkers"}, names
+            assert not names & {"PdserveDown", "PdserveAbsent", "PdserveNoWorkers"}, names
             # Every alert selects series that exist: none is an expression over nothing.
             for rule in rules():
                 got = api(port, left_side(rule["expr"]))["data"]["result"]
