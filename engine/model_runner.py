@@ -204,9 +204,11 @@ class ModelRunner:
             # launches', its device time landing on the next step that samples.
             settle(self.device)
             return ModelRunnerOutput((), ())
-        seen = [s.seen for s in samplers] if any(s.seen is not None for s in samplers) else ()
         tokens, lps = sample(
-            logits, [s.sampling for s in samplers], [self._generator(s) for s in samplers], seen
+            logits,
+            [s.sampling for s in samplers],
+            [self._generator(s) for s in samplers],
+            [s.seen for s in samplers],
         )
         return ModelRunnerOutput(
             request_ids=tuple(s.request_id for s in samplers),

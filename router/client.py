@@ -88,8 +88,12 @@ def add_penalty_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="-2 to 2, once per token already in the output (default: 0)",
     )
-    p.add_argument("--frequency-penalty", type=float, default=None,
-                   help="-2 to 2, per time a token is in the output (default: 0)")  # fmt: skip
+    p.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=None,
+        help="-2 to 2, per time a token is in the output (default: 0)",
+    )
 
 
 PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
