@@ -15,6 +15,7 @@ import grpc
 from pdserve_proto import admin_pb2 as pb
 from pdserve_proto import admin_pb2_grpc as pb_grpc
 from router.cluster import Cluster
+from router.resize import ResizeReplaced
 from router.workers import WorkerHandle
 from worker_protocol.messages import WorkerRole
 
@@ -88,6 +89,9 @@ class AdminServicer(pb_grpc.AdminServicer):
         except ValueError as exc:  # no worker would be left to decode, or too many workers
             log.warning("scale refused: %s", exc)
             await context.abort(bad, str(exc))
+        except ResizeReplaced as exc:
+            log.warning("scale replaced: %s: %s", asked, exc)
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
         except RuntimeError as exc:
             log.warning("scale failed: %s", exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))

@@ -295,7 +295,7 @@ class Cluster:
         """Resize the pools live (router/pools.py); returns once added workers take load and
         removed ones have stopped."""
         await self.pools.ops.run(
-            self.pools.scale(num_prefill, num_decode, drain_timeout_s, num_both)
+            self.pools.resizes.scale(num_prefill, num_decode, drain_timeout_s, num_both)
         )
 
     def shutdown(self) -> None:

@@ -9,14 +9,11 @@ worker with every decode-capable one, a worker that does both with every other w
   death     a worker whose actor is found dead (a request or a load poll gets Ray's actor
             error) leaves its pool at once; a new incarnation under the same id is started,
             paired and warmed, and takes load once ready; restarts back off when they fail;
-  resize    `scale(prefill, decode)` adds workers (they take load once paired and warm) and
-            drains the ones it removes: they take no new request, finish their own until the
-            drain deadline, and are then stopped (what still runs on a removed decode worker
-            resumes elsewhere, through the request core; a removed prefill worker's handoffs
-            are prefilled on their decode workers).
+  resize    `resizes.scale(...)` adds workers (they take load once paired and warm)
+            and drains the ones it removes (router/resize.py).
 Everything that changes membership runs on one supervisor loop (its own thread), so it
 outlives the request or the caller that set it off, except noting a death, which the thread that
-saw it does. `_lock` guards the handles' statuses, `workers` and `ids` for both; readers on other
+saw it does. `lock` guards the handles' statuses, `workers` and `ids` for both; readers on other
 threads take snapshots under it (`ids` lists are replaced whole, never changed in place).
 """
 
@@ -28,7 +25,6 @@ import contextlib
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +35,7 @@ from both_worker.worker import BothWorker
 from decode_worker.worker import DecodeWorker
 from prefill_worker.worker import PrefillWorker
 from router.pairing import PairBook
+from router.resize import Resizes, order
 from router.workers import LoopThread, Placement, WorkerHandle, WorkerStatus, spread_node
 from worker_protocol.code_id import code_id
 from worker_protocol.messages import WorkerInfo, WorkerRole, WorkerSpec
@@ -91,15 +88,15 @@ class Pools:
         # Pairing calls carry their attempt's number (kv_transfer/torch_dist.py: a late call of
         # an attempt given up on is refused rather than undoing a newer one).
         self._attempts = itertools.count(1)
-        self._lock = threading.RLock()
-        self._resize = asyncio.Lock()
+        self.lock = threading.RLock()
+        self.resizes = Resizes(self)
         self._closing = False
         self._maintainer = self.ops.submit(self._maintain())
 
     # -- reading -------------------------------------------------------------------------------
     def handles(self) -> list[WorkerHandle]:
         """Every current handle, whatever its status (a snapshot)."""
-        with self._lock:
+        with self.lock:
             return list(self.workers.values())
 
     def live(self) -> list[WorkerHandle]:
@@ -107,11 +104,11 @@ class Pools:
         ok = (WorkerStatus.READY, WorkerStatus.DRAINING)
         return [h for h in self.handles() if h.status in ok]
 
-    def _refresh_ids(self) -> None:
-        with self._lock:
+    def refresh_ids(self) -> None:
+        with self.lock:
             for role in WorkerRole:  # a new list each time: readers elsewhere see whole ones
                 self.ids[role] = sorted(
-                    (w for w, h in self.workers.items() if h.role is role and h.ready), key=_order
+                    (w for w, h in self.workers.items() if h.role is role and h.ready), key=order
                 )
 
     # -- start ---------------------------------------------------------------------------------
@@ -120,13 +117,16 @@ class Pools:
         when they don't come up."""
         limit = self.config.start_timeout_s + 3 * self.config.pair_timeout_s + 30
         try:
-            self.ops.call(self._grow(counts), limit)
+            self.ops.call(self.grow(counts), limit)
         except concurrent.futures.TimeoutError:
             raise PoolsUnavailable(f"the workers did not come up within {limit:.0f} s") from None
 
-    async def _grow(self, counts: Counts) -> list[WorkerHandle]:
-        """Add workers and bring them up together; all or nothing (PoolsUnavailable)."""
-        new: list[WorkerHandle] = []
+    async def grow(
+        self, counts: Counts, new: list[WorkerHandle] | None = None
+    ) -> list[WorkerHandle]:
+        """Add workers and bring them up together; all or nothing (PoolsUnavailable). `new`
+        gets each worker's handle as its actor is created."""
+        new = [] if new is None else new
         try:
             for role in WorkerRole:
                 new += [self._spawn(role, self._new_id(role)) for _ in range(counts.get(role, 0))]
@@ -142,11 +142,11 @@ class Pools:
                 self._drop(h)
                 self.pairs.forget(h.worker_id)
             raise
-        with self._lock:
+        with self.lock:
             for h in new:
                 if h.status is WorkerStatus.STARTING:  # (one may have died meanwhile)
                     h.status = WorkerStatus.READY
-            self._refresh_ids()
+            self.refresh_ids()
         return new
 
     def _new_id(self, role: WorkerRole) -> str:
@@ -179,15 +179,15 @@ class Pools:
             worker_id, self.config.spec, incarnation
         )
         handle = WorkerHandle(worker_id, role, actor, incarnation, node)
-        with self._lock:
+        with self.lock:
             self.workers[worker_id] = handle
         return handle
 
     def _drop(self, h: WorkerHandle) -> None:
-        with self._lock:
+        with self.lock:
             if self.workers.get(h.worker_id) is h:
                 del self.workers[h.worker_id]
-            self._refresh_ids()
+            self.refresh_ids()
 
     async def _engine_up(self, h: WorkerHandle) -> bool:
         """Wait (bounded) for the actor's engine; keep what it says about itself."""
@@ -284,7 +284,7 @@ class Pools:
         a dead worker does (and is replaced, unless it was being removed), and its actor is
         killed (on the supervisor loop), which ends every call in flight there with Ray's actor
         error, so its requests resume elsewhere. Any thread."""
-        with self._lock:
+        with self.lock:
             if h.status not in (WorkerStatus.READY, WorkerStatus.DRAINING) or self._closing:
                 return  # found dead meanwhile, stopped, or all are being stopped
             self.hung.append(h.worker_id)
@@ -304,13 +304,13 @@ class Pools:
         """Take `h` out of its pool for good: True when that made it DEAD (a replacement then
         starts, unless --no-replace-dead-workers or closing); a worker being removed is STOPPED
         (False), one dead or stopped already stays so (False)."""
-        with self._lock:
+        with self.lock:
             if h.status in (WorkerStatus.DEAD, WorkerStatus.STOPPED):
                 return False
             draining = h.status is WorkerStatus.DRAINING
             h.status = WorkerStatus.STOPPED if draining else WorkerStatus.DEAD
             h.error = error
-            self._refresh_ids()
+            self.refresh_ids()
             if draining:
                 return False
             self.dead.append(h.worker_id)
@@ -322,7 +322,7 @@ class Pools:
     async def _forget_dead(self, dead: WorkerHandle) -> None:
         """No replacement (--no-replace-dead-workers): the dead worker leaves for good, with its
         pairs, here and on its peers."""
-        await self._retire(dead, graceful=False)
+        await self.retire(dead, graceful=False)
 
     async def _replace(self, dead: WorkerHandle) -> None:
         """Start new incarnations under `dead`'s id until one is up (backing off between
@@ -345,12 +345,12 @@ class Pools:
             if await self._engine_up(h):
                 await self._pair_up(h)
                 await self._warm(h)
-                with self._lock:
+                with self.lock:
                     if not self._current(h, WorkerStatus.STARTING):
                         return  # it died meanwhile (another replacement runs) or was removed
                     h.status = WorkerStatus.READY
                     self.restarts[h.role] += 1
-                    self._refresh_ids()
+                    self.refresh_ids()
                 log.info("worker %s replaced (incarnation %d) and ready", h.worker_id,
                          h.incarnation)  # fmt: skip
                 return
@@ -363,82 +363,10 @@ class Pools:
 
     def _current(self, h: WorkerHandle, status: WorkerStatus) -> bool:
         """Whether `h` is still its id's current incarnation, in `status`."""
-        with self._lock:
+        with self.lock:
             return self.workers.get(h.worker_id) is h and h.status is status
 
-    # -- resize --------------------------------------------------------------------------------
-    async def scale(
-        self,
-        num_prefill: int | None,
-        num_decode: int | None,
-        drain_timeout_s: float | None,
-        num_both: int | None = None,
-    ) -> None:
-        """Grow or shrink each pool to the number given (None: as it is). One resize at a time.
-        At least one worker must be able to decode (a decode worker or one that does both)."""
-        for name, n in (("prefill", num_prefill), ("decode", num_decode), ("workers", num_both)):
-            if n is not None and n < 0:
-                raise ValueError(f"{name}: must be >= 0")
-        async with self._resize:
-            want = {
-                WorkerRole.PREFILL: num_prefill,
-                WorkerRole.DECODE: num_decode,
-                WorkerRole.BOTH: num_both,
-            }
-            after = {r: len(self._members(r)) if n is None else n for r, n in want.items()}
-            if sum(after.values()) > self.config.max_workers:
-                raise ValueError(
-                    f"{sum(after.values())} workers: at most {self.config.max_workers} in all "
-                    "pools (pdserve serve --max-workers)"
-                )
-            decoders = after[WorkerRole.DECODE] + after[WorkerRole.BOTH]
-            if decoders < 1:
-                raise ValueError(
-                    "decode: need at least 1 worker that decodes (a decode worker, or one of "
-                    "--workers)"
-                )
-            add = {r: max(0, n - len(self._members(r))) for r, n in want.items() if n is not None}
-            if any(add.values()):
-                await self._grow(add)
-            victims: list[WorkerHandle] = []
-            with self._lock:
-                for role, n in want.items():
-                    members = self._members(role)
-                    if n is not None and len(members) > n:
-                        # Dead ones (a replacement pending) first, then the least busy, then
-                        # the newest.
-                        members.sort(
-                            key=lambda h: (
-                                h.status is not WorkerStatus.DEAD,
-                                h.active,
-                                -_order(h.worker_id),
-                            )
-                        )
-                        victims += members[: len(members) - n]
-                for h in victims:
-                    h.status = WorkerStatus.DRAINING  # a pending replacement stops on seeing it
-                self._refresh_ids()
-            timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
-            await asyncio.gather(*(self._drain(h, timeout) for h in victims))
-
-    def _members(self, role: WorkerRole) -> list[WorkerHandle]:
-        """Workers that count towards a pool's size: all but the draining and stopped ones."""
-        gone = (WorkerStatus.DRAINING, WorkerStatus.STOPPED)
-        return [h for h in self.handles() if h.role is role and h.status not in gone]
-
-    async def _drain(self, h: WorkerHandle, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while h.active > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if h.active:
-            log.warning("%s: %d requests still running after the %.0f s drain; they resume "
-                        "elsewhere", h.worker_id, h.active, timeout_s)  # fmt: skip
-        else:
-            log.info("%s drained", h.worker_id)
-        await self._retire(h, graceful=not h.active)
-        log.info("%s stopped: it left its pool", h.worker_id)
-
-    async def _retire(self, h: WorkerHandle, graceful: bool) -> None:
+    async def retire(self, h: WorkerHandle, graceful: bool) -> None:
         """Stop a removed worker and take its pairs down on the peers."""
         if graceful:
             try:
@@ -457,9 +385,9 @@ class Pools:
         )
 
     def _stop_actor(self, h: WorkerHandle, status: WorkerStatus) -> None:
-        with self._lock:
+        with self.lock:
             h.status = status
-            self._refresh_ids()
+            self.refresh_ids()
         try:
             ray.kill(h.actor, no_restart=True)
         except Exception:
@@ -503,10 +431,4 @@ def _listens_first(a: WorkerHandle, b: WorkerHandle) -> bool:
     """Whether `a`, rather than `b`, listens when the two pair."""
     if a.role is not b.role:
         return a.role is WorkerRole.DECODE or b.role is WorkerRole.PREFILL
-    return _order(a.worker_id) < _order(b.worker_id)
-
-
-def _order(worker_id: str) -> int:
-    """The number in a worker id ("decode-3" -> 3), for a stable order."""
-    tail = worker_id.rsplit("-", 1)[-1]
-    return int(tail) if tail.isdigit() else 0
+    return order(a.worker_id) < order(b.worker_id)

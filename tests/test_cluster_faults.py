@@ -248,7 +248,7 @@ def test_a_request_that_meets_a_worker_stopped_by_a_resize_resumes_rather_than_f
     c = make_cluster()
     try:
         h = c.pools.workers["decode-0"]
-        ray.get(h.actor.shutdown.remote(), timeout=30)  # as Pools._retire does, drained
+        ray.get(h.actor.shutdown.remote(), timeout=30)  # as Pools.retire does, drained
         prompt = random_prompts([20], seed=75)[0]
         sp = SamplingParams(max_tokens=4, temperature=0.0)
 

@@ -8,6 +8,7 @@ a start of it failed on. A worker Ray's memory monitor killed is dead at once; a
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -144,9 +145,9 @@ def test_a_resize_past_max_workers_is_refused_before_any_worker_starts(monkeypat
     monkeypatch.setattr(pools, "_spawn", lambda role, wid, *a: spawned.append(wid))
     try:
         with pytest.raises(ValueError, match="5 workers: at most 4"):
-            pools.ops.call(pools.scale(3, None, None), 10)  # 3 prefill + the 2 decode
+            pools.ops.call(pools.resizes.scale(3, None, None), 10)  # 3 prefill + the 2 decode
         with pytest.raises(ValueError, match="100002 workers: at most 4"):
-            pools.ops.call(pools.scale(None, None, None, num_both=100000), 10)
+            pools.ops.call(pools.resizes.scale(None, None, None, num_both=100000), 10)
         assert spawned == []
     finally:
         pools.ops.stop()
@@ -193,3 +194,64 @@ def test_a_worker_running_other_code_than_the_router_does_not_start(theirs):
     if theirs != "same":
         assert "other pdserve code than the router" in h.error and code_id() in h.error
         assert ("0123456789abcdef" if theirs == "other" else "from before this check") in h.error
+
+
+@pytest.mark.parametrize("placed", [False, True])
+def test_a_resize_waiting_for_room_is_replaced_by_the_next_one(placed):
+    """A resize whose new worker has no node with room would hold every later resize until its
+    start deadline: the next resize stops it (ResizeReplaced). One whose workers were all placed
+    (a model loading) is waited for, and the next one runs after it."""
+    from router.resize import ResizeReplaced
+
+    pools = Pools(PoolConfig(spec=None))  # type: ignore[arg-type]
+    pools.workers["decode-0"] = on("a")
+    release = asyncio.Event()
+    grown: list[str] = []
+
+    async def grow(counts, new):
+        for role, n in counts.items():
+            for _ in range(n):
+                h = WorkerHandle(pools._new_id(role), role, None, 0, "a" if placed else None)  # type: ignore[arg-type]
+                pools.workers[h.worker_id] = h
+                new.append(h)
+        try:
+            await release.wait()
+        except asyncio.CancelledError:
+            for h in new:
+                h.status = WorkerStatus.STOPPED  # as Pools.grow stops the actors it started
+                del pools.workers[h.worker_id]
+            raise
+        for h in new:
+            h.status = WorkerStatus.READY
+            grown.append(h.worker_id)
+        return new
+
+    pools.grow = grow  # type: ignore[method-assign,assignment]
+    try:
+        first = pools.ops.submit(pools.resizes.scale(1, None, None))
+        while not any(h.role is WorkerRole.PREFILL for h in pools.handles()):
+            time.sleep(0.01)  # its worker is starting
+        second = pools.ops.submit(pools.resizes.scale(1, None, None))
+        if placed:
+            time.sleep(0.2)
+            assert not first.done() and not second.done()  # the second waits its turn
+            pools.ops.call(_set(release), 5)
+            first.result(5)
+            second.result(5)
+            assert grown == ["prefill-0"]  # the second found the pool at its size
+        else:
+            with pytest.raises(ResizeReplaced, match="a later resize replaced this one"):
+                first.result(5)
+            time.sleep(0.2)
+            assert not second.done()  # it adds its own worker, which waits for room in turn
+            pools.ops.call(_set(release), 5)
+            second.result(5)
+            assert grown == ["prefill-1"]
+        prefill = [h for h in pools.handles() if h.role is WorkerRole.PREFILL]
+        assert [h.status for h in prefill] == [WorkerStatus.READY]
+    finally:
+        pools.ops.stop()
+
+
+async def _set(event: asyncio.Event) -> None:
+    event.set()

@@ -265,3 +265,54 @@ def test_bad_sizes_are_refused_naming_the_field(srv, caplog):
             timeout=60,
         )  # fmt: skip
     assert len(res.token_ids) == 3
+
+
+@pytest.mark.timeout(120)
+def test_a_resize_whose_worker_waits_for_room_is_replaced_by_the_next(srv, caplog):
+    """A prefill worker asking for a resource no node has waits for room (up to the start
+    deadline, 300 s): the next resize does not wait behind it; the first is told it was
+    replaced, and its waiting actor is stopped."""
+    from router.workers import Placement, WorkerStatus
+    from worker_protocol.messages import WorkerRole
+
+    caplog.set_level(logging.INFO, "pdserve.admin")
+    pools = srv.server.cluster.pools
+    before = len(srv.server.cluster.prefill_ids)
+    assert pools.config.start_timeout_s > 120  # the first would otherwise end on its own
+    placement = pools.config.placement.get(WorkerRole.PREFILL, Placement())
+    pools.config.placement[WorkerRole.PREFILL] = Placement(0.0, (("pdserve_test_nowhere", 1.0),))
+    admin = f"127.0.0.1:{srv.server.admin_port}"
+    errors: list[grpc.RpcError] = []
+
+    def first() -> None:
+        with grpc.insecure_channel(admin) as ch:
+            try:
+                admin_pb2_grpc.AdminStub(ch).Scale(
+                    admin_pb2.ScaleRequest(prefill=before + 1), timeout=100
+                )
+            except grpc.RpcError as exc:
+                errors.append(exc)
+
+    t = threading.Thread(target=first)
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not any(h.status is WorkerStatus.STARTING for h in pools.handles()):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        (waiting,) = [h for h in pools.handles() if h.status is WorkerStatus.STARTING]
+        assert waiting.node_id is None  # no node had room for it
+    finally:
+        pools.config.placement[WorkerRole.PREFILL] = placement
+    with grpc.insecure_channel(admin) as ch:
+        admin_pb2_grpc.AdminStub(ch).Scale(admin_pb2.ScaleRequest(prefill=before), timeout=60)
+    t.join(30)
+    assert not t.is_alive()
+    (err,) = errors
+    assert err.code() is grpc.StatusCode.ABORTED, err
+    assert "a later resize replaced this one" in err.details()
+    assert waiting.status is WorkerStatus.STOPPED
+    assert sorted(w.role for w in listed(srv)).count("prefill") == before
+    assert all(w.status == "ready" for w in listed(srv))
+    said = [r.getMessage() for r in caplog.records if r.name == "pdserve.admin"]
+    assert any(m.startswith("scale replaced: prefill") for m in said), said
