@@ -18,7 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import signal
 import statistics
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import host_cpu, loadgen, overload, predictions, report, session, slo, trace
+from bench.errors import BenchError
 from bench.server import POLICIES, Deployment, ServerProcess
 from pdserve_client import ClientAuth
 from pdserve_client import add_arguments as add_auth_arguments
@@ -34,16 +38,23 @@ SERVER = "server"  # the label of a run against --address without --policy
 
 
 def _lengths(text: str) -> tuple[int, int]:
+    """An argparse type: token lengths A:B (or A), 1 <= A <= B."""
     a, _, b = text.partition(":")
-    return int(a), int(b or a)
+    try:
+        low, high = int(a), int(b or a)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"A:B token lengths expected, got {text!r}") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"A:B with 1 <= A <= B expected, got {text!r}")
+    return low, high
 
 
 def _float_at_least(low: float, strict: bool = False) -> Callable[[str], float]:
-    """An argparse type: a number >= low (> low when `strict`)."""
+    """An argparse type: a finite number >= low (> low when `strict`)."""
 
     def parse(text: str) -> float:
         value = float(text)
-        if not (value > low if strict else value >= low):
+        if not math.isfinite(value) or not (value > low if strict else value >= low):
             raise argparse.ArgumentTypeError(
                 f"must be a number {'>' if strict else '>='} {low:g}, got {text}"
             )
@@ -55,12 +66,19 @@ def _float_at_least(low: float, strict: bool = False) -> Callable[[str], float]:
 _positive_float = _float_at_least(0, strict=True)
 
 
-def _count(text: str) -> int:
-    """An argparse type: an integer >= 0."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
-    return value
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= low."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
+        return value
+
+    return parse
+
+
+_count = _int_at_least(0)
 
 
 def _rates(text: str) -> list[float]:
@@ -89,11 +107,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--trace", default="mixed", help=f"{trace.BUILTIN}, a .jsonl/.json file, or synthetic"
     )
     p.add_argument(
-        "--num-requests", type=int, default=None, help="the first N requests (default: all)"
+        "--num-requests",
+        type=_int_at_least(1),
+        default=None,
+        help="the first N requests (default: all; synthetic: 100)",
     )
-    p.add_argument("--rate", type=float, default=1.0, help="requests/s (trace arrivals / rate)")
-    p.add_argument("--scale", type=float, default=1.0, help="multiply every length")
-    p.add_argument("--burstiness", type=float, default=1.0, help="synthetic: gamma shape")
+    p.add_argument(
+        "--rate", type=_positive_float, default=1.0, help="requests/s (trace arrivals / rate)"
+    )
+    p.add_argument(
+        "--scale",
+        type=_positive_float,
+        default=1.0,
+        help="multiply every length (JSON-lines traces; synthetic: set --prompt-len and "
+        "--output-len)",
+    )
+    p.add_argument(
+        "--burstiness",
+        type=_positive_float,
+        default=1.0,
+        help="synthetic: gamma shape of the inter-arrival times (1: Poisson; below 1 burstier)",
+    )
     p.add_argument(
         "--prompt-len", type=_lengths, default=(32, 512), help="synthetic: A:B (default: 32:512)"
     )
@@ -106,10 +140,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"comma-separated (default: {','.join(POLICIES)}; with --overload one, default auto)",
     )
     p.add_argument("--model", default="smollm2-135m", help="the servers' --model")
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers of fixed pools")
-    p.add_argument("--decode", type=int, default=1, help="decode workers of fixed pools")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="per CPU worker")
+    p.add_argument("--prefill", type=_count, default=1, help="prefill workers of fixed pools")
+    p.add_argument("--decode", type=_count, default=1, help="decode workers of fixed pools")
+    p.add_argument("--threads", type=_int_at_least(1), default=1, help="torch threads per worker")
+    p.add_argument("--kv-cache-gib", type=_positive_float, default=1.0, help="per CPU worker")
     p.add_argument(
         "--gpus-per-worker",
         type=_float_at_least(0),
@@ -119,13 +153,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--threshold-tokens",
-        type=int,
+        type=_count,
         default=512,
         help="threshold policy: prompts with more uncached tokens go disaggregated",
     )
     p.add_argument(
         "--threshold-queue",
-        type=int,
+        type=_count,
         default=4,
         help="threshold policy: ...while the prefill queue holds fewer requests",
     )
@@ -145,10 +179,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(half) of each request's TTFT SLO",
     )
     p.add_argument(
-        "--slo-ttft", type=float, default=None, help="seconds (default: measured, see above)"
+        "--slo-ttft",
+        type=_positive_float,
+        default=None,
+        help="seconds (default: measured, see above)",
     )
     p.add_argument(
-        "--slo-itl", type=float, default=None, help="seconds (default: measured, see above)"
+        "--slo-itl",
+        type=_positive_float,
+        default=None,
+        help="seconds (default: measured, see above)",
     )
     p.add_argument(
         "--slo-itl-metric",
@@ -157,12 +197,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="what --slo-itl bounds",
     )
     p.add_argument(
-        "--slo-ttft-scale", type=float, default=3.0, help="measured SLO: x TTFT measured alone"
+        "--slo-ttft-scale",
+        type=_positive_float,
+        default=3.0,
+        help="measured SLO: x TTFT measured alone",
     )
     p.add_argument(
-        "--slo-itl-scale", type=float, default=2.0, help="measured SLO: x ITL measured alone"
+        "--slo-itl-scale",
+        type=_positive_float,
+        default=2.0,
+        help="measured SLO: x ITL measured alone",
     )
-    p.add_argument("--long-prompt", type=int, default=512, help="prompts this long are 'long'")
+    p.add_argument(
+        "--long-prompt", type=_int_at_least(1), default=512, help="prompts this long are 'long'"
+    )
     p.add_argument("--no-baseline", action="store_true", help="skip the decode-only baseline")
     p.add_argument(
         "--no-slo-hint",
@@ -184,7 +232,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--repeat",
-        type=int,
+        type=_int_at_least(1),
         default=1,
         help="run the policies this many times (each round in another order), and report each "
         "one's goodput and ratio to the best fixed policy of the same round, per round",
@@ -199,7 +247,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "seen the workload (step times, transfers); 0: one short request",
     )
     p.add_argument("--seed", type=int, default=0, help="of the trace and of sampling")
-    p.add_argument("--timeout", type=float, default=900.0, help="per request, seconds")
+    p.add_argument("--timeout", type=_positive_float, default=900.0, help="per request, seconds")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="folder for PNGs")
     overload.add_arguments(p)
@@ -207,9 +255,70 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _trace(args: argparse.Namespace) -> list[trace.TraceRequest]:
     if args.trace == "synthetic":
+        if args.scale != 1.0:
+            raise trace.TraceError("synthetic: --scale: set --prompt-len and --output-len")
         n = args.num_requests or 100
         return trace.synthetic(n, args.prompt_len, args.output_len, args.burstiness, args.seed)
-    return trace.load(args.trace, args.num_requests, args.scale)
+    return trace.load(args.trace, args.num_requests, args.scale, args.seed)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM: it unwinds as Ctrl-C does, stopping the servers this bench started."""
+
+
+def main(args: argparse.Namespace) -> int:
+    """`run`, with bad input, a server that did not start and a lost server ending in one
+    `error: ...` line (exit 2 for bad input, else 1), and SIGINT or SIGTERM stopping the servers
+    the bench started before it exits (130, 143)."""
+
+    def terminate(_signum: int, _frame: Any) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        return run(args)
+    except trace.TraceError as exc:
+        print(f"error: --trace: {exc}", file=sys.stderr)
+        return 2
+    except BenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.status
+    except KeyboardInterrupt as exc:
+        print("\nstopped: the servers this bench started are stopped; the policy under way is "
+              "not in --json", file=sys.stderr)  # fmt: skip
+        return 143 if isinstance(exc, Terminated) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _refused(args: argparse.Namespace, policies: list[str]) -> str | None:
+    """What is wrong with the command line, checked before any server starts (None: nothing)."""
+    if args.metrics_address and (not args.address or args.overload is not None):
+        return ("--metrics-address: the metrics of a running server measured with its trace "
+                "(--address, without --overload); the servers the bench starts are read without "
+                "it")  # fmt: skip
+    if args.json:
+        folder = Path(args.json).resolve().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            return f"--json: {folder} is not a folder this bench can write to"
+    if args.plot:
+        try:
+            Path(args.plot).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return f"--plot: {args.plot}: {exc.strerror or exc}"
+    if args.overload is not None:
+        return None  # bench/overload.py checks its own
+    if not policies:
+        return f"--policy: no policy named in {args.policy!r}; choose from {list(POLICIES)}"
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        return f"--policy: unknown {unknown}; choose from {list(POLICIES)}"
+    if args.prefill_hold_ms is not None and args.step_target_ms is None:
+        return ("--prefill-hold-ms: prompts wait where a chunk cannot keep to the step target, "
+                "so it needs --step-target-ms")  # fmt: skip
+    if args.sweep_rates and not args.sweep_rate:
+        return "--sweep-rates: the rates a sweep probes, so it needs --sweep-rate"
+    return None
 
 
 def _sweep(
@@ -247,26 +356,14 @@ def _sweep(
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.metrics_address and (not args.address or args.overload is not None):
-        print("error: --metrics-address: the metrics of a running server measured with its "
-              "trace (--address, without --overload); the servers the bench starts are read "
-              "without it")  # fmt: skip
+    policies = [p.strip() for p in (args.policy or ",".join(POLICIES)).split(",") if p.strip()]
+    problem = _refused(args, policies)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     if args.overload is not None:
         return overload.run(args)
     reqs = _trace(args)
-    policies = [p.strip() for p in (args.policy or ",".join(POLICIES)).split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown:
-        print(f"error: --policy: unknown {unknown}; choose from {list(POLICIES)}")
-        return 2
-    if args.prefill_hold_ms is not None and args.step_target_ms is None:
-        print("error: --prefill-hold-ms: prompts wait where a chunk cannot keep to the step "
-              "target, so it needs --step-target-ms")  # fmt: skip
-        return 2
-    if args.sweep_rates and not args.sweep_rate:
-        print("error: --sweep-rates: the rates a sweep probes, so it needs --sweep-rate")
-        return 2
     if args.address:
         # The running server, as it is: named after --policy where one is given (a label only:
         # nothing here sets its policy), else "server", which counts as no fixed policy.
@@ -369,6 +466,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"plots in {folder}/")
     if logs is not None:
         print(f"server logs in {logs}/")
+    none = [p for p, f in out["policies"].items() if not f["completed"]]
+    if none:
+        raise BenchError(f"no request of {', '.join(none)} completed (why: above)")
     return 0
 
 

@@ -31,6 +31,7 @@ class RequestResult:
     e2e_s: float | None = None
     tokens: int = 0
     status: str = "OK"  # a gRPC status code name
+    error: str = ""  # the server's message where the status is not OK
     path: str = ""
     router_ttft_s: float | None = None
     retry_after_ms: int | None = None  # RESOURCE_EXHAUSTED: the server's hint, when it gave one
@@ -65,6 +66,7 @@ class RequestResult:
             "e2e_s": self.e2e_s,
             "tokens": self.tokens,
             "status": self.status,
+            "error": self.error,
             "path": self.path,
             "router_ttft_s": self.router_ttft_s,
             "retry_after_ms": self.retry_after_ms,
@@ -115,6 +117,7 @@ async def _one(
         res.e2e_s = time.monotonic() - sent
     except grpc.aio.AioRpcError as exc:
         res.status = exc.code().name
+        res.error = (exc.details() or "")[:300]
         if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             meta = {k: v for k, v in exc.trailing_metadata() or ()}
             hint = meta.get("retry-after-ms")

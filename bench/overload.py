@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -295,7 +296,8 @@ def capacity(
 def run(args: argparse.Namespace) -> int:
     policy = args.policy or "auto"
     if policy not in POLICIES:
-        print(f"error: --overload takes one --policy of {list(POLICIES)}, got {policy!r}")
+        print(f"error: --overload takes one --policy of {list(POLICIES)}, got {policy!r}",
+              file=sys.stderr)  # fmt: skip
         return 2
     deployment = Deployment(args.model, args.prefill, args.decode, args.threads, args.kv_cache_gib,
                             args.threshold_tokens, args.threshold_queue, args.step_target_ms,

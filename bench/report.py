@@ -5,6 +5,7 @@ run's average host speed), the rate sweeps, and each round's goodput and ratio."
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from typing import Any
 
 from bench import host_cpu, predictions, slo
@@ -48,6 +49,10 @@ def table(out: dict, runs: dict, args: Any) -> None:
             f"{_ms(f.get('lone_gap_s')):>8}",
         ]
         print(" ".join(cells))
+    for p in pol:
+        said = failures(runs.get(p, []))
+        if said:
+            print(f"{p}: not completed: {said}")
     busy = {p: f["busy"] for p, f in pol.items() if f.get("busy")}
     if busy:
         each = "; ".join(
@@ -129,3 +134,17 @@ def rounds(out: dict) -> None:
 
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.0f}"
+
+
+def failures(results: list, most: int = 3) -> str:
+    """Why a run's requests did not complete, the commonest reasons first: "3 x INVALID_ARGUMENT:
+    prompt_len: ..." ("" when all did)."""
+    why = Counter(
+        f"{r.status}: {r.error}" if r.error else (r.status if r.status != "OK" else "cut short")
+        for r in results
+        if not r.ok
+    )
+    parts = [f"{n} x {text}" for text, n in why.most_common(most)]
+    if len(why) > most:
+        parts.append(f"{sum(why.values()) - sum(n for _, n in why.most_common(most))} more")
+    return "; ".join(parts)

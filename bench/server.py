@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import psutil
 
+from bench.errors import BenchError
 from pdserve_proto import admin_pb2, admin_pb2_grpc
 from pdserve_proto import generation_pb2 as pb
 from pdserve_proto import generation_pb2_grpc as pb_grpc
@@ -105,6 +106,7 @@ class ServerProcess:
             start_new_session=True,
         )
         self.log_path = log
+        self.policy = policy
         self.port = 0
         self.admin_port = 0
         self.metrics_port = 0
@@ -151,23 +153,38 @@ class ServerProcess:
         return out
 
     def wait_ready(self, timeout_s: float = 600.0) -> pb.InfoResponse:
+        """The server's Info once it answers; BenchError where it exits first (its own error
+        line quoted; exit status 2 where its was: bad input) or does not answer in time."""
         deadline = time.monotonic() + timeout_s
         while not self._ports_from_log():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pdserve serve exited; see {self.log_path}")
+            self._check_running()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"server not listening in {timeout_s:.0f} s")
+                raise BenchError(f"pdserve serve not listening in {timeout_s:.0f} s; its log: "
+                                 f"{self.log_path}")  # fmt: skip
             time.sleep(0.5)
         with grpc.insecure_channel(self.address) as channel:
             stub = pb_grpc.GenerationStub(channel)
             while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"pdserve serve exited; see {self.log_path}")
+                self._check_running()
                 try:
                     return stub.Info(pb.InfoRequest(), timeout=5, wait_for_ready=True)
                 except grpc.RpcError:
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"server not ready in {timeout_s:.0f} s") from None
+                        raise BenchError(f"pdserve serve not ready in {timeout_s:.0f} s; its "
+                                         f"log: {self.log_path}") from None  # fmt: skip
+
+    def _check_running(self) -> None:
+        code = self.proc.poll()
+        if code is None:
+            return
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        said = next((ln for ln in reversed(lines) if ln.startswith("error:")), None)
+        said = said or next((ln for ln in reversed(lines) if ln.strip()), "(its log is empty)")
+        raise BenchError(
+            f"pdserve serve ({self.policy}) exited with status {code}: {said.strip()} (its log: "
+            f"{self.log_path})",
+            status=2 if code == 2 else 1,
+        )
 
     def stop(self, timeout_s: float = 120.0) -> None:
         if self.proc.poll() is None:

@@ -5,6 +5,7 @@ busy each worker was over a run (from the server's metrics) and where the host's
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import platform
 import shlex
@@ -19,6 +20,7 @@ import grpc
 from tqdm import tqdm
 
 from bench import host_cpu, loadgen, slo, trace
+from bench.errors import BenchError
 from bench.server import ServerProcess
 from pdserve_client import ClientAuth, metrics
 
@@ -75,12 +77,18 @@ def provenance() -> dict[str, Any]:
     commit = git("rev-parse", "HEAD")
     changed = git("status", "--porcelain", "--untracked-files=no") if commit else None
     return {
-        "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": shlex.join([_program(), *sys.argv[1:]]),
         "commit": commit,
         "changed": bool(changed) if changed is not None else None,
         "host": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def _program() -> str:
+    """How the command was called: `pdserve`, also when run as `python -m router.cli`."""
+    name = Path(sys.argv[0]).name
+    return "pdserve" if name in ("cli.py", "__main__.py") else name
 
 
 def cpu_reading(server: ServerProcess) -> host_cpu.Reading:
@@ -98,7 +106,7 @@ def calibrate(address: str, reqs: list[trace.TraceRequest], vocab: int, args: An
     """Single requests alone: TTFT at the trace's 99th-percentile prompt (one TTFT SLO for the
     whole trace, so it must be one its long prompts can meet), and ITL."""
     lens = sorted(r.prompt_len for r in reqs)
-    p99 = lens[int(0.99 * (len(lens) - 1))]
+    p99 = lens[math.ceil(0.99 * len(lens)) - 1]  # the nearest rank: the longest under 100
     probe = [trace.TraceRequest(0.0, p99, 32)]
     ttfts, itls = [], []
     for i in range(3):
@@ -109,7 +117,11 @@ def calibrate(address: str, reqs: list[trace.TraceRequest], vocab: int, args: An
             ttfts.append(res[0].ttft_s)
             itls.append(statistics.median(res[0].itl_s))
     if not ttfts:
-        raise RuntimeError("calibration requests failed; see the server log")
+        raise BenchError(
+            f"calibration: a lone {p99}-token prompt (the trace's 99th percentile) failed 3 "
+            f"times: {res[0].status}: {res[0].error or 'incomplete'} (or give --slo-ttft and "
+            "--slo-itl)"
+        )
     return {"prompt_len": p99, "ttft_s": statistics.median(ttfts), "itl_s": statistics.median(itls)}
 
 
@@ -117,10 +129,13 @@ def server_info(address: str, auth: ClientAuth):
     from pdserve_proto import generation_pb2 as pb
     from pdserve_proto import generation_pb2_grpc as pb_grpc
 
-    with auth.channel(address) as channel:
-        return pb_grpc.GenerationStub(channel).Info(
-            pb.InfoRequest(), timeout=30, wait_for_ready=True, metadata=auth.metadata
-        )
+    try:
+        with auth.channel(address) as channel:
+            return pb_grpc.GenerationStub(channel).Info(
+                pb.InfoRequest(), timeout=30, wait_for_ready=True, metadata=auth.metadata
+            )
+    except grpc.RpcError as exc:
+        raise BenchError(f"--address {address}: {exc.code().name}: {exc.details()}") from None
 
 
 def objective(args: Any, address: str, reqs, vocab: int, out: dict) -> slo.Slo:

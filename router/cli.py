@@ -286,7 +286,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def _bench(_args: argparse.Namespace, extra: list[str]) -> int:
     from bench import cli as bench_cli
 
-    return int(bench_cli.run(bench_parser().parse_args(extra)))
+    return int(bench_cli.main(bench_parser().parse_args(extra)))
 
 
 def bench_parser() -> argparse.ArgumentParser:

@@ -323,7 +323,7 @@ def test_sweep_rates_without_a_sweep_are_refused(capsys):
     cli.add_arguments(parser)
     args = parser.parse_args(["--sweep-rates", "0.5,1"])
     assert cli.run(args) == 2
-    assert "--sweep-rates" in capsys.readouterr().out
+    assert "--sweep-rates" in capsys.readouterr().err
 
 
 def test_every_policy_gets_the_same_total_workers_laid_out_its_own_way():
@@ -536,7 +536,7 @@ def test_a_running_servers_metrics_address_gives_its_workers_busy_shares(
     assert cli.run(parser.parse_args(["--metrics-address", "127.0.0.1:9400"])) == 2
     overload = ["--address", "x", "--overload", "2", "--metrics-address", "127.0.0.1:9400"]
     assert cli.run(parser.parse_args(overload)) == 2
-    assert "--metrics-address" in capsys.readouterr().out
+    assert "--metrics-address" in capsys.readouterr().err
     # An address with nothing to read there is named, and the run goes on without.
     monkeypatch.setattr(session, "busy_seconds", lambda address: None)
     assert cli.run(parser.parse_args([*args, "--json", str(out)])) == 0
