@@ -299,6 +299,8 @@ def _refused(args: argparse.Namespace, policies: list[str]) -> str | None:
                 "it")  # fmt: skip
     if args.json:
         folder = Path(args.json).resolve().parent
+        if Path(args.json).is_dir():
+            return f"--json: {args.json} is a folder; name the file to write"
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             return f"--json: {folder} is not a folder this bench can write to"
     if args.plot:

@@ -143,6 +143,7 @@ class NoServer:
         (["--trace", "synthetic", "--scale", "2"], "error: --trace: synthetic: --scale"),
         (["--policy", ","], "error: --policy: no policy named in ','"),
         (["--json", "{tmp}/no/such/folder/out.json"], "error: --json: "),
+        (["--json", "{tmp}"], "error: --json: {tmp} is a folder"),
         (["--plot", "/proc/no-such-plots"], "error: --plot: /proc/no-such-plots: "),
     ],
 )
