@@ -88,6 +88,13 @@ def pick_decode(req: RequestShape, decode: Sequence[WorkerState], margin: float)
     return max(close, key=lambda w: (w.prefix.match(req.hashes), -w.load_score))
 
 
+def with_peer(prefill: Sequence[WorkerState], decode: Sequence[WorkerState]) -> list[WorkerState]:
+    """The decode workers that another worker can prefill for: where a worker of both kinds is
+    the only one that prefills, a handoff must decode elsewhere."""
+    ids = {p.worker_id for p in prefill}
+    return [w for w in decode if ids - {w.worker_id}]
+
+
 def pick_prefill(
     prefill: Sequence[WorkerState], d: str = "", health: HandoffHealth | None = None
 ) -> WorkerState:
@@ -307,6 +314,8 @@ class Planner:
         best: tuple[PathPrediction, ...],
         why: str,
     ) -> Decision:
+        if path is RoutePath.DISAGGREGATED:
+            decode = with_peer(prefill, decode) or decode  # not the one worker that prefills
         d = pick_decode(req, decode, self.config.affinity_margin).worker_id
         prefill = [p for p in prefill if p.worker_id != d]
         if path is RoutePath.DISAGGREGATED and not prefill:
@@ -379,10 +388,14 @@ class Planner:
         cands: list[PathPrediction],
         best: tuple[PathPrediction, ...],
     ) -> Decision:
-        d = pick_decode(req, decode, self.config.affinity_margin)
-        prefill = [p for p in prefill if p.worker_id != d.worker_id]
-        uncached = req.prompt_len - d.cached_tokens(req.hashes, req.prompt_len)
         t, q = self.config.threshold_tokens, self.config.threshold_queue
+        d = pick_decode(req, decode, self.config.affinity_margin)
+        uncached = req.prompt_len - d.cached_tokens(req.hashes, req.prompt_len)
+        paired = with_peer(prefill, decode)
+        if uncached > t and paired and d.worker_id not in {w.worker_id for w in paired}:
+            d = pick_decode(req, paired, self.config.affinity_margin)
+            uncached = req.prompt_len - d.cached_tokens(req.hashes, req.prompt_len)
+        prefill = [p for p in prefill if p.worker_id != d.worker_id]
         if prefill:
             p = pick_prefill(prefill, d.worker_id, self.health)
             if uncached > t and p.queued_prefills < q:
@@ -391,7 +404,7 @@ class Planner:
                 return Decision(chosen, best, why, "threshold_remote")
         chosen = self._find(cands, RoutePath.COLOCATED, "", d.worker_id)
         if not prefill:
-            why = "colocated: no prefill worker is up"
+            why = "colocated: no worker other than its decode worker can prefill"
         elif uncached <= t:
             why = f"colocated: {uncached} uncached tokens <= {t}"
         else:

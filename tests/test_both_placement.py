@@ -265,3 +265,28 @@ def test_a_colocated_choice_kept_apart_names_the_worker_that_prefills_it():
     decision = pl.decide(shape(400, seed=3, slo_itl=1.0), [p, b], [d, b])
     assert decision.chosen.path is RoutePath.COLOCATED and decision.reason_code == "cost_split"
     assert "prefilled on decode-0, not beside the decodes to come on both-0" in decision.reason
+
+
+@pytest.mark.parametrize("how", ["override", "disaggregated", "threshold"])
+def test_a_handoff_decodes_away_from_the_one_worker_that_can_prefill_it(how):
+    """One worker of both kinds beside a dedicated decode worker: a handoff (asked by the
+    client, by --policy disaggregated, or by the threshold) is prefilled on the worker of both
+    kinds and decodes on the other, though the less loaded worker of both kinds would be picked
+    to decode; it was then sent colocated there, "no worker other than its decode worker can
+    prefill"."""
+    both = trained("both-0", "both")
+    dec = with_decodes(trained("decode-0", "decode", seed=1), 4, 200, 10.0)
+    policy = {"override": Policy.AUTO, "disaggregated": Policy.DISAGGREGATED}.get(
+        how, Policy.THRESHOLD
+    )
+    pl = planner(policy, threshold_tokens=10)
+    asked = RoutePath.DISAGGREGATED if how == "override" else RoutePath.AUTO
+    decision = pl.decide(shape(500), [both], [both, dec], asked)
+    chosen = decision.chosen
+    assert (chosen.path, chosen.prefill_worker, chosen.decode_worker) == (
+        RoutePath.DISAGGREGATED, "both-0", "decode-0"
+    ), decision.reason  # fmt: skip
+    # A short prompt under the threshold stays colocated, on the less loaded worker.
+    if how == "threshold":
+        short = pl.decide(shape(8), [both], [both, dec]).chosen
+        assert (short.path, short.decode_worker) == (RoutePath.COLOCATED, "both-0")
