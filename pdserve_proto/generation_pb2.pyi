@@ -146,7 +146,7 @@ class PathPrediction(_message.Message):
     def __init__(self, path: _Optional[_Union[Path, str]] = ..., ttft_ms: _Optional[float] = ..., itl_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., itl_p99_ms: _Optional[float] = ...) -> None: ...
 
 class FinalInfo(_message.Message):
-    __slots__ = ("finish_reason", "stop_string", "stop_token_id", "usage", "path", "prefill_worker", "decode_worker", "ttft_ms", "predictions", "decision_reason", "kv_fallback", "length_reason")
+    __slots__ = ("finish_reason", "stop_string", "stop_token_id", "usage", "path", "prefill_worker", "decode_worker", "ttft_ms", "predictions", "decision_reason", "kv_fallback", "length_reason", "resumed")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,7 @@ class FinalInfo(_message.Message):
     DECISION_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_FALLBACK_FIELD_NUMBER: _ClassVar[int]
     LENGTH_REASON_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     stop_string: str
     stop_token_id: int
@@ -171,7 +172,8 @@ class FinalInfo(_message.Message):
     decision_reason: str
     kv_fallback: str
     length_reason: str
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., path: _Optional[_Union[Path, str]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., predictions: _Optional[_Iterable[_Union[PathPrediction, _Mapping]]] = ..., decision_reason: _Optional[str] = ..., kv_fallback: _Optional[str] = ..., length_reason: _Optional[str] = ...) -> None: ...
+    resumed: int
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., path: _Optional[_Union[Path, str]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., predictions: _Optional[_Iterable[_Union[PathPrediction, _Mapping]]] = ..., decision_reason: _Optional[str] = ..., kv_fallback: _Optional[str] = ..., length_reason: _Optional[str] = ..., resumed: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "final")

@@ -188,6 +188,7 @@ class RequestBooks:
             if w is not None:
                 w.finish(self.wid)
         self.track.resumed += 1
+        self.track.kv_fallback = self.track.replanned_to = None  # of the placement it leaves
         self.counts.resumed += 1
         self._resumed_gap = True
         self.wid = f"{self._first_wid}/{self.track.resumed}"

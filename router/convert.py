@@ -106,6 +106,7 @@ def final_to_wire(s: Summary) -> pb.FinalInfo:
         kv_fallback=s.kv_fallback.value if s.kv_fallback is not None else "",
     )
     info.length_reason = s.length_reason or ""
+    info.resumed = s.resumed
     if isinstance(s.stop_reason, str):
         info.stop_string = s.stop_reason
     elif isinstance(s.stop_reason, int):

@@ -341,12 +341,13 @@ class RequestCore:
             prompt_tokens=len(req.prompt_token_ids),
             completion_tokens=track.output_tokens,
             cached_prompt_tokens=chunk.num_cached_tokens,
-            path=first.chosen.path,
-            prefill_worker=track.replanned_to or first.chosen.prefill_worker,
+            path=chosen.path,  # the placement that finished it (the first, unless resumed)
+            prefill_worker=track.replanned_to or chosen.prefill_worker,
             decode_worker=chosen.decode_worker,
             ttft_s=track.ttft_s or 0.0,
             decision=first,
             kv_fallback=track.kv_fallback,
+            resumed=track.resumed,
         )
 
     def _log_decision(self, rid: str, shape: RequestShape, decision: Decision) -> None:

@@ -147,6 +147,7 @@ class Summary:
     kv_fallback: FallbackReason | None = None  # a disaggregated request prefilled locally
     # A LENGTH finish neither max_tokens nor the context made: what did (kv_cache_capacity).
     length_reason: str | None = None
+    resumed: int = 0  # times it moved to another decode worker (the placement is the last)
 
 
 @dataclass(frozen=True, slots=True)

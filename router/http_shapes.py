@@ -156,6 +156,7 @@ def pdserve(s: Summary) -> dict[str, Any]:
         "kv_fallback": s.kv_fallback.value if s.kv_fallback is not None else None,
         "stop_reason": s.stop_reason,
         "length_reason": s.length_reason,
+        "resumed": s.resumed,
     }
 
 

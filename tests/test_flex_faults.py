@@ -61,6 +61,9 @@ def test_a_dead_decoding_worker_of_both_kinds_resumes_its_handoff_on_the_other(s
     assert got == want  # resumed token for token
     assert final is not None and final.usage.completion_tokens == MAX_NEW
     assert final.decode_worker != killed  # the survivor, which had prefilled it, finished it
+    # The answer names the placement that finished it, colocated on the survivor, and the move
+    # (it said "disaggregated", prefilled and decoded on the survivor).
+    assert (final.resumed, final.path, final.prefill_worker) == (1, pb.PATH_COLOCATED, "")
     # The dead worker comes back under its id, as a worker of both kinds, and is counted so.
     deadline = time.monotonic() + 90
     while killed not in cluster.decode_ids or cluster.worker_info(killed).pid == old.pid:

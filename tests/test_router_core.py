@@ -296,6 +296,9 @@ def test_a_request_resumes_on_another_worker_than_the_one_lost_while_another_can
         await core.refresh()
         chunks = await consume(core, request("moved", max_tokens=8))
         assert sum(len(c.token_ids) for c in chunks) == 8 and core.resumed == 1
+        final = chunks[-1].final
+        assert final is not None and final.resumed == 1
+        assert final.decode_worker == backend.placements[-1].decode_worker  # where it ended
         # The resume asks for what is left, past the samples drawn for the 3 tokens it had.
         assert [(s.max_tokens, s.drawn) for s in backend.sampling] == [(8, 0), (5, 3)]
         return [p.decode_worker for p in backend.placements]

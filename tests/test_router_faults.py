@@ -110,7 +110,8 @@ def handed_off_and_resumed(srv, rid: str, prompt: list[int], sampling: pb.Sampli
     cluster = srv.server.cluster
     resumed = srv.server.core.resumed
     got, final, killed = stream(srv, rid, prompt, sampling, pb.PATH_DISAGGREGATED, kill=True)
-    assert final.path == pb.PATH_DISAGGREGATED and final.prefill_worker  # handed off first
+    # Handed off first, and again once resumed (the path asked), on the prefill worker.
+    assert final.path == pb.PATH_DISAGGREGATED and final.prefill_worker and final.resumed == 1
     assert killed in cluster.dead and final.decode_worker != killed
     assert srv.server.core.resumed == resumed + 1
     deadline = time.monotonic() + 60  # the module's workers as they were, for the next test
