@@ -8,7 +8,8 @@ order (DESIGN.md, request lifecycle):
 A request never waits for a pair: when (P, D) is not connected, or D has no room to reserve, or
 the prefill or its send fails, D prefills the prompt itself. Each such fallback is told to the
 request's HandoffListener with its reason, counted and logged. When P dies, the prompt is
-prefilled again once on another prefill worker paired with D.
+prefilled again once on another prefill worker paired with D. When D leaves (found dead or
+hung, or stopped by a resize) while P prefills, the request resumes elsewhere at once.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
+from typing import TypeVar
 
 from engine.outputs import TokenLogprobs
 from router.cluster_config import ClusterConfig
 from router.core_types import HandoffListener
-from router.errors import HandoffFailed
+from router.errors import HandoffFailed, WorkerLost
 from router.pools import Pools
 from router.vocab import FallbackReason
 from router.worker_calls import (
@@ -39,6 +41,16 @@ from router.workers import WorkerHandle, WorkerStatus
 from worker_protocol.messages import KVTarget, PrefillResult, TokenChunk, WorkRequest
 
 log = logging.getLogger("pdserve.cluster")
+T = TypeVar("T")
+WATCH_S = 0.2  # how often a handoff in flight looks whether its decode worker is still there
+
+
+def there(pools: Pools, d: WorkerHandle) -> bool:
+    """Whether `d` is still its id's incarnation, in its pool or draining from it."""
+    return pools.workers.get(d.worker_id) is d and d.status in (
+        WorkerStatus.READY,
+        WorkerStatus.DRAINING,
+    )
 
 
 class Handoffs:
@@ -73,6 +85,8 @@ class Handoffs:
             handed = await self._handoff(req, p, d, fallback, listener, ids, kv_due_in_s)
         finally:
             p.active -= 1
+        if not there(self.pools, d):  # it left meanwhile: no use going on with it there
+            raise WorkerLost(d.worker_id, why_gone(d))
         self._check_policy(fell)
         live = replace(req, request_id=ids[-1])  # after any reset on D, its new id
         if handed is None:  # nothing reserved on D: it prefills the prompt as a new request
@@ -133,10 +147,11 @@ class Handoffs:
             return None
         limit = self.config.prefill_timeout_s + self.config.kv_transfer_deadline_s
         try:
-            result: PrefillResult = await asyncio.wait_for(
-                p.actor.prefill.remote(req, d.worker_id, target.dst_block_ids, target.skip_blocks),
-                limit,
-            )
+            dst, skip = target.dst_block_ids, target.skip_blocks
+            call = p.actor.prefill.remote(req, d.worker_id, dst, skip)
+            result: PrefillResult = await self._while_there(d, asyncio.wait_for(call, limit))
+        except WorkerLost:
+            raise  # D left: the request resumes elsewhere (P's prefill is aborted by generate)
         except Exception as exc:  # P died, timed out or failed
             died = lost(self.pools, p, exc)
             if not died:
@@ -186,6 +201,21 @@ class Handoffs:
             fallback(FallbackReason.TRANSFER_FAILED, why)
             self.pools.ops.submit(self._check_pair(p, d))
         return result.first_token, result.first_logprobs
+
+    async def _while_there(self, d: WorkerHandle, work: Awaitable[T]) -> T:
+        """`work`'s result, unless D leaves first (found dead or hung, or stopped at the end of
+        a resize's drain): WorkerLost then, at once rather than once P's prefill and send have
+        failed against it (the transfer deadline), and the request resumes elsewhere."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=WATCH_S)
+                if done:
+                    return task.result()
+                if not there(self.pools, d):
+                    raise WorkerLost(d.worker_id, why_gone(d))
+        finally:
+            task.cancel()
 
     def _replan_onto(self, dead: WorkerHandle, d: WorkerHandle) -> WorkerHandle | None:
         """The least busy other prefill worker taking load and paired with D, if any."""

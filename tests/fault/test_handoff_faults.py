@@ -106,3 +106,93 @@ def test_under_the_fail_policy_a_failed_transfer_ends_the_request_and_frees_both
         assert ray.get(c.actor("decode-0").kv_stats.remote()).failed == 1
     finally:
         c.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_a_decode_worker_lost_while_its_handoff_prefills_ends_it_at_once(ledger):
+    """The decode worker dies while the prefill worker is held mid-prefill (stopped, as a busy
+    one is slow): once the pool knows it is dead, the handoff ends (WorkerLost: the request
+    core resumes it elsewhere) and the prefill is aborted, rather than run to its end and its KV
+    sent towards the dead worker (or a replacement under its id), then fall back to it."""
+    import os
+    import signal
+    import threading
+
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from router.cluster import Cluster, ClusterConfig
+    from router.errors import WorkerLost
+    from router.vocab import Placement, RoutePath
+    from router.workers import WorkerStatus
+    from tests.fault.clusters import GREEDY
+
+    engine = EngineConfig(  # a 900-token prompt takes over a hundred steps to prefill
+        cache=CacheConfig(block_size=4, num_blocks=512),
+        scheduler=SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=8),
+    )
+    c = Cluster(ClusterConfig(model=MODEL, engine=engine, num_decode=2))
+    try:
+        warm = random_prompts([17], seed=175)[0]
+        assert asyncio.run(run(c, warm, "warm")) == hf_greedy(MODEL, warm, MAX_NEW)
+        ledger.add(sent=2, completed=1, injected=1)  # the kill
+        sent_before = asyncio.run(c.kv_stats())["prefill-0"]
+        prompt = random_prompts([900], seed=176)[0]
+        placement = Placement(
+            path=RoutePath.DISAGGREGATED,
+            request_id="struck",
+            prefill_worker="prefill-0",
+            decode_worker="decode-0",
+        )
+        ended: list[tuple[float, BaseException | None]] = []
+
+        async def consume() -> None:
+            async for _ in c.generate(prompt, GREEDY, placement):
+                pass
+
+        def go() -> None:
+            try:
+                asyncio.run(asyncio.wait_for(consume(), 90))
+                ended.append((time.monotonic(), None))
+            except BaseException as exc:
+                ended.append((time.monotonic(), exc))
+
+        t = threading.Thread(target=go)
+        t.start()
+        p0, p0_pid = c.actor("prefill-0"), c.worker_info("prefill-0").pid
+        d0 = c.pools.workers["decode-0"]
+        victim = c.worker_info("decode-0").pid
+        deadline = time.monotonic() + 30
+        while True:  # strike once it prefills, most of its prompt still to compute
+            ld = ray.get(p0.load.remote(), timeout=10)
+            if ld.running and ld.queued_prefill_tokens >= len(prompt) // 2:
+                break
+            assert time.monotonic() < deadline and t.is_alive(), ld
+            time.sleep(0.002)
+        os.kill(p0_pid, signal.SIGSTOP)
+        try:
+            os.kill(victim, signal.SIGKILL)
+            try:  # what a load poll of it meets
+                ray.get(d0.actor.load.remote(), timeout=30)
+                raise AssertionError("decode-0 answered after its kill")
+            except ray.exceptions.RayActorError as exc:
+                assert c.pools.note_failure(d0, exc)
+            assert d0.status is WorkerStatus.DEAD
+            noted = time.monotonic()
+            time.sleep(1.0)  # the handoff sees it gone meanwhile; prefill-0 is still stopped
+        finally:
+            os.kill(p0_pid, signal.SIGCONT)
+        t.join(60)
+        assert not t.is_alive()
+        ((at, exc),) = ended
+        assert isinstance(exc, WorkerLost) and exc.worker_id == "decode-0", exc
+        assert at - noted < 10  # the abort on prefill-0 answered once it went on
+        ledger.add(failed=1)  # here; under the request core, it resumes on decode-1
+        assert not c.fallbacks  # nothing was left to the dead worker to prefill
+        sent = asyncio.run(c.kv_stats())["prefill-0"]
+        assert (sent.ok, sent.failed) == (sent_before.ok, sent_before.failed)  # no send began
+        deadline = time.monotonic() + 60  # the dead one comes back under its id
+        while "decode-0" not in c.decode_ids or c.worker_info("decode-0").pid == victim:
+            assert time.monotonic() < deadline, "decode-0 was not replaced"
+            time.sleep(0.1)
+        pools_full(c, timeout_s=30)
+    finally:
+        c.shutdown()
