@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,18 +36,34 @@ from engine.provenance import provenance, write_json
 from engine.sampling_params import SamplingParams
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--min-prompt", type=int, default=128)
-    p.add_argument("--max-prompt", type=int, default=512)
-    p.add_argument("--output-tokens", type=int, default=128)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf")
+    p.add_argument("--requests", type=_positive, default=64, help="requests, all sent at once")
+    p.add_argument(
+        "--min-prompt", type=_positive, default=128, help="shortest prompt, in random tokens"
+    )
+    p.add_argument("--max-prompt", type=_positive, default=512, help="longest prompt")
+    p.add_argument(
+        "--output-tokens", type=_positive, default=128, help="tokens each request generates"
+    )
+    p.add_argument("--max-num-seqs", type=_positive, default=64, help="the engine's batch")
+    p.add_argument(
+        "--max-num-batched-tokens", type=_positive, default=512, help="the engine's step budget"
+    )
+    p.add_argument(
+        "--threads", type=_positive, default=None, help="torch threads (default: all cores)"
+    )
     p.add_argument(
         "--hf-sequential-requests",
-        type=int,
+        type=_positive,
         default=None,
         help="run one-at-a-time transformers on every k-th request only, k = requests / this "
         "(it is the slowest system; tokens/s stays comparable)",
@@ -72,7 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--rounds",
-        type=int,
+        type=_positive,
         default=1,
         help="run pdserve and bare_forward this many times, alternating, each round on a fresh "
         "engine; the table shows each round's ratio and the median (a noisy machine moves single "
@@ -84,8 +102,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="in each round, also run the engine with every request penalized (repetition 1.1, "
         "presence 0.5, frequency 0.5): pdserve_penalized, its cost beside pdserve",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="of the prompts")
     p.add_argument("--json", default=None, help="write results to this file")
+
+
+def check(args: argparse.Namespace) -> None:
+    """What is wrong with the command line, found before the model loads: ValueError naming
+    the flag."""
+    if args.min_prompt > args.max_prompt:
+        raise ValueError(f"--min-prompt {args.min_prompt} is above --max-prompt {args.max_prompt}")
+    if args.max_num_seqs > args.max_num_batched_tokens:
+        raise ValueError(
+            f"--max-num-seqs {args.max_num_seqs} is above --max-num-batched-tokens "
+            f"{args.max_num_batched_tokens} (each running request takes a token of a step)"
+        )
+    if args.json:
+        folder = Path(args.json).resolve().parent
+        if Path(args.json).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise ValueError(f"--json: {args.json}: not a file in a folder this can write to")
 
 
 def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
@@ -108,8 +142,11 @@ def _timed(fn: Callable[[], int]) -> dict[str, Any]:
     return {"output_tok_s": tokens / secs, "seconds": secs, "output_tokens": tokens}
 
 
-def run(args: argparse.Namespace) -> int:
+def prepare(args: argparse.Namespace) -> tuple[dict[str, Any], ModelConfig, Any]:
+    """How the run was made (provenance, at its start), the model's config and the model,
+    loaded; ValueError (naming the flag) for bad input, found before the benchmark runs."""
     made = provenance()  # at the start: when it started, from which checkout
+    check(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     model_cfg = ModelConfig(
@@ -119,6 +156,17 @@ def run(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager,
     )
     loaded = load_model(model_cfg)  # in the dtype the engine runs in, for the baselines too
+    context = getattr(loaded.hf_model.config, "max_position_embeddings", None)
+    if context is not None and args.max_prompt + args.output_tokens > context:
+        raise ValueError(
+            f"--max-prompt {args.max_prompt} + --output-tokens {args.output_tokens} is past "
+            f"{args.model}'s context of {context} tokens"
+        )
+    return made, model_cfg, loaded
+
+
+def run(args: argparse.Namespace, prepared: Any = None) -> int:
+    made, model_cfg, loaded = prepared or prepare(args)
     model = loaded.hf_model
     prompts = make_prompts(
         args.requests, args.min_prompt, args.max_prompt, model.config.vocab_size, args.seed
@@ -136,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
     runs: list[dict[str, dict[str, Any]]] = []  # per round: system -> result
     for _ in range(max(1, args.rounds)):
         engine_run, steps, paged_model = _run_pdserve(cfg, loaded, prompts, params)
+        if "error" in engine_run:  # nothing to compare the others with
+            raise RuntimeError(f"the engine failed: {engine_run['error']}")
         runs.append({"pdserve": engine_run})
         if args.penalties:
             penalized = replace(params, repetition_penalty=1.1, presence_penalty=0.5,
@@ -160,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
             r["ratio"] = r["pdserve"] / r["bare_forward"]
         if "pdserve_penalized" in r:
             r["penalized_ratio"] = r["pdserve_penalized"] / r["pdserve"]
-    # The table shows the median round (by the ratio, or by pdserve's rate alone).
+    # The table shows the median round (by the ratio, or by pdserve's rate alone; of an even
+    # number, the lower of the middle two, as the printed median is).
     key = "ratio" if "ratio" in rounds[0] else "pdserve"
     order = sorted(range(len(rounds)), key=lambda i: rounds[i][key])
     systems.update(runs[order[(len(order) - 1) // 2]])
@@ -268,12 +319,13 @@ def print_table(result: dict[str, Any]) -> None:
     ratios = [r["ratio"] for r in result.get("rounds", ()) if "ratio" in r]
     if len(ratios) > 1:
         each = ", ".join(f"{x:.2f}" for x in ratios)
-        print(f"pdserve / bare_forward per round: {each}; median {statistics.median(ratios):.2f}x")
+        low = statistics.median_low(ratios)
+        print(f"pdserve / bare_forward per round: {each}; median {low:.2f}x")
     penalized = [r["penalized_ratio"] for r in result.get("rounds", ()) if "penalized_ratio" in r]
     if penalized:
         each = ", ".join(f"{x:.3f}" for x in penalized)
         print(f"pdserve_penalized / pdserve per round: {each}; median "
-              f"{statistics.median(penalized):.3f}x")  # fmt: skip
+              f"{statistics.median_low(penalized):.3f}x")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

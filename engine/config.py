@@ -56,7 +56,10 @@ class ModelConfig:
     # known. The library default stays float32, which tests compare against transformers in.
     dtype: str = "float32"
     device: str = "auto"  # "auto" picks cuda when available, else cpu
-    seed: int = 0
+    seed: int = 0  # of a tiny model's weights (engine/tiny_models.py)
+    # The seeds of requests that give none: None draws them from the OS's randomness (each run
+    # samples anew); an integer makes them repeat from run to run.
+    sampling_seed: int | None = None
     # Upper bound on prompt + output tokens; None takes the model's own limit.
     max_model_len: int | None = None
     # torch threads for this process; None leaves torch's default.

@@ -8,6 +8,7 @@ nothing already running is disturbed by them.
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -114,12 +115,16 @@ class LLMEngine:
         arrival_time: float | None,
         prefill_hold_s: float | None = None,
     ) -> Request:
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(
+                "sampling_params", f"a SamplingParams is expected, got {type(params).__name__}"
+            )
         if prefill_hold_s is not None and not 0.0 <= prefill_hold_s < float("inf"):
             raise InvalidRequestError(
                 "prefill_hold_s", f"must be finite and >= 0 (or None), got {prefill_hold_s}"
             )
-        token_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        token_ids = self.encode(prompt) if isinstance(prompt, str) else _token_ids(prompt)
         self.validate_prompt(token_ids)
         bad = next((t for t, _ in params.logit_bias if t >= self.vocab_size), None)
         if bad is not None:
@@ -289,3 +294,19 @@ class LLMEngine:
                 )
             )
         return results
+
+
+def _token_ids(prompt: Sequence[int]) -> list[int]:
+    """A prompt's ids as ints: integers only (numpy's and integer tensors' too), never a bool,
+    a float or a string (int() would take 5.7 as 5 and "5" as 5)."""
+    ids: list[int] = []
+    for t in prompt:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            ids.append(operator.index(t))
+        except TypeError:
+            raise InvalidRequestError(
+                "prompt_token_ids", f"token ids must be integers, got {t!r}"
+            ) from None
+    return ids

@@ -96,7 +96,11 @@ class ModelRunner:
         self.draws: dict[str, Draws] = {}  # of each request that samples
         # When a list, every executed step's shape is appended (benchmarks replay them).
         self.trace: list[StepShape] | None = None
-        self._seed_source = torch.Generator().manual_seed(config.model.seed)
+        self._seed_source = torch.Generator()  # of the requests that give no seed
+        if config.model.sampling_seed is None:
+            self._seed_source.seed()  # from the OS's randomness: each run samples anew
+        else:
+            self._seed_source.manual_seed(config.model.sampling_seed)
 
     def _graph_capture(self) -> cuda_graphs.Capture | None:
         if self.config.model.enforce_eager:

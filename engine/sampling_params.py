@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,11 +17,13 @@ MAX_LOGIT_BIAS = 300  # tokens one request may bias, as OpenAI's API bounds it
 
 
 def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """An integer (numpy's too), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A real number (numpy's too), not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +80,8 @@ class SamplingParams:
             )
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        self._check_types()
+        if self.max_tokens < 1:
             raise InvalidRequestError(
                 "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}"
             )
@@ -87,25 +91,24 @@ class SamplingParams:
             )
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if self.top_k < -1:
             raise InvalidRequestError(
                 "top_k", f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}"
             )
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or not 0 <= self.seed < _SEED_LIMIT
-        ):
+        if self.seed is not None and not 0 <= self.seed < _SEED_LIMIT:
             raise InvalidRequestError(
                 "seed", f"must be an integer in [0, 2**64), got {self.seed!r}"
             )
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise InvalidRequestError("stop", "every stop string must be a non-empty string")
-        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError(
                 "stop_token_ids", "every stop token id must be an integer >= 0"
             )
-        if not isinstance(self.drawn, int) or self.drawn < 0:
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.drawn < 0:
             raise InvalidRequestError("drawn", f"must be an integer >= 0, got {self.drawn!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
@@ -117,19 +120,51 @@ class SamplingParams:
                 f"must be finite and > 0 (1: off), got {self.repetition_penalty!r}",
             )
         self._check_logit_bias()
-        if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
-        ):
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError("logprobs", f"must be in [0, 20], got {self.logprobs!r}")
         # Whether its sampled rows depend on the tokens it has seen (read every step).
         penalized = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
         object.__setattr__(self, "penalized", bool(penalized))
 
+    def _check_types(self) -> None:
+        """Each field of its type (a bool is neither an integer nor a number here: True as
+        top_k would reach torch.topk), named where it is not; numpy's numbers are taken as
+        Python's."""
+        for name in ("max_tokens", "top_k", "drawn", "seed", "logprobs"):
+            v = getattr(self, name)
+            if v is None and name in ("seed", "logprobs"):
+                continue
+            if not _is_int(v):
+                raise InvalidRequestError(name, f"must be an integer, got {v!r}")
+            object.__setattr__(self, name, int(v))
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            v = getattr(self, name)
+            if not _is_number(v):
+                raise InvalidRequestError(name, f"must be a number, got {v!r}")
+            object.__setattr__(self, name, float(v))
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(
+                    name, f"must be true or false, got {getattr(self, name)!r}"
+                )
+
     def _check_logit_bias(self) -> None:
         given: Any = self.logit_bias
         if isinstance(given, dict):  # the engine API's users may give one
             given = given.items()
-        pairs: tuple[Any, ...] = tuple(tuple(p) for p in given)
+        try:
+            pairs: tuple[Any, ...] = tuple(tuple(p) for p in given)
+        except TypeError:
+            raise InvalidRequestError(
+                "logit_bias", f"must be (token id, bias) pairs or a dict, got {given!r}"
+            ) from None
         if len(pairs) > MAX_LOGIT_BIAS:
             raise InvalidRequestError(
                 "logit_bias", f"names {len(pairs)} tokens; at most {MAX_LOGIT_BIAS}"
@@ -146,7 +181,7 @@ class SamplingParams:
                 raise InvalidRequestError(
                     "logit_bias", f"every bias must be a number in [-100, 100], got {b!r}"
                 )
-        object.__setattr__(self, "logit_bias", tuple(sorted(pairs)))
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)))
 
     @property
     def greedy(self) -> bool:

@@ -188,7 +188,12 @@ def _bench_engine(_args: argparse.Namespace, extra: list[str]) -> int:
         return _error(RuntimeError("bench-engine is not available in this installation"))
     parser = argparse.ArgumentParser(prog="pdserve bench-engine", formatter_class=_Help)
     bench_engine.add_arguments(parser)
-    return int(bench_engine.run(parser.parse_args(extra)))
+    args = parser.parse_args(extra)
+    try:
+        prepared = bench_engine.prepare(args)
+    except ValueError as exc:  # bad input (the flag named), an unknown model
+        return _error(exc)
+    return int(bench_engine.run(args, prepared))
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -321,7 +326,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra and not args.passthrough:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handler: Handler = args.handler
-    return handler(args, extra)
+    try:
+        return handler(args, extra)
+    except KeyboardInterrupt:  # Ctrl-C where a command has no say of its own (generate)
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -31,9 +31,12 @@ def make_engine(
     step_target_s: float | None = None,
     detokenize: bool = True,
     prefill_hold_s: float | None = None,
+    sampling_seed: int | None = None,
 ) -> LLMEngine:
     cfg = EngineConfig(
-        model=ModelConfig(model=name, attention_backend=attention_backend),
+        model=ModelConfig(
+            model=name, attention_backend=attention_backend, sampling_seed=sampling_seed
+        ),
         cache=CacheConfig(
             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching
         ),

@@ -232,6 +232,17 @@ def test_complete_interrupted_exits_130_without_a_traceback(monkeypatch, capsys)
     assert out.out == "Par\n" and out.err == "interrupted\n"
 
 
+def test_generate_interrupted_exits_130_without_a_traceback(monkeypatch, capsys):
+    from engine.llm_engine import LLMEngine
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LLMEngine, "generate", interrupted)
+    assert run(["generate", "--model", "tiny-llama", "--max-tokens", "2", "hi"]) == 130
+    assert capsys.readouterr().err == "\ninterrupted\n"
+
+
 @pytest.mark.parametrize(
     "argv",
     [["complete", "--address", "127.0.0.1:1", "ab\udcffc"],

@@ -26,6 +26,32 @@ def _bad_requests(engine: LLMEngine, taken_id: str):
         ("temperature -1", lambda: SamplingParams(temperature=-1), "temperature", [">= 0"]),
         ("top_p 0", lambda: SamplingParams(top_p=0.0), "top_p", ["(0, 1]"]),
         ("top_p 1.5", lambda: SamplingParams(top_p=1.5), "top_p", ["(0, 1]"]),
+        # A bool is no integer here: logprobs=True reached torch.topk and failed every step of
+        # every request in the engine; max_tokens=True ran as 1.
+        ("top_k True", lambda: SamplingParams(top_k=True), "top_k", ["integer"]),
+        ("logprobs True", lambda: SamplingParams(logprobs=True), "logprobs", ["integer"]),
+        ("max_tokens True", lambda: SamplingParams(max_tokens=True), "max_tokens", ["integer"]),
+        ("seed True", lambda: SamplingParams(seed=True), "seed", ["integer"]),
+        ("stop id True", lambda: SamplingParams(stop_token_ids=[True]), "stop_token_ids", [">="]),
+        ("temperature str", lambda: SamplingParams(temperature="0.5"), "temperature", ["number"]),
+        ("top_p None", lambda: SamplingParams(top_p=None), "top_p", ["number"]),
+        (
+            "penalty str",
+            lambda: SamplingParams(repetition_penalty="2"),
+            "repetition_penalty",
+            ["number"],
+        ),
+        ("bias 5", lambda: SamplingParams(logit_bias=5), "logit_bias", ["pairs"]),
+        ("ignore_eos str", lambda: SamplingParams(ignore_eos="no"), "ignore_eos", ["true or"]),
+        ("id 5.7", lambda: engine.add_request([1, 5.7]), "prompt_token_ids", ["5.7"]),
+        ("id '5'", lambda: engine.add_request([1, "5"]), "prompt_token_ids", ["'5'"]),
+        ("id True", lambda: engine.add_request([1, True]), "prompt_token_ids", ["True"]),
+        (
+            "params dict",
+            lambda: engine.add_request([1, 2], {"max_tokens": 2}),
+            "sampling_params",
+            ["dict"],
+        ),
         (
             "duplicate id",
             lambda: engine.add_request([1, 2], request_id=taken_id),
@@ -335,4 +361,20 @@ def test_a_workers_load_reports_its_smallest_chunks_step_and_the_hold_used(monke
     assert load.chunk_floor_s == 0.130 and load.prompt_wait_steps >= 1
     assert load.hold_left_s is not None and abs(load.hold_left_s - 4.75) < 1e-9
     drain(engine)
+    assert_pool_free(engine)
+
+
+def test_numpy_and_tensor_integers_are_taken_as_ints():
+    import numpy as np
+    import torch
+
+    params = SamplingParams(max_tokens=np.int64(3), top_k=np.int32(5), temperature=np.float32(0))
+    assert (type(params.max_tokens), type(params.top_k)) == (int, int)
+    assert params.greedy and params == SamplingParams(max_tokens=3, top_k=5, temperature=0.0)
+    engine = make_engine("tiny-llama")
+    prompt = random_prompts([9], seed=33)[0]
+    engine.add_request(np.array(prompt), params, request_id="np")
+    engine.add_request(torch.tensor(prompt), params, request_id="pt")
+    got = drain(engine)
+    assert got["np"] == got["pt"] == hf_greedy("tiny-llama", prompt, 3)[: len(got["np"])]
     assert_pool_free(engine)

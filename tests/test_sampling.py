@@ -245,3 +245,19 @@ def test_sample_logprobs_are_of_the_unfiltered_distribution():
     assert lp.logprob == pytest.approx(math.log(0.5), abs=1e-5)
     assert [t for t, _ in lp.top] == [1, 3]
     assert lp.top[1][1] == pytest.approx(math.log(0.3), abs=1e-5)
+
+
+def test_unseeded_requests_sample_anew_in_each_engine_unless_it_is_given_a_seed():
+    """A request without a seed draws one from its engine's source, which the OS's randomness
+    seeds: two engines (two runs of `pdserve generate`, a worker and its replacement) sample
+    it differently. With ModelConfig.sampling_seed they repeat."""
+    prompt = random_prompts([12], seed=41)[0]
+    params = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
+
+    def draw(sampling_seed: int | None) -> list[int]:
+        engine = make_engine("tiny-llama", sampling_seed=sampling_seed)
+        engine.add_request(prompt, params, request_id="r")
+        return drain(engine)["r"]
+
+    assert draw(None) != draw(None)
+    assert draw(7) == draw(7)
