@@ -17,240 +17,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import signal
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from bench import host_cpu, loadgen, overload, predictions, report, session, slo, trace
 from bench.errors import BenchError
+from bench.options import add_arguments as add_arguments  # the bench's flags, for its parser
+from bench.options import refused
 from bench.server import POLICIES, Deployment, ServerProcess
 from pdserve_client import ClientAuth
-from pdserve_client import add_arguments as add_auth_arguments
 
 SERVER = "server"  # the label of a run against --address without --policy
-
-
-def _lengths(text: str) -> tuple[int, int]:
-    """An argparse type: token lengths A:B (or A), 1 <= A <= B."""
-    a, _, b = text.partition(":")
-    try:
-        low, high = int(a), int(b or a)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"A:B token lengths expected, got {text!r}") from None
-    if not 1 <= low <= high:
-        raise argparse.ArgumentTypeError(f"A:B with 1 <= A <= B expected, got {text!r}")
-    return low, high
-
-
-def _float_at_least(low: float, strict: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite number >= low (> low when `strict`)."""
-
-    def parse(text: str) -> float:
-        value = float(text)
-        if not math.isfinite(value) or not (value > low if strict else value >= low):
-            raise argparse.ArgumentTypeError(
-                f"must be a number {'>' if strict else '>='} {low:g}, got {text}"
-            )
-        return value
-
-    return parse
-
-
-_positive_float = _float_at_least(0, strict=True)
-
-
-def _int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= low."""
-
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
-        return value
-
-    return parse
-
-
-_count = _int_at_least(0)
-
-
-def _rates(text: str) -> list[float]:
-    """An argparse type: comma-separated offered rates, each finite and > 0, sorted ascending."""
-    rates = [_positive_float(v) for v in text.split(",") if v.strip()]
-    if not rates or not all(math.isfinite(r) for r in rates):
-        raise argparse.ArgumentTypeError(f"finite requests/s > 0, comma-separated, got {text!r}")
-    return sorted(set(rates))
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--address",
-        default=None,
-        help="measure a running server as it is (labelled by the first --policy, else 'server')",
-    )
-    p.add_argument(
-        "--metrics-address",
-        default=None,
-        metavar="HOST:PORT",
-        help="with --address: that server's metrics endpoint, to report how busy each worker "
-        "was over the run (the servers the bench starts are read without it)",
-    )
-    add_auth_arguments(p)  # for a running server that asks for TLS or a token
-    p.add_argument(
-        "--trace", default="mixed", help=f"{trace.BUILTIN}, a .jsonl/.json file, or synthetic"
-    )
-    p.add_argument(
-        "--num-requests",
-        type=_int_at_least(1),
-        default=None,
-        help="the first N requests (default: all; synthetic: 100)",
-    )
-    p.add_argument(
-        "--rate", type=_positive_float, default=1.0, help="requests/s (trace arrivals / rate)"
-    )
-    p.add_argument(
-        "--scale",
-        type=_positive_float,
-        default=1.0,
-        help="multiply every length (JSON-lines traces; synthetic: set --prompt-len and "
-        "--output-len)",
-    )
-    p.add_argument(
-        "--burstiness",
-        type=_positive_float,
-        default=1.0,
-        help="synthetic: gamma shape of the inter-arrival times (1: Poisson; below 1 burstier)",
-    )
-    p.add_argument(
-        "--prompt-len", type=_lengths, default=(32, 512), help="synthetic: A:B (default: 32:512)"
-    )
-    p.add_argument(
-        "--output-len", type=_lengths, default=(16, 128), help="synthetic: A:B (default: 16:128)"
-    )
-    p.add_argument(
-        "--policy",
-        default=None,
-        help=f"comma-separated (default: {','.join(POLICIES)}; with --overload one, default auto)",
-    )
-    p.add_argument("--model", default="smollm2-135m", help="the servers' --model")
-    p.add_argument("--prefill", type=_count, default=1, help="prefill workers of fixed pools")
-    p.add_argument("--decode", type=_count, default=1, help="decode workers of fixed pools")
-    p.add_argument("--threads", type=_int_at_least(1), default=1, help="torch threads per worker")
-    p.add_argument("--kv-cache-gib", type=_positive_float, default=1.0, help="per CPU worker")
-    p.add_argument(
-        "--gpus-per-worker",
-        type=_float_at_least(0),
-        default=None,
-        help="--gpus-per-worker for the servers (default: theirs, 1 where CUDA is present); "
-        "a fraction shares one GPU among workers",
-    )
-    p.add_argument(
-        "--threshold-tokens",
-        type=_count,
-        default=512,
-        help="threshold policy: prompts with more uncached tokens go disaggregated",
-    )
-    p.add_argument(
-        "--threshold-queue",
-        type=_count,
-        default=4,
-        help="threshold policy: ...while the prefill queue holds fewer requests",
-    )
-    p.add_argument(
-        "--step-target-ms",
-        type=lambda v: v if v == "auto" else _positive_float(v),
-        default=None,
-        help="--step-target-ms for the servers of chunked policies (chunk sizing next to "
-        "decodes); auto: each worker's tuned from the ITL p99 its requests see",
-    )
-    p.add_argument(
-        "--prefill-hold-ms",
-        type=lambda v: "auto" if v.lower() == "auto" else _float_at_least(0)(v),
-        default=None,
-        help="--prefill-hold-ms for the servers given --step-target-ms (a prompt waits for "
-        "running decodes where no chunk beside them keeps to the step target); auto: a share "
-        "(half) of each request's TTFT SLO",
-    )
-    p.add_argument(
-        "--slo-ttft",
-        type=_positive_float,
-        default=None,
-        help="seconds (default: measured, see above)",
-    )
-    p.add_argument(
-        "--slo-itl",
-        type=_positive_float,
-        default=None,
-        help="seconds (default: measured, see above)",
-    )
-    p.add_argument(
-        "--slo-itl-metric",
-        choices=["itl_p99", "tpot"],
-        default="itl_p99",
-        help="what --slo-itl bounds",
-    )
-    p.add_argument(
-        "--slo-ttft-scale",
-        type=_positive_float,
-        default=3.0,
-        help="measured SLO: x TTFT measured alone",
-    )
-    p.add_argument(
-        "--slo-itl-scale",
-        type=_positive_float,
-        default=2.0,
-        help="measured SLO: x ITL measured alone",
-    )
-    p.add_argument(
-        "--long-prompt", type=_int_at_least(1), default=512, help="prompts this long are 'long'"
-    )
-    p.add_argument("--no-baseline", action="store_true", help="skip the decode-only baseline")
-    p.add_argument(
-        "--no-slo-hint",
-        action="store_true",
-        help="do not tell the server each request's SLO (by default it is sent, for admission "
-        "and the auto policy, the same for every policy)",
-    )
-    p.add_argument(
-        "--sweep-rate", action="store_true", help="per policy: highest rate at >= 90%% attainment"
-    )
-    p.add_argument(
-        "--sweep-rates",
-        type=_rates,
-        default=None,
-        metavar="R1,R2,...",
-        help="with --sweep-rate: probe these offered rates (req/s), the same for every policy, "
-        "in place of a binary search between --rate / 4 and --rate x 4 (a search probes other "
-        "rates per policy, and assumes attainment falls with the rate)",
-    )
-    p.add_argument(
-        "--repeat",
-        type=_int_at_least(1),
-        default=1,
-        help="run the policies this many times (each round in another order), and report each "
-        "one's goodput and ratio to the best fixed policy of the same round, per round",
-    )
-    p.add_argument(
-        "--warmup",
-        type=_count,
-        default=0,
-        metavar="N",
-        help="before each server's measured run, its first N requests with other prompts, at "
-        "--rate and with the SLO hint, so that every policy is measured after its router has "
-        "seen the workload (step times, transfers); 0: one short request",
-    )
-    p.add_argument("--seed", type=int, default=0, help="of the trace and of sampling")
-    p.add_argument("--timeout", type=_positive_float, default=900.0, help="per request, seconds")
-    p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--plot", default=None, help="folder for PNGs")
-    overload.add_arguments(p)
 
 
 def _trace(args: argparse.Namespace) -> list[trace.TraceRequest]:
@@ -291,38 +73,6 @@ def main(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _refused(args: argparse.Namespace, policies: list[str]) -> str | None:
-    """What is wrong with the command line, checked before any server starts (None: nothing)."""
-    if args.metrics_address and (not args.address or args.overload is not None):
-        return ("--metrics-address: the metrics of a running server measured with its trace "
-                "(--address, without --overload); the servers the bench starts are read without "
-                "it")  # fmt: skip
-    if args.json:
-        folder = Path(args.json).resolve().parent
-        if Path(args.json).is_dir():
-            return f"--json: {args.json} is a folder; name the file to write"
-        if not folder.is_dir() or not os.access(folder, os.W_OK):
-            return f"--json: {folder} is not a folder this bench can write to"
-    if args.plot:
-        try:
-            Path(args.plot).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            return f"--plot: {args.plot}: {exc.strerror or exc}"
-    if args.overload is not None:
-        return None  # bench/overload.py checks its own
-    if not policies:
-        return f"--policy: no policy named in {args.policy!r}; choose from {list(POLICIES)}"
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown:
-        return f"--policy: unknown {unknown}; choose from {list(POLICIES)}"
-    if args.prefill_hold_ms is not None and args.step_target_ms is None:
-        return ("--prefill-hold-ms: prompts wait where a chunk cannot keep to the step target, "
-                "so it needs --step-target-ms")  # fmt: skip
-    if args.sweep_rates and not args.sweep_rate:
-        return "--sweep-rates: the rates a sweep probes, so it needs --sweep-rate"
-    return None
-
-
 def _sweep(
     address: str, reqs, vocab: int, objective: slo.Slo, args: Any, policy: str, records: list
 ):
@@ -359,7 +109,7 @@ def _sweep(
 
 def run(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in (args.policy or ",".join(POLICIES)).split(",") if p.strip()]
-    problem = _refused(args, policies)
+    problem = refused(args, policies)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -395,10 +145,10 @@ def run(args: argparse.Namespace) -> int:
     ]
     for rnd, policy in schedule:
         server = None
-        if logs is not None:
-            log = logs / (f"{policy}.log" if rnd == 0 else f"{policy}-{rnd + 1}.log")
-            server = ServerProcess(deployment, policy, log)
         try:
+            if logs is not None:
+                log = logs / (f"{policy}.log" if rnd == 0 else f"{policy}-{rnd + 1}.log")
+                server = ServerProcess(deployment, policy, log)
             info = (
                 server.wait_ready()
                 if server

@@ -3,6 +3,7 @@ waited for (bounded), and stopped with SIGINT so that it drains."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -187,11 +188,23 @@ class ServerProcess:
         )
 
     def stop(self, timeout_s: float = 120.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
-        self._log.close()
+        """SIGINT (its drain), then after `timeout_s` SIGKILL to its whole session (its Ray
+        too); at once when interrupted again meanwhile (Ctrl-C, SIGTERM), so that nothing is
+        left running."""
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGINT)
+                try:
+                    self.proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    self._kill()
+        except KeyboardInterrupt:
+            self._kill()
+            raise
+        finally:
+            self._log.close()
+
+    def _kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)

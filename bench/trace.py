@@ -93,6 +93,8 @@ def _entry(line: str, path: Path, i: int) -> tuple[int, TraceRequest]:
     if not (math.isfinite(arrival) and arrival >= 0):
         raise TraceError(f"{where}: arrival_s: must be finite and >= 0, got {arrival!r}")
     prefix_id = d.get("prefix_id")
+    if isinstance(prefix_id, int) and not isinstance(prefix_id, bool):
+        prefix_id = str(prefix_id)  # a number names a prefix as well
     if prefix_id is not None and not isinstance(prefix_id, str):
         raise TraceError(f"{where}: prefix_id: a string is expected, got {prefix_id!r}")
     req = TraceRequest(
@@ -134,7 +136,7 @@ def _sharegpt(path: Path, text: str, seed: int) -> list[tuple[int, TraceRequest]
     rng = random.Random(seed)
     t, skipped, capped = 0.0, 0, 0
     for i, conv in enumerate(doc):
-        turns = conv.get("conversations") if isinstance(conv, dict) else None
+        turns = conv.get("conversations", []) if isinstance(conv, dict) else None
         if not isinstance(turns, list) or not all(
             isinstance(x, dict) and isinstance(x.get("value", ""), str) for x in turns
         ):

@@ -53,7 +53,9 @@ class AdminServicer:
     def Scale(self, request, context):
         """Grow or shrink the pools. Added workers take load once paired and warm; removed ones take
         no new request, finish their own until the drain deadline (then what is left resumes on
-        another worker), and stop. Answers once the pools have their new size.
+        another worker), and stop. Answers once the pools have their new size. Resizes run one at
+        a time; one whose added workers wait for a node with room is replaced by the next: it
+        stops them, removes nothing, and answers ABORTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -29,6 +29,7 @@ from router.handoffs import Handoffs
 from router.load_poll import LoadPoll
 from router.pools import Pools
 from router.ray_runtime import init_ray
+from router.resize import Resizes
 from router.vocab import FallbackReason, Placement, RoutePath
 from router.worker_calls import (
     GONE,
@@ -69,6 +70,7 @@ class Cluster:
         self.config = config
         init_ray(config.address)
         self.pools = Pools(config.pool_config(ray.cluster_resources().get("GPU", 0.0)))
+        self.resizes = Resizes(self.pools)
         try:
             self.pools.start(
                 {
@@ -295,7 +297,7 @@ class Cluster:
         """Resize the pools live (router/pools.py); returns once added workers take load and
         removed ones have stopped."""
         await self.pools.ops.run(
-            self.pools.resizes.scale(num_prefill, num_decode, drain_timeout_s, num_both)
+            self.resizes.scale(num_prefill, num_decode, drain_timeout_s, num_both)
         )
 
     def shutdown(self) -> None:

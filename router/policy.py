@@ -389,24 +389,30 @@ class Planner:
         best: tuple[PathPrediction, ...],
     ) -> Decision:
         t, q = self.config.threshold_tokens, self.config.threshold_queue
-        d = pick_decode(req, decode, self.config.affinity_margin)
+        margin = self.config.affinity_margin
+        d = pick_decode(req, decode, margin)
         uncached = req.prompt_len - d.cached_tokens(req.hashes, req.prompt_len)
+        # A handoff decodes on d, or where d is the one worker that can prefill, on another; the
+        # request stays on d unless the handoff is taken.
         paired = with_peer(prefill, decode)
-        if uncached > t and paired and d.worker_id not in {w.worker_id for w in paired}:
-            d = pick_decode(req, paired, self.config.affinity_margin)
-            uncached = req.prompt_len - d.cached_tokens(req.hashes, req.prompt_len)
-        prefill = [p for p in prefill if p.worker_id != d.worker_id]
-        if prefill:
-            p = pick_prefill(prefill, d.worker_id, self.health)
-            if uncached > t and p.queued_prefills < q:
-                chosen = self._find(cands, RoutePath.DISAGGREGATED, p.worker_id, d.worker_id)
-                why = f"disaggregated: {uncached} uncached tokens > {t}, prefill queue < {q}"
+        to = d if d.worker_id in {w.worker_id for w in paired} else None
+        if uncached > t and to is None and paired:
+            to = pick_decode(req, paired, margin)
+        if to is not None:
+            p = pick_prefill([w for w in prefill if w.worker_id != to.worker_id], to.worker_id,
+                             self.health)  # fmt: skip
+            left = req.prompt_len - to.cached_tokens(req.hashes, req.prompt_len)
+            if left > t and p.queued_prefills < q:
+                chosen = self._find(cands, RoutePath.DISAGGREGATED, p.worker_id, to.worker_id)
+                why = f"disaggregated: {left} uncached tokens > {t}, prefill queue < {q}"
                 return Decision(chosen, best, why, "threshold_remote")
         chosen = self._find(cands, RoutePath.COLOCATED, "", d.worker_id)
-        if not prefill:
-            why = "colocated: no worker other than its decode worker can prefill"
-        elif uncached <= t:
+        if uncached <= t:
             why = f"colocated: {uncached} uncached tokens <= {t}"
-        else:
+        elif to is None:
+            why = "colocated: no worker other than its decode worker can prefill"
+        elif p.queued_prefills >= q:
             why = f"colocated: the prefill queue holds >= {q} requests"
+        else:  # the worker it would decode on holds most of its prompt
+            why = f"colocated: {left} uncached tokens on {to.worker_id} <= {t}"
         return Decision(chosen, best, why, "threshold_local")

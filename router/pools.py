@@ -9,8 +9,8 @@ worker with every decode-capable one, a worker that does both with every other w
   death     a worker whose actor is found dead (a request or a load poll gets Ray's actor
             error) leaves its pool at once; a new incarnation under the same id is started,
             paired and warmed, and takes load once ready; restarts back off when they fail;
-  resize    `resizes.scale(...)` adds workers (they take load once paired and warm)
-            and drains the ones it removes (router/resize.py).
+  resize    router/resize.py adds workers (`grow`: they take load once paired and warm) and
+            drains the ones it removes (`retire` stops them).
 Everything that changes membership runs on one supervisor loop (its own thread), so it
 outlives the request or the caller that set it off, except noting a death, which the thread that
 saw it does. `lock` guards the handles' statuses, `workers` and `ids` for both; readers on other
@@ -35,8 +35,14 @@ from both_worker.worker import BothWorker
 from decode_worker.worker import DecodeWorker
 from prefill_worker.worker import PrefillWorker
 from router.pairing import PairBook
-from router.resize import Resizes, order
-from router.workers import LoopThread, Placement, WorkerHandle, WorkerStatus, spread_node
+from router.workers import (
+    LoopThread,
+    Placement,
+    WorkerHandle,
+    WorkerStatus,
+    order,
+    spread_node,
+)
 from worker_protocol.code_id import code_id
 from worker_protocol.messages import WorkerInfo, WorkerRole, WorkerSpec
 
@@ -89,7 +95,6 @@ class Pools:
         # an attempt given up on is refused rather than undoing a newer one).
         self._attempts = itertools.count(1)
         self.lock = threading.RLock()
-        self.resizes = Resizes(self)
         self._closing = False
         self._maintainer = self.ops.submit(self._maintain())
 

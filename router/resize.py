@@ -5,10 +5,13 @@ the drain deadline, and are then stopped (what still runs on a removed decode wo
 elsewhere, through the request core; a removed prefill worker's handoffs are prefilled on their
 decode workers).
 
-A resize whose added workers wait for a node with room (none had it when they were placed) would
-hold every later resize until they come up or the start deadline passes. A later resize replaces
-it: its waiting workers are stopped, and its caller is told so (ResizeReplaced). One whose workers
-were all placed (loading a model takes its time) is waited for.
+A resize whose added workers wait for a node with room (none had it when they started: Ray
+places them once one has) would hold every later resize until they come up or the start
+deadline passes. While a later resize waits its turn, it replaces such a one: the waiting workers
+are stopped, the rest of that resize (the workers it would remove) is not done, and its caller is
+told so (ResizeReplaced). One whose workers all went to a node with room (loading a model takes
+its time) is waited for; so is one whose workers an autoscaler's new node took in meanwhile, a
+limit of this rule (the router does not ask Ray where a pending actor went).
 """
 
 from __future__ import annotations
@@ -16,15 +19,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
 
-from router.workers import WorkerHandle, WorkerStatus
+from router.pools import Pools
+from router.workers import WorkerHandle, WorkerStatus, order
 from worker_protocol.messages import WorkerRole
 
-if TYPE_CHECKING:
-    from router.pools import Pools
-
 log = logging.getLogger("pdserve.pools")
+WATCH_S = 0.2  # how often an addition looks whether a later resize waits behind it
 FIELDS = {WorkerRole.PREFILL: "prefill", WorkerRole.DECODE: "decode", WorkerRole.BOTH: "workers"}
 
 
@@ -36,8 +37,7 @@ class Resizes:
     def __init__(self, pools: Pools) -> None:
         self.pools = pools
         self._one = asyncio.Lock()
-        # The workers being added now and the task adding them (None between additions).
-        self._adding: tuple[asyncio.Future[list[WorkerHandle]], list[WorkerHandle]] | None = None
+        self._queued = 0  # resizes waiting their turn
 
     async def scale(
         self,
@@ -58,8 +58,12 @@ class Resizes:
             if n is not None and n < 0:
                 raise ValueError(f"{FIELDS[role]}: must be >= 0")
         self._check(want)  # a refused resize leaves the one going on alone
-        self._replace_waiting()
-        async with self._one:
+        self._queued += 1
+        try:
+            await self._one.acquire()
+        finally:
+            self._queued -= 1
+        try:
             self._check(want)
             add = {r: max(0, n - len(self._members(r))) for r, n in want.items() if n is not None}
             if any(add.values()):
@@ -69,6 +73,8 @@ class Resizes:
             if drain_timeout_s is not None:
                 timeout = drain_timeout_s
             await asyncio.gather(*(self._drain(h, timeout) for h in victims))
+        finally:
+            self._one.release()
 
     def _check(self, want: dict[WorkerRole, int | None]) -> None:
         after = {r: len(self._members(r)) if n is None else n for r, n in want.items()}
@@ -89,33 +95,28 @@ class Resizes:
         return [h for h in self.pools.handles() if h.role is role and h.status not in gone]
 
     async def _add(self, counts: dict[WorkerRole, int]) -> None:
+        """Add the workers; ResizeReplaced where a later resize waits while some of them wait
+        for a node with room."""
         new: list[WorkerHandle] = []
         task = asyncio.ensure_future(self.pools.grow(counts, new))
-        self._adding = (task, new)
         try:
-            await asyncio.wait({task})
+            while not task.done():
+                await asyncio.wait({task}, timeout=WATCH_S)
+                waiting = [h.worker_id for h in new if h.info is None and h.node_id is None]
+                if self._queued and waiting and not task.done():
+                    log.warning("a later resize replaces the one going on: its %s wait for a "
+                                "node with room", ", ".join(waiting))  # fmt: skip
+                    task.cancel()
+                    await asyncio.wait({task})  # its workers stopped (Pools.grow)
+                    raise ResizeReplaced(
+                        f"a later resize replaced this one: {', '.join(waiting)} waited for a "
+                        "node with room; the workers it added were stopped, and none it would "
+                        "remove was"
+                    )
         except asyncio.CancelledError:  # the caller's own end: its workers go with it
             task.cancel()
             raise
-        finally:
-            self._adding = None
-        if task.cancelled():
-            raise ResizeReplaced(
-                "a later resize replaced this one: the workers it added waited for a node with "
-                "room, and were stopped"
-            )
         task.result()
-
-    def _replace_waiting(self) -> None:
-        """Stop the resize going on, if the workers it adds wait for a node with room."""
-        if self._adding is None:
-            return
-        task, new = self._adding
-        waiting = [h.worker_id for h in new if h.info is None and h.node_id is None]
-        if waiting and not task.done():
-            log.warning("a new resize replaces the one going on: its %s wait for a node with "
-                        "room", ", ".join(waiting))  # fmt: skip
-            task.cancel()
 
     def _victims(self, want: dict[WorkerRole, int | None]) -> list[WorkerHandle]:
         """Mark the workers to remove DRAINING (a pending replacement stops on seeing it): dead
@@ -149,8 +150,3 @@ class Resizes:
             log.info("%s drained", h.worker_id)
         await self.pools.retire(h, graceful=not h.active)
         log.info("%s stopped: it left its pool", h.worker_id)
-
-
-def order(worker_id: str) -> int:
-    """A worker's number within its pool ("decode-3": 3)."""
-    return int(worker_id.rsplit("-", 1)[1])

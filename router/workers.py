@@ -182,3 +182,11 @@ def spread_node(
         return node_id in avoid, sum(h.node_id == node_id for h in staying), node_id
 
     return min(fitting, key=load)
+
+
+def order(worker_id: str) -> int:
+    """A worker's number within its pool ("decode-3": 3; 0 for an id without one)."""
+    try:
+        return int(worker_id.rsplit("-", 1)[1])
+    except (IndexError, ValueError):
+        return 0

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -43,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
         ('{"arrival_s": 0.1, "prompt_len": 8, "output_len": 4}', "line 2: arrival_s 0.1 is before"),
         ('{"arrival_s": 1, "prompt_len": 8, "output_len": 4, "prefix_id": "s", "prefix_len": 9}',
          "line 2: prefix_len: 9 is longer than prompt_len 8"),
-        ('{"arrival_s": 1, "prompt_len": 8, "output_len": 4, "prefix_id": 3}',
+        ('{"arrival_s": 1, "prompt_len": 8, "output_len": 4, "prefix_id": [3]}',
          "line 2: prefix_id: a string"),
     ],
 )  # fmt: skip
@@ -76,7 +77,7 @@ def test_a_line_that_is_not_utf8_is_named(tmp_path):
         ({"conversations": []}, "a list of conversations is expected"),
         ([{"conversations": ["hello"]}], "conversation 0: conversations: a list of turns"),
         ([{"conversations": [{"from": "human", "value": 5}]}], "conversation 0: conversations"),
-        ([{"turns": []}], "conversation 0: conversations"),
+        ([{"conversations": {"from": "human"}}], "conversation 0: conversations"),
     ],
 )
 def test_a_sharegpt_file_of_another_shape_is_refused_naming_the_conversation(tmp_path, doc, said):
@@ -89,10 +90,11 @@ def test_a_sharegpt_file_of_another_shape_is_refused_naming_the_conversation(tmp
 def test_sharegpt_skips_are_said_arrivals_follow_the_seed_and_scale_is_refused(tmp_path, capsys):
     path = tmp_path / "sg.json"
     talk = [{"from": "human", "value": "x" * 40}, {"from": "gpt", "value": "y" * 8000}]
-    path.write_text(json.dumps([{"conversations": talk}] * 3 + [{"conversations": talk[:1]}]))
+    doc = [{"conversations": talk}] * 3 + [{"conversations": talk[:1]}, {"id": "no turns"}]
+    path.write_text(json.dumps(doc))
     a = trace.load(str(path), seed=1)
     assert len(a) == 3 and all(r.output_len == trace.MAX_SHAREGPT_OUTPUT for r in a)
-    assert "1 conversations without a human turn and a reply skipped; 3 replies longer than " \
+    assert "2 conversations without a human turn and a reply skipped; 3 replies longer than " \
         "1024 tokens capped" in capsys.readouterr().out  # fmt: skip
     assert [r.arrival_s for r in trace.load(str(path), seed=1)] == [r.arrival_s for r in a]
     assert [r.arrival_s for r in trace.load(str(path), seed=2)] != [r.arrival_s for r in a]
@@ -258,3 +260,27 @@ def test_sigterm_stops_the_server_the_bench_started(monkeypatch, capsys):
     assert stopped == ["colocated"]  # the one started, and no other after it
     assert "stopped: the servers this bench started are stopped" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_second_interrupt_while_a_server_stops_kills_it_rather_than_leave_it(tmp_path):
+    """Ctrl-C (or SIGTERM) again during a server's drain: its session is killed at once."""
+    log = tmp_path / "colocated.log"
+    server = ServerProcess.__new__(ServerProcess)
+    server._log = open(log, "w")
+    server.log_path, server.policy = log, "colocated"
+    deaf = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)"
+    server.proc = subprocess.Popen([sys.executable, "-c", deaf], start_new_session=True)
+    time.sleep(0.5)  # its handler is set
+    wait = server.proc.wait
+    calls = []
+
+    def interrupted(timeout=None):
+        calls.append(timeout)
+        if len(calls) == 1:  # the drain's wait
+            raise KeyboardInterrupt
+        return wait(timeout)
+
+    server.proc.wait = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        server.stop()
+    assert server.proc.poll() == -signal.SIGKILL

@@ -286,7 +286,15 @@ def test_a_handoff_decodes_away_from_the_one_worker_that_can_prefill_it(how):
     assert (chosen.path, chosen.prefill_worker, chosen.decode_worker) == (
         RoutePath.DISAGGREGATED, "both-0", "decode-0"
     ), decision.reason  # fmt: skip
-    # A short prompt under the threshold stays colocated, on the less loaded worker.
+    # A short prompt under the threshold stays colocated, on the less loaded worker; so does a
+    # long one while the prefill queue is full (not moved next to decode-0's decodes).
     if how == "threshold":
-        short = pl.decide(shape(8), [both], [both, dec]).chosen
-        assert (short.path, short.decode_worker) == (RoutePath.COLOCATED, "both-0")
+        short = pl.decide(shape(8), [both], [both, dec])
+        assert (short.chosen.path, short.chosen.decode_worker) == (RoutePath.COLOCATED, "both-0")
+        assert short.reason == "colocated: 8 uncached tokens <= 10"
+        full = planner(policy, threshold_tokens=10, threshold_queue=0)
+        queued = full.decide(shape(500), [both], [both, dec])
+        assert (queued.chosen.path, queued.chosen.decode_worker) == (
+            RoutePath.COLOCATED, "both-0"
+        ), queued.reason  # fmt: skip
+        assert queued.reason == "colocated: the prefill queue holds >= 0 requests"

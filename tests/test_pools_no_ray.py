@@ -13,6 +13,7 @@ import time
 import pytest
 
 from router.pools import HUNG, PoolConfig, Pools
+from router.resize import ResizeReplaced, Resizes
 from router.workers import Placement, WorkerHandle, WorkerStatus, spread_node
 from worker_protocol.messages import WorkerRole
 
@@ -145,9 +146,9 @@ def test_a_resize_past_max_workers_is_refused_before_any_worker_starts(monkeypat
     monkeypatch.setattr(pools, "_spawn", lambda role, wid, *a: spawned.append(wid))
     try:
         with pytest.raises(ValueError, match="5 workers: at most 4"):
-            pools.ops.call(pools.resizes.scale(3, None, None), 10)  # 3 prefill + the 2 decode
+            pools.ops.call(Resizes(pools).scale(3, None, None), 10)  # 3 prefill + the 2 decode
         with pytest.raises(ValueError, match="100002 workers: at most 4"):
-            pools.ops.call(pools.resizes.scale(None, None, None, num_both=100000), 10)
+            pools.ops.call(Resizes(pools).scale(None, None, None, num_both=100000), 10)
         assert spawned == []
     finally:
         pools.ops.stop()
@@ -196,26 +197,21 @@ def test_a_worker_running_other_code_than_the_router_does_not_start(theirs):
         assert ("0123456789abcdef" if theirs == "other" else "from before this check") in h.error
 
 
-@pytest.mark.parametrize("placed", [False, True])
-def test_a_resize_waiting_for_room_is_replaced_by_the_next_one(placed):
-    """A resize whose new worker has no node with room would hold every later resize until its
-    start deadline: the next resize stops it (ResizeReplaced). One whose workers were all placed
-    (a model loading) is waited for, and the next one runs after it."""
-    from router.resize import ResizeReplaced
-
-    pools = Pools(PoolConfig(spec=None))  # type: ignore[arg-type]
-    pools.workers["decode-0"] = on("a")
-    release = asyncio.Event()
+def _growing(pools: Pools, where: list[str | None], released: list[asyncio.Event]):
+    """A Pools.grow stand-in: the n-th call's workers start on node where[n] (None: no node had
+    room), come up once released[n] is set, and are stopped if cancelled before."""
     grown: list[str] = []
+    calls = iter(range(len(where)))
 
     async def grow(counts, new):
-        for role, n in counts.items():
-            for _ in range(n):
-                h = WorkerHandle(pools._new_id(role), role, None, 0, "a" if placed else None)  # type: ignore[arg-type]
+        n = next(calls)
+        for role, k in counts.items():
+            for _ in range(k):
+                h = WorkerHandle(pools._new_id(role), role, None, 0, where[n])  # type: ignore[arg-type]
                 pools.workers[h.worker_id] = h
                 new.append(h)
         try:
-            await release.wait()
+            await released[n].wait()
         except asyncio.CancelledError:
             for h in new:
                 h.status = WorkerStatus.STOPPED  # as Pools.grow stops the actors it started
@@ -226,29 +222,69 @@ def test_a_resize_waiting_for_room_is_replaced_by_the_next_one(placed):
             grown.append(h.worker_id)
         return new
 
+    return grow, grown
+
+
+@pytest.mark.parametrize("placed", [False, True])
+def test_a_resize_waiting_for_room_is_replaced_by_the_next_one(placed):
+    """A resize whose new worker has no node with room would hold every later resize until its
+    start deadline: the next resize stops it (ResizeReplaced). One whose workers were all placed
+    (a model loading) is waited for, and the next one runs after it."""
+    pools = Pools(PoolConfig(spec=None))  # type: ignore[arg-type]
+    pools.workers["decode-0"] = on("a")
+    resizes = Resizes(pools)
+    released = [asyncio.Event(), asyncio.Event()]
+    grow, grown = _growing(pools, ["a" if placed else None, None], released)
     pools.grow = grow  # type: ignore[method-assign,assignment]
     try:
-        first = pools.ops.submit(pools.resizes.scale(1, None, None))
+        first = pools.ops.submit(resizes.scale(1, None, None))
         while not any(h.role is WorkerRole.PREFILL for h in pools.handles()):
             time.sleep(0.01)  # its worker is starting
-        second = pools.ops.submit(pools.resizes.scale(1, None, None))
+        second = pools.ops.submit(resizes.scale(1, None, None))
         if placed:
-            time.sleep(0.2)
+            time.sleep(0.5)
             assert not first.done() and not second.done()  # the second waits its turn
-            pools.ops.call(_set(release), 5)
+            pools.ops.call(_set(released[0]), 5)
             first.result(5)
             second.result(5)
             assert grown == ["prefill-0"]  # the second found the pool at its size
         else:
             with pytest.raises(ResizeReplaced, match="a later resize replaced this one"):
                 first.result(5)
-            time.sleep(0.2)
+            time.sleep(0.3)
             assert not second.done()  # it adds its own worker, which waits for room in turn
-            pools.ops.call(_set(release), 5)
+            pools.ops.call(_set(released[1]), 5)
             second.result(5)
             assert grown == ["prefill-1"]
         prefill = [h for h in pools.handles() if h.role is WorkerRole.PREFILL]
         assert [h.status for h in prefill] == [WorkerStatus.READY]
+    finally:
+        pools.ops.stop()
+
+
+def test_a_resize_that_comes_to_wait_for_room_is_replaced_by_one_queued_before():
+    """Three resizes: the first's worker is placed and loads; the second and third queue behind
+    it. The second's worker then waits for room: the third, queued all along, replaces it."""
+    pools = Pools(PoolConfig(spec=None))  # type: ignore[arg-type]
+    pools.workers["decode-0"] = on("a")
+    resizes = Resizes(pools)
+    released = [asyncio.Event(), asyncio.Event(), asyncio.Event()]
+    grow, grown = _growing(pools, ["a", None, "a"], released)
+    pools.grow = grow  # type: ignore[method-assign,assignment]
+    try:
+        first = pools.ops.submit(resizes.scale(1, None, None))
+        while not any(h.role is WorkerRole.PREFILL for h in pools.handles()):
+            time.sleep(0.01)
+        second = pools.ops.submit(resizes.scale(2, None, None))
+        third = pools.ops.submit(resizes.scale(3, None, None))
+        time.sleep(0.3)
+        pools.ops.call(_set(released[0]), 5)  # the first's worker comes up
+        first.result(5)
+        with pytest.raises(ResizeReplaced, match="prefill-1 waited for a node with room"):
+            second.result(5)
+        pools.ops.call(_set(released[2]), 5)
+        third.result(5)
+        assert grown == ["prefill-0", "prefill-2", "prefill-3"]  # the third adds two
     finally:
         pools.ops.stop()
 
