@@ -136,7 +136,7 @@ def _sharegpt(path: Path, text: str, seed: int) -> list[tuple[int, TraceRequest]
     rng = random.Random(seed)
     t, skipped, capped = 0.0, 0, 0
     for i, conv in enumerate(doc):
-        turns = conv.get("conversations", []) if isinstance(conv, dict) else None
+        turns = (conv.get("conversations") or []) if isinstance(conv, dict) else None
         if not isinstance(turns, list) or not all(
             isinstance(x, dict) and isinstance(x.get("value", ""), str) for x in turns
         ):

@@ -192,6 +192,8 @@ def run(args: argparse.Namespace, prepared: Any = None) -> int:
                                 frequency_penalty=0.5)  # fmt: skip
             runs[-1]["pdserve_penalized"], _, unused = _run_pdserve(cfg, loaded, prompts, penalized)
             del unused
+            if "error" in runs[-1]["pdserve_penalized"]:
+                raise RuntimeError(f"the penalized run failed: {runs[-1]['pdserve_penalized']}")
         if "bare_forward" not in skip and steps:
             secs = replay(paged_model, steps)
             toks = engine_run.get("output_tokens", 0)
@@ -331,7 +333,12 @@ def print_table(result: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench-engine", description=__doc__)
     add_arguments(p)
-    return run(p.parse_args(argv))
+    args = p.parse_args(argv)
+    try:
+        prepared = prepare(args)
+    except ValueError as exc:  # bad input, the flag named
+        p.error(str(exc))
+    return run(args, prepared)
 
 
 if __name__ == "__main__":

@@ -87,6 +87,11 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        seed = self.sampling_seed
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64
+        ):
+            raise ValueError(f"sampling_seed must be an integer in [0, 2**64), got {seed!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

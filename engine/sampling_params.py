@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,11 +71,13 @@ class SamplingParams:
         # so the params stay hashable and immutable.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        if isinstance(self.stop_token_ids, int):
+        if _is_int(self.stop_token_ids):
             object.__setattr__(self, "stop_token_ids", (self.stop_token_ids,))
         if not isinstance(self.stop, (tuple, list)):
             raise InvalidRequestError("stop", f"must be a list of strings, got {self.stop!r}")
-        if not isinstance(self.stop_token_ids, (tuple, list)):
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(
+            self.stop_token_ids, Iterable
+        ):
             raise InvalidRequestError(
                 "stop_token_ids", f"must be a list of integers, got {self.stop_token_ids!r}"
             )
@@ -146,9 +149,12 @@ class SamplingParams:
             "repetition_penalty",
         ):
             v = getattr(self, name)
-            if not _is_number(v):
-                raise InvalidRequestError(name, f"must be a number, got {v!r}")
-            object.__setattr__(self, name, float(v))
+            try:
+                if not _is_number(v):
+                    raise TypeError
+                object.__setattr__(self, name, float(v))
+            except (TypeError, OverflowError):
+                raise InvalidRequestError(name, f"must be a number, got {v!r}") from None
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(

@@ -406,13 +406,15 @@ class Planner:
                 chosen = self._find(cands, RoutePath.DISAGGREGATED, p.worker_id, to.worker_id)
                 why = f"disaggregated: {left} uncached tokens > {t}, prefill queue < {q}"
                 return Decision(chosen, best, why, "threshold_remote")
+            if left <= t < uncached:  # the worker it would decode on holds most of its prompt
+                chosen = self._find(cands, RoutePath.COLOCATED, "", to.worker_id)
+                why = f"colocated: {left} uncached tokens on {to.worker_id} <= {t}"
+                return Decision(chosen, best, why, "threshold_local")
         chosen = self._find(cands, RoutePath.COLOCATED, "", d.worker_id)
         if uncached <= t:
             why = f"colocated: {uncached} uncached tokens <= {t}"
         elif to is None:
             why = "colocated: no worker other than its decode worker can prefill"
-        elif p.queued_prefills >= q:
+        else:
             why = f"colocated: the prefill queue holds >= {q} requests"
-        else:  # the worker it would decode on holds most of its prompt
-            why = f"colocated: {left} uncached tokens on {to.worker_id} <= {t}"
         return Decision(chosen, best, why, "threshold_local")

@@ -298,3 +298,20 @@ def test_a_handoff_decodes_away_from_the_one_worker_that_can_prefill_it(how):
             RoutePath.COLOCATED, "both-0"
         ), queued.reason  # fmt: skip
         assert queued.reason == "colocated: the prefill queue holds >= 0 requests"
+
+
+def test_the_threshold_sends_a_long_prompt_to_the_decode_worker_that_holds_it():
+    """The threshold's first pick is the one worker of both kinds (the least loaded); the
+    prompt is long there but cached on the dedicated decode worker, where a handoff would go:
+    it runs colocated there, a short prefill, not the whole prompt on the first pick."""
+    both = trained("both-0", "both")
+    dec = with_decodes(trained("decode-0", "decode", seed=1), 12, 200, 10.0)
+    req = shape(500)
+    dec.prefix.insert(req.hashes)
+    pl = planner(Policy.THRESHOLD, threshold_tokens=10)
+    assert pl.decide(shape(8), [both], [both, dec]).chosen.decode_worker == "both-0"  # first pick
+    decision = pl.decide(req, [both], [both, dec])
+    assert (decision.chosen.path, decision.chosen.decode_worker) == (
+        RoutePath.COLOCATED, "decode-0"
+    ), decision.reason  # fmt: skip
+    assert decision.reason.endswith("uncached tokens on decode-0 <= 10"), decision.reason

@@ -35,6 +35,7 @@ def _bad_requests(engine: LLMEngine, taken_id: str):
         ("stop id True", lambda: SamplingParams(stop_token_ids=[True]), "stop_token_ids", [">="]),
         ("temperature str", lambda: SamplingParams(temperature="0.5"), "temperature", ["number"]),
         ("top_p None", lambda: SamplingParams(top_p=None), "top_p", ["number"]),
+        ("top_p 10**400", lambda: SamplingParams(top_p=10**400), "top_p", ["number"]),
         (
             "penalty str",
             lambda: SamplingParams(repetition_penalty="2"),
@@ -370,6 +371,11 @@ def test_numpy_and_tensor_integers_are_taken_as_ints():
 
     params = SamplingParams(max_tokens=np.int64(3), top_k=np.int32(5), temperature=np.float32(0))
     assert (type(params.max_tokens), type(params.top_k)) == (int, int)
+    assert SamplingParams(stop_token_ids=np.array([7, 9])).stop_token_ids == (7, 9)
+    assert SamplingParams(stop_token_ids=np.int64(7)).stop_token_ids == (7,)
+    for bad in (True, -1, 2**64, "7"):
+        with pytest.raises(ValueError, match="sampling_seed"):
+            ModelConfig(sampling_seed=bad)
     assert params.greedy and params == SamplingParams(max_tokens=3, top_k=5, temperature=0.0)
     engine = make_engine("tiny-llama")
     prompt = random_prompts([9], seed=33)[0]
