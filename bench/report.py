@@ -144,7 +144,8 @@ def failures(results: list, most: int = 3) -> str:
         for r in results
         if not r.ok
     )
-    parts = [f"{n} x {text}" for text, n in why.most_common(most)]
+    top = why.most_common(most)
+    parts = [f"{n} x {text}" for text, n in top]
     if len(why) > most:
-        parts.append(f"{sum(why.values()) - sum(n for _, n in why.most_common(most))} more")
+        parts.append(f"{why.total() - sum(n for _, n in top)} more")
     return "; ".join(parts)

@@ -5,7 +5,6 @@ busy each worker was over a run (from the server's metrics) and where the host's
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import platform
 import shlex
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 from tqdm import tqdm
 
 from bench import host_cpu, loadgen, slo, trace
@@ -106,7 +106,7 @@ def calibrate(address: str, reqs: list[trace.TraceRequest], vocab: int, args: An
     """Single requests alone: TTFT at the trace's 99th-percentile prompt (one TTFT SLO for the
     whole trace, so it must be one its long prompts can meet), and ITL."""
     lens = sorted(r.prompt_len for r in reqs)
-    p99 = lens[math.ceil(0.99 * len(lens)) - 1]  # the nearest rank: the longest under 100
+    p99 = int(np.percentile(lens, 99, method="inverted_cdf"))  # nearest rank: a prompt's length
     probe = [trace.TraceRequest(0.0, p99, 32)]
     ttfts, itls = [], []
     for i in range(3):

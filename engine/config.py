@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.sampling_params import is_seed
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # "auto": the checkpoint's own dtype on CUDA, float32 on CPU (see resolve_dtype).
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -87,11 +89,10 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        seed = self.sampling_seed
-        if seed is not None and (
-            isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64
-        ):
-            raise ValueError(f"sampling_seed must be an integer in [0, 2**64), got {seed!r}")
+        if self.sampling_seed is not None and not is_seed(self.sampling_seed):
+            raise ValueError(
+                f"sampling_seed must be an integer in [0, 2**64), got {self.sampling_seed!r}"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -8,7 +8,6 @@ nothing already running is disturbed by them.
 from __future__ import annotations
 
 import itertools
-import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, SchedulerOutput, TokenLogprobs
 from engine.request import FinishReason, Request
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, as_int
 from engine.scheduler import Scheduler
 from engine.step_stats import StepRecorder
 
@@ -297,16 +296,10 @@ class LLMEngine:
 
 
 def _token_ids(prompt: Sequence[int]) -> list[int]:
-    """A prompt's ids as ints: integers only (numpy's and integer tensors' too), never a bool,
-    a float or a string (int() would take 5.7 as 5 and "5" as 5)."""
-    ids: list[int] = []
-    for t in prompt:
-        try:
-            if isinstance(t, bool):
-                raise TypeError
-            ids.append(operator.index(t))
-        except TypeError:
-            raise InvalidRequestError(
-                "prompt_token_ids", f"token ids must be integers, got {t!r}"
-            ) from None
-    return ids
+    """A prompt's ids as ints (sampling_params.as_int: integers only)."""
+    given = list(prompt)
+    ids = [as_int(t) for t in given]
+    if None in ids:
+        bad = given[ids.index(None)]
+        raise InvalidRequestError("prompt_token_ids", f"token ids must be integers, got {bad!r}")
+    return ids  # type: ignore[return-value]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,9 +18,25 @@ _BIAS_LIMIT = 100.0  # a logit bias, as OpenAI's API bounds it
 MAX_LOGIT_BIAS = 300  # tokens one request may bias, as OpenAI's API bounds it
 
 
+def as_int(x: object) -> int | None:
+    """`x` as an int where it is an integer (numpy's and an integer tensor's too), never a
+    bool; None where it is not (int() would take 5.7 as 5 and "5" as 5)."""
+    if isinstance(x, bool):
+        return None
+    try:
+        return operator.index(x)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def _is_int(x: object) -> bool:
-    """An integer (numpy's too), not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+    return as_int(x) is not None
+
+
+def is_seed(x: object) -> bool:
+    """What seeds a torch.Generator: an integer in [0, 2**64)."""
+    value = as_int(x)
+    return value is not None and 0 <= value < _SEED_LIMIT
 
 
 def _is_number(x: object) -> bool:
@@ -100,7 +117,7 @@ class SamplingParams:
             )
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not 0 <= self.seed < _SEED_LIMIT:
+        if self.seed is not None and not is_seed(self.seed):
             raise InvalidRequestError(
                 "seed", f"must be an integer in [0, 2**64), got {self.seed!r}"
             )

@@ -149,13 +149,13 @@ class Cluster:
             ids = [w for w in self.prefill_ids if w != d.worker_id]
             return self.pools.workers.get(self._pick(ids)) if ids else None  # None: dropped
         h = self.pools.workers.get(worker_id)
-        if h is None or h.status not in (WorkerStatus.READY, WorkerStatus.DRAINING) or h is d:
+        if h is None or not h.up or h is d:
             return None  # gone, or D itself (a worker does not hand KV to itself)
         return h
 
     def _handle(self, worker_id: str) -> WorkerHandle:
         h = self.pools.workers.get(worker_id)
-        if h is None or h.status not in (WorkerStatus.READY, WorkerStatus.DRAINING):
+        if h is None or not h.up:
             # Died (or was removed) since the request was placed; a replacement under the same
             # id may be starting, but takes no request before it is ready.
             raise WorkerLost(worker_id, "not in its pool")

@@ -37,20 +37,12 @@ from router.worker_calls import (
     stream_of,
     why_gone,
 )
-from router.workers import WorkerHandle, WorkerStatus
+from router.workers import WorkerHandle, WorkerStatus, done_unless
 from worker_protocol.messages import KVTarget, PrefillResult, TokenChunk, WorkRequest
 
 log = logging.getLogger("pdserve.cluster")
 T = TypeVar("T")
 WATCH_S = 0.2  # how often a handoff in flight looks whether its decode worker is still there
-
-
-def there(pools: Pools, d: WorkerHandle) -> bool:
-    """Whether `d` is still its id's incarnation, in its pool or draining from it."""
-    return pools.workers.get(d.worker_id) is d and d.status in (
-        WorkerStatus.READY,
-        WorkerStatus.DRAINING,
-    )
 
 
 class Handoffs:
@@ -85,7 +77,7 @@ class Handoffs:
             handed = await self._handoff(req, p, d, fallback, listener, ids, kv_due_in_s)
         finally:
             p.active -= 1
-        if not there(self.pools, d):  # it left meanwhile: no use going on with it there
+        if not self.pools.holds(d):  # it left meanwhile: no use going on with it there
             raise WorkerLost(d.worker_id, why_gone(d))
         self._check_policy(fell)
         live = replace(req, request_id=ids[-1])  # after any reset on D, its new id
@@ -208,12 +200,9 @@ class Handoffs:
         failed against it (the transfer deadline), and the request resumes elsewhere."""
         task = asyncio.ensure_future(work)
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=WATCH_S)
-                if done:
-                    return task.result()
-                if not there(self.pools, d):
-                    raise WorkerLost(d.worker_id, why_gone(d))
+            if not await done_unless(task, lambda: not self.pools.holds(d), WATCH_S):
+                raise WorkerLost(d.worker_id, why_gone(d))
+            return task.result()
         finally:
             task.cancel()
 

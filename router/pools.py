@@ -106,8 +106,12 @@ class Pools:
 
     def live(self) -> list[WorkerHandle]:
         """Workers whose engine is up and not stopped: READY and DRAINING."""
-        ok = (WorkerStatus.READY, WorkerStatus.DRAINING)
-        return [h for h in self.handles() if h.status in ok]
+        return [h for h in self.handles() if h.up]
+
+    def holds(self, h: WorkerHandle) -> bool:
+        """Whether `h` is still its id's incarnation, up (it leaves once found dead or hung, or
+        stopped by a resize)."""
+        return self.workers.get(h.worker_id) is h and h.up
 
     def refresh_ids(self) -> None:
         with self.lock:
@@ -267,7 +271,7 @@ class Pools:
         killing the process that ran the call (OutOfMemoryError) kills the actor: that process
         is the actor's own."""
         if isinstance(exc, ray.exceptions.OutOfMemoryError):
-            if h.status in (WorkerStatus.READY, WorkerStatus.DRAINING) and not self._closing:
+            if h.up and not self._closing:
                 self.ops.submit(self._kill(h))  # should it live on, it holds its device
             if self._dead(h, "OutOfMemoryError") and not self._closing:
                 log.warning("worker %s was killed by Ray's memory monitor and left its pool",
@@ -290,7 +294,7 @@ class Pools:
         killed (on the supervisor loop), which ends every call in flight there with Ray's actor
         error, so its requests resume elsewhere. Any thread."""
         with self.lock:
-            if h.status not in (WorkerStatus.READY, WorkerStatus.DRAINING) or self._closing:
+            if not h.up or self._closing:
                 return  # found dead meanwhile, stopped, or all are being stopped
             self.hung.append(h.worker_id)
         log.error("worker %s gave no load for %.0f s (its engine stuck, its process stopped, "
@@ -418,10 +422,9 @@ class Pools:
         handles = self.handles()
         # Every engine asked to stop at once, 10 s for all (a hung worker costs one wait, not
         # one each); the actors are killed after either way.
-        up = (WorkerStatus.READY, WorkerStatus.DRAINING)
         refs: list[Any] = []
         for h in handles:
-            if h.info is not None and h.status in up:
+            if h.info is not None and h.up:
                 with contextlib.suppress(Exception):  # already gone: killed below
                     refs.append(h.actor.shutdown.remote())
         if refs:

@@ -21,7 +21,7 @@ import logging
 import time
 
 from router.pools import Pools
-from router.workers import WorkerHandle, WorkerStatus, order
+from router.workers import WorkerHandle, WorkerStatus, done_unless, order
 from worker_protocol.messages import WorkerRole
 
 log = logging.getLogger("pdserve.pools")
@@ -99,20 +99,21 @@ class Resizes:
         for a node with room."""
         new: list[WorkerHandle] = []
         task = asyncio.ensure_future(self.pools.grow(counts, new))
+
+        def waiting() -> list[str]:
+            return [h.worker_id for h in new if h.info is None and h.node_id is None]
+
         try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=WATCH_S)
-                waiting = [h.worker_id for h in new if h.info is None and h.node_id is None]
-                if self._queued and waiting and not task.done():
-                    log.warning("a later resize replaces the one going on: its %s wait for a "
-                                "node with room", ", ".join(waiting))  # fmt: skip
-                    task.cancel()
-                    await asyncio.wait({task})  # its workers stopped (Pools.grow)
-                    raise ResizeReplaced(
-                        f"a later resize replaced this one: {', '.join(waiting)} waited for a "
-                        "node with room; the workers it added were stopped, and none it would "
-                        "remove was"
-                    )
+            if not await done_unless(task, lambda: bool(self._queued and waiting()), WATCH_S):
+                names = ", ".join(waiting())  # as stop() found them: nothing ran in between
+                log.warning("a later resize replaces the one going on: its %s wait for a node "
+                            "with room", names)  # fmt: skip
+                task.cancel()
+                await asyncio.wait({task})  # its workers stopped (Pools.grow)
+                raise ResizeReplaced(
+                    f"a later resize replaced this one: {names} waited for a node with room; "
+                    "the workers it added were stopped, and none it would remove was"
+                )
         except asyncio.CancelledError:  # the caller's own end: its workers go with it
             task.cancel()
             raise

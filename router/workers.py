@@ -17,7 +17,7 @@ import asyncio
 import enum
 import threading
 import time
-from collections.abc import Collection, Coroutine, Mapping
+from collections.abc import Callable, Collection, Coroutine, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -99,6 +99,12 @@ class WorkerHandle:
     @property
     def ready(self) -> bool:
         return self.status is WorkerStatus.READY
+
+    @property
+    def up(self) -> bool:
+        """Its engine up and not stopped: taking requests (READY) or finishing its own
+        (DRAINING)."""
+        return self.status in (WorkerStatus.READY, WorkerStatus.DRAINING)
 
     def is_actor(self, actor_id: str | None) -> bool:
         """Whether a Ray error naming `actor_id` is about this incarnation (None: unknown)."""
@@ -190,3 +196,13 @@ def order(worker_id: str) -> int:
         return int(worker_id.rsplit("-", 1)[1])
     except (IndexError, ValueError):
         return 0
+
+
+async def done_unless(task: asyncio.Future[Any], stop: Callable[[], bool], every_s: float) -> bool:
+    """Wait for `task`, looking every `every_s` whether `stop()` holds: True once it is done,
+    False where stop() held first (it still runs: the caller decides what becomes of it)."""
+    while not task.done():
+        await asyncio.wait({task}, timeout=every_s)
+        if not task.done() and stop():
+            return False
+    return True
