@@ -23,6 +23,7 @@ from router.cluster import Cluster
 from router.cluster_config import ClusterConfig
 from router.errors import HandoffFailed, WorkerLost
 from router.handoffs import Handoffs
+from router.pools import Pools
 from router.vocab import FallbackReason, Placement, RoutePath
 from router.workers import WorkerHandle, WorkerStatus
 from worker_protocol.messages import TokenChunk, WorkerRole
@@ -69,6 +70,7 @@ def _cluster(*handles: WorkerHandle, timeout_s: float = 5.0) -> Cluster:
     c.submitted = []  # type: ignore[attr-defined]
     ops = SimpleNamespace(submit=c.submitted.append)  # type: ignore[attr-defined]
     c.pools = SimpleNamespace(workers=workers, note_failure=lambda h, exc: False, ops=ops)
+    c.pools.holds = lambda h: Pools.holds(c.pools, h)  # type: ignore[arg-type]  # the real test
     c.handoffs = Handoffs(c.config, c.pools, lambda: [])  # type: ignore[arg-type]
     c._rr = itertools.count()
     return c
