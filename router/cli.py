@@ -9,12 +9,13 @@ argparse's own usage errors; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the handlers import these lazily
-    from engine.llm_engine import LLMEngine
+    from engine.llm_engine import Completion, LLMEngine
     from engine.sampling_params import SamplingParams
 
 # Same status argparse uses for a usage error.
@@ -65,7 +66,7 @@ def _error(exc: Exception) -> int:
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    from router.client import add_penalty_arguments
+    from router.client import add_sampling_arguments
     from router.serve_options import DTYPE_HELP, DTYPES, EAGER_HELP
 
     p = _parser(sub, "generate", help="complete prompts offline with one in-process engine")
@@ -82,12 +83,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="tokens to generate at most (default: 256, or what the context leaves of it)",
     )
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default here) is greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 disables")
-    p.add_argument("--top-k", type=int, default=0, help="0 disables")
-    p.add_argument("--seed", type=int, default=None, help="for sampling (default: random)")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    add_penalty_arguments(p)
+    add_sampling_arguments(p)
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per prompt: text, token ids, finish and usage (and logprobs)",
+    )
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
     p.add_argument("--enforce-eager", action="store_true", help=EAGER_HELP)
@@ -120,7 +121,7 @@ def _generate(args: argparse.Namespace, _extra: list[str]) -> int:
     from engine.errors import InvalidRequestError, ModelNotFoundError
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
-    from router.client import PENALTIES, not_utf8
+    from router.client import OPTIONAL_SAMPLING, not_utf8
 
     # The weight-loading progress bar is noise for a one-shot command.
     disable_progress_bar()
@@ -130,12 +131,11 @@ def _generate(args: argparse.Namespace, _extra: list[str]) -> int:
         params = SamplingParams(
             max_tokens=args.max_tokens or DEFAULT_GENERATE_TOKENS,
             temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
             stop=tuple(args.stop),
+            stop_token_ids=tuple(args.stop_token_id),
+            ignore_eos=args.ignore_eos,
             logit_bias=tuple(dict(args.logit_bias).items()),
-            **{k: getattr(args, k) for k in PENALTIES if getattr(args, k) is not None},
+            **{k: getattr(args, k) for k in OPTIONAL_SAMPLING if getattr(args, k) is not None},
         )
         model = ModelConfig(
             model=args.model,
@@ -158,6 +158,10 @@ def _generate(args: argparse.Namespace, _extra: list[str]) -> int:
         completions = engine.generate(prompts, plist)
     except (InvalidRequestError, ModelNotFoundError) as exc:
         return _error(exc)
+    if args.json:
+        for prompt, c in zip(args.prompt, completions):
+            print(json.dumps(_as_json(prompt, c)))
+        return 0
     if len(completions) == 1:
         print(completions[0].text)
         return 0
@@ -165,6 +169,29 @@ def _generate(args: argparse.Namespace, _extra: list[str]) -> int:
         print(f"=== [{i}] {prompt}")
         print(c.text)
     return 0
+
+
+def _as_json(prompt: str, c: Completion) -> dict[str, object]:
+    """One of `pdserve generate --json`'s lines."""
+    doc: dict[str, object] = {
+        "prompt": prompt,
+        "text": c.text,
+        "token_ids": list(c.token_ids),
+        "finish_reason": c.finish_reason.value if c.finish_reason else None,
+        "stop_reason": c.stop_reason,
+        "usage": {
+            "prompt_tokens": len(c.prompt_token_ids),
+            "completion_tokens": len(c.token_ids),
+            "cached_prompt_tokens": c.num_cached_tokens,
+        },
+    }
+    if c.logprobs:
+        doc["logprobs"] = [
+            {"token_id": lp.token_id, "logprob": lp.logprob,
+             "top": [{"token_id": t, "logprob": x} for t, x in lp.top]}
+            for lp in c.logprobs
+        ]  # fmt: skip
+    return doc
 
 
 def _add_bench_engine(sub: argparse._SubParsersAction) -> None:

@@ -46,12 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-tokens", type=_integer(1, 2**31), default=None, help="default: the server's (256)"
     )
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default here) is greedy")
-    p.add_argument(
-        "--seed", type=_integer(0, 2**64), default=None, help="for sampling (default: random)"
-    )
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    add_penalty_arguments(p)
+    add_sampling_arguments(p)
     p.add_argument("--chat", action="store_true", help="send the prompt as one user message")
     p.add_argument("--path", choices=PATHS, default="auto", help="override the router's choice")
     p.add_argument("--json", action="store_true", help="print the whole answer as JSON")
@@ -65,9 +60,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt")
 
 
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """The sampling flags of `pdserve complete` and `pdserve generate` (all but --max-tokens);
+    the server or the engine checks their ranges and names the field. Unset, each takes the
+    server's or engine's default, but for --temperature: greedy here."""
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default here) is greedy")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1]")
+    p.add_argument("--top-k", type=int, default=None, help="the k likeliest tokens (0 or -1: all)")
+    p.add_argument("--min-p", type=float, default=None, help="in [0, 1], of the likeliest's")
+    p.add_argument(
+        "--seed", type=_integer(0, 2**64), default=None, help="for sampling (default: random)"
+    )
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument(
+        "--stop-token-id", type=int, action="append", default=[], help="stop token (repeatable)"
+    )
+    p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-text token")
+    p.add_argument(
+        "--logprobs",
+        type=_integer(0, 21),
+        default=None,
+        metavar="N",
+        help="each token's logprob and its N likeliest alternatives (0 to 20; shown with --json)",
+    )
+    add_penalty_arguments(p)
+
+
 def add_penalty_arguments(p: argparse.ArgumentParser) -> None:
-    """Penalties' and biases' flags (`pdserve complete` and `pdserve generate`); the server or
-    the engine checks their ranges and names the field."""
+    """Penalties' and biases' flags (add_sampling_arguments)."""
     p.add_argument(
         "--logit-bias",
         type=token_bias,
@@ -97,6 +117,8 @@ def add_penalty_arguments(p: argparse.ArgumentParser) -> None:
 
 
 PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+# add_sampling_arguments' flags that are None unless given (the default is the other side's).
+OPTIONAL_SAMPLING = ("top_p", "top_k", "min_p", "seed", "logprobs", *PENALTIES)
 
 
 def token_bias(text: str) -> tuple[int, float]:
@@ -112,12 +134,13 @@ def token_bias(text: str) -> tuple[int, float]:
 def build_request(args: argparse.Namespace) -> Any:
     from pdserve_proto import generation_pb2 as pb
 
-    sampling = pb.SamplingParams(temperature=args.temperature, stop=args.stop)
-    if args.max_tokens is not None:
-        sampling.max_tokens = args.max_tokens
-    if args.seed is not None:
-        sampling.seed = args.seed
-    for name in PENALTIES:
+    sampling = pb.SamplingParams(
+        temperature=args.temperature,
+        stop=args.stop,
+        stop_token_ids=args.stop_token_id,
+        ignore_eos=args.ignore_eos,
+    )
+    for name in ("max_tokens", *OPTIONAL_SAMPLING):
         if getattr(args, name) is not None:
             setattr(sampling, name, getattr(args, name))
     sampling.logit_bias.update(dict(args.logit_bias))
@@ -148,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
     req = build_request(args)
     text: list[str] = []
     ids: list[int] = []
+    logprobs: list[Any] = []
     final = None
     request_id = ""
     try:
@@ -159,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
             for msg in calls:
                 request_id = msg.request_id
                 ids.extend(msg.token_ids)
+                logprobs.extend(msg.logprobs)
                 text.append(msg.text)
                 if msg.HasField("final"):
                     final = msg.final
@@ -196,7 +221,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {detail}", file=sys.stderr)
         return 1
     if args.json:
-        answer = pb.CompleteResponse(request_id=request_id, token_ids=ids, text="".join(text))
+        answer = pb.CompleteResponse(
+            request_id=request_id, token_ids=ids, text="".join(text), logprobs=logprobs
+        )
         if final is not None:
             answer.final.CopyFrom(final)
         doc = json_format.MessageToDict(answer, preserving_proto_field_name=True)

@@ -129,6 +129,13 @@ class CompletionRequest(_Sampling):
     best_of: int = Field(1, description="only 1")
     suffix: str = Field("", description='only ""')
 
+    @model_validator(mode="after")
+    def _best_of_n(self) -> CompletionRequest:
+        # OpenAI's rule: best_of candidates, of which the n best are returned.
+        if "best_of" in self.model_fields_set and self.best_of < self.n:
+            raise ValueError(f"best_of: must be at least n ({self.n}), got {self.best_of}")
+        return self
+
 
 class TextPart(_Body):
     type: Literal["text"]

@@ -77,6 +77,56 @@ def test_complete_sends_penalties_and_biases():
     assert not sampling.HasField("presence_penalty")  # unset: the server's default
 
 
+def test_complete_sends_every_sampling_flag_and_leaves_the_unset_to_the_server():
+    import argparse
+
+    from router.client import add_arguments, build_request
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    sampling = build_request(p.parse_args(["hi"])).sampling
+    for name in ("top_p", "top_k", "min_p", "seed", "logprobs", "max_tokens"):
+        assert not sampling.HasField(name), name
+    assert sampling.temperature == 0 and not sampling.ignore_eos
+    args = p.parse_args(["--top-p", "0.5", "--top-k", "7", "--min-p", "0.25", "--logprobs", "3",
+                         "--stop-token-id", "9", "--stop-token-id", "11", "--ignore-eos",
+                         "--temperature", "0.8", "--seed", "5", "hi"])  # fmt: skip
+    sampling = build_request(args).sampling
+    assert (sampling.top_p, sampling.top_k, sampling.min_p) == (0.5, 7, 0.25)
+    assert (sampling.logprobs, sampling.seed, list(sampling.stop_token_ids)) == (3, 5, [9, 11])
+    assert sampling.ignore_eos and sampling.temperature == pytest.approx(0.8)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--logprobs", "21", "hi"])
+
+
+def test_generate_json_gives_tokens_usage_and_logprobs_per_prompt(capsys):
+    import json
+
+    from engine.config import ModelConfig
+    from engine.loader import load_model
+    from tests.helpers import hf_greedy
+
+    argv = ["generate", "--model", "tiny-llama", "--no-chat", "--max-tokens", "6", "--json",
+            "--logprobs", "2", "--min-p", "0.5", "--top-k", "3"]  # fmt: skip
+    assert run([*argv, "hello there", "a second prompt"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    docs = [json.loads(line) for line in lines]
+    assert [d["prompt"] for d in docs] == ["hello there", "a second prompt"]
+    tok = load_model(ModelConfig(model="tiny-llama")).tokenizer
+    for d in docs:
+        ids = tok.encode(d["prompt"])
+        assert d["token_ids"] == hf_greedy("tiny-llama", ids, 6)  # greedy: min-p, top-k moot
+        assert d["finish_reason"] == "length" and d["stop_reason"] is None
+        assert d["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 6,
+                              "cached_prompt_tokens": 0}  # fmt: skip
+        assert [lp["token_id"] for lp in d["logprobs"]] == d["token_ids"]
+        for lp in d["logprobs"]:
+            assert len(lp["top"]) == 2 and lp["top"][0]["token_id"] == lp["token_id"]
+            assert lp["logprob"] == pytest.approx(lp["top"][0]["logprob"]) and lp["logprob"] < 0
+    assert run(["generate", "--model", "tiny-llama", "--min-p", "2", "hi"]) == 2
+    assert capsys.readouterr().err.startswith("error: min_p: ")
+
+
 def test_unknown_model_exits_2_naming_it(capsys):
     assert run(["generate", "--model", "no-such-model", "hello"]) == 2
     err = capsys.readouterr().err

@@ -352,6 +352,7 @@ def test_nulls_and_openai_fields_at_their_no_op_values_are_served_and_other_valu
     refused = [
         ("completions", {**BODY, "echo": True}, "echo", "only false"),
         ("completions", {**BODY, "best_of": 2}, "best_of", "only 1"),
+        ("completions", {**BODY, "n": 2, "best_of": 1}, "best_of", "at least n (2)"),
         ("completions", {**BODY, "logit_bias": {"x": 10}}, "logit_bias", "token ids"),
         ("completions", {**BODY, "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
         ("chat/completions", {**chat, "logit_bias": {"99999999": 1}}, "logit_bias", "outside"),
