@@ -264,9 +264,12 @@ class LLMEngine:
         try:
             for p, sp in zip(prompts, plist):
                 rids.append(self.add_request(p, sp))
-        except InvalidRequestError:
+        except InvalidRequestError as exc:
             self.abort(rids)  # all or nothing: a refused prompt leaves no earlier one queued
-            raise
+            if len(prompts) == 1:
+                raise
+            which = f"(prompt {len(rids) + 1} of {len(prompts)})"
+            raise InvalidRequestError(exc.field, f"{exc.message} {which}") from None
         prompt_ids = {r: tuple(self.scheduler.requests[r].prompt_token_ids) for r in rids}
         acc: dict[str, list[RequestOutput]] = {r: [] for r in rids}
         try:

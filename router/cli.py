@@ -115,7 +115,7 @@ def _within_context(
 
 
 def _generate(args: argparse.Namespace, _extra: list[str]) -> int:
-    from transformers.utils.logging import disable_progress_bar
+    from transformers.utils.logging import disable_progress_bar, set_verbosity_error
 
     from engine.config import EngineConfig, ModelConfig
     from engine.errors import InvalidRequestError, ModelNotFoundError
@@ -123,8 +123,10 @@ def _generate(args: argparse.Namespace, _extra: list[str]) -> int:
     from engine.sampling_params import SamplingParams
     from router.client import OPTIONAL_SAMPLING, not_utf8
 
-    # The weight-loading progress bar is noise for a one-shot command.
+    # The weight-loading progress bar and transformers' warnings (a prompt longer than the
+    # tokenizer's limit: refused below, naming it) are noise for a one-shot command.
     disable_progress_bar()
+    set_verbosity_error()
     try:
         # Parameters first: a typo should not wait for the model to load.
         not_utf8([*(("prompt", p) for p in args.prompt), *(("stop", s) for s in args.stop)])

@@ -145,6 +145,10 @@ def test_max_tokens_past_the_context_is_refused_and_the_default_is_cut_to_it(cap
     assert "--max-tokens" in capsys.readouterr().err
     assert run([*argv, "x" * 1000]) == 0  # 24 tokens of room: the default fits itself to them
     capsys.readouterr()
+    assert run([*argv, "hello", "word " * 1100]) == 2  # which prompt, and nothing else
+    err = capsys.readouterr().err
+    assert err.startswith("error: prompt: has 5500 tokens") and err.count("\n") == 1, err
+    assert err.endswith("(prompt 2 of 2)\n")
 
 
 def test_empty_prompt_exits_2(capsys):

@@ -196,8 +196,9 @@ def test_max_tokens_is_honoured():
 
 def test_generate_refusing_one_prompt_queues_none():
     engine = make_engine("tiny-llama")
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(InvalidRequestError) as info:
         engine.generate([[1, 2], [3, 4], []], GREEDY)
+    assert info.value.field == "prompt" and str(info.value).endswith("(prompt 3 of 3)")
     assert not engine.has_unfinished_requests()
     assert_pool_free(engine)
 
