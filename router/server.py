@@ -1,6 +1,6 @@
 """`pdserve serve`: the pools, the request core and the gRPC server, started and stopped in order.
 
-Start: Ray (router/ray_runtime.py) and the worker actors, the tokenizer, the metrics endpoint,
+Start: the metrics endpoint, Ray (router/ray_runtime.py) and the worker actors, the tokenizer,
 the core (with its load poller), then the gRPC server on host:port with health SERVING, and
 the admin service (Scale, ListWorkers) on host:admin_port, and the OpenAI-compatible HTTP API on
 host:http_port when it is set. Stop (SIGINT/SIGTERM, or `stop()`): health NOT_SERVING, the admin
@@ -88,6 +88,20 @@ class Server:
         # TLS and token files are read first: a bad one stops the start before any worker.
         creds = c.security.server_credentials()
         interceptors = c.security.interceptors()
+        # Kept with the endpoint off too: the core reports to it, and its refusal lines are
+        # the log's (router/refusal_log.py). Served before the workers start (minutes on a
+        # cluster whose nodes are still booting): Prometheus sees the router up meanwhile (no
+        # PdserveDown at every start), and a port taken stops the start before any worker.
+        self.metrics = metrics = Metrics()
+        if c.metrics_port is not None:
+            try:
+                self.metrics_port = metrics.serve(c.host, c.metrics_port)
+            except OSError as exc:
+                raise OSError(
+                    f"could not listen on {c.host}:{c.metrics_port} (--metrics-port): "
+                    f"{exc.strerror or exc}"
+                ) from None
+            log.info("metrics on http://%s:%d/metrics", c.host, self.metrics_port)
         tokenizer = self._tokenizer
         if tokenizer is None:  # before any worker: a model that is not there stops the start
             tokenizer = await asyncio.to_thread(model_tokenizer, c)
@@ -115,18 +129,6 @@ class Server:
                 limits.max_model_len,
             )
 
-        # Kept with the endpoint off too: the core reports to it, and its refusal lines are
-        # the log's (router/refusal_log.py).
-        self.metrics = metrics = Metrics()
-        if c.metrics_port is not None:
-            try:
-                self.metrics_port = metrics.serve(c.host, c.metrics_port)
-            except OSError as exc:
-                raise OSError(
-                    f"could not listen on {c.host}:{c.metrics_port} (--metrics-port): "
-                    f"{exc.strerror or exc}"
-                ) from None
-            log.info("metrics on http://%s:%d/metrics", c.host, self.metrics_port)
         self.core = core = RequestCore(backend, infos, c.router, tokenizer, metrics)
         metrics.pending.set_function(lambda: core.pending)  # read at each scrape
         metrics.active.set_function(lambda: core.active)

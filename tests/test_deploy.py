@@ -74,6 +74,9 @@ def test_ray_up_groups_carry_the_resources_the_config_names(tmp_path):
     mounted = (ROOT / cluster["file_mounts"]["~/pdserve.yaml"]).read_text()
     values = effective(serve_line(cmd), mounted, tmp_path)
     assert values["ray_address"] == "auto"
+    from ray.autoscaler._private.util import fillout_defaults, validate_config
+
+    validate_config(fillout_defaults(cluster))  # what `ray up` checks first (its schema)
 
 
 def kuberay_groups() -> dict[str, dict]:
@@ -181,5 +184,39 @@ def test_every_command_in_the_deploy_readme_exists_and_accepts_its_flags():
             assert all((ROOT / f).exists() for f in files), line
         else:  # kubectl, docker, promtool: the files they are given exist
             files = [a for a in rest if a.endswith((".yaml", ".yml")) or "Dockerfile" in a]
-            assert files or tool == "kubectl", line
+            assert files or tool == "kubectl" or rest[0] == "push", line
             assert all((ROOT / f).exists() for f in files), line
+
+
+def test_an_upgrade_moves_every_pod_to_one_version_and_a_restart_drains_first():
+    """The router refuses workers that run other code than its own (worker_protocol/code_id.py):
+    every image is pdserve's version, the same in the RayCluster and the router; the old router
+    stops before the new one asks for GPUs; a second `ray up` drains the running router before
+    `ray stop` kills its workers."""
+    import tomllib
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    (rc,) = load("kuberay/raycluster.yaml")
+    pods = [g["template"]["spec"] for g in kuberay_groups().values()]
+    router = router_objects()["Deployment"]["spec"]
+    specs = [*pods, router["template"]["spec"]]
+    images = {c["image"] for spec in specs for c in spec["containers"]}
+    assert {i.rsplit(":", 1)[1] for i in images} == {version}, images
+    assert len(images) == 1, images
+    assert router["strategy"] == {"type": "Recreate"}
+    for spec in pods:  # Ray's object store in memory, not the container's 64 MB default
+        (c,) = spec["containers"]
+        shm = {v["name"] for v in spec["volumes"] if v.get("emptyDir") == {"medium": "Memory"}}
+        assert any(m["mountPath"] == "/dev/shm" and m["name"] in shm for m in c["volumeMounts"])
+    groups = rc["spec"]["workerGroupSpecs"]
+    if any(g["maxReplicas"] > g["replicas"] for g in groups):  # resizes past the pods started
+        assert rc["spec"]["enableInTreeAutoscaling"] is True
+    # `ray up`: Ray's image of the version the RayCluster and the Dockerfile name.
+    (cluster,) = load("ray/cluster.yaml")
+    base = re.search(r"^FROM (\S+)", (DEPLOY / "docker" / "Dockerfile").read_text(), re.M)
+    assert base is not None and cluster["docker"]["image"] == base.group(1)
+    assert base.group(1).startswith(f"rayproject/ray:{rc['spec']['rayVersion']}-")
+    cmds = cluster["head_start_ray_commands"]
+    stop = next(i for i, c in enumerate(cmds) if c.strip() == "ray stop")
+    assert any("kill -INT" in c and "pdserve.pid" in c for c in cmds[:stop]), cmds
+    assert "echo $! > ~/pdserve.pid" in next(c for c in cmds if "pdserve serve" in c)

@@ -299,3 +299,50 @@ def _samples(m):
     from pdserve_client.metrics import parse
 
     return parse(generate_latest(m.registry).decode())
+
+
+@pytest.mark.timeout(60)
+def test_the_metrics_endpoint_answers_while_the_workers_start():
+    """Prometheus sees the router up while its pools come up (minutes on a cluster whose nodes
+    boot): deploy/prometheus/alerts.yml's PdserveDown must not fire at every start."""
+    import asyncio
+    import threading
+    import urllib.request
+
+    from engine.config import ModelConfig
+    from engine.loader import load_tokenizer
+    from router.fake_backend import FakeBackend
+    from router.server import Server
+
+    up = threading.Event()
+
+    class Starting(FakeBackend):
+        async def infos(self):  # the pools come up once `up` is set
+            assert await asyncio.to_thread(up.wait, 30)
+            return await super().infos()
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = Server(
+        ServeConfig(port=0, metrics_port=0), backend=Starting(),
+        tokenizer=load_tokenizer(ModelConfig(model="tiny-llama")),
+    )  # fmt: skip
+    started = asyncio.run_coroutine_threadsafe(server.start(), loop)
+    try:
+        deadline = time.monotonic() + 20
+        while not server.metrics_port:
+            assert time.monotonic() < deadline and not started.done()
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            assert answer.status == 200 and b"pdserve_" in answer.read()
+        assert not started.done() and server.port == 0  # the pools are still starting
+        up.set()
+        started.result(30)
+        assert server.port
+    finally:
+        up.set()
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)

@@ -151,27 +151,28 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         "short",
         [
             q("taking requests {{role}}", "sum by (role) (pdserve_workers)"),
+            # Rare events: each point counts the last 5 minutes', whatever the zoom.
             q(
-                "failures {{worker}}",
-                "sum by (worker) (increase(pdserve_worker_failures_total[$__range]))",
+                "failures in 5 m {{worker}}",
+                "sum by (worker) (increase(pdserve_worker_failures_total[5m]))",
             ),
             q(
                 "of which hung {{worker}}",
-                "sum by (worker) (increase(pdserve_worker_hangs_total[$__range]))",
+                "sum by (worker) (increase(pdserve_worker_hangs_total[5m]))",
             ),
             q(
-                "restarts {{role}}",
-                "sum by (role) (increase(pdserve_worker_restarts_total[$__range]))",
+                "restarts in 5 m {{role}}",
+                "sum by (role) (increase(pdserve_worker_restarts_total[5m]))",
             ),
         ],
     ),
     (
-        "Prefills per worker: for a peer, or local",
-        "short",
+        "Prefills per second per worker: for a peer, or local",
+        "reqps",
         [
             q(
                 "{{worker}} {{kind}}",
-                "sum by (worker, kind) (increase(pdserve_worker_prefills_total[$__range]))",
+                "sum by (worker, kind) (rate(pdserve_worker_prefills_total[$__rate_interval]))",
             ),
         ],
     ),
@@ -191,13 +192,13 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         ],
     ),
     (
-        "Steps run with prompts waiting for short decodes (--prefill-hold-ms), per worker",
+        "Steps per second run with prompts waiting for short decodes (--prefill-hold-ms)",
         "short",
         [
             q(
                 "{{worker}} ({{role}})",
                 "sum by (worker, role) "
-                "(increase(pdserve_worker_prompt_wait_steps_total[$__range]))",
+                "(rate(pdserve_worker_prompt_wait_steps_total[$__rate_interval]))",
             )
         ],
     ),
