@@ -31,6 +31,7 @@ from bench.options import add_arguments as add_arguments  # the bench's flags, f
 from bench.options import refused
 from bench.server import POLICIES, Deployment, ServerProcess
 from pdserve_client import ClientAuth
+from pdserve_client.connect import ClientAuthError
 
 SERVER = "server"  # the label of a run against --address without --policy
 
@@ -61,6 +62,9 @@ def main(args: argparse.Namespace) -> int:
         return run(args)
     except trace.TraceError as exc:
         print(f"error: --trace: {exc}", file=sys.stderr)
+        return 2
+    except ClientAuthError as exc:  # --tls-* or --token-file
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -43,6 +43,18 @@ def read_credential(path: Path, option: str, error: type[ValueError] = ClientAut
     return data
 
 
+def read_token(path: Path, option: str, error: type[ValueError] = ClientAuthError) -> str:
+    """A bearer token file's token (surrounding whitespace dropped): visible ASCII only, what an
+    HTTP Authorization header and gRPC metadata can carry; `error` naming `option` otherwise."""
+    token = read_credential(path, option, error).strip()
+    if not all(0x21 <= b <= 0x7E for b in token):
+        raise error(
+            f"{option}: the token in {path} must be printable ASCII without spaces or control "
+            "characters (what an HTTP header and gRPC metadata carry)"
+        )
+    return token.decode("ascii")
+
+
 @dataclass(frozen=True, slots=True)
 class ClientAuth:
     ca: bytes | None = None  # root certificates: TLS when set
@@ -59,7 +71,7 @@ class ClientAuth:
             raise ClientAuthError("--tls-cert: mutual TLS needs --tls-ca too")
         token = None
         if args.token_file is not None:
-            token = read_credential(args.token_file, "--token-file").decode().strip()
+            token = read_token(args.token_file, "--token-file")
         return cls(
             ca=read_credential(args.tls_ca, "--tls-ca") if args.tls_ca else None,
             cert=read_credential(args.tls_cert, "--tls-cert") if args.tls_cert else None,

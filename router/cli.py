@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -350,13 +351,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] != ["serve"]:  # a client: gRPC's own log lines (a TLS handshake) are noise
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # read as gRPC is first imported
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not args.passthrough:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handler: Handler = args.handler
+    from pdserve_client.connect import ClientAuthError
+
     try:
         return handler(args, extra)
+    except ClientAuthError as exc:  # a client's TLS or token option (workers, scale, bench)
+        return _error(exc)
     except KeyboardInterrupt:  # Ctrl-C where a command has no say of its own (generate)
         print("\ninterrupted", file=sys.stderr)
         return 130

@@ -204,8 +204,8 @@ def run(args: argparse.Namespace) -> int:
                 f"{args.address} answers HTTP/1, not gRPC: pdserve's HTTP or metrics port? "
                 "`pdserve serve` prints its gRPC port: --port, 50051"
             )
-        elif code is grpc.StatusCode.UNAVAILABLE and _unreached(details):
-            detail = f"no pdserve server answering at {args.address}? ({details})"
+        elif code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN) and _unreached(details):
+            detail = f"{_why_unreached(args.address, details, auth)} ({details})"
         elif code is grpc.StatusCode.UNIMPLEMENTED:  # a gRPC server, not pdserve's main port
             detail = (
                 f"{code.name}: {details} ({args.address} serves no pdserve.v1.Generation: "
@@ -247,6 +247,24 @@ def _unreached(details: str) -> bool:
     return details.lower().startswith(
         ("failed to connect to all addresses", "dns resolution failed", "connection refused")
     )
+
+
+def _why_unreached(address: str, details: str, auth: Any) -> str:
+    """What a connection that never carried a call most likely met: TLS refused (the server's
+    certificate not signed by --tls-ca's CA, a TLS port reached in plaintext, mutual TLS
+    without a certificate it accepts), or no server there."""
+    if "CERTIFICATE_VERIFY_FAILED" in details:
+        return f"{address}'s certificate is not one --tls-ca's CA signed"
+    if "socket closed" in details.lower():  # the server ended the connection at its start
+        if auth.ca is None:
+            return f"no pdserve server answering at {address}, or one that speaks TLS (--tls-ca)?"
+        if auth.cert is None:
+            return (
+                f"no pdserve server answering at {address}, or one that asks for a client "
+                "certificate (--tls-cert, --tls-key)?"
+            )
+        return f"{address} did not accept this client's certificate (--tls-cert)?"
+    return f"no pdserve server answering at {address}?"
 
 
 def not_utf8(texts: Iterable[tuple[str, str]]) -> None:

@@ -4,9 +4,10 @@ vocabulary to and from a wire format.
 
 Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent events ending in
 `data: [DONE]`, or whole), GET /v1/models, GET /health (open, like gRPC's health service), and
-the OpenAPI document at /openapi.json. The request is read into the core's RequestFields and
-checked by router/request.py, as gRPC's is; admission, the policy, streaming, cancellation and
-metrics are the core's.
+the OpenAPI document at /openapi.json (and /docs). The token and the body's size are checked
+before the body is read (router/http_guard.py). The request is read into the core's
+RequestFields and checked by router/request.py, as gRPC's is; admission, the policy,
+streaming, cancellation and metrics are the core's.
 
 Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`): 400 names the
 parameter (unknown fields are refused, not ignored), 401 a missing or wrong bearer token, 404 an
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -38,10 +38,12 @@ from router.core import RequestCore
 from router.core_types import CoreChunk, Overloaded, Summary
 from router.http_choices import Choices, choice_requests
 from router.http_errors import ApiError, from_core, validation_error
+from router.http_guard import UNAUTHORIZED, Guard
 from router.http_schema import ChatCompletionRequest, CompletionRequest, request_fields
 from router.http_shapes import Call, Shapes, sse, usage
 from router.http_stream import EventStream, close, until_disconnected
 from router.request import ModelLimits, check_request_async
+from router.security import bearer_matches
 from router.vocab import Frontend
 
 log = logging.getLogger("pdserve.http")
@@ -62,16 +64,19 @@ class HttpApi:
         self.tokenizer = tokenizer
         self.limits = limits
         self.model = model
-        self._expected = b"Bearer " + token if token is not None else None
+        self._token = token
         self.clients = clients or ClientLimit(None, core.sink)  # --max-streams-per-client
         self.shapes = Shapes(model, tokenizer)
-        self.app = self._build()
+        self.api = self._build()
+        self.app = Guard(self.api, token)  # the token and the body's size, before the body
 
     def _build(self) -> FastAPI:
         app = FastAPI(
             title="pdserve",
             summary="OpenAI-compatible completions over pdserve's prefill and decode pools",
             version="1",
+            redoc_url=None,  # the description is open: /openapi.json and /docs, no more
+            swagger_ui_oauth2_redirect_url=None,
         )
 
         @app.exception_handler(ApiError)
@@ -91,7 +96,7 @@ class HttpApi:
             return ApiError(exc.status_code, str(exc.detail), code=code).response()
 
         # Without a token the routes are open, and the OpenAPI document says no auth.
-        auth = [Depends(self._authorize)] if self._expected is not None else []
+        auth = [Depends(self._authorize)] if self._token is not None else []
 
         @app.get("/health")
         async def health() -> JSONResponse:
@@ -125,16 +130,11 @@ class HttpApi:
     async def _authorize(
         self, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]
     ) -> None:
-        if self._expected is None:
-            return
-        got = f"Bearer {creds.credentials}".encode() if creds is not None else b""
-        if not hmac.compare_digest(got, self._expected):
-            raise ApiError(
-                401,
-                "authorization: a valid `Bearer <token>` is required",
-                param=None,
-                code="invalid_api_key",
-            )
+        """The token again, past the Guard (which checks it before the body is read): what
+        puts the bearer scheme in the OpenAPI document."""
+        given = f"Bearer {creds.credentials}" if creds is not None else ""
+        if self._token is not None and not bearer_matches(given, self._token):
+            raise UNAUTHORIZED
 
     def _model_card(self) -> dict[str, Any]:
         return {

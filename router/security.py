@@ -11,6 +11,7 @@ inside the cluster's network, deploy/README.md).
 from __future__ import annotations
 
 import hmac
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from pdserve_client.connect import read_credential
+from pdserve_client.connect import read_credential, read_token
 
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # prefixes of methods that need no token
 
@@ -45,9 +46,29 @@ class SecurityConfig:
             raise SecurityError("tls_client_ca: mutual TLS needs tls_cert and tls_key")
 
     def check(self) -> None:
-        """Read every file now (SecurityError naming the option): before anything starts."""
+        """Read every file now, and load the TLS ones as a TLS server would (SecurityError
+        naming the option): before anything starts. gRPC would refuse them only as it binds
+        its port, once the workers are up, and without saying why."""
         self.server_credentials()
         self.interceptors()
+        if self.tls_cert is None or self.tls_key is None:
+            return
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        except ssl.SSLError as exc:
+            raise SecurityError(
+                f"tls_cert and tls_key: {self.tls_cert} and {self.tls_key} are not a PEM "
+                f"certificate chain and its private key ({exc.reason or exc})"
+            ) from None
+        if self.tls_client_ca is not None:
+            try:
+                ctx.load_verify_locations(cafile=self.tls_client_ca)
+            except ssl.SSLError as exc:
+                raise SecurityError(
+                    f"tls_client_ca: {self.tls_client_ca} holds no PEM certificate "
+                    f"({exc.reason or exc})"
+                ) from None
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
         """TLS credentials for the gRPC ports; None for plaintext."""
@@ -64,7 +85,7 @@ class SecurityConfig:
         """The bearer token requests must carry, or None when none is set."""
         if self.auth_token_file is None:
             return None
-        return _read(self.auth_token_file, "auth_token_file").strip()
+        return read_token(self.auth_token_file, "auth_token_file", SecurityError).encode()
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         token = self.token()
@@ -79,7 +100,7 @@ class TokenAuth(grpc.aio.ServerInterceptor):
     is not `Bearer <token>`."""
 
     def __init__(self, token: bytes) -> None:
-        self._expected = b"Bearer " + token
+        self._token = token
 
     async def intercept_service(
         self,
@@ -94,9 +115,17 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         for key, value in details.invocation_metadata or ():  # type: ignore[attr-defined]
             if key == "authorization":
                 got = value if isinstance(value, str) else ""
-        if hmac.compare_digest(got.encode(), self._expected):
+        if bearer_matches(got, self._token):
             return handler
         return _refusal(handler)
+
+
+def bearer_matches(header: str, token: bytes) -> bool:
+    """Whether an Authorization value is `Bearer <token>` (the scheme in any case, as HTTP has
+    it), compared in constant time."""
+    scheme, _, given = header.partition(" ")
+    ok = hmac.compare_digest(given.strip().encode("utf-8", "replace"), token)
+    return ok and scheme.lower() == "bearer"
 
 
 _WHY = "authorization: a valid `Bearer <token>` is required"

@@ -93,7 +93,44 @@ def test_a_bearer_token_is_checked_on_every_route_but_health(pki):  # noqa: F811
             assert http.get(base(s) + "/v1/models").status_code == 401
             assert http.get(base(s) + "/health").status_code == 200
             doc = http.get(base(s) + "/openapi.json").json()
+            assert http.get(base(s) + "/docs").status_code == 200
+            for closed in ("/redoc", "/docs/oauth2-redirect", "/nowhere"):
+                assert http.get(base(s) + closed).status_code == 401, closed
+            # The scheme in any case (HTTP's rule); what follows it is the token exactly.
+            lower = http.get(base(s) + "/v1/models", headers={"authorization": f"bearer {token}"})
+            assert lower.status_code == 200
+            # Refused before the body is read: neither its size nor its JSON is looked at.
+            junk = http.post(base(s) + "/v1/completions", content=b"{not json")
+            assert junk.status_code == 401 and junk.json()["error"]["code"] == "invalid_api_key"
         assert "HTTPBearer" in doc["components"]["securitySchemes"]
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_body_over_the_limit_is_refused_before_it_is_read_whole():
+    from router.http_guard import MAX_BODY_BYTES
+
+    s = server()
+    url = base(s) + "/v1/completions"
+    try:
+        with httpx.Client(timeout=60, headers={"content-type": "application/json"}) as http:
+            pad = " " * (MAX_BODY_BYTES - len(json.dumps(BODY)))
+            ok = http.post(url, content=json.dumps(BODY) + pad)  # at the limit: served
+            assert ok.status_code == 200, ok.text
+
+            def chunks():  # no Content-Length: counted as it arrives
+                yield json.dumps(BODY).encode()
+                for _ in range(MAX_BODY_BYTES // (1 << 20) + 1):
+                    yield b" " * (1 << 20)
+
+            for body in (json.dumps(BODY) + pad + " ", chunks()):
+                big = http.post(url, content=body)
+                assert big.status_code == 413, big.text
+                err = big.json()["error"]
+                assert (err["param"], err["code"]) == ("body", "request_too_large")
+                assert err["message"] == "body: over 16 MiB"
+            assert http.post(url, json=BODY).status_code == 200  # still serving
     finally:
         s.close()
 

@@ -75,6 +75,12 @@ def test_tls_end_to_end_and_a_plaintext_client_fails_cleanly(pki):
         plain = complete(s.address)
         assert plain.returncode == 1 and plain.stderr.startswith("error: ")
         assert "Traceback" not in plain.stderr
+        assert "or one that speaks TLS (--tls-ca)?" in plain.stderr
+        other = trustme.CA()  # the server's certificate, checked against another CA
+        other.cert_pem.write_to_path(str(pki["ca.pem"].parent / "other-ca.pem"))
+        wrong = complete(s.address, "--tls-ca", str(pki["ca.pem"].parent / "other-ca.pem"))
+        assert wrong.returncode == 1 and wrong.stderr.count("\n") == 1, wrong.stderr
+        assert "certificate is not one --tls-ca's CA signed" in wrong.stderr
         # A plaintext gRPC client gets UNAVAILABLE (no handshake), and the server keeps serving.
         with grpc.insecure_channel(s.address) as ch:
             with pytest.raises(grpc.RpcError) as err:
@@ -98,6 +104,8 @@ def test_mutual_tls_needs_a_client_certificate(pki):
         assert complete(s.address, *mtls).returncode == 0
         without = complete(s.address, "--tls-ca", str(pki["ca.pem"]))
         assert without.returncode == 1 and "Traceback" not in without.stderr
+        assert "asks for a client certificate (--tls-cert, --tls-key)?" in without.stderr
+        assert without.stderr.startswith("error: ") and without.stderr.count("\n") == 1
     finally:
         s.close()
 
@@ -125,6 +133,8 @@ def test_a_bearer_token_is_checked_on_every_rpc_but_health(pki):
                 assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
             good = (("authorization", "Bearer s3cret-token"),)
             assert len(stub.Complete(REQ, timeout=5, metadata=good).token_ids) == 4
+            lower = (("authorization", "bearer s3cret-token"),)  # the scheme in any case
+            assert len(stub.Complete(REQ, timeout=5, metadata=lower).token_ids) == 4
             health = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(), timeout=5
             )
@@ -185,12 +195,50 @@ def test_bad_security_options_stop_the_server_before_it_starts(pki, tmp_path, ca
 
     empty = tmp_path / "empty"
     empty.write_text("\n")
+    tokens = []
+    for i, bad in enumerate((b"two words", b"a\x01b", b"\xff\xfe")):  # no header carries them
+        tokens.append(tmp_path / f"token{i}")
+        tokens[-1].write_bytes(bad + b"\n")
+    tls = ["--tls-cert", str(pki["server.pem"]), "--tls-key", str(pki["server.key"])]
     for argv, field in (
         (["--tls-cert", str(pki["server.pem"])], "tls_cert and tls_key"),
         (["--tls-client-ca", str(pki["ca.pem"])], "tls_client_ca"),
         (["--tls-cert", str(tmp_path / "nope"), "--tls-key", str(pki["server.key"])], "tls_cert"),
         (["--auth-token-file", str(empty)], "auth_token_file"),
-    ):
+        # Files that read well but that TLS cannot use: a key that is not the certificate's,
+        # a certificate that is not PEM, a client CA that holds no certificate.
+        (["--tls-cert", str(pki["server.pem"]), "--tls-key", str(pki["client.key"])],
+         "tls_cert and tls_key: "),
+        (["--tls-cert", str(pki["token"]), "--tls-key", str(pki["server.key"])],
+         "tls_cert and tls_key: "),
+        ([*tls, "--tls-client-ca", str(pki["token"])], "tls_client_ca: "),
+        *((["--auth-token-file", str(t)], "must be printable ASCII") for t in tokens),
+    ):  # fmt: skip
+        t0 = time.monotonic()
         assert main(["serve", "--metrics-port", "-1", *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and field in err, err
+        assert err.count("\n") == 1 and time.monotonic() - t0 < 10  # before Ray and workers
+
+
+@pytest.mark.timeout(120)
+def test_a_client_option_that_cannot_be_used_is_one_error_line_in_every_command(pki, tmp_path):
+    """workers, scale, bench and complete read --tls-* and --token-file before connecting:
+    an unreadable or unusable one is one `error:` line naming the flag, exit 2."""
+    nope = str(tmp_path / "nope")
+    binary = tmp_path / "binary-token"
+    binary.write_bytes(b"\xff\xfe\n")
+    for command in (
+        ["workers", "--address", "127.0.0.1:9", "--token-file", nope],
+        ["scale", "--address", "127.0.0.1:9", "--workers", "1", "--token-file", nope],
+        ["workers", "--address", "127.0.0.1:9", "--tls-ca", str(pki["ca.pem"]),
+         "--tls-cert", str(pki["client.pem"])],
+        ["bench", "--address", "127.0.0.1:9", "--num-requests", "1", "--token-file", nope],
+        ["complete", "--address", "127.0.0.1:9", "--token-file", str(binary), "hi"],
+    ):  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "router.cli", *command],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert out.returncode == 2, (command, out.stderr)
+        assert out.stderr.startswith("error: --t") and out.stderr.count("\n") == 1, out.stderr
