@@ -122,14 +122,14 @@ class Request:
         self.token_ids.append(token_id)
 
     def check_stop_token(self) -> FinishReason | None:
-        """Stop on EOS, a stop token id, max_tokens or the model's context, in that order."""
+        """Stop on a stop token id, EOS, max_tokens or the model's context. stop_reason names a
+        stop token id that ended it, not EOS (as vLLM's: None for the model's own end)."""
         last = self.token_ids[-1]
         sp = self.sampling
-        if not sp.ignore_eos and last in self.eos_token_ids:
-            self.stop_reason = last
-            return FinishReason.STOP
         if last in sp.stop_token_ids:
             self.stop_reason = last
+            return FinishReason.STOP
+        if not sp.ignore_eos and last in self.eos_token_ids:
             return FinishReason.STOP
         if self.num_output_tokens >= sp.max_tokens or self.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH

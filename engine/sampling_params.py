@@ -16,6 +16,9 @@ _SEED_LIMIT = 1 << 64  # it seeds a torch.Generator, which takes 64 bits
 _PENALTY_LIMIT = 2.0  # presence and frequency penalties, as OpenAI's API bounds them
 _BIAS_LIMIT = 100.0  # a logit bias, as OpenAI's API bounds it
 MAX_LOGIT_BIAS = 300  # tokens one request may bias, as OpenAI's API bounds it
+# Stop strings one request may give (OpenAI's API: 4): each is looked for in the new text at
+# every step, on the engine's thread, beside every other request's step.
+MAX_STOP_STRINGS = 64
 
 
 def as_int(x: object) -> int | None:
@@ -123,6 +126,10 @@ class SamplingParams:
             )
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise InvalidRequestError("stop", "every stop string must be a non-empty string")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(
+                "stop", f"has {len(self.stop)} strings; at most {MAX_STOP_STRINGS}"
+            )
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError(
                 "stop_token_ids", "every stop token id must be an integer >= 0"

@@ -104,6 +104,8 @@ class HttpApi:
             body = {"status": "ok" if up else "no decode worker"}
             return JSONResponse(body, status_code=200 if up else 503)
 
+        app.head("/health", include_in_schema=False)(health)  # load balancers probe with HEAD
+
         @app.get("/v1/models", dependencies=auth)
         async def models() -> dict[str, Any]:
             return {"object": "list", "data": [self._model_card()]}

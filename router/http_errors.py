@@ -60,6 +60,7 @@ def invalid(exc: InvalidRequestError, renames: dict[str, str]) -> ApiError:
 
 
 # The status, the error's type and its code, by why the request failed (429 is built apart).
+NO_WORKERS_RETRY_S = 5  # a 503 no_workers' Retry-After: a replaced worker takes seconds to come
 _STATUS = {
     FailureReason.NO_WORKERS: (503, "service_unavailable", "no_workers"),
     FailureReason.WORKER_FAILED: (503, "service_unavailable", "worker_failed"),
@@ -90,7 +91,10 @@ def from_core(exc: BaseException, renames: dict[str, str] | None = None) -> ApiE
         log.error("request failed", exc_info=exc)
         return ApiError(status, f"internal error: {type(exc).__name__}", type_=type_, code=code)
     log.warning("request failed: %s: %s", type(exc).__name__, exc)
-    return ApiError(status, str(exc), type_=type_, code=code)
+    headers = None
+    if reason is FailureReason.NO_WORKERS:  # one is being replaced, or the pools start
+        headers = {"Retry-After": str(NO_WORKERS_RETRY_S)}
+    return ApiError(status, str(exc), type_=type_, code=code, headers=headers)
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:

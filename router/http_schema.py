@@ -241,9 +241,12 @@ def _token_biases(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's logit_bias, whose keys are token ids written as strings."""
     if not bias:
         return None
-    bad = next((k for k in bias if not (k.isascii() and k.isdigit())), None)
+    # A token id has at most 10 digits (int32; the vocabulary's range is checked later); int()
+    # refuses strings of over 4300 digits with its own error.
+    bad = next((k for k in bias if not (k.isascii() and k.isdigit() and len(k) <= 10)), None)
     if bad is not None:
-        raise InvalidRequestError("logit_bias", f"keys must be token ids, got {bad!r}")
+        shown = bad if len(bad) <= 40 else f"{bad[:20]}...({len(bad)} characters)"
+        raise InvalidRequestError("logit_bias", f"keys must be token ids, got {shown!r}")
     return {int(k): v for k, v in bias.items()}
 
 

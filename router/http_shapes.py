@@ -118,9 +118,16 @@ class Shapes:
         return {
             "tokens": [self.token(lp.token_id) for lp in lps],
             "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{self.token(t): v for t, v in lp.top} for lp in lps],
+            "top_logprobs": [self._top(lp) for lp in lps],
             "text_offset": offsets.feed(lp.token_id for lp in lps),
         }
+
+    def _top(self, lp: TokenLogprobs) -> dict[str, float]:
+        """A completion token's alternatives, and the sampled token among them always (OpenAI's
+        and vLLM's: up to logprobs + 1 entries; with logprobs 0, the sampled token alone)."""
+        top = {self.token(t): v for t, v in lp.top}
+        top.setdefault(self.token(lp.token_id), lp.logprob)
+        return top
 
 
 FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}

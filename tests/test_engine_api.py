@@ -43,6 +43,7 @@ def _bad_requests(engine: LLMEngine, taken_id: str):
             ["number"],
         ),
         ("bias 5", lambda: SamplingParams(logit_bias=5), "logit_bias", ["pairs"]),
+        ("65 stops", lambda: SamplingParams(stop=["x"] * 65), "stop", ["65", "at most 64"]),
         ("ignore_eos str", lambda: SamplingParams(ignore_eos="no"), "ignore_eos", ["true or"]),
         ("id 5.7", lambda: engine.add_request([1, 5.7]), "prompt_token_ids", ["5.7"]),
         ("id '5'", lambda: engine.add_request([1, "5"]), "prompt_token_ids", ["'5'"]),

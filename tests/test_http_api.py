@@ -198,6 +198,13 @@ def test_chat_logprobs_and_completion_logprobs_have_openai_shapes(srv, client):
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert "".join(lp.tokens) == comp.choices[0].text
+    # The sampled token is always among a completion token's top_logprobs (OpenAI's and
+    # vLLM's): with logprobs 0, it alone.
+    comp = client.completions.create(
+        model=MODEL, prompt=[5, 6, 7, 8], max_tokens=4, temperature=0, logprobs=0
+    )
+    lp = comp.choices[0].logprobs
+    assert lp.top_logprobs == [{t: x} for t, x in zip(lp.tokens, lp.token_logprobs)]
 
 
 @pytest.mark.timeout(60)

@@ -207,7 +207,11 @@ def test_no_decode_worker_is_a_503_and_health_says_so():
         with httpx.Client(timeout=30) as http:
             resp = http.post(base(s) + "/v1/completions", json=BODY)
             assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_workers"
+            assert resp.headers["retry-after"] == "5"
             assert http.get(base(s) + "/health").status_code == 503
+            assert http.head(base(s) + "/health").status_code == 503  # as load balancers probe
+            backend.decode_ids = ["decode-0"]
+            assert http.head(base(s) + "/health").status_code == 200
     finally:
         s.close()
 
@@ -391,6 +395,8 @@ def test_nulls_and_openai_fields_at_their_no_op_values_are_served_and_other_valu
         ("completions", {**BODY, "best_of": 2}, "best_of", "only 1"),
         ("completions", {**BODY, "n": 2, "best_of": 1}, "best_of", "at least n (2)"),
         ("completions", {**BODY, "logit_bias": {"x": 10}}, "logit_bias", "token ids"),
+        ("completions", {**BODY, "logit_bias": {"9" * 5000: 1}}, "logit_bias", "5000 characters"),
+        ("completions", {**BODY, "stop": [f"s{i}" for i in range(65)]}, "stop", "at most 64"),
         ("completions", {**BODY, "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
         ("chat/completions", {**chat, "logit_bias": {"99999999": 1}}, "logit_bias", "outside"),
         ("completions", {**BODY, "suffix": "end"}, "suffix", 'only ""'),

@@ -147,9 +147,11 @@ def test_prefix_hit_skips_cached_blocks_and_caps_at_len_minus_one():
 
 def test_eos_and_stop_token_ids_finish():
     s = make()
-    s.add_request(req("a", 3, max_tokens=10))
+    a = req("a", 3, max_tokens=10)
+    s.add_request(a)
     step(s, token=EOS)
     assert "a" not in s.requests
+    assert a.finish_reason is FinishReason.STOP and a.stop_reason is None  # the model's end
     r = req("b", 3, max_tokens=10)
     r.sampling = SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=(7,))
     s.add_request(r)
