@@ -140,14 +140,17 @@ OPTIONS: tuple[Option, ...] = (
            "than the decodes hold its ITL SLO in steady state, as the step-time model "
            "predicts, so that those taken attain it rather than all missing", boolean=True),
     # addresses and ports
-    Option("host", text, "127.0.0.1", "address the gRPC, HTTP, admin and metrics ports bind"),
+    Option("host", text, "127.0.0.1", "address the gRPC, HTTP and metrics ports bind"),
     Option("port", PORT, 50051, "gRPC port (pdserve.v1.Generation)"),
     Option("http_port", OFF_OR_PORT, -1,
            "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on --host; "
            "-1: off"),
     Option("metrics_port", OFF_OR_PORT, 9400, "Prometheus /metrics on --host; -1: off"),
     Option("admin_port", OFF_OR_PORT, 50052,
-           "pdserve.v1.Admin (scale, list workers) on --host, for operators only; -1: off"),
+           "pdserve.v1.Admin (scale, list workers) on --admin-host, for operators only; -1: off"),
+    Option("admin_host", text, "127.0.0.1",
+           "address the admin port binds: this machine only unless set (an operator reaches it "
+           "from a shell here or through a port-forward)"),
     # security
     Option("tls_cert", optional(path), None, "server certificate chain (PEM): serve over TLS"),
     Option("tls_key", optional(path), None, "the server certificate's private key (PEM)"),
@@ -342,6 +345,7 @@ class ServeOptions:
             port=v["port"],
             metrics_port=None if v["metrics_port"] < 0 else v["metrics_port"],
             admin_port=None if v["admin_port"] < 0 else v["admin_port"],
+            admin_host=v["admin_host"],
             http_port=None if v["http_port"] < 0 else v["http_port"],
             drain_timeout_s=v["drain_timeout"],
             security=SecurityConfig(

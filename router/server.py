@@ -2,8 +2,8 @@
 
 Start: the metrics endpoint, Ray (router/ray_runtime.py) and the worker actors, the tokenizer,
 the core (with its load poller), then the gRPC server on host:port with health SERVING, and
-the admin service (Scale, ListWorkers) on host:admin_port, and the OpenAI-compatible HTTP API on
-host:http_port when it is set. Stop (SIGINT/SIGTERM, or `stop()`): health NOT_SERVING, the admin
+the admin service (Scale, ListWorkers) on admin_host:admin_port, and the OpenAI-compatible HTTP
+API on host:http_port when it is set. Stop (SIGINT/SIGTERM, or `stop()`): health NOT_SERVING, the admin
 service, no new RPCs or HTTP requests, in-flight requests drained for up to `drain_timeout_s`
 (then ended with ShuttingDown, answered UNAVAILABLE or 503 and aborted on the workers:
 router/endings.py), the poller, the actors, the metrics endpoint.
@@ -48,7 +48,8 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0: any free port (see Server.port)
     metrics_port: int | None = 9400  # Prometheus /metrics on `host`; 0: any free port; None: off
-    admin_port: int | None = None  # pdserve.v1.Admin on `host`; 0: any free port; None: off
+    admin_port: int | None = None  # pdserve.v1.Admin on `admin_host`; 0: any port; None: off
+    admin_host: str = "127.0.0.1"  # operators only: this machine unless told otherwise
     http_port: int | None = None  # the OpenAI-compatible HTTP API on `host`; 0: any; None: off
     drain_timeout_s: float = 30.0  # in-flight requests on SIGINT/SIGTERM
     security: SecurityConfig = field(default_factory=SecurityConfig)  # both gRPC ports
@@ -152,9 +153,10 @@ class Server:
                 interceptors=interceptors, options=[("grpc.so_reuseport", 0)]
             )
             add_admin(self.admin, self.cluster)
-            self.admin_port = _listen(self.admin, c.host, c.admin_port, creds, "--admin-port")
+            where = (c.admin_host, c.admin_port)
+            self.admin_port = _listen(self.admin, *where, creds, "--admin-port")
             await self.admin.start()
-            log.info("admin service (operators only) on %s:%d", c.host, self.admin_port)
+            log.info("admin service (operators only) on %s:%d", c.admin_host, self.admin_port)
         if c.http_port is not None:
             api = HttpApi(
                 self.core,

@@ -35,7 +35,7 @@ def main() -> int:
     address = f"{args.host}:{args.port}"
     url = f"http://{args.host}:{args.metrics_port}/metrics"
     wait_ready(address, args.wait)
-    listed = workers(f"{args.host}:{args.admin_port}")
+    listed = workers(f"127.0.0.1:{args.admin_port}")  # as an operator on the head
     prompts = json.loads(args.prompts)
     tokens: list[list[int]] = [[] for _ in prompts]
     finals: list[dict] = [{} for _ in prompts]
@@ -76,7 +76,7 @@ def main() -> int:
     # what is missing).
     deadline = time.monotonic() + 120
     while True:
-        after = workers(f"{args.host}:{args.admin_port}")
+        after = workers(f"127.0.0.1:{args.admin_port}")  # as an operator on the head
         ready = [w for w in after if w["status"] == "ready"]
         usage = usages(url)
         if len(ready) == len(listed) and len(usage) == len(listed) and not any(usage.values()):

@@ -242,3 +242,26 @@ def test_a_client_option_that_cannot_be_used_is_one_error_line_in_every_command(
         )  # fmt: skip
         assert out.returncode == 2, (command, out.stderr)
         assert out.stderr.startswith("error: --t") and out.stderr.count("\n") == 1, out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_the_admin_port_binds_its_own_host_this_machine_unless_told():
+    """--host 0.0.0.0 puts the API on the network, not the admin service (Scale): it stays on
+    --admin-host, 127.0.0.1 unless set."""
+    from router.cli import build_parser
+    from router.serve_options import resolve
+
+    config = resolve(build_parser().parse_args(["serve", "--host", "0.0.0.0"])).serve_config()
+    assert (config.host, config.admin_host) == ("0.0.0.0", "127.0.0.1")
+    s = server(SecurityConfig(), admin_host="127.0.0.2")
+    try:
+        port = s.server.admin_port
+        with grpc.insecure_channel(f"127.0.0.2:{port}") as ch:
+            stub = admin_pb2_grpc.AdminStub(ch)
+            stub.ListWorkers(admin_pb2.ListWorkersRequest(), timeout=10)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:  # the API's host: nothing there
+            with pytest.raises(grpc.RpcError) as err:
+                admin_pb2_grpc.AdminStub(ch).ListWorkers(admin_pb2.ListWorkersRequest(), timeout=5)
+            assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+    finally:
+        s.close()

@@ -102,7 +102,7 @@ def main() -> int:
     t0 = time.monotonic()
     wait_ready(address, args.wait)
     ready_s = time.monotonic() - t0
-    listed = workers(f"{args.host}:{args.admin_port}")
+    listed = workers(f"127.0.0.1:{args.admin_port}")  # as an operator on the head
     prompts = json.loads(args.prompts)
     path = pb.Path.Value(args.path)
     # The first alone (what a first request sees), the rest together.
