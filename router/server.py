@@ -3,10 +3,10 @@
 Start: the metrics endpoint, Ray (router/ray_runtime.py) and the worker actors, the tokenizer,
 the core (with its load poller), then the gRPC server on host:port with health SERVING, and
 the admin service (Scale, ListWorkers) on admin_host:admin_port, and the OpenAI-compatible HTTP
-API on host:http_port when it is set. Stop (SIGINT/SIGTERM, or `stop()`): health NOT_SERVING, the admin
-service, no new RPCs or HTTP requests, in-flight requests drained for up to `drain_timeout_s`
-(then ended with ShuttingDown, answered UNAVAILABLE or 503 and aborted on the workers:
-router/endings.py), the poller, the actors, the metrics endpoint.
+API on host:http_port when it is set. Stop (SIGINT/SIGTERM, or `stop()`): health NOT_SERVING,
+the admin service, no new RPCs or HTTP requests, in-flight requests drained for up to
+`drain_timeout_s` (then ended with ShuttingDown, answered UNAVAILABLE or 503 and aborted on the
+workers: router/endings.py), the poller, the actors, the metrics endpoint.
 """
 
 from __future__ import annotations
