@@ -104,6 +104,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         self._check_types()
+        if self.seed is not None and as_int(self.seed) == -1:  # vLLM's (and clients'): random
+            object.__setattr__(self, "seed", None)
         if self.max_tokens < 1:
             raise InvalidRequestError(
                 "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}"

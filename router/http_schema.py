@@ -76,7 +76,7 @@ class _Sampling(_Body):
     # engine has is checked by router/request.py, for both doors, naming the field.
     temperature: float | None = Field(None, le=2, allow_inf_nan=False, description="0 to 2")
     top_p: float | None = Field(None, allow_inf_nan=False, description="in (0, 1]")
-    seed: int | None = Field(None, description="in [0, 2**64)")
+    seed: int | None = Field(None, description="in [0, 2**64); -1 as absent (random)")
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES, description=f"choices to generate, 1 to {MAX_CHOICES}")
     stream: bool = False
@@ -161,6 +161,7 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
+    # OpenAI's newer name for max_tokens; where a client sends both, it wins (as vLLM's).
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, description="0 to 20; needs logprobs: true")
@@ -172,9 +173,7 @@ class ChatCompletionRequest(_Sampling):
     )
 
     @model_validator(mode="after")
-    def _one_max(self) -> ChatCompletionRequest:
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise ValueError("max_completion_tokens: give it or max_tokens, not both")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs: true")
         return self
@@ -220,7 +219,7 @@ def request_fields(
         top_p=body.top_p,
         top_k=body.top_k,
         min_p=body.min_p,
-        seed=body.seed,
+        seed=None if body.seed == -1 else body.seed,  # -1: random, as vLLM reads it
         stop=tuple(stop),
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,

@@ -71,6 +71,11 @@ def _check_refused(call, field: str, fragments: list[str], case: str = "") -> No
         assert frag in str(info.value), f"{case}: {frag!r} missing from {info.value}"
 
 
+def test_seed_minus_one_is_no_seed():
+    assert SamplingParams(seed=-1, temperature=1.0).seed is None  # vLLM's reading
+    _check_refused(lambda: SamplingParams(seed=-2), "seed", ["[0, 2**64)"])
+
+
 def test_each_bad_input_is_refused_naming_field_and_range():
     engine = make_engine("tiny-llama")
     engine.add_request([1, 2, 3], GREEDY, request_id="taken")

@@ -367,6 +367,15 @@ def test_values_the_engine_cannot_take_are_a_400_not_a_failed_worker():
                 assert resp.json()["error"]["param"] == param, resp.text
             ok = http.post(base(s) + "/v1/completions", json={**BODY, "seed": 2**64 - 1})
             assert ok.status_code == 200
+            # seed -1 is no seed (vLLM's reading, which clients send for "random").
+            for n in (1, 3):
+                ok = http.post(base(s) + "/v1/completions", json={**BODY, "seed": -1, "n": n})
+                assert ok.status_code == 200 and len(ok.json()["choices"]) == n, ok.text
+            # Both of chat's maxima (some clients send both): max_completion_tokens wins.
+            both = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 7, "max_completion_tokens": 3}  # fmt: skip
+            ok = http.post(base(s) + "/v1/chat/completions", json=both)
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
     finally:
         s.close()
 
