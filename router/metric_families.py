@@ -216,7 +216,9 @@ class MetricFamilies:
             "pdserve_node_step_share",
             "How many times slower a worker's steps run while another worker on its node "
             "prefills or decodes (peer), as the router measures it (1: nothing measurable "
-            "shared); the cost model counts it where a decode would set an idle worker going.",
+            "shared), or its prior until a worker there has run both ways (1.15 beside a "
+            "prefill and 1.3 beside a decode on a CPU node, 1 on GPUs); the cost model counts "
+            "it where a decode would set an idle worker going.",
             ("node", "peer"),
             registry=r,
         )

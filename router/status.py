@@ -112,7 +112,7 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
     node_shares = by_labels(after, "pdserve_node_step_share", "node", "peer")
     if node_shares:
         lines.append(
-            "steps beside a busy peer on the node: "
+            "steps beside a busy peer on the node (measured, else a prior): "
             + ", ".join(f"{k[0]} {v:.2f}x ({k[1]})" for k, v in sorted(node_shares.items()))
         )
     spreads = by_labels(after, "pdserve_prediction_spread", "kind", "worker")

@@ -188,7 +188,7 @@ def test_metrics_through_a_real_prometheus(srv, prometheus):
     text = status.render(samples, samples, 1.0, "test")
     assert f"requests: {n} (colocated {len(lengths)}, disaggregated {len(lengths)})" in text
     assert "decode-0" in text and "prefill-0" in text
-    assert "steps beside a busy peer on the node: 127.0.0.1 " in text
+    assert "steps beside a busy peer on the node (measured, else a prior): 127.0.0.1 " in text
     assert "how far predictions err (sd of ln(measured / predicted)): itl_p99 decode-0 " in text
     assert "gaps at the router over steps: decode-0 " in text
     assert "measured p99 gap over predicted: decode-0 colocated " in text
