@@ -9,15 +9,10 @@ argparse's own usage errors; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # the handlers import these lazily
-    from engine.llm_engine import Completion, LLMEngine
-    from engine.sampling_params import SamplingParams
+from typing import Any
 
 # Same status argparse uses for a usage error.
 EXIT_USAGE = 2
@@ -97,104 +92,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_generate, passthrough=False)
 
 
-DEFAULT_GENERATE_TOKENS = 256
-
-
-def _within_context(
-    params: SamplingParams, prompt_len: int, asked: int | None, engine: LLMEngine
-) -> SamplingParams:
-    """`params` for a prompt of `prompt_len` tokens: max_tokens as the server makes it (the
-    default cut to what the context leaves, an asked-for one past it refused)."""
-    from dataclasses import replace
-
-    from router.request import max_tokens_for
-
-    if prompt_len >= engine.max_model_len:
-        return params  # the engine refuses the prompt itself, naming its length
-    n = max_tokens_for(asked, DEFAULT_GENERATE_TOKENS, prompt_len, engine.max_model_len)
-    return replace(params, max_tokens=n)
-
-
 def _generate(args: argparse.Namespace, _extra: list[str]) -> int:
-    from transformers.utils.logging import disable_progress_bar, set_verbosity_error
+    from router import generate_cli
 
-    from engine.config import EngineConfig, ModelConfig
-    from engine.errors import InvalidRequestError, ModelNotFoundError
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
-    from router.client import OPTIONAL_SAMPLING, not_utf8
-
-    # The weight-loading progress bar and transformers' warnings (a prompt longer than the
-    # tokenizer's limit: refused below, naming it) are noise for a one-shot command.
-    disable_progress_bar()
-    set_verbosity_error()
-    try:
-        # Parameters first: a typo should not wait for the model to load.
-        not_utf8([*(("prompt", p) for p in args.prompt), *(("stop", s) for s in args.stop)])
-        params = SamplingParams(
-            max_tokens=args.max_tokens or DEFAULT_GENERATE_TOKENS,
-            temperature=args.temperature,
-            stop=tuple(args.stop),
-            stop_token_ids=tuple(args.stop_token_id),
-            ignore_eos=args.ignore_eos,
-            logit_bias=tuple(dict(args.logit_bias).items()),
-            **{k: getattr(args, k) for k in OPTIONAL_SAMPLING if getattr(args, k) is not None},
-        )
-        model = ModelConfig(
-            model=args.model,
-            num_threads=args.threads,
-            dtype=args.dtype,
-            enforce_eager=args.enforce_eager,
-        )
-        config = EngineConfig(model=model)
-        engine = LLMEngine(config)
-    except ValueError as exc:  # InvalidRequestError and ModelNotFoundError included
-        return _error(exc)
-    try:
-        if any(p == "" for p in args.prompt):
-            raise InvalidRequestError("prompt", "must not be empty (at least 1 character)")
-        chat = args.chat
-        if chat is None:
-            chat = bool(getattr(engine.tokenizer, "chat_template", None))
-        prompts = [engine.encode(p, chat=chat) for p in args.prompt]
-        plist = [_within_context(params, len(p), args.max_tokens, engine) for p in prompts]
-        completions = engine.generate(prompts, plist)
-    except (InvalidRequestError, ModelNotFoundError) as exc:
-        return _error(exc)
-    if args.json:
-        for prompt, c in zip(args.prompt, completions):
-            print(json.dumps(_as_json(prompt, c)))
-        return 0
-    if len(completions) == 1:
-        print(completions[0].text)
-        return 0
-    for i, (prompt, c) in enumerate(zip(args.prompt, completions), start=1):
-        print(f"=== [{i}] {prompt}")
-        print(c.text)
-    return 0
-
-
-def _as_json(prompt: str, c: Completion) -> dict[str, object]:
-    """One of `pdserve generate --json`'s lines."""
-    doc: dict[str, object] = {
-        "prompt": prompt,
-        "text": c.text,
-        "token_ids": list(c.token_ids),
-        "finish_reason": c.finish_reason.value if c.finish_reason else None,
-        "stop_reason": c.stop_reason,
-        "usage": {
-            "prompt_tokens": len(c.prompt_token_ids),
-            "completion_tokens": len(c.token_ids),
-            "cached_prompt_tokens": c.num_cached_tokens,
-        },
-    }
-    if c.logprobs:
-        doc["logprobs"] = [
-            {"token_id": lp.token_id, "logprob": lp.logprob,
-             "top": [{"token_id": t, "logprob": x} for t, x in lp.top]}
-            for lp in c.logprobs
-        ]  # fmt: skip
-    return doc
+    return generate_cli.run(args, _error)
 
 
 def _add_bench_engine(sub: argparse._SubParsersAction) -> None:
@@ -248,6 +149,7 @@ def _serve(args: argparse.Namespace, _extra: list[str]) -> int:
         options = serve_options.resolve(args)
         config = options.serve_config()  # the engine's and the cluster's own checks
         config.security.check()
+        config.check_hosts()
     except ValueError as exc:  # OptionError and SecurityError included
         return _error(exc)
     if args.print_config:  # a config that serve would take, nothing less

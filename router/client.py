@@ -66,14 +66,23 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     server's or engine's default, but for --temperature: greedy here."""
     p.add_argument("--temperature", type=float, default=0.0, help="0 (the default here) is greedy")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1]")
-    p.add_argument("--top-k", type=int, default=None, help="the k likeliest tokens (0 or -1: all)")
+    p.add_argument(
+        "--top-k",
+        type=_integer(-1, 2**31),
+        default=None,
+        help="the k likeliest tokens (0 or -1: all)",
+    )
     p.add_argument("--min-p", type=float, default=None, help="in [0, 1], of the likeliest's")
     p.add_argument(
         "--seed", type=_integer(0, 2**64), default=None, help="for sampling (default: random)"
     )
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument(
-        "--stop-token-id", type=int, action="append", default=[], help="stop token (repeatable)"
+        "--stop-token-id",
+        type=_integer(0, 2**31),
+        action="append",
+        default=[],
+        help="stop token (repeatable)",
     )
     p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-text token")
     p.add_argument(

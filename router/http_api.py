@@ -38,7 +38,7 @@ from router.core import RequestCore
 from router.core_types import CoreChunk, Overloaded, Summary
 from router.http_choices import Choices, choice_requests
 from router.http_errors import ApiError, from_core, validation_error
-from router.http_guard import UNAUTHORIZED, Guard
+from router.http_guard import Guard, unauthorized
 from router.http_schema import ChatCompletionRequest, CompletionRequest, request_fields
 from router.http_shapes import Call, Shapes, sse, usage
 from router.http_stream import EventStream, close, until_disconnected
@@ -136,7 +136,7 @@ class HttpApi:
         puts the bearer scheme in the OpenAPI document."""
         given = f"Bearer {creds.credentials}" if creds is not None else ""
         if self._token is not None and not bearer_matches(given, self._token):
-            raise UNAUTHORIZED
+            raise unauthorized()
 
     def _model_card(self) -> dict[str, Any]:
         return {

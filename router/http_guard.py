@@ -25,9 +25,12 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 # A request body's limit: a prompt of a million token ids as JSON is about 8 MB.
 MAX_BODY_BYTES = 16 << 20
 OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs"})
-UNAUTHORIZED = ApiError(
-    401, "authorization: a valid `Bearer <token>` is required", code="invalid_api_key"
-)
+
+
+def unauthorized() -> ApiError:
+    return ApiError(
+        401, "authorization: a valid `Bearer <token>` is required", code="invalid_api_key"
+    )
 
 
 class Guard:
@@ -35,33 +38,43 @@ class Guard:
         self.app, self.token, self.max_body = app, token, max_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "lifespan":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope["headers"])
+        if scope["type"] != "http":  # no websocket route: nothing else is served
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        # The first of each header, as Starlette (and so the API's own check) reads it.
+        headers: dict[bytes, bytes] = {}
+        for name, value in scope["headers"]:
+            headers.setdefault(name, value)
         if self.token is not None and scope["path"] not in OPEN_PATHS:
             given = headers.get(b"authorization", b"").decode("latin-1")
             if not bearer_matches(given, self.token):
-                await UNAUTHORIZED.response()(scope, receive, send)
+                await _unread(unauthorized())(scope, receive, send)
                 return
         declared = headers.get(b"content-length", b"0")
         if declared.isdigit() and int(declared) > self.max_body:
             await self._too_large()(scope, receive, send)
             return
-        body = await self._body(receive)
+        try:
+            body = await self._body(receive)
+        except _ClientLeft:
+            return  # mid-body: nothing to answer
         if body is None:
             await self._too_large()(scope, receive, send)
             return
         await self.app(scope, _replay(body, receive), send)
 
     async def _body(self, receive: Receive) -> bytes | None:
-        """The whole body, or None once it passes the limit (the rest is not read)."""
+        """The whole body, or None once it passes the limit (the rest is not read); _ClientLeft
+        when the client left before it ended."""
         parts: list[bytes] = []
         size = 0
         while True:
             message = await receive()
-            if message["type"] != "http.request":  # the client left: the app sees it too
-                return b"".join(parts)
+            if message["type"] != "http.request":
+                raise _ClientLeft
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body:
@@ -72,9 +85,20 @@ class Guard:
 
     def _too_large(self) -> Any:
         mib = self.max_body / (1 << 20)
-        return ApiError(
-            413, f"body: over {mib:g} MiB", param="body", code="request_too_large"
-        ).response()
+        error = ApiError(413, f"body: over {mib:g} MiB", param="body", code="request_too_large")
+        return _unread(error)
+
+
+class _ClientLeft(Exception):
+    pass
+
+
+def _unread(error: ApiError) -> Any:
+    """The answer to a request whose body was left unread: the connection closes after it,
+    rather than reading the rest of the body to find the next request."""
+    response = error.response()
+    response.headers["connection"] = "close"
+    return response
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

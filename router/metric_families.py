@@ -203,7 +203,10 @@ class MetricFamilies:
             registry=r,
         )
         self.live_workers = Gauge(
-            "pdserve_workers", "Workers taking new requests, by role.", ("role",), registry=r
+            "pdserve_workers",
+            "Workers taking new requests, by role (no series while the pools start).",
+            ("role",),
+            registry=r,
         )
         self.prefills = Counter(
             "pdserve_worker_prefills",
@@ -287,4 +290,5 @@ class MetricFamilies:
                 self.rejections.labels(why, door.value)
         for role in WorkerRole:
             self.worker_restarts.labels(role.value)
-            self.live_workers.labels(role.value)
+        # pdserve_workers has no series until the pools are up and the core reports them: the
+        # metrics port answers while workers start (minutes), when 0 would be no news.

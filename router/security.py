@@ -55,7 +55,8 @@ class SecurityConfig:
             return
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         try:
-            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+            # No passphrase prompt for an encrypted key (gRPC cannot use one): refused here.
+            ctx.load_cert_chain(self.tls_cert, self.tls_key, password=lambda: b"")
         except ssl.SSLError as exc:
             raise SecurityError(
                 f"tls_cert and tls_key: {self.tls_cert} and {self.tls_key} are not a PEM "

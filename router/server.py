@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -55,6 +56,24 @@ class ServeConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)  # both gRPC ports
     max_streams_per_client: int | None = None  # concurrent requests per client address
     max_tokens_limit: int | None = None  # the largest max_tokens a request may ask for
+
+    def check_hosts(self) -> None:
+        """ValueError naming the option where `host` or `admin_host` is no address of this
+        machine: found before Ray and the workers start, not as the ports bind after them."""
+        hosts = [("--host", self.host)]
+        if self.admin_port is not None:
+            hosts.append(("--admin-host", self.admin_host))
+        for option, host in hosts:
+            try:
+                family, kind, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[
+                    0
+                ]
+                with socket.socket(family, kind) as s:
+                    s.bind(address)
+            except OSError as exc:
+                raise ValueError(
+                    f"{option}: {host} is not an address of this machine ({exc.strerror or exc})"
+                ) from None
 
 
 class Server:

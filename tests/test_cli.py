@@ -95,8 +95,9 @@ def test_complete_sends_every_sampling_flag_and_leaves_the_unset_to_the_server()
     assert (sampling.top_p, sampling.top_k, sampling.min_p) == (0.5, 7, 0.25)
     assert (sampling.logprobs, sampling.seed, list(sampling.stop_token_ids)) == (3, 5, [9, 11])
     assert sampling.ignore_eos and sampling.temperature == pytest.approx(0.8)
-    with pytest.raises(SystemExit):
-        p.parse_args(["--logprobs", "21", "hi"])
+    for bad in (["--logprobs", "21"], ["--top-k", str(2**31)], ["--stop-token-id", "-1"]):
+        with pytest.raises(SystemExit):  # argparse's usage error, not a traceback
+            p.parse_args([*bad, "hi"])
 
 
 def test_generate_json_gives_tokens_usage_and_logprobs_per_prompt(capsys):

@@ -119,8 +119,9 @@ def test_the_router_manifest_runs_a_command_the_cli_accepts_and_exposes_its_port
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {
         "grpc": values["port"], "http": values["http_port"], "metrics": values["metrics_port"],
-        "admin": values["admin_port"],
     }  # fmt: skip
+    # The admin port stays on the pod's loopback: a port-forward reaches it, no pod IP does.
+    assert values["admin_host"] == "127.0.0.1" and values["admin_port"] == 50052
     # The Service exposes gRPC, HTTP and metrics, never the admin port.
     service = objs["Service"]
     assert {p["targetPort"] for p in service["spec"]["ports"]} == {"grpc", "http", "metrics"}

@@ -298,3 +298,28 @@ def test_http_requests_are_labelled_in_the_metrics(srv, stub, client):
             break
         assert time.monotonic() < deadline, lines
         time.sleep(0.1)
+
+
+def test_stop_reason_names_a_stop_token_and_is_null_at_the_models_own_end(srv, client):
+    """As vLLM's: null where EOS ended it, the id where a stop_token_ids entry did (both here the
+    same token, made certain with a bias); gRPC's FinalInfo leaves stop_reason unset."""
+    from engine.config import ModelConfig
+    from engine.loader import load_tokenizer
+
+    eos = load_tokenizer(ModelConfig(model=MODEL)).eos_token_id
+    forced = {"logit_bias": {str(eos): 100}}
+    end = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=5, extra_body=forced)
+    assert (end.choices[0].finish_reason, end.choices[0].model_extra["stop_reason"]) == (
+        "stop",
+        None,
+    )
+    asked = client.completions.create(
+        model=MODEL, prompt=[5, 6, 7], max_tokens=5,
+        extra_body={**forced, "stop_token_ids": [eos]},
+    )  # fmt: skip
+    assert asked.choices[0].model_extra["stop_reason"] == eos
+    with grpc.insecure_channel(srv.address) as ch:
+        sampling = pb.SamplingParams(max_tokens=5, logit_bias={eos: 100})
+        req = pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=sampling)
+        final = pb_grpc.GenerationStub(ch).Complete(req, timeout=60).final
+    assert final.finish_reason == pb.FINISH_REASON_STOP and final.WhichOneof("stop_reason") is None

@@ -94,7 +94,7 @@ def test_a_bearer_token_is_checked_on_every_route_but_health(pki):  # noqa: F811
             assert http.get(base(s) + "/health").status_code == 200
             doc = http.get(base(s) + "/openapi.json").json()
             assert http.get(base(s) + "/docs").status_code == 200
-            for closed in ("/redoc", "/docs/oauth2-redirect", "/nowhere"):
+            for closed in ("/redoc", "/docs/oauth2-redirect", "/nowhere", "/health/"):
                 assert http.get(base(s) + closed).status_code == 401, closed
             # The scheme in any case (HTTP's rule); what follows it is the token exactly.
             lower = http.get(base(s) + "/v1/models", headers={"authorization": f"bearer {token}"})
@@ -205,6 +205,8 @@ def test_no_decode_worker_is_a_503_and_health_says_so():
     try:
         backend.decode_ids = []
         with httpx.Client(timeout=30) as http:
+            for gone in ("/redoc", "/docs/oauth2-redirect"):  # only /openapi.json and /docs
+                assert http.get(base(s) + gone).status_code == 404, gone
             resp = http.post(base(s) + "/v1/completions", json=BODY)
             assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_workers"
             assert resp.headers["retry-after"] == "5"

@@ -335,12 +335,26 @@ def test_the_metrics_endpoint_answers_while_the_workers_start():
             assert time.monotonic() < deadline and not started.done()
             time.sleep(0.05)
         url = f"http://127.0.0.1:{server.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as answer:
-            assert answer.status == 200 and b"pdserve_" in answer.read()
+
+        def workers_series() -> list[str]:
+            with urllib.request.urlopen(url, timeout=10) as answer:
+                assert answer.status == 200
+                text = answer.read().decode()
+            assert "pdserve_requests_resumed_total" in text
+            return [line for line in text.splitlines() if line.startswith("pdserve_workers{")]
+
+        # No pdserve_workers series yet: 0 would fire PdserveNoWorkers during every start.
+        assert workers_series() == []
         assert not started.done() and server.port == 0  # the pools are still starting
         up.set()
         started.result(30)
         assert server.port
+        deadline = time.monotonic() + 20  # the core's first report
+        while not any(
+            line.startswith('pdserve_workers{role="decode"} 1') for line in workers_series()
+        ):
+            assert time.monotonic() < deadline, workers_series()
+            time.sleep(0.1)
     finally:
         up.set()
         asyncio.run_coroutine_threadsafe(server.stop(), loop).result(60)

@@ -200,6 +200,17 @@ def test_bad_security_options_stop_the_server_before_it_starts(pki, tmp_path, ca
         tokens.append(tmp_path / f"token{i}")
         tokens[-1].write_bytes(bad + b"\n")
     tls = ["--tls-cert", str(pki["server.pem"]), "--tls-key", str(pki["server.key"])]
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(pki["server.key"].read_bytes(), password=None)
+    encrypted = tmp_path / "encrypted.key"  # behind a passphrase, which gRPC cannot take
+    encrypted.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"passphrase"),
+        )
+    )
     for argv, field in (
         (["--tls-cert", str(pki["server.pem"])], "tls_cert and tls_key"),
         (["--tls-client-ca", str(pki["ca.pem"])], "tls_client_ca"),
@@ -213,6 +224,9 @@ def test_bad_security_options_stop_the_server_before_it_starts(pki, tmp_path, ca
          "tls_cert and tls_key: "),
         ([*tls, "--tls-client-ca", str(pki["token"])], "tls_client_ca: "),
         *((["--auth-token-file", str(t)], "must be printable ASCII") for t in tokens),
+        ([*tls[:2], "--tls-key", str(encrypted)], "tls_cert and tls_key: "),  # no prompt
+        (["--admin-host", "203.0.113.7"], "--admin-host: 203.0.113.7 is not an address of"),
+        (["--host", "203.0.113.7"], "--host: 203.0.113.7 is not an address of this machine"),
     ):  # fmt: skip
         t0 = time.monotonic()
         assert main(["serve", "--metrics-port", "-1", *argv]) == 2
