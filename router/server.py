@@ -237,7 +237,7 @@ class Server:
         if self._health is not None:
             for name in ("", SERVICE):
                 await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-            self._health.end_watches()  # said NOT_SERVING: they would hold the drain open
+            await self._health.end_watches()  # said NOT_SERVING: they'd hold the drain open
         if self.admin is not None:
             await self.admin.stop(1.0)
             self.admin = None

@@ -30,6 +30,7 @@ from router.convert import final_to_wire, invalid_utf8_field, logprobs_to_wire, 
 from router.core import RequestCore
 from router.core_types import CoreChunk, Overloaded, collect
 from router.errors import failure_reason
+from router.health import DrainingHealth
 from router.request import ModelLimits, ParsedRequest, check_request_async
 from router.vocab import FailureReason, Frontend
 
@@ -189,36 +190,6 @@ class GenerationServicer:
             text=answer.text,
             logprobs=logprobs_to_wire(answer.logprobs),
             final=final_to_wire(answer.final),
-        )
-
-
-class DrainingHealth(health.aio.HealthServicer):
-    """grpc.health.v1, whose Watch streams end at shutdown (end_watches) once they have said
-    NOT_SERVING: a stream that never ends by itself (a load balancer's) would hold the server's
-    drain to its timeout, as the drain waits for every call to end."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._ending = asyncio.Event()
-
-    def end_watches(self) -> None:
-        self._ending.set()
-
-    async def Watch(self, request: Any, context: Any) -> None:  # noqa: N802 (gRPC's name)
-        inner = asyncio.ensure_future(super().Watch(request, context))
-        ending = asyncio.ensure_future(self._ending.wait())
-        try:
-            await asyncio.wait({inner, ending}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            ending.cancel()
-        if inner.done():
-            return inner.result()
-        inner.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await inner
-        # Said last, whether or not the inner stream got to say it, then the stream ends.
-        await context.write(
-            health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
         )
 
 

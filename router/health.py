@@ -1,0 +1,64 @@
+"""grpc.health.v1 for the gRPC port, whose Watch streams end at shutdown.
+
+A Watch stream (a load balancer's) never ends by itself, and the server's drain waits for every
+call to end: at shutdown the server sets NOT_SERVING, then `end_watches` ends each stream once
+it has said so. Each stream writes only from its own handler, between waits on its service's
+condition: a stream is never cancelled mid-write (gRPC refuses a second write while one is in
+flight, and the call then never ends, holding the drain to its timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+Status = int  # health_pb2.HealthCheckResponse.ServingStatus, an enum's value
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+
+
+class DrainingHealth(health_pb2_grpc.HealthServicer):
+    def __init__(self) -> None:
+        self._status: dict[str, Status] = {}
+        self._changed: collections.defaultdict[str, asyncio.Condition] = collections.defaultdict(
+            asyncio.Condition
+        )
+        self._ending = False
+
+    async def set(self, service: str, status: Status) -> None:
+        self._status[service] = status
+        await self._notify(service)
+
+    async def end_watches(self) -> None:
+        """End every Watch stream, each once it has said NOT_SERVING."""
+        self._ending = True
+        for service in list(self._changed):
+            await self._notify(service)
+
+    async def _notify(self, service: str) -> None:
+        changed = self._changed[service]
+        async with changed:
+            changed.notify_all()
+
+    async def Check(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC's name)
+        status = self._status.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND)
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request: Any, context: Any) -> None:  # noqa: N802 (gRPC's name)
+        changed = self._changed[request.service]
+        said = None
+        async with changed:
+            while True:
+                status = NOT_SERVING if self._ending else self._status.get(request.service, UNKNOWN)
+                if status != said:
+                    await context.write(health_pb2.HealthCheckResponse(status=status))
+                    said = status
+                if self._ending:
+                    return
+                await changed.wait()

@@ -1,0 +1,59 @@
+"""grpc.health.v1 on the gRPC port (router/health.py): Check, and Watch streams that end at
+shutdown once they have said NOT_SERVING, however the shutdown falls against their writes (a
+stream cancelled mid-write left its call open, and the server's drain waited for it)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from router.health import DrainingHealth
+
+S = health_pb2.HealthCheckResponse
+
+
+async def _server() -> tuple[grpc.aio.Server, DrainingHealth, str]:
+    server = grpc.aio.server()
+    health = DrainingHealth()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await health.set("", S.SERVING)
+    return server, health, f"127.0.0.1:{port}"
+
+
+@pytest.mark.timeout(120)
+def test_watches_end_at_shutdown_having_said_not_serving_and_hold_no_drain():
+    async def main() -> None:
+        server, health, address = await _server()
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            assert (await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)).status == (
+                S.SERVING
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
+            assert err.value.code() is grpc.StatusCode.NOT_FOUND
+            calls = [stub.Watch(health_pb2.HealthCheckRequest(), timeout=30) for _ in range(8)]
+            for call in calls:  # each open, having said SERVING
+                assert (await call.read()).status == S.SERVING
+            # What the server's stop does: NOT_SERVING, then the streams end, in one go (the
+            # writes of NOT_SERVING meet the end).
+            await health.set("", S.NOT_SERVING)
+            await health.end_watches()
+            for call in calls:
+                assert (await call.read()).status == S.NOT_SERVING
+                assert await call.read() is grpc.aio.EOF
+                assert await call.code() is grpc.StatusCode.OK
+            late = stub.Watch(health_pb2.HealthCheckRequest(), timeout=30)  # after the end
+            assert [m.status async for m in late] == [S.NOT_SERVING]
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await server.stop(30)  # nothing left open: no wait for the grace
+        assert loop.time() - t0 < 5
+
+    for _ in range(5):
+        asyncio.run(main())
