@@ -4,6 +4,7 @@ command deploy/README.md shows exists and accepts the flags shown."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shlex
@@ -221,3 +222,49 @@ def test_an_upgrade_moves_every_pod_to_one_version_and_a_restart_drains_first():
     stop = next(i for i, c in enumerate(cmds) if c.strip() == "ray stop")
     assert any("kill -INT" in c and "pdserve.pid" in c for c in cmds[:stop]), cmds
     assert "echo $! > ~/pdserve.pid" in next(c for c in cmds if "pdserve serve" in c)
+
+
+@pytest.mark.timeout(60)
+def test_a_second_ray_up_drains_the_running_router_before_it_restarts_ray(tmp_path):
+    """The head's first start command, run by bash as `ray up` runs it, against a stand-in
+    router started as the last command starts it (in the background, by a shell that exits)
+    that takes 2 s to drain on SIGINT: the command returns once it has exited, and the pid
+    file is gone; with no router running it does nothing and fails nothing."""
+    import os
+    import time
+
+    (cluster,) = load("ray/cluster.yaml")
+    cmds = cluster["head_start_ray_commands"]
+    stop_router, start_router = cmds[0], cmds[-1]
+    # Never a `ray stop` here: it would stop every Ray runtime on this machine.
+    assert "kill -INT" in stop_router and "ray " not in stop_router, stop_router
+    assert "pdserve serve" in start_router and "ray " not in start_router, start_router
+    env = {**os.environ, "HOME": str(tmp_path)}
+    stand_in = tmp_path / "router.py"
+    stand_in.write_text(
+        "import pathlib, signal, sys, time\n"
+        "signal.signal(signal.SIGINT, lambda *a: (time.sleep(2), sys.exit(0)))\n"
+        f"pathlib.Path({str(tmp_path / 'up')!r}).touch()\n"
+        "time.sleep(60)\n"
+    )
+    start = start_router.replace(
+        start_router[start_router.index("pdserve serve") : start_router.index(" >")],
+        f"{sys.executable} {stand_in}",
+    )
+    subprocess.run(["bash", "-c", start], env=env, timeout=30, check=True)
+    pid = int((tmp_path / "pdserve.pid").read_text())
+    try:
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "up").exists():  # its SIGINT handler is set
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        done = subprocess.run(["bash", "-c", stop_router], env=env, timeout=30)
+        assert done.returncode == 0 and time.monotonic() - t0 >= 2  # waited for its drain
+        assert not os.path.exists(f"/proc/{pid}")  # exited (and reaped: not our child)
+        assert not (tmp_path / "pdserve.pid").exists()
+        again = subprocess.run(["bash", "-c", stop_router], env=env, timeout=30)
+        assert again.returncode == 0  # nothing running: nothing to do
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
