@@ -28,6 +28,14 @@ class SecurityError(ValueError):
     """A TLS or token file that cannot be used; the message names the option."""
 
 
+def _named(key: str) -> str:
+    """An option as errors name it: its config key and its flag."""
+    return f"{key} (--{key.replace('_', '-')})"
+
+
+_PAIR = "tls_cert and tls_key (--tls-cert, --tls-key)"
+
+
 def _read(path: Path, option: str) -> bytes:
     return read_credential(path, option, SecurityError)
 
@@ -41,9 +49,9 @@ class SecurityConfig:
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
-            raise SecurityError("tls_cert and tls_key: give both or neither")
+            raise SecurityError(f"{_PAIR}: give both or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
-            raise SecurityError("tls_client_ca: mutual TLS needs tls_cert and tls_key")
+            raise SecurityError(f"{_named('tls_client_ca')}: mutual TLS needs {_PAIR}")
 
     def check(self) -> None:
         """Read every file now, and load the TLS ones as a TLS server would (SecurityError
@@ -59,7 +67,7 @@ class SecurityConfig:
             ctx.load_cert_chain(self.tls_cert, self.tls_key, password=lambda: b"")
         except ssl.SSLError as exc:
             raise SecurityError(
-                f"tls_cert and tls_key: {self.tls_cert} and {self.tls_key} are not a PEM "
+                f"{_PAIR}: {self.tls_cert} and {self.tls_key} are not a PEM "
                 f"certificate chain and its private key ({exc.reason or exc})"
             ) from None
         if self.tls_client_ca is not None:
@@ -67,7 +75,7 @@ class SecurityConfig:
                 ctx.load_verify_locations(cafile=self.tls_client_ca)
             except ssl.SSLError as exc:
                 raise SecurityError(
-                    f"tls_client_ca: {self.tls_client_ca} holds no PEM certificate "
+                    f"{_named('tls_client_ca')}: {self.tls_client_ca} holds no PEM certificate "
                     f"({exc.reason or exc})"
                 ) from None
 
@@ -75,9 +83,9 @@ class SecurityConfig:
         """TLS credentials for the gRPC ports; None for plaintext."""
         if self.tls_cert is None or self.tls_key is None:
             return None
-        cert = _read(self.tls_cert, "tls_cert")
-        key = _read(self.tls_key, "tls_key")
-        ca = _read(self.tls_client_ca, "tls_client_ca") if self.tls_client_ca else None
+        cert = _read(self.tls_cert, _named("tls_cert"))
+        key = _read(self.tls_key, _named("tls_key"))
+        ca = _read(self.tls_client_ca, _named("tls_client_ca")) if self.tls_client_ca else None
         return grpc.ssl_server_credentials(
             [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
         )
@@ -86,7 +94,7 @@ class SecurityConfig:
         """The bearer token requests must carry, or None when none is set."""
         if self.auth_token_file is None:
             return None
-        return read_token(self.auth_token_file, "auth_token_file", SecurityError).encode()
+        return read_token(self.auth_token_file, _named("auth_token_file"), SecurityError).encode()
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         token = self.token()

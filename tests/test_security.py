@@ -211,20 +211,21 @@ def test_bad_security_options_stop_the_server_before_it_starts(pki, tmp_path, ca
             serialization.BestAvailableEncryption(b"passphrase"),
         )
     )
+    pair = "tls_cert and tls_key (--tls-cert, --tls-key): "
     for argv, field in (
-        (["--tls-cert", str(pki["server.pem"])], "tls_cert and tls_key"),
-        (["--tls-client-ca", str(pki["ca.pem"])], "tls_client_ca"),
+        (["--tls-cert", str(pki["server.pem"])], f"{pair}give"),
+        (["--tls-client-ca", str(pki["ca.pem"])], "tls_client_ca (--tls-client-ca): mutual"),
         (["--tls-cert", str(tmp_path / "nope"), "--tls-key", str(pki["server.key"])], "tls_cert"),
-        (["--auth-token-file", str(empty)], "auth_token_file"),
+        (["--auth-token-file", str(empty)], "auth_token_file (--auth-token-file): "),
         # Files that read well but that TLS cannot use: a key that is not the certificate's,
         # a certificate that is not PEM, a client CA that holds no certificate.
         (["--tls-cert", str(pki["server.pem"]), "--tls-key", str(pki["client.key"])],
-         "tls_cert and tls_key: "),
+         pair),
         (["--tls-cert", str(pki["token"]), "--tls-key", str(pki["server.key"])],
-         "tls_cert and tls_key: "),
-        ([*tls, "--tls-client-ca", str(pki["token"])], "tls_client_ca: "),
+         pair),
+        ([*tls, "--tls-client-ca", str(pki["token"])], "tls_client_ca (--tls-client-ca): "),
         *((["--auth-token-file", str(t)], "must be printable ASCII") for t in tokens),
-        ([*tls[:2], "--tls-key", str(encrypted)], "tls_cert and tls_key: "),  # no prompt
+        ([*tls[:2], "--tls-key", str(encrypted)], pair),  # refused, not prompted for
         (["--admin-host", "203.0.113.7"], "--admin-host: 203.0.113.7 is not an address of"),
         (["--host", "203.0.113.7"], "--host: 203.0.113.7 is not an address of this machine"),
     ):  # fmt: skip

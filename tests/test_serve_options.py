@@ -136,7 +136,10 @@ def test_a_bad_file_is_refused_at_start_naming_the_field(tmp_path, capsys, text,
     [
         (["--max-num-batched-tokens", "1"], "must be >= max_num_seqs"),
         (["--max-num-seqs", "300", "--max-num-batched-tokens", "256"], "must be >= max_num_seqs"),
-        (["--tls-cert", "cert.pem"], "tls_cert and tls_key: give both or neither"),
+        (
+            ["--tls-cert", "cert.pem"],
+            "tls_cert and tls_key (--tls-cert, --tls-key): give both or neither",
+        ),
         (["--auth-token-file", "/no/such/token"], "/no/such/token"),
         (["--gpus-per-worker", "1.5"], "gpus_per_worker (--gpus-per-worker): Ray shares"),
         (["--metrics-port", "50071", "--port", "50071"], "metrics_port (--metrics-port): 50071"),
