@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import kv_handoff
+from engine.block_pool import PrefixCacheStats
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager, cdiv
@@ -215,6 +216,16 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    def reset_totals(self) -> None:
+        """Count from zero again: the seconds spent in steps (and the steps kept for reading),
+        the prefix cache's lookups and hits, preemptions and steps held for decodes. A worker
+        does so after its warm-up, so that what it reports counts serving alone."""
+        self.step_stats.drain()
+        self.step_stats.busy_s = 0.0
+        self.kv.pool.stats = PrefixCacheStats()
+        self.scheduler.num_preemptions = 0
+        self.scheduler.prompt_hold.steps = 0
 
     # -- stepping -----------------------------------------------------------------------------
     def step(

@@ -26,6 +26,22 @@ MARGIN_WINDOW, MARGIN_MIN_SAMPLES, MARGIN_QUANTILE, MARGIN_MAX = 64, 12, 0.9, 4.
 MARGIN_NEAR = 0.5
 
 
+def group_refusal(n: int, config: RouterConfig, counts: RequestCounts) -> Overloaded | None:
+    """Why `n` requests that stand or fall together (an HTTP request's choices) are refused
+    before any is admitted: the queue has no room for all of them. Each is then admitted on
+    its own (refusal): one refused there ends the others, which ran for nothing."""
+    c = config
+    if counts.pending + n > c.max_pending or counts.active + n > c.max_active:
+        return Overloaded(
+            RejectReason.QUEUE_FULL,
+            f"server busy: {counts.pending} requests wait for a first token (limit "
+            f"{c.max_pending}), {counts.active} are active (limit {c.max_active}): no room for "
+            f"{n} choices",
+            0.05,
+        )
+    return None
+
+
 def refusal(
     shape: RequestShape,
     decision: Decision,

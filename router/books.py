@@ -190,6 +190,7 @@ class RequestBooks:
         self.track.resumed += 1
         self.track.kv_fallback = self.track.replanned_to = None  # of the placement it leaves
         self.counts.resumed += 1
+        self.sink.moved()
         self._resumed_gap = True
         self.wid = f"{self._first_wid}/{self.track.resumed}"
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from engine.prefix_hash import block_hashes
 from engine.text_stream import TextStream
-from router.admission import TtftMargin, refusal
+from router.admission import TtftMargin, group_refusal, refusal
 from router.books import RequestBooks, RequestCounts
 from router.core_types import Backend, CoreChunk, DecisionRecord, NoWorkers, RouterConfig, Summary
 from router.endings import Endings
@@ -169,6 +169,14 @@ class RequestCore:
         None without a share (each worker's own hold)."""
         share = self.config.prefill_hold_share
         return None if share is None else max(0.0, share * slo_ttft_s - since_arrival_s)
+
+    def room_for(self, n: int, frontend: Frontend) -> None:
+        """Raise Overloaded (counted once) when the queue has no room for `n` requests that
+        stand or fall together (admission.group_refusal); each is admitted on its own after."""
+        refused = group_refusal(n, self.config, self.counts)
+        if refused is not None:
+            self.sink.rejected(refused.reason, frontend)
+            raise refused
 
     def _admit(self, shape: RequestShape, decision: Decision, frontend: Frontend) -> None:
         """Raise Overloaded (counted by its reason) when the request is refused."""

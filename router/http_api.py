@@ -166,11 +166,10 @@ class HttpApi:
         try:
             fields, renames = request_fields(body)
             req = await check_request_async(fields, self.tokenizer, self.limits)
-            limit = self.clients.limit
-            if limit is not None and body.n > limit:  # it could never be admitted
-                why = f"{body.n} choices, each a request: at most {limit} run per client"
-                raise InvalidRequestError("n", f"{why} (--max-streams-per-client)")
+            self._check_choices(body.n)
             host = client_host(request.client.host if request.client else "")
+            if body.n > 1:  # room for all of them, or none is admitted (nor runs for nothing)
+                self.core.room_for(body.n, Frontend.HTTP)
             release = self.clients.take(host, Frontend.HTTP, body.n)
         except (InvalidRequestError, Overloaded) as exc:
             raise from_core(exc, renames) from None
@@ -202,6 +201,16 @@ class HttpApi:
             return JSONResponse(self.shapes.whole(call, got))
         headers = {"Cache-Control": "no-cache", "X-Request-Id": req.request_id}
         return EventStream(self._events(call, choices.merged(got)), choices, release, headers)
+
+    def _check_choices(self, n: int) -> None:
+        """InvalidRequestError naming n where its choices could never all be admitted."""
+        for limit, flag, what in (
+            (self.clients.limit, "--max-streams-per-client", "run per client"),
+            (self.core.config.max_pending, "--max-pending", "wait for a first token at once"),
+        ):
+            if limit is not None and n > limit:
+                why = f"{n} choices, each a request: at most {limit} {what}"
+                raise InvalidRequestError("n", f"{why} ({flag})")
 
     async def _events(
         self, call: Call, chunks: AsyncGenerator[tuple[int, CoreChunk], None]

@@ -42,8 +42,9 @@ class MetricFamilies:
 
         self.ttft = hist(
             "pdserve_time_to_first_token_seconds",
-            "Request arrival at the router to its first token leaving the router (what the "
-            "client sees), by path and front door.",
+            "Request arrival at the router to its first token reaching the router's front "
+            "door (what a streaming client sees; a whole answer goes out once it has ended), "
+            "by path and front door.",
             PATH_FRONTEND,
         )
         self.itl = hist(
@@ -124,7 +125,8 @@ class MetricFamilies:
         )
         self.resumed = Counter(
             "pdserve_requests_resumed",
-            "Requests moved to another decode worker after theirs died or left its pool.",
+            "Moves of a request to another decode worker after theirs died, hung or left its "
+            "pool, counted as they happen (a request moved twice counts 2).",
             registry=r,
         )
         self.running = Gauge(

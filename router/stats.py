@@ -103,6 +103,9 @@ class StatsSink(Protocol):
 
     def replanned(self) -> None: ...
 
+    def moved(self) -> None:
+        """A request left its lost decode worker to resume on another (counted as it moves)."""
+
 
 class NullSink:
     """Records nothing (the core without metrics, e.g. in unit tests)."""
@@ -165,4 +168,7 @@ class NullSink:
         pass
 
     def replanned(self) -> None:
+        pass
+
+    def moved(self) -> None:
         pass

@@ -142,9 +142,12 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
     total = sum(reqs.values())
     rate = (total - sum(reqs0.values())) / seconds
     per_path = ", ".join(f"{p[0]} {v:.0f}" for p, v in sorted(reqs.items()))
+    pending = sum(by_labels(after, "pdserve_requests_pending").values())
+    active = sum(by_labels(after, "pdserve_requests_active").values())
     lines.append(
         f"requests: {total:.0f} ({per_path or 'none'}); now {rate:.1f} req/s, "
-        f"{(toks - toks0) / seconds:.0f} output tok/s"
+        f"{(toks - toks0) / seconds:.0f} output tok/s; {active:.0f} active, {pending:.0f} of "
+        "them before their first token"
     )
     fin = by_labels(after, "pdserve_requests_total", "finish_reason")
     lines.append("finish: " + (", ".join(f"{k[0]} {v:.0f}" for k, v in sorted(fin.items())) or "-"))
@@ -177,6 +180,19 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
     lines.append(
         "prefilled on the decode worker after all: "
         + (", ".join(f"{k[0]} {v:.0f}" for k, v in sorted(falls.items()) if v) or "none")
+    )
+    deaths = by_labels(after, "pdserve_worker_failures_total", "worker")
+    hangs = by_labels(after, "pdserve_worker_hangs_total", "worker")
+    lines.append(
+        "workers lost (died or hung): "
+        + (
+            ", ".join(
+                f"{k[0]} {v:.0f}" + (f" (hung {hangs[k]:.0f})" if hangs.get(k) else "")
+                for k, v in sorted(deaths.items())
+                if v
+            )
+            or "none"
+        )
     )
     restarts = by_labels(after, "pdserve_worker_restarts_total", "role")
     lines.append(

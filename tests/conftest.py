@@ -1,6 +1,5 @@
 import os
 
-os.environ.setdefault("PROMETHEUS_DISABLE_CREATED_SERIES", "True")
 # Ray reads these when first imported: keep every Ray socket on 127.0.0.1 in tests.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")

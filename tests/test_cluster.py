@@ -189,6 +189,9 @@ def test_a_prefill_worker_killed_by_pid_is_replaced_and_the_replacement_takes_re
             time.sleep(0.1)
         new = c.worker_info("prefill-0")
         assert new.incarnation == 1 and new.pid != old.pid
+        # What it reports counts serving only: its warm-up is no busy time, lookup or step.
+        (ld,) = [ld for ld in asyncio.run(c.load()) if ld.worker_id == "prefill-0"]
+        assert (ld.busy_s, ld.prefix_queries, ld.prefix_hits, ld.preemptions) == (0, 0, 0, 0)
         assert c.pools.pairs.connected("prefill-0", "decode-0")
         assert c.pools.restarts[WorkerRole.PREFILL] == 1
         before = received(c)

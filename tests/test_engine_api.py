@@ -71,6 +71,22 @@ def _check_refused(call, field: str, fragments: list[str], case: str = "") -> No
         assert frag in str(info.value), f"{case}: {frag!r} missing from {info.value}"
 
 
+def test_reset_totals_counts_from_zero_again():
+    engine = make_engine("tiny-llama")
+    prompt = random_prompts([40], seed=46)[0]
+    engine.generate([prompt], GREEDY)
+    engine.generate([prompt], GREEDY)  # finds the first's blocks
+    stats = engine.kv.pool.stats
+    assert engine.step_stats.busy_s > 0 and stats.queries > 0 and stats.hits > 0
+    engine.reset_totals()
+    stats = engine.kv.pool.stats
+    assert (engine.step_stats.busy_s, stats.queries, stats.hits) == (0.0, 0, 0)
+    assert engine.scheduler.num_preemptions == 0 and not engine.step_stats.drain()
+    engine.generate([prompt], GREEDY)  # cached still: what comes next is counted anew
+    assert engine.kv.pool.stats.queries == len(prompt) and engine.kv.pool.stats.hits > 0
+    assert_pool_free(engine)
+
+
 def test_seed_minus_one_is_no_seed():
     assert SamplingParams(seed=-1, temperature=1.0).seed is None  # vLLM's reading
     _check_refused(lambda: SamplingParams(seed=-2), "seed", ["[0, 2**64)"])

@@ -147,6 +147,24 @@ def test_admission_and_the_client_limit_answer_429_with_retry_after():
             assert full.status_code == 429, full.text
             assert int(full.headers["retry-after"]) >= 1 and int(full.headers["retry-after-ms"]) > 0
             assert full.json()["error"]["code"] == "queue_full"
+            # Choices stand or fall together: two that the queue cannot hold are refused once,
+            # and none of them runs (nor counts as a request cancelled); more than
+            # --max-pending could never be admitted (400 naming n).
+            sample = s.server.metrics.registry.get_sample_value
+            counted = {"reason": "queue_full", "frontend": "http"}
+            refused = sample("pdserve_admission_rejections_total", counted)
+            started = len(s.server.core.backend.started)
+            s.server.core.config = RouterConfig(max_pending=2)
+            both = http.post(url, json={**BODY, "n": 2})
+            assert both.status_code == 429 and both.json()["error"]["code"] == "queue_full"
+            assert sample("pdserve_admission_rejections_total", counted) == refused + 1
+            assert len(s.server.core.backend.started) == started  # neither choice ran
+            labels = {"path": "colocated", "finish_reason": "abort", "frontend": "http"}
+            assert not sample("pdserve_requests_total", labels)
+            s.server.core.config = RouterConfig(max_pending=1)
+            many = http.post(url, json={**BODY, "n": 2})
+            assert many.status_code == 400 and many.json()["error"]["param"] == "n", many.text
+            assert "at most 1 wait for a first token at once (--max-pending)" in many.text
             _release(s, gate, held)
             # Two requests of this client wait; a third is over --max-streams-per-client.
             s.server.core.config = RouterConfig(max_pending=64)

@@ -204,6 +204,15 @@ def test_metrics_through_a_real_prometheus(srv, prometheus):
     assert "prefills for peers" in text
 
 
+def test_the_server_exports_no_created_series():
+    from prometheus_client import generate_latest
+
+    from router.metrics import Metrics
+
+    text = generate_latest(Metrics().registry).decode()
+    assert "pdserve_requests_resumed_total" in text and "_created" not in text
+
+
 def test_every_metric_the_dashboard_alerts_and_status_use_exists():
     """A renamed metric must not blank a panel, an alert or a status line silently."""
     import re

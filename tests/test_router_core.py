@@ -337,10 +337,15 @@ def test_a_request_whose_decode_worker_dies_resumes_and_its_books_settle_once():
         metrics = Metrics()
         core = RequestCore(backend, await backend.infos(), RouterConfig(), TOKENIZER, metrics)
         await core.refresh()
-        chunks = await consume(core, request("moved", max_tokens=8))
-        return metrics, core, backend, chunks
+        chunks, mid = [], []
+        async for chunk in core.generate(request("moved", max_tokens=8), 0.0):
+            chunks.append(chunk)
+            if len(backend.started) == 2 and chunk.final is None:  # placed again, streaming
+                mid.append(metrics.registry.get_sample_value("pdserve_requests_resumed_total"))
+        return metrics, core, backend, chunks, mid
 
-    metrics, core, backend, chunks = run(main())
+    metrics, core, backend, chunks, mid = run(main())
+    assert mid and set(mid) == {1}  # counted as it moved, not once it ended
     assert sum(len(c.token_ids) for c in chunks) == 8  # 3 before the loss, 5 after
     final = chunks[-1].final
     assert final is not None and final.finish_reason is FinishReason.LENGTH

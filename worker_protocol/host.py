@@ -132,8 +132,10 @@ class EngineHost:
                 async for _ in self.aeng.generate(prompt, one, f"warmup-{self.worker_id}-{k}"):
                     pass
         # The router learns its step times from serving steps only: these ran first shapes
-        # (slow once), beside the other workers' warm-ups.
-        await self.aeng.call(lambda e: e.step_stats.drain())
+        # (slow once), beside the other workers' warm-ups. Nor do the totals it reports (busy
+        # seconds, prefix-cache lookups) count them: a replacement's warm-up read as seconds
+        # busy within one scrape (376% busy) and as lookups that hit nothing.
+        await self.aeng.call(lambda e: e.reset_totals())
         return n
 
     async def set_step_target(self, target_s: float | None, seq: int = 0) -> None:

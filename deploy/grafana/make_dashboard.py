@@ -30,7 +30,7 @@ def pct(metric: str, quantile: float) -> str:
 # (title, unit, [(legend, expr), ...]) in rows of two.
 PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     (
-        "Time to first token (as the client sees it)",
+        "Time to first token at the router (a streaming client's)",
         "s",
         [
             q("p50 {{path}}", pct("pdserve_time_to_first_token_seconds", 0.5)),

@@ -172,6 +172,11 @@ def test_counters_move_by_what_was_injected_and_the_alerts_fire(tmp_path, ledger
                 time.sleep(0.2)
                 restarts = counters(srv, "pdserve_worker_restarts_total", "role")
             assert restarts == {"decode": 1, "prefill": 0, "both": 0}, restarts
+            # `pdserve status` says which worker was lost, and that nothing is in flight.
+            samples = status.scrape(f"127.0.0.1:{srv.server.metrics_port}")
+            text = status.render(samples, samples, 1.0, "test")
+            assert f"workers lost (died or hung): {victim} 1\n" in text, text
+            assert "; 0 active, 0 of them before their first token" in text, text
 
             # Prometheus: the matching alerts fire, the others stay quiet.
             want = {
