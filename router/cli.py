@@ -155,7 +155,8 @@ def _serve(args: argparse.Namespace, _extra: list[str]) -> int:
     if args.print_config:  # a config that serve would take, nothing less
         print(options.to_yaml(), end="")
         return 0
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    level = options.values["log_level"].upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s")
 
     import asyncio
 

@@ -51,6 +51,7 @@ DTYPE_HELP = (
     "(config.json's dtype, or the GGUF file's; bfloat16 for a quantized GGUF), float32 on CPU"
 )
 EAGER_HELP = "no CUDA graphs: every decode step runs eagerly (CPU runs always do)"
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 OPTIONS: tuple[Option, ...] = (
     # model and pools
@@ -164,6 +165,9 @@ OPTIONS: tuple[Option, ...] = (
            "the largest max_tokens a request may ask for (default: the model's context)"),
     Option("drain_timeout", number(0), 30.0,
            "seconds in-flight requests get on SIGINT/SIGTERM, and a removed worker on a resize"),
+    Option("log_level", choice(*LOG_LEVELS), "info",
+           "the server's log: info has a line per request placed (its path and why), warning "
+           "keeps what went wrong and the refusals"),
 )  # fmt: skip
 BY_NAME = {o.name: o for o in OPTIONS}
 

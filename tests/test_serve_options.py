@@ -120,6 +120,7 @@ def _parse(argv):
         ("prefill_hold_ms: 3000\n", "prefill_hold_ms"),
         ("step_target_ms: 100\nprefill_hold_ms: soon\n", "prefill_hold_ms: must be a number"),
         ("max_num_batched_tokens: 8\n", "(--max-num-batched-tokens): must be >= max_num_seqs"),
+        ("log_level: loud\n", "log_level: must be one of debug, info, warning, error"),
     ],
 )
 def test_a_bad_file_is_refused_at_start_naming_the_field(tmp_path, capsys, text, field):
@@ -201,3 +202,28 @@ def test_an_auto_step_target_starts_under_the_itl_slo_and_is_tuned_by_the_router
     assert not fixed.router.tune_step_target
     with pytest.raises(serve_options.OptionError, match="chunked_prefill"):
         serve_options.resolve(_parse(["serve", "--step-target-ms", "auto", "--no-chunked-prefill"]))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("level, shown", [("info", {"INFO-LINE", "WARN-LINE"}),
+                                          ("warning", {"WARN-LINE"})])  # fmt: skip
+def test_log_level_sets_what_the_server_logs(level, shown):
+    import subprocess
+    import sys
+
+    script = (
+        "import logging, sys\n"
+        "import router.server\n"
+        "async def serve(config):\n"
+        "    log = logging.getLogger('pdserve.router')\n"
+        "    log.info('INFO-LINE')\n"
+        "    log.warning('WARN-LINE')\n"
+        "router.server.serve = serve\n"
+        "from router.cli import main\n"
+        "sys.exit(main(['serve', '--metrics-port', '-1', '--log-level', sys.argv[1]]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, level], capture_output=True, text=True, timeout=50
+    )
+    assert out.returncode == 0, out.stderr
+    assert {w for w in ("INFO-LINE", "WARN-LINE") if w in out.stderr} == shown, out.stderr
