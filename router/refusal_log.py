@@ -35,13 +35,15 @@ class RefusalLog:
         self._lock = threading.Lock()
         self._counts: Counter[tuple[RejectReason, Frontend]] = Counter()
         self._since: float | None = None  # start of the window being counted; None: quiet
+        self._last = 0.0  # the latest refusal counted in it
 
     def refused(self, reason: RejectReason, frontend: Frontend, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         with self._lock:
             if self._since is None or now - self._since >= 2 * self.window_s:
-                # After a quiet spell: this one at once, and what the last window left unsaid.
-                left = self._summary(now) if self._counts else ""
+                # After a quiet spell: this one at once, and what the last window left unsaid
+                # (over the time it was refusing, not the quiet since).
+                left = self._summary(self._last, now) if self._counts else ""
                 self._counts.clear()
                 self._since = now
                 log.warning(
@@ -52,13 +54,18 @@ class RefusalLog:
                 )  # fmt: skip
                 return
             self._counts[reason, frontend] += 1
+            self._last = now
             if now - self._since >= self.window_s:
-                log.warning("refused %s", self._summary(now))
+                log.warning("refused %s", self._summary(now, now))
                 self._counts.clear()
                 self._since = now
 
-    def _summary(self, now: float) -> str:
+    def _summary(self, last: float, now: float) -> str:
+        """The window's counts, from its start to `last` (its latest refusal), said at `now`."""
         assert self._since is not None
         n = sum(self._counts.values())
         parts = ", ".join(f"{r.value} {c} ({f.value})" for (r, f), c in self._counts.most_common())
-        return f"{n} requests in the last {now - self._since:.0f} s: {parts}"
+        if now - last < 1:
+            return f"{n} requests in the last {now - self._since:.0f} s: {parts}"
+        span = f"{n} requests over {last - self._since:.0f} s, up to {now - last:.0f} s ago"
+        return f"{span}: {parts}"
