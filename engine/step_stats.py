@@ -53,7 +53,8 @@ def step_stat(so: SchedulerOutput, seconds: float) -> StepStat:
 
 class StepRecorder:
     """The latest steps, handed out once each by `drain()`, and the totals since the engine
-    started: steps run and the seconds they took (`busy_s`: the model runner's part of each
+    started or its totals were reset (LLMEngine.reset_totals): steps run and the seconds they
+    took (`busy_s`: the model runner's part of each
     step as the host times it, scheduling and output handling left out; over wall time, a lower
     bound on how busy the engine was)."""
 

@@ -168,9 +168,13 @@ class HttpApi:
             req = await check_request_async(fields, self.tokenizer, self.limits)
             self._check_choices(body.n)
             host = client_host(request.client.host if request.client else "")
-            if body.n > 1:  # room for all of them, or none is admitted (nor runs for nothing)
-                self.core.room_for(body.n, Frontend.HTTP)
             release = self.clients.take(host, Frontend.HTTP, body.n)
+            if body.n > 1:  # room for all of them, or none is admitted (nor runs for nothing)
+                try:
+                    self.core.room_for(body.n, Frontend.HTTP)
+                except Overloaded:
+                    release()
+                    raise
         except (InvalidRequestError, Overloaded) as exc:
             raise from_core(exc, renames) from None
         call = Call(

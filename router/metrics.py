@@ -105,6 +105,8 @@ class Metrics(MetricFamilies):
             self.kv_usage.labels(*w).set(ld.kv_usage)
             self.queued_tokens.labels(*w).set(ld.queued_prefill_tokens)
             last = self._last.get(ld.worker_id)
+            if last is not None and last.incarnation != ld.incarnation:
+                last = None  # a new incarnation: its totals are its own
             # The worker reports totals since its warm-up ended: add the growth (all of it when
             # the total went down, i.e. a new incarnation).
             for counter, now, before in (

@@ -155,6 +155,7 @@ def test_admission_and_the_client_limit_answer_429_with_retry_after():
             refused = sample("pdserve_admission_rejections_total", counted)
             started = len(s.server.core.backend.started)
             s.server.core.config = RouterConfig(max_pending=2)
+            s.server.clients.limit = None  # the queue alone: room for one choice, not two
             both = http.post(url, json={**BODY, "n": 2})
             assert both.status_code == 429 and both.json()["error"]["code"] == "queue_full"
             assert sample("pdserve_admission_rejections_total", counted) == refused + 1
@@ -165,6 +166,7 @@ def test_admission_and_the_client_limit_answer_429_with_retry_after():
             many = http.post(url, json={**BODY, "n": 2})
             assert many.status_code == 400 and many.json()["error"]["param"] == "n", many.text
             assert "at most 1 wait for a first token at once (--max-pending)" in many.text
+            s.server.clients.limit = 2
             _release(s, gate, held)
             # Two requests of this client wait; a third is over --max-streams-per-client.
             s.server.core.config = RouterConfig(max_pending=64)

@@ -111,6 +111,17 @@ class EngineHost:
         vocab = self.engine.vocab_size
         prompt = [(7 * i + 1) % vocab for i in range(WARMUP_PROMPT_TOKENS)]
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        try:
+            return await self._warm(prompt, params)
+        finally:
+            # The router learns its step times from serving steps only: these ran first shapes
+            # (slow once), beside the other workers' warm-ups. Nor do the totals it reports
+            # (busy seconds, prefix-cache lookups) count them: a replacement's warm-up read as
+            # seconds busy within one scrape (376% busy) and as lookups that hit nothing.
+            await self.aeng.call(lambda e: e.reset_totals())
+
+    async def _warm(self, prompt: list[int], params: SamplingParams) -> int:
+        vocab = self.engine.vocab_size
         n = 0
         async for out in self.aeng.generate(prompt, params, f"warmup-{self.worker_id}"):
             n += len(out.new_token_ids)
@@ -131,11 +142,6 @@ class EngineHost:
                 prompt = [(11 * j + 3 + k) % vocab for j in range(size)]
                 async for _ in self.aeng.generate(prompt, one, f"warmup-{self.worker_id}-{k}"):
                     pass
-        # The router learns its step times from serving steps only: these ran first shapes
-        # (slow once), beside the other workers' warm-ups. Nor do the totals it reports (busy
-        # seconds, prefix-cache lookups) count them: a replacement's warm-up read as seconds
-        # busy within one scrape (376% busy) and as lookups that hit nothing.
-        await self.aeng.call(lambda e: e.reset_totals())
         return n
 
     async def set_step_target(self, target_s: float | None, seq: int = 0) -> None:

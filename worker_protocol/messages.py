@@ -171,10 +171,11 @@ class WorkerLoad:
     held: int = 0  # finished requests whose blocks wait for their KV send to end
     open_transfers: int = 0  # KV transfers the worker's connector still tracks
     steps: tuple[StepStat, ...] = ()  # steps executed since the previous load() (at most 256)
-    preemptions: int = 0  # since the worker started
-    # Seconds its engine's model runner spent on steps since the worker started (StepRecorder)
+    # The totals below count from the end of the worker's warm-up (LLMEngine.reset_totals).
+    preemptions: int = 0
+    # Seconds its engine's model runner spent on steps (StepRecorder)
     busy_s: float = 0.0
-    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of those, found cached
     incarnation: int = 0  # of the worker that reported it (see WorkerInfo)
     # The longest of its latest steps that ran the smallest chunks beside decodes (ChunkSizer
@@ -182,7 +183,7 @@ class WorkerLoad:
     # decodes there no quicker; past the target, prompts wait for short decodes there
     # (prefill_hold_s).
     chunk_floor_s: float | None = None
-    # Steps it ran its decodes alone while prompts waited for them (prefill_hold_s), since start.
+    # Steps it ran its decodes alone while prompts waited for them (prefill_hold_s).
     prompt_wait_steps: int = 0
     # What is left of the hold to the prompt in line (waiting, or prefilling in chunks) with
     # the least of it, the held step running counted (Scheduler.hold_left_s): how long more
