@@ -26,12 +26,17 @@ MARGIN_WINDOW, MARGIN_MIN_SAMPLES, MARGIN_QUANTILE, MARGIN_MAX = 64, 12, 0.9, 4.
 MARGIN_NEAR = 0.5
 
 
+def _room(n: int, c: RouterConfig, counts: RequestCounts) -> bool:
+    """Whether the queue holds `n` more requests (--max-pending waiting, max_active in all)."""
+    return counts.pending + n <= c.max_pending and counts.active + n <= c.max_active
+
+
 def group_refusal(n: int, config: RouterConfig, counts: RequestCounts) -> Overloaded | None:
     """Why `n` requests that stand or fall together (an HTTP request's choices) are refused
     before any is admitted: the queue has no room for all of them. Each is then admitted on
     its own (refusal): one refused there ends the others, which ran for nothing."""
     c = config
-    if counts.pending + n > c.max_pending or counts.active + n > c.max_active:
+    if not _room(n, c, counts):
         return Overloaded(
             RejectReason.QUEUE_FULL,
             f"server busy: {counts.pending} requests wait for a first token (limit "
@@ -51,7 +56,7 @@ def refusal(
 ) -> Overloaded | None:
     """Why the request is refused now, or None when it is taken."""
     c, chosen = config, decision.chosen
-    if counts.pending >= c.max_pending or counts.active >= c.max_active:
+    if not _room(1, c, counts):
         return Overloaded(
             RejectReason.QUEUE_FULL,
             f"server busy: {counts.pending} requests wait for a first token "

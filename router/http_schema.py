@@ -219,7 +219,7 @@ def request_fields(
         top_p=body.top_p,
         top_k=body.top_k,
         min_p=body.min_p,
-        seed=None if body.seed == -1 else body.seed,  # -1: random, as vLLM reads it
+        seed=body.seed,  # -1 is no seed (SamplingParams, for both doors)
         stop=tuple(stop),
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,

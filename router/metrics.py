@@ -107,8 +107,8 @@ class Metrics(MetricFamilies):
             last = self._last.get(ld.worker_id)
             if last is not None and last.incarnation != ld.incarnation:
                 last = None  # a new incarnation: its totals are its own
-            # The worker reports totals since its warm-up ended: add the growth (all of it when
-            # the total went down, i.e. a new incarnation).
+            # The worker reports totals since its warm-up ended: add the growth (all of it for a
+            # new incarnation, or where a total went down).
             for counter, now, before in (
                 (self.prefix_queries, ld.prefix_queries, last.prefix_queries if last else 0),
                 (self.prefix_hits, ld.prefix_hits, last.prefix_hits if last else 0),

@@ -65,9 +65,8 @@ class ServeConfig:
             hosts.append(("--admin-host", self.admin_host))
         for option, host in hosts:
             try:
-                family, kind, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[
-                    0
-                ]
+                found = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+                family, kind, _, _, address = found[0]
                 with socket.socket(family, kind) as s:
                     s.bind(address)
             except OSError as exc:

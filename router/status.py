@@ -183,17 +183,12 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
     )
     deaths = by_labels(after, "pdserve_worker_failures_total", "worker")
     hangs = by_labels(after, "pdserve_worker_hangs_total", "worker")
-    lines.append(
-        "workers lost (died or hung): "
-        + (
-            ", ".join(
-                f"{k[0]} {v:.0f}" + (f" (hung {hangs[k]:.0f})" if hangs.get(k) else "")
-                for k, v in sorted(deaths.items())
-                if v
-            )
-            or "none"
-        )
-    )
+    lost = [
+        f"{k[0]} {v:.0f}" + (f" (hung {hangs[k]:.0f})" if hangs.get(k) else "")
+        for k, v in sorted(deaths.items())
+        if v
+    ]
+    lines.append("workers lost (died or hung): " + (", ".join(lost) or "none"))
     restarts = by_labels(after, "pdserve_worker_restarts_total", "role")
     lines.append(
         "dead workers replaced: "
