@@ -66,11 +66,23 @@ class _NullListener:
 
 
 class Cluster:
-    def __init__(self, config: ClusterConfig) -> None:
+    def __init__(self, config: ClusterConfig, start: bool = True) -> None:
+        """The pools' workers up (blocking), unless `start` is False: then `start()` brings
+        them up, and `cancel_start()` (from another thread) stops a start still waiting."""
         self.config = config
         init_ray(config.address)
         self.pools = Pools(config.pool_config(ray.cluster_resources().get("GPU", 0.0)))
         self.resizes = Resizes(self.pools)
+        self.handoffs = Handoffs(config, self.pools, lambda: self.prefill_ids)
+        self._poll = LoadPoll(config.worker_hang_timeout_s)
+        self._rr = itertools.count()
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Bring the workers up (blocking); where they do not come up, or the start is
+        cancelled, every worker started is stopped and PoolsUnavailable raised."""
+        config = self.config
         try:
             self.pools.start(
                 {
@@ -82,9 +94,10 @@ class Cluster:
         except BaseException:
             self.pools.shutdown()
             raise
-        self.handoffs = Handoffs(config, self.pools, lambda: self.prefill_ids)
-        self._poll = LoadPoll(config.worker_hang_timeout_s)
-        self._rr = itertools.count()
+
+    def cancel_start(self) -> None:
+        """Stop a start still bringing the workers up: start() raises PoolsUnavailable."""
+        self.pools.cancel_start()
 
     # -- the Backend the request core drives -----------------------------------------------------
     @property

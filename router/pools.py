@@ -96,6 +96,7 @@ class Pools:
         self._attempts = itertools.count(1)
         self.lock = threading.RLock()
         self._closing = False
+        self._starting: concurrent.futures.Future[list[WorkerHandle]] | None = None
         self._maintainer = self.ops.submit(self._maintain())
 
     # -- reading -------------------------------------------------------------------------------
@@ -125,10 +126,18 @@ class Pools:
         """Bring up the pools, `counts` workers of each role (blocking); raises PoolsUnavailable
         when they don't come up."""
         limit = self.config.start_timeout_s + 3 * self.config.pair_timeout_s + 30
+        self._starting = self.ops.submit(self.grow(counts))
         try:
-            self.ops.call(self.grow(counts), limit)
+            self._starting.result(limit)
         except concurrent.futures.TimeoutError:
             raise PoolsUnavailable(f"the workers did not come up within {limit:.0f} s") from None
+        except concurrent.futures.CancelledError:
+            raise PoolsUnavailable("the start was cancelled") from None
+
+    def cancel_start(self) -> None:
+        """End start() (from another thread): its workers are stopped, and it raises."""
+        if self._starting is not None:
+            self._starting.cancel()
 
     async def grow(
         self, counts: Counts, new: list[WorkerHandle] | None = None

@@ -31,6 +31,7 @@ from router.core_types import Backend, RouterConfig
 from router.http_api import HttpApi
 from router.http_server import HttpServer
 from router.metrics import Metrics
+from router.pools import PoolsUnavailable
 from router.ray_runtime import init_ray
 from router.request import ModelLimits
 from router.security import SecurityConfig
@@ -101,6 +102,14 @@ class Server:
         self._draining: tuple[grpc.aio.Server | None, HttpServer | None] = (None, None)
         self._hurried = False
         self._hurrying: list[asyncio.Future[None]] = []  # kept: the loop holds tasks weakly
+        self._start_cancelled = False
+
+    def cancel_start(self) -> None:
+        """Stop a start still bringing the workers up: start() stops those started and raises
+        PoolsUnavailable."""
+        self._start_cancelled = True
+        if self.cluster is not None:
+            self.cluster.cancel_start()
 
     async def start(self) -> None:
         c = self.config
@@ -127,8 +136,15 @@ class Server:
         backend = self._backend
         if backend is None:
             init_ray(c.cluster.address)  # on this thread: Ray sets its signal handlers here
-            self.cluster = await asyncio.to_thread(Cluster, c.cluster)
-            backend = self.cluster
+            cluster = self.cluster = await asyncio.to_thread(Cluster, c.cluster, False)
+            try:
+                if self._start_cancelled:
+                    raise PoolsUnavailable("the start was cancelled")
+                await asyncio.to_thread(cluster.start)  # minutes on a cluster still booting
+            except BaseException:
+                self.cluster = None  # its start stopped what it started
+                raise
+            backend = cluster
         infos = await backend.infos()
         limits = ModelLimits(
             vocab_size=infos[0].vocab_size,
@@ -358,15 +374,25 @@ async def serve(config: ServeConfig) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
+    starting = asyncio.ensure_future(server.start())
+    stopping = asyncio.ensure_future(stop.wait())
     try:
-        await server.start()
-        await stop.wait()
-        log.info(
-            "shutting down: draining in-flight requests (up to %.0f s; interrupt again to end "
-            "them now)",
-            config.drain_timeout_s,
-        )
+        await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # a start waits for its workers (up to --start-timeout)
+            log.warning("interrupted during the start: stopping the workers started so far")
+            server.cancel_start()
+            with contextlib.suppress(PoolsUnavailable):
+                await starting
+        else:
+            starting.result()  # what stopped the start, if it did
+            await stop.wait()
+            log.info(
+                "shutting down: draining in-flight requests (up to %.0f s; interrupt again to "
+                "end them now)",
+                config.drain_timeout_s,
+            )
     finally:
+        stopping.cancel()
         with contextlib.suppress(Exception):
             await server.stop()
         for sig in (signal.SIGINT, signal.SIGTERM):

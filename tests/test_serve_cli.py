@@ -255,3 +255,35 @@ def test_a_second_interrupt_while_draining_ends_the_requests_in_flight_at_once(t
         run.assert_clean_log()
     finally:
         run.close()
+
+
+@pytest.mark.timeout(200)
+def test_sigint_during_the_start_stops_it_at_once(tmp_path):
+    """A start waits for its workers (here a decode worker asks for a resource no node has,
+    up to --start-timeout, 600 s): SIGINT stops it at once, the workers started so far with it,
+    and nothing of the server or its Ray runtime is left running."""
+    log_path = tmp_path / "serve.log"
+    server = start_serve(
+        log_path, free_port(), "--ray-address", "local", "--start-timeout", "600",
+        "--decode-resources", '{"no_node_has_this": 1}',
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while "no node has room" not in log_path.read_text():  # decode-0 waits for room
+            assert server.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        server.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        assert server.wait(60) == 0, log_path.read_text()[-3000:]
+        assert time.monotonic() - t0 < 30, "the start ran on after SIGINT"
+        out = log_path.read_text()
+        assert "interrupted during the start" in out and out.rstrip().endswith("stopped"), out
+        assert "Traceback" not in out, out
+        time.sleep(2)  # the private runtime's last processes ending
+        with pytest.raises(ProcessLookupError):  # its session: Ray's processes, the workers'
+            os.killpg(server.pid, 0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait(10)
