@@ -8,6 +8,7 @@ the pools are fixed (a server without Ray pools), UNAVAILABLE when new workers d
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -41,6 +42,7 @@ def _worker(h: WorkerHandle) -> pb.Worker:
 class AdminServicer(pb_grpc.AdminServicer):
     def __init__(self, cluster: Cluster | None) -> None:
         self.cluster = cluster
+        self._resizing: set[asyncio.Future[None]] = set()  # kept: the loop holds tasks weakly
 
     def _workers(self) -> list[pb.Worker]:
         if self.cluster is None:
@@ -84,19 +86,47 @@ class AdminServicer(pb_grpc.AdminServicer):
             await context.abort(bad, f"drain_timeout_s: must be >= 0, got {drain}")
         asked = f"prefill {prefill}, decode {decode}, workers {both} (drain {drain} s)"
         log.info("scale asked: %s", asked)
+        # A task of its own: the resize goes on, and its outcome is logged, when the caller
+        # stops waiting (its deadline) and this handler is cancelled.
+        resize = asyncio.ensure_future(self._resize(asked, prefill, decode, drain, both))
+        self._resizing.add(resize)
+        resize.add_done_callback(self._settled)
         try:
-            await self.cluster.scale(prefill, decode, drain, both)
+            await asyncio.shield(resize)
         except ValueError as exc:  # no worker would be left to decode, or too many workers
-            log.warning("scale refused: %s", exc)
             await context.abort(bad, str(exc))
         except ResizeReplaced as exc:
-            log.warning("scale replaced: %s: %s", asked, exc)
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
         except RuntimeError as exc:
-            log.warning("scale failed: %s", exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        log.info("scale done: %s", asked)
         return pb.ScaleResponse(workers=self._workers())
+
+    def _settled(self, resize: asyncio.Future[None]) -> None:
+        self._resizing.discard(resize)
+        if not resize.cancelled():
+            resize.exception()  # read here too: _resize logged it, a caller gone never reads it
+
+    async def _resize(
+        self,
+        asked: str,
+        prefill: int | None,
+        decode: int | None,
+        drain: float | None,
+        both: int | None,
+    ) -> None:
+        assert self.cluster is not None
+        try:
+            await self.cluster.scale(prefill, decode, drain, both)
+        except ValueError as exc:
+            log.warning("scale refused: %s", exc)
+            raise
+        except ResizeReplaced as exc:
+            log.warning("scale replaced: %s: %s", asked, exc)
+            raise
+        except RuntimeError as exc:
+            log.warning("scale failed: %s: %s", asked, exc)
+            raise
+        log.info("scale done: %s", asked)
 
 
 def add_admin(server: grpc.aio.Server, cluster: Cluster | None) -> None:

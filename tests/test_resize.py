@@ -216,9 +216,11 @@ def test_requests_left_on_a_removed_worker_after_its_drain_resume_elsewhere(srv)
 
 
 @pytest.mark.timeout(300)
-def test_a_scale_whose_caller_gives_up_still_completes(srv, capsys):
+def test_a_scale_whose_caller_gives_up_still_completes(srv, capsys, caplog):
+    """...and the log says when it is done (it was said by the caller's handler, cancelled)."""
     from router.cli import main
 
+    caplog.set_level(logging.INFO, "pdserve.admin")
     cluster = srv.server.cluster
     admin = f"127.0.0.1:{srv.server.admin_port}"
     before = len(cluster.prefill_ids)
@@ -231,6 +233,10 @@ def test_a_scale_whose_caller_gives_up_still_completes(srv, capsys):
         assert time.monotonic() < deadline, listed(srv)
         time.sleep(0.1)
     assert all(w.status == "ready" for w in listed(srv))
+    asked = f"prefill {before + 1}, decode None, workers None (drain None s)"
+    while not any(r.getMessage() == f"scale done: {asked}" for r in caplog.records):
+        assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+        time.sleep(0.05)
     # And a resize after it sees the pools as they are: back to the size before.
     with grpc.insecure_channel(admin) as ch:
         admin_pb2_grpc.AdminStub(ch).Scale(admin_pb2.ScaleRequest(prefill=before), timeout=200)
@@ -268,10 +274,11 @@ def test_bad_sizes_are_refused_naming_the_field(srv, caplog):
 
 
 @pytest.mark.timeout(120)
-def test_a_resize_whose_worker_waits_for_room_is_replaced_by_the_next(srv, caplog):
+@pytest.mark.parametrize("caller_waits", [True, False])
+def test_a_resize_whose_worker_waits_for_room_is_replaced_by_the_next(srv, caplog, caller_waits):
     """A prefill worker asking for a resource no node has waits for room (up to the start
     deadline, 300 s): the next resize does not wait behind it; the first is told it was
-    replaced, and its waiting actor is stopped."""
+    replaced (or, its caller gone, the log says so), and its waiting actor is stopped."""
     from router.workers import Placement, WorkerStatus
     from worker_protocol.messages import WorkerRole
 
@@ -288,7 +295,7 @@ def test_a_resize_whose_worker_waits_for_room_is_replaced_by_the_next(srv, caplo
         with grpc.insecure_channel(admin) as ch:
             try:
                 admin_pb2_grpc.AdminStub(ch).Scale(
-                    admin_pb2.ScaleRequest(prefill=before + 1), timeout=100
+                    admin_pb2.ScaleRequest(prefill=before + 1), timeout=100 if caller_waits else 1
                 )
             except grpc.RpcError as exc:
                 errors.append(exc)
@@ -304,13 +311,18 @@ def test_a_resize_whose_worker_waits_for_room_is_replaced_by_the_next(srv, caplo
         assert waiting.node_id is None  # no node had room for it
     finally:
         pools.config.placement[WorkerRole.PREFILL] = placement
+    if not caller_waits:
+        t.join(30)  # its deadline passed: its handler is gone, the resize goes on
     with grpc.insecure_channel(admin) as ch:
         admin_pb2_grpc.AdminStub(ch).Scale(admin_pb2.ScaleRequest(prefill=before), timeout=60)
     t.join(30)
     assert not t.is_alive()
     (err,) = errors
-    assert err.code() is grpc.StatusCode.ABORTED, err
-    assert "a later resize replaced this one" in err.details()
+    if caller_waits:
+        assert err.code() is grpc.StatusCode.ABORTED, err
+        assert "a later resize replaced this one" in err.details()
+    else:  # gone before the second resize
+        assert err.code() is grpc.StatusCode.DEADLINE_EXCEEDED, err
     assert waiting.status is WorkerStatus.STOPPED
     assert sorted(w.role for w in listed(srv)).count("prefill") == before
     assert all(w.status == "ready" for w in listed(srv))
