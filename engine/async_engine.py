@@ -150,6 +150,9 @@ class AsyncEngine:
                 self._run_commands()
                 if self.engine.has_unfinished_requests():
                     self._dispatch(self.engine.step(self.on_layer, self.wants_layers))
+                    if self.engine.last_step_empty:  # not a busy loop: a command or 1 ms
+                        self._wake.wait(0.001)
+                        self._wake.clear()
                 else:
                     self._wake.wait(0.5)
                     self._wake.clear()

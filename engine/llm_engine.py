@@ -62,6 +62,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, config.detokenize)
         self._ids = itertools.count()
         self.step_stats = StepRecorder()
+        self.last_step_empty = False  # the last step ran nothing (see step())
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -238,6 +239,7 @@ class LLMEngine:
         cache (a worker prefilling for a peer streams KV layer by layer with it); with
         `wants_layers`, only in steps it says need it (the others may replay a decode graph)."""
         so = self.scheduler.schedule()
+        self.last_step_empty = so.is_empty  # nothing could run (waiting for blocks or a hold)
         hook = None
         if on_layer is not None and (wants_layers is None or wants_layers(so)):
             hook = lambda i: on_layer(i, so)  # noqa: E731

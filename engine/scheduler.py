@@ -178,8 +178,11 @@ class Scheduler:
                 n = max(1, min(n, self.kv.free_slots(req)))
             while not self.kv.allocate_slots(req, n):
                 if len(self.running) == 1 and not chunks:
-                    # Alone and still out of blocks: the pool can never hold it.
-                    self._end_for_capacity(req)
+                    # Alone and still out of blocks. Blocks reserved for KV on its way, or kept
+                    # for a finished prompt's send, come back: it waits for them (unscheduled,
+                    # keeping its own). Else the pool can never hold it.
+                    if not (self.waiting_for_kv or self.held):
+                        self._end_for_capacity(req)
                     break
                 victim = self.running[-1]
                 if victim.request_id in chunks:
