@@ -265,7 +265,17 @@ class LLMEngine:
         prompts: Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Completion]:
-        """Run prompts to completion offline; results in the order of `prompts`."""
+        """Run prompts to completion offline; results in the order of `prompts` (a string
+        alone is one prompt)."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str) and not hasattr(p, "__len__"):
+                raise InvalidRequestError(
+                    "prompts",
+                    f"a list of prompts, each a string or a list of token ids; item {i} is "
+                    f"{type(p).__name__} {p!r} (one prompt of token ids: pass [ids])",
+                )
         plist = (
             params if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         )

@@ -225,6 +225,19 @@ def test_generate_refusing_one_prompt_queues_none():
     assert_pool_free(engine)
 
 
+def test_generate_takes_a_string_as_one_prompt_and_refuses_bare_ids_naming_prompts():
+    """As vLLM's LLM.generate: a string is one prompt (it ran one prompt per character); a
+    list of token ids not wrapped in a list is refused naming the field (a bare TypeError)."""
+    engine = make_engine("tiny-llama")
+    (one,) = engine.generate("hello there", GREEDY)
+    assert one.prompt_token_ids == tuple(engine.encode("hello there"))
+    with pytest.raises(InvalidRequestError) as info:
+        engine.generate([1, 2, 3], GREEDY)
+    assert info.value.field == "prompts" and "pass [ids]" in str(info.value)
+    assert not engine.has_unfinished_requests()
+    assert_pool_free(engine)
+
+
 def test_abort_running_and_waiting_frees_blocks_and_others_continue():
     # Two running slots: the third and fourth requests wait.
     engine = make_engine("tiny-llama", max_num_seqs=2, budget=16)
