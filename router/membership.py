@@ -40,7 +40,9 @@ class Membership:
         self._hosts: dict[str, HostShare] = {}
         for state in self.states.values():
             self._share_node(state)
-        self._gone: set[tuple[str, int]] = set()  # (worker, incarnation) out of the pools
+        # Ids out of the pools whose per-worker series the sink has removed; an id is taken
+        # out again once a read of the pools finds it there (a scale-up took it again).
+        self._gone: set[str] = set()
         self._deaths_seen = 0  # of backend.dead, already reported
         self._hangs_seen = 0  # of backend.hung, already reported
         self._restarts_seen: dict[WorkerRole, int] = {}  # backend.restarts, already reported
@@ -74,8 +76,11 @@ class Membership:
 
     def pools(self) -> tuple[list[WorkerState], list[WorkerState]]:
         """The books of the workers that take requests now: (prefill, decode)."""
-        b = self.backend
-        return [self.state(w) for w in b.prefill_ids], [self.state(w) for w in b.decode_ids]
+        prefill, decode = self.backend.prefill_ids, self.backend.decode_ids  # one read of each
+        if self._gone:  # back in a pool: its series may be set again, and removed once it leaves
+            self._gone.difference_update(prefill)
+            self._gone.difference_update(decode)
+        return [self.state(w) for w in prefill], [self.state(w) for w in decode]
 
     def _log_waits(self, state: WorkerState, load: WorkerLoad) -> None:
         """Log a worker's steps run with prompts waiting for its decodes (--prefill-hold-ms)
@@ -98,10 +103,12 @@ class Membership:
 
     def absorb(self, loads: Sequence[WorkerLoad]) -> None:
         """The workers' polled load, into the books of the incarnation that reported it; then
-        what changed in the pools since the last call, to the sink."""
-        self.pools()  # books for workers that joined since
-        b = self.backend
-        members = [self.state(w) for w in dict.fromkeys([*b.prefill_ids, *b.decode_ids])]
+        what changed in the pools since the last call, to the sink. One read of the pools
+        serves the whole call: the figures go to the sink for the workers in it, and the
+        series of those out of it are removed, so that none is set for a worker that left."""
+        prefill, decode = self.pools()  # books for workers that joined since
+        live = {s.worker_id: s for s in [*prefill, *decode]}  # a worker doing both: once
+        members = list(live.values())
         for s in members:  # what a worker's fit has not seen, its kin's may have
             s.model.kin = [o.model for o in members if o is not s and kin_of(s.info, o.info)]
         for load in loads:
@@ -115,28 +122,51 @@ class Membership:
             peers = float(np.median(factors))
             for s in members:
                 s.measured.peers_gap_factor = peers
-        decoders = [self.state(w) for w in b.decode_ids]
-        self.sink.gap_factors({s.worker_id: s.measured.gap_factor() for s in decoders})
+        self._report(live, decode, loads)
+        self._report_changes()
+        for w, state in self.states.items():
+            if w not in live and w not in self._gone:
+                self._gone.add(w)  # dead, removed by a resize, or a replacement not up yet
+                self.sink.worker_removed(w, state.info.role.value)
+
+    def _report(
+        self, live: dict[str, WorkerState], decode: list[WorkerState], loads: Sequence[WorkerLoad]
+    ) -> None:
+        """The per-worker figures of the workers in the pools (`live`), to the sink. A load
+        report of a worker out of them sets none, whatever its incarnation: its series were
+        removed, or are about to be, and nothing would remove them again (a draining worker
+        still answers polls; a poll's answer may come after its worker left, and so may that
+        of a replacement stopped before it was up). Nor does one of an incarnation other than
+        its id's current one (a late answer of the one replaced): its figures are stale, and
+        its totals would count again into the counters."""
+        self.sink.gap_factors({s.worker_id: s.measured.gap_factor() for s in decode})
         self.sink.biases(
             {
                 (kind, s.worker_id): s.measured.itl_bias_factor(local)
-                for s in decoders
+                for s in decode
                 for kind, local in PLACEMENT_KINDS
             }
         )
-        # A draining worker still answers polls, but its figures left the metrics already.
-        self.sink.loads([ld for ld in loads if (ld.worker_id, ld.incarnation) not in self._gone])
+        self.sink.loads(
+            [
+                ld
+                for ld in loads
+                if (s := live.get(ld.worker_id)) is not None
+                and s.info.incarnation == ld.incarnation
+            ]
+        )
         counts = dict.fromkeys(WorkerRole, 0)
-        decoding: dict[tuple[str, str], int] = {}
-        for w in dict.fromkeys([*b.prefill_ids, *b.decode_ids]):  # a worker doing both: once
-            state = self.state(w)
-            counts[state.info.role] += 1
-            decoding[(w, state.info.role.value)] = state.batch
+        for s in live.values():
+            counts[s.info.role] += 1
         self.sink.workers(counts)
-        self.sink.decoding(decoding)
+        self.sink.decoding({(w, s.info.role.value): s.batch for w, s in live.items()})
         self.sink.node_shares(
             {(node, k): share.factor(k) for node, share in self._hosts.items() for k in BUSY}
         )
+
+    def _report_changes(self) -> None:
+        """Restarts, deaths and hangs since the last call, to the sink."""
+        b = self.backend
         for role, n in b.restarts.items():
             if n > self._restarts_seen.get(role, 0):
                 self.sink.worker_restarted(role.value, n - self._restarts_seen.get(role, 0))
@@ -151,9 +181,3 @@ class Membership:
         for w in hangs:
             state = self.states.get(w)
             self.sink.worker_hung(w, state.info.role.value if state else "unknown")
-        live = {*b.prefill_ids, *b.decode_ids}
-        for w, state in list(self.states.items()):
-            key = (w, state.info.incarnation)
-            if w not in live and key not in self._gone:
-                self._gone.add(key)  # dead, removed by a resize, or a replacement not up yet
-                self.sink.worker_removed(w, state.info.role.value)
