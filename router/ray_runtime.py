@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -103,11 +104,20 @@ def init_ray(address: str | None) -> str:
             ) from None
         return address
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (router/__init__.py) keeps this runtime on 127.0.0.1.
-    ray.init(
-        address=LOCAL,
-        num_cpus=os.cpu_count() or 1,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-    )
+    # Its processes start in this process's group, where a SIGTERM to the group (systemd's,
+    # `timeout`'s, `kill -- -PGID`) ended some of them while this one drained: they start with
+    # SIGTERM blocked (as Ray blocks SIGINT there), and ray.shutdown() ends them as before.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        ray.init(
+            address=LOCAL,
+            num_cpus=os.cpu_count() or 1,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            log_to_driver=False,
+        )
+    except Exception as exc:  # Ray's own: "The current node timed out during startup", ...
+        raise RayUnavailable(f"could not start a private Ray runtime: {exc}") from None
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     return LOCAL

@@ -50,3 +50,25 @@ def test_auto_and_client_addresses_are_left_to_ray(monkeypatch):
     monkeypatch.setattr(socket, "create_connection", unreachable)
     _check_reachable("auto")  # Ray finds it (RAY_ADDRESS, its record, a local GCS)
     _check_reachable("ray://head:10001")
+
+
+def test_a_private_runtime_that_fails_to_start_is_one_error(monkeypatch):
+    """Ray's own failure to start a private runtime (a bare Exception: "The current node timed
+    out during startup", on a loaded machine) is RayUnavailable, which serve prints as one
+    line; SIGTERM, blocked while the runtime's processes start, is unblocked again."""
+    import signal
+
+    import ray
+
+    from router import ray_runtime
+
+    def fails(*args, **kwargs):
+        assert signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+        raise Exception("The current node timed out during startup.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", fails)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    with pytest.raises(RayUnavailable, match="could not start a private Ray runtime: The cur"):
+        ray_runtime.init_ray(ray_runtime.LOCAL)
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before

@@ -287,3 +287,33 @@ def test_sigint_during_the_start_stops_it_at_once(tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGKILL)
         server.wait(10)
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_to_the_process_group_drains(tmp_path):
+    """SIGTERM to the server's whole process group (systemd's, `timeout`'s, a supervisor's
+    `kill -- -PGID`) drains like SIGTERM to the server alone: the private Ray runtime's own
+    processes, started in that group, do not take it (some ended, and the streams in flight
+    failed once their workers became unreachable)."""
+    run = StuckStreams(tmp_path, "120")
+    try:
+        run.stream_then_stop_the_workers()  # neither stream can end before the check below
+        ps = ["ps", "-o", "pid=", "-g", str(run.server.pid)]
+        group = {int(p) for p in subprocess.run(ps, capture_output=True, text=True).stdout.split()}
+        ray_processes = group - {run.server.pid}
+        assert ray_processes, group  # the private runtime's processes share the server's group
+        os.killpg(run.server.pid, signal.SIGTERM)
+        time.sleep(5)
+        gone = [p for p in ray_processes if not os.path.exists(f"/proc/{p}")]
+        assert not gone, (gone, run.log_path.read_text()[-3000:])
+        for pid in run.stopped:  # the workers go on: both streams end, drained
+            os.kill(pid, signal.SIGCONT)
+        run.stopped.clear()
+        for t in run.threads:
+            t.join(120)
+        assert run.ended == {"grpc": "finished", "http": "done"}, run.ended
+        assert run.got["grpc"] == 900, run.got
+        assert run.server.wait(60) == 0, run.log_path.read_text()[-3000:]
+        run.assert_clean_log()
+    finally:
+        run.close()
