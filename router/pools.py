@@ -441,6 +441,11 @@ class Pools:
     def infos(self) -> list[WorkerInfo]:
         return [h.info for h in self.live() if h.info is not None]
 
+    @property
+    def closed(self) -> bool:
+        """shutdown() was called: the pools take no request again."""
+        return self._closing
+
     def shutdown(self) -> None:
         self._closing = True
         handles = self.handles()
