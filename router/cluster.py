@@ -23,7 +23,7 @@ from engine.async_engine import EngineDeadError
 from engine.sampling_params import SamplingParams
 from kv_transfer import TransferStats
 from router.cluster_config import ClusterConfig
-from router.core_types import HandoffListener
+from router.core_types import HandoffListener, NoWorkers
 from router.errors import WorkerLost
 from router.handoffs import Handoffs
 from router.load_poll import LoadPoll
@@ -155,6 +155,16 @@ class Cluster:
     def _pick(self, ids: Sequence[str]) -> str:
         return ids[next(self._rr) % len(ids)]
 
+    def _decode_handle(self, worker_id: str | None) -> WorkerHandle:
+        """The named decode worker, else the next of those up; NoWorkers where none is."""
+        if worker_id:
+            return self._handle(worker_id)
+        ids = self.decode_ids
+        if not ids:
+            why = "the cluster is shut down" if self.pools.closed else "no decode worker is up"
+            raise NoWorkers(f"{why}: no worker to decode the request")
+        return self._handle(self._pick(ids))
+
     def _prefill_handle(self, worker_id: str | None, d: WorkerHandle) -> WorkerHandle | None:
         """The worker to prefill for D, or None when it (or, unnamed, every one but D) is
         gone."""
@@ -196,12 +206,15 @@ class Cluster:
         worker it touched, so its blocks are freed there and a call for it that Ray runs later
         does nothing: a request resumed after a worker died comes back under a new id
         (RequestBooks.moved). `on_prefill` hears how the handoff went on the disaggregated
-        path."""
+        path. A caller's loop that may raise holds it in contextlib.aclosing: an `async for`
+        does not close the generator it leaves by an exception, so the request would run on
+        until the generator is collected (a traceback kept holds it). NoWorkers: no decode
+        worker is up (the cluster is shut down, say)."""
         rid = placement.request_id
         req = WorkRequest(
             rid, tuple(int(t) for t in prompt_token_ids), params, placement.prefill_hold_s
         )
-        d = self._handle(placement.decode_worker or self._pick(self.decode_ids))
+        d = self._decode_handle(placement.decode_worker)
         listener = on_prefill or _NullListener()
         disaggregated = placement.path is RoutePath.DISAGGREGATED
         p = self._prefill_handle(placement.prefill_worker, d) if disaggregated else None

@@ -7,11 +7,15 @@ from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
 from kv_transfer.faults import FaultPlan
+from router.option_values import Parse, choice, integer, number, off_or, resources
 from router.pools import PoolConfig
 from router.workers import Placement
 from worker_protocol.messages import WorkerRole, WorkerSpec
 
 KV_FAILURE_POLICIES = ("recompute", "fail")
+KV_BACKENDS = ("auto", "gloo", "nccl")  # see WorkerSpec.kv_backend
+# The shortest hang timeout (but 0: off): a worker answers its load poll between engine steps.
+HANG_MIN_S = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +54,7 @@ class ClusterConfig:
     kv_faults: FaultPlan | None = None  # faults every worker's KV sends suffer: tests only
 
     def __post_init__(self) -> None:
-        if min(self.num_prefill, self.num_decode, self.num_both) < 0:
-            raise ValueError("need num_prefill, num_decode and num_both >= 0")
+        self._check_fields()
         if self.num_decode + self.num_both < 1:
             raise ValueError("need at least one worker that decodes (num_decode + num_both >= 1)")
         total = self.num_prefill + self.num_decode + self.num_both
@@ -64,6 +67,30 @@ class ClusterConfig:
                 f"kv_failure_policy: must be one of {', '.join(KV_FAILURE_POLICIES)}, "
                 f"got {self.kv_failure_policy!r}"
             )
+
+    def _check_fields(self) -> None:
+        """Each field's own range, by the rules of `pdserve serve`'s options (their checks,
+        router/option_values.py), on Python values: a string is not a number here."""
+        ints = {"num_prefill": 0, "num_decode": 0, "num_both": 0, "threads_per_worker": 1,
+                "max_workers": 1}  # fmt: skip
+        for name, low in ints.items():
+            _check(self, name, (int,), integer(low))
+        positive = number(0, strict=True)  # 0 s: every such wait would end at once
+        for name in ("kv_transfer_deadline_s", "prefill_timeout_s", "start_timeout_s",
+                     "control_timeout_s", "pair_timeout_s"):  # fmt: skip
+            _check(self, name, (int, float), positive)
+        _check(self, "drain_timeout_s", (int, float), number(0))  # 0: no wait for requests
+        _check(self, "worker_hang_timeout_s", (int, float), off_or(number(HANG_MIN_S)))
+        if self.gpus_per_worker is not None:
+            _check(self, "gpus_per_worker", (int, float), number(0))
+            if self.gpus_per_worker > 1 and self.gpus_per_worker != int(self.gpus_per_worker):
+                raise ValueError(
+                    "gpus_per_worker: Ray shares a GPU in fractions below 1; above 1 it must be "
+                    f"a whole number, got {self.gpus_per_worker:g}"
+                )
+        for name in ("prefill_resources", "decode_resources", "both_resources"):
+            _check(self, name, (dict,), resources)
+        _check(self, "kv_backend", (str,), choice(*KV_BACKENDS))
 
     def pool_config(self, cluster_gpus: float = 0.0) -> PoolConfig:
         """The pools' configuration on a Ray cluster with `cluster_gpus` GPUs in all."""
@@ -96,3 +123,15 @@ class ClusterConfig:
             drain_timeout_s=self.drain_timeout_s,
             max_workers=self.max_workers,
         )
+
+
+def _check(config: ClusterConfig, name: str, types: tuple[type, ...], parse: Parse) -> None:
+    """ValueError naming the field where its value is not of `types` or `parse` refuses it."""
+    value = getattr(config, name)
+    try:
+        if isinstance(value, bool) or not isinstance(value, types):
+            parse(None)  # refused: its message says what was expected
+        parse(value)
+    except ValueError as exc:
+        what = str(exc).replace("got None", f"got {value!r}")
+        raise ValueError(f"{name}: {what}") from None

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import TypeVar
 
+from engine.errors import InvalidRequestError
 from engine.outputs import TokenLogprobs
 from router.cluster_config import ClusterConfig
 from router.core_types import HandoffListener
@@ -129,6 +130,11 @@ class Handoffs:
             )
         except GONE:
             raise  # D died or its engine stopped: the request resumes on another (generate)
+        except InvalidRequestError:
+            # The request's own fault (an empty prompt, a token id out of the vocabulary, a
+            # prompt of the whole context), raised by D's engine before it reserved anything
+            # (Ray's RayTaskError is an instance of it): D prefilling it would refuse it too.
+            raise
         except Exception as exc:  # D did not answer in time: what it may have reserved goes
             await self._abort_on(d, rid)
             renew(ids)  # D prefills it under a new id

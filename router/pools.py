@@ -211,15 +211,6 @@ class Pools:
         """Wait (bounded) for the actor's engine; keep what it says about itself."""
         try:
             h.info = await asyncio.wait_for(h.actor.ready.remote(), self.config.start_timeout_s)
-            h.node_id = h.node_id or h.info.node_id or None  # where Ray placed it, if it chose
-            theirs = await self._code_of(h)
-            if theirs == code_id():
-                return True
-            said = theirs or "a version from before this check"
-            h.error = (
-                f"it runs other pdserve code than the router (worker_protocol/code_id.py: "
-                f"its {said}, the router's {code_id()}): install one version on every node"
-            )
         except asyncio.TimeoutError:
             placement = self.config.placement.get(h.role, Placement())
             h.error = (
@@ -229,9 +220,33 @@ class Pools:
             )
         except Exception as exc:
             h.error = f"{type(exc).__name__}: {exc}"
+        else:
+            h.node_id = h.node_id or h.info.node_id or None  # where Ray placed it, if it chose
+            h.error = await self._code_error(h)
+            if h.error is None:
+                return True
         log.warning("worker %s (incarnation %d) did not start: %s", h.worker_id, h.incarnation,
                     h.error)  # fmt: skip
         return False
+
+    async def _code_error(self, h: WorkerHandle) -> str | None:
+        """Why a worker whose engine is up cannot serve with this router (None: it can)."""
+        try:
+            theirs = await self._code_of(h)
+        except asyncio.TimeoutError:  # the control call's wait, not the start's
+            return (
+                f"its engine is up, but it did not say which code it runs within "
+                f"{self.config.control_timeout_s:g} s (the control timeout)"
+            )
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        if theirs == code_id():
+            return None
+        said = theirs or "a version from before this check"
+        return (
+            f"it runs other pdserve code than the router (worker_protocol/code_id.py: "
+            f"its {said}, the router's {code_id()}): install one version on every node"
+        )
 
     async def _code_of(self, h: WorkerHandle) -> str | None:
         """The code the worker runs (worker_protocol/code_id.py); None: a version from before
@@ -425,6 +440,11 @@ class Pools:
 
     def infos(self) -> list[WorkerInfo]:
         return [h.info for h in self.live() if h.info is not None]
+
+    @property
+    def closed(self) -> bool:
+        """shutdown() was called: the pools take no request again."""
+        return self._closing
 
     def shutdown(self) -> None:
         self._closing = True

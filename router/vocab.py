@@ -62,8 +62,9 @@ _placements = itertools.count()
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Placement:
-    """Where the pools run one request: a path that is taken (never AUTO), and the workers (None:
-    whichever the pools pick). The workers know the request by `request_id`."""
+    """Where the pools run one request: a path that is taken (never AUTO; the strings
+    "colocated" and "disaggregated" are taken for theirs), and the workers (None: whichever the
+    pools pick). The workers know the request by `request_id`."""
 
     path: RoutePath
     request_id: str = field(default_factory=lambda: f"placed-{next(_placements)}")
@@ -77,8 +78,15 @@ class Placement:
     prefill_hold_s: float | None = None
 
     def __post_init__(self) -> None:
-        if self.path not in (RoutePath.COLOCATED, RoutePath.DISAGGREGATED):
-            raise ValueError(f"a placement's path is colocated or disaggregated, not {self.path}")
+        taken = (RoutePath.COLOCATED, RoutePath.DISAGGREGATED)
+        path = next((p for p in taken if self.path in (p, p.value)), None)
+        if path is None:
+            shown = self.path.value if isinstance(self.path, RoutePath) else repr(self.path)
+            raise ValueError(
+                "a placement's path is RoutePath.COLOCATED or RoutePath.DISAGGREGATED (or "
+                f"'colocated' or 'disaggregated'), not {shown}"
+            )
+        object.__setattr__(self, "path", path)  # a string given becomes its RoutePath
         if (
             self.path is RoutePath.DISAGGREGATED
             and self.prefill_worker is not None

@@ -197,6 +197,30 @@ def test_a_worker_running_other_code_than_the_router_does_not_start(theirs):
         assert ("0123456789abcdef" if theirs == "other" else "from before this check") in h.error
 
 
+class Silent:
+    """An actor method stand-in whose call never answers."""
+
+    def remote(self):
+        return asyncio.Event().wait()
+
+
+def test_a_worker_silent_on_its_code_is_told_by_the_control_timeout_not_the_start_one():
+    """Its engine is up (ready answered): the code-id call waits the control timeout, and the
+    error says so, not that the worker was not up within the start timeout for want of
+    resources."""
+    from types import SimpleNamespace
+
+    pools = Pools(PoolConfig(spec=None, start_timeout_s=300, control_timeout_s=0.2))  # type: ignore[arg-type]
+    actor = SimpleNamespace(ready=Remote(SimpleNamespace(node_id="a")), code_id=Silent())
+    h = WorkerHandle("decode-0", WorkerRole.DECODE, actor, 0, None)  # type: ignore[arg-type]
+    try:
+        assert pools.ops.call(pools._engine_up(h), 10) is False
+    finally:
+        pools.ops.stop()
+    assert "did not say which code it runs within 0.2 s" in h.error, h.error
+    assert "300" not in h.error and "asks Ray" not in h.error, h.error
+
+
 def _growing(pools: Pools, where: list[str | None], released: list[asyncio.Event]):
     """A Pools.grow stand-in: the n-th call's workers start on node where[n] (None: no node had
     room), come up once released[n] is set, and are stopped if cancelled before."""

@@ -1,0 +1,54 @@
+"""ClusterConfig refuses a field out of range when built (from Python as from `pdserve serve`),
+by the rules of serve's options (router/option_values.py), naming the field."""
+
+import pytest
+
+from router.cluster_config import ClusterConfig
+
+
+@pytest.mark.parametrize(
+    "field, value, said",
+    [
+        ("threads_per_worker", 0, "an integer >= 1, got 0"),
+        ("threads_per_worker", -2, "an integer >= 1, got -2"),
+        ("num_decode", 1.5, "an integer >= 0, got 1.5"),
+        ("num_decode", "2", "an integer >= 0, got '2'"),
+        ("num_prefill", True, "an integer >= 0, got True"),
+        ("max_workers", 0, "an integer >= 1, got 0"),
+        ("gpus_per_worker", -1, "a number >= 0, got -1"),
+        ("gpus_per_worker", 1.5, "above 1 it must be a whole number, got 1.5"),
+        ("prefill_resources", {"prefill_node": -1}, "prefill_node: must be a number > 0"),
+        ("decode_resources", {"GPU": 1}, "'GPU' is set by other options"),
+        ("both_resources", '{"a": 1}', "must map resource names to amounts"),
+        ("kv_transfer_deadline_s", 0, "a number > 0, got 0"),
+        ("prefill_timeout_s", -1.0, "a number > 0, got -1.0"),
+        ("control_timeout_s", 0.0, "a number > 0, got 0.0"),
+        ("start_timeout_s", float("inf"), "a number > 0, got inf"),
+        ("pair_timeout_s", 0, "a number > 0, got 0"),
+        ("drain_timeout_s", -1, "a number >= 0, got -1"),
+        ("worker_hang_timeout_s", 1, "a number >= 3, got 1 (or 0: off)"),
+        ("worker_hang_timeout_s", -5, "a number >= 3, got -5 (or 0: off)"),
+        ("kv_backend", "tcp", "one of auto, gloo, nccl, got 'tcp'"),
+    ],
+)
+def test_a_field_out_of_range_is_refused_naming_it(field, value, said):
+    with pytest.raises(ValueError) as caught:
+        ClusterConfig(**{field: value})
+    assert str(caught.value).startswith(f"{field}: "), caught.value
+    assert said in str(caught.value), caught.value
+
+
+def test_the_zeros_that_mean_something_are_taken():
+    """A hang timeout of 0 is off, a drain timeout of 0 stops a removed worker at once, 0 GPUs
+    runs on CPU."""
+    c = ClusterConfig(
+        worker_hang_timeout_s=0,
+        drain_timeout_s=0,
+        gpus_per_worker=0,
+        num_prefill=0,
+        prefill_resources={"prefill_node": 0.5},
+        kv_backend="gloo",
+    )
+    assert c.worker_hang_timeout_s == 0 and c.drain_timeout_s == 0
+    ClusterConfig(gpus_per_worker=0.25)
+    ClusterConfig(gpus_per_worker=2)
