@@ -78,6 +78,9 @@ class Request:
     # Waiting for KV (kv_handoff.reserve): time.monotonic() from which its KV may land. Until
     # then it neither shrinks the prefill chunks here nor holds prompts for its decode.
     kv_due_at: float = 0.0
+    # Alone and out of blocks that others hold for a while: time.monotonic() it began to wait
+    # for them (Scheduler._waits_for_blocks); None while it runs.
+    blocks_wait_since: float | None = None
     # A penalized request's token_ids as int64, extended where it samples (engine/seen.py).
     seen_ids: array[int] | None = None
 

@@ -18,7 +18,10 @@ Where even the smallest chunk takes such a step past the target, with a hold set
 own, else `prefill_hold_s`) the prompts wait instead while the running decodes will end within
 their hold (engine/prompt_hold.py).
 When blocks run out, the newest running request is preempted: its blocks are freed and it is
-recomputed later from prompt + outputs (recompute preemption).
+recomputed later from prompt + outputs (recompute preemption). A request alone and out of
+blocks waits for those held for a while (reservations for KV on its way, a finished prompt's
+blocks kept for its send), up to BLOCKS_WAIT_S; one the whole pool cannot hold ends (length,
+kv_cache_capacity).
 
 Invariants checked at the end of every `schedule()`: budget respected (a lone unchunkable prefill
 excepted), no request scheduled twice, running count <= max_num_seqs, every scheduled request
@@ -39,6 +42,9 @@ from engine.prompt_hold import PromptHold
 from engine.prompt_steps import PromptStepCost
 from engine.request import FinishReason, Request, RequestStatus
 from engine.seen import seen
+
+# The most a request alone and out of blocks waits for those others hold for a while.
+BLOCKS_WAIT_S = 30.0
 
 _FINISH_STATUS = {
     FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
@@ -178,10 +184,9 @@ class Scheduler:
                 n = max(1, min(n, self.kv.free_slots(req)))
             while not self.kv.allocate_slots(req, n):
                 if len(self.running) == 1 and not chunks:
-                    # Alone and still out of blocks. Blocks reserved for KV on its way, or kept
-                    # for a finished prompt's send, come back: it waits for them (unscheduled,
-                    # keeping its own). Else the pool can never hold it.
-                    if not (self.waiting_for_kv or self.held):
+                    # Alone and still out of blocks: it waits for those others hold for a while
+                    # (unscheduled, keeping its own), else the pool can never hold it.
+                    if not self._waits_for_blocks(req):
                         self._end_for_capacity(req)
                     break
                 victim = self.running[-1]
@@ -194,6 +199,7 @@ class Scheduler:
             else:
                 chunks[req.request_id] = n
                 budget -= n
+                req.blocks_wait_since = None
                 if fill_cap is not None and n == req.num_tokens - req.num_computed_tokens:
                     budget = min(budget, fill_cap)  # it completes here (decodes: none)
 
@@ -225,6 +231,20 @@ class Scheduler:
         self.prompt_steps.observe(prefill_tokens, decodes, seconds)
         if self.sizer is not None:
             self.sizer.observe(prefill_tokens, decodes, seconds)
+
+    def _waits_for_blocks(self, req: Request) -> bool:
+        """Whether a request alone and out of blocks waits for those others hold for a while
+        (reservations for KV on its way, a finished prompt's blocks kept for its send): only
+        where the whole pool could hold it, and for BLOCKS_WAIT_S at most (two workers' lone
+        requests may each wait on blocks that a prefill queued behind the other would free)."""
+        if not (self.waiting_for_kv or self.held):
+            return False
+        if cdiv(req.num_tokens, self.kv.block_size) > self.kv.pool.num_blocks:
+            return False
+        now = time.monotonic()
+        if req.blocks_wait_since is None:
+            req.blocks_wait_since = now
+        return now - req.blocks_wait_since < BLOCKS_WAIT_S
 
     def _end_for_capacity(self, req: Request) -> None:
         if req in self.running:

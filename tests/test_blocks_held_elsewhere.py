@@ -51,6 +51,37 @@ def test_a_request_waits_for_blocks_kept_for_a_send():
     assert_pool_free(engine)
 
 
+def test_the_wait_for_blocks_held_elsewhere_has_a_deadline(monkeypatch):
+    """Blocks held for longer than BLOCKS_WAIT_S (a reservation whose prefill is queued behind
+    this very request on another worker): the request ends there (length, kv_cache_capacity),
+    with the tokens it had, greedy's, rather than wait on."""
+    import time
+
+    from engine import scheduler
+
+    monkeypatch.setattr(scheduler, "BLOCKS_WAIT_S", 0.5)
+    engine = make_engine("tiny-llama", block_size=4, num_blocks=64)
+    big, prompt = random_prompts([200, 40], seed=15)
+    assert engine.reserve_for_kv(big, GREEDY, "kv") is not None  # 50 blocks: 14 left
+    engine.add_request(prompt, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True),
+                       "local")  # fmt: skip
+    toks: list[int] = []
+    ended = None
+    t0 = time.monotonic()
+    while ended is None:
+        assert time.monotonic() - t0 < 30
+        for out in engine.step():
+            toks += out.new_token_ids
+            if out.finished:
+                ended = out
+    assert time.monotonic() - t0 >= 0.5
+    assert ended.finish_reason is FinishReason.LENGTH and ended.stop_reason == "kv_cache_capacity"
+    assert len(prompt) + len(toks) == 14 * 4 + 1  # its 14 blocks full, and a token past them
+    assert toks == hf_greedy("tiny-llama", prompt, len(toks))
+    engine.abort("kv")
+    assert_pool_free(engine)
+
+
 def test_a_request_the_whole_pool_cannot_hold_still_ends_there():
     """Nothing else holding blocks: alone and out of them, it ends (length,
     kv_cache_capacity), as before."""
