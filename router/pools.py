@@ -97,6 +97,7 @@ class Pools:
         self.lock = threading.RLock()
         self._closing = False
         self._starting: concurrent.futures.Future[list[WorkerHandle]] | None = None
+        self._start_cancelled = False
         self._maintainer = self.ops.submit(self._maintain())
 
     # -- reading -------------------------------------------------------------------------------
@@ -126,18 +127,24 @@ class Pools:
         """Bring up the pools, `counts` workers of each role (blocking); raises PoolsUnavailable
         when they don't come up."""
         limit = self.config.start_timeout_s + 3 * self.config.pair_timeout_s + 30
-        self._starting = self.ops.submit(self.grow(counts))
+        with self.lock:
+            if self._start_cancelled:  # before it began
+                raise PoolsUnavailable("the start was cancelled")
+            self._starting = starting = self.ops.submit(self.grow(counts))
         try:
-            self._starting.result(limit)
+            starting.result(limit)
         except concurrent.futures.TimeoutError:
             raise PoolsUnavailable(f"the workers did not come up within {limit:.0f} s") from None
         except concurrent.futures.CancelledError:
             raise PoolsUnavailable("the start was cancelled") from None
 
     def cancel_start(self) -> None:
-        """End start() (from another thread): its workers are stopped, and it raises."""
-        if self._starting is not None:
-            self._starting.cancel()
+        """End start() (from another thread; before it began, too): its workers are stopped,
+        and it raises."""
+        with self.lock:
+            self._start_cancelled = True
+            if self._starting is not None:
+                self._starting.cancel()
 
     async def grow(
         self, counts: Counts, new: list[WorkerHandle] | None = None

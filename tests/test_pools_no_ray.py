@@ -315,3 +315,21 @@ def test_a_resize_that_comes_to_wait_for_room_is_replaced_by_one_queued_before()
 
 async def _set(event: asyncio.Event) -> None:
     event.set()
+
+
+def test_a_start_cancelled_before_it_began_starts_nothing_and_raises():
+    """cancel_start() before start() (a Ctrl-C while the server made its pools): the start
+    raises at once, spawning no worker."""
+    from router.pools import PoolsUnavailable
+
+    pools = Pools(PoolConfig(spec=None))  # type: ignore[arg-type]
+    spawned: list[WorkerRole] = []
+    pools._spawn = lambda role, *a, **k: spawned.append(role)  # type: ignore[method-assign]
+    try:
+        pools.cancel_start()
+        t0 = time.monotonic()
+        with pytest.raises(PoolsUnavailable, match="the start was cancelled"):
+            pools.start({WorkerRole.PREFILL: 1, WorkerRole.DECODE: 1})
+        assert time.monotonic() - t0 < 5 and not spawned and not pools.handles()
+    finally:
+        pools.ops.stop()
