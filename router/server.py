@@ -16,6 +16,7 @@ import contextlib
 import logging
 import signal
 import socket
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -41,6 +42,8 @@ log = logging.getLogger("pdserve.server")
 # Once the requests in flight are ended (at the drain timeout, or interrupted again): how long
 # more the front doors wait for their answers to go out before cutting their calls.
 END_GRACE_S = 5.0
+# A second SIGINT/SIGTERM this soon after the first is the same one passed on, not "again".
+AGAIN_AFTER_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,20 +63,39 @@ class ServeConfig:
 
     def check_hosts(self) -> None:
         """ValueError naming the option where `host` or `admin_host` is no address of this
-        machine: found before Ray and the workers start, not as the ports bind after them."""
+        machine, or a port set (not 0) is taken there: found before Ray and the workers start,
+        not as the ports bind after them (a restart while the old server still drains)."""
         hosts = [("--host", self.host)]
+        ports = [("--port", self.host, self.port), ("--metrics-port", self.host, self.metrics_port),
+                 ("--http-port", self.host, self.http_port)]  # fmt: skip
         if self.admin_port is not None:
             hosts.append(("--admin-host", self.admin_host))
+            ports.append(("--admin-port", self.admin_host, self.admin_port))
         for option, host in hosts:
             try:
-                found = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
-                family, kind, _, _, address = found[0]
-                with socket.socket(family, kind) as s:
-                    s.bind(address)
+                _bind(host, 0)
             except OSError as exc:
                 raise ValueError(
                     f"{option}: {host} is not an address of this machine ({exc.strerror or exc})"
                 ) from None
+        for option, host, port in ports:
+            try:
+                if port:  # 0: any free port; None: off
+                    _bind(host, port)
+            except OSError as exc:
+                raise ValueError(
+                    f"{option}: {host}:{port} is taken ({exc.strerror or exc}): another server "
+                    "there, or one still draining?"
+                ) from None
+
+
+def _bind(host: str, port: int) -> None:
+    """Bind a socket to host:port and let it go, as the servers bind theirs (SO_REUSEADDR: a
+    port some closed connection still waits on is free to them)."""
+    family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(address)
 
 
 class Server:
@@ -137,9 +159,9 @@ class Server:
         if backend is None:
             init_ray(c.cluster.address)  # on this thread: Ray sets its signal handlers here
             cluster = self.cluster = await asyncio.to_thread(Cluster, c.cluster, False)
+            if self._start_cancelled:  # while it was made: its start stops at once
+                cluster.cancel_start()
             try:
-                if self._start_cancelled:
-                    raise PoolsUnavailable("the start was cancelled")
                 await asyncio.to_thread(cluster.start)  # minutes on a cluster still booting
             except BaseException:
                 self.cluster = None  # its start stopped what it started
@@ -365,9 +387,16 @@ async def serve(config: ServeConfig) -> None:
     # take the signals over, so that SIGTERM drains like SIGINT.
     init_ray(config.cluster.address)
 
+    first: list[float] = []  # when the first signal came
+
     def on_signal() -> None:
         if not stop.is_set():
+            first.append(time.monotonic())
             stop.set()
+        elif time.monotonic() - first[0] < AGAIN_AFTER_S:
+            # The same stop sent twice: a wrapper (`timeout`, a shell script) passing on the
+            # Ctrl-C or SIGTERM its process group got too. It drains.
+            log.info("a second signal within %.0f s of the first: draining still", AGAIN_AFTER_S)
         else:  # a second one while draining
             log.warning("interrupted again: the requests still in flight end now")
             server.hurry()

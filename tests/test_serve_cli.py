@@ -121,6 +121,28 @@ def test_a_model_that_is_not_there_stops_serve_in_one_line_before_ray():
     assert "Ray" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("option", ["--port", "--http-port", "--admin-port"])
+def test_a_port_taken_stops_serve_in_one_line_before_ray(option):
+    """A port another server holds (the one being replaced, still draining) is found before
+    Ray and any worker start: exit 2, one line naming the option (it came after every worker
+    had loaded its model)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        ports = {"--port": "0", "--http-port": "0", "--admin-port": "0", option: str(port)}
+        argv = [sys.executable, "-m", "router.cli", "serve", "--model", "tiny-llama",
+                "--ray-address", "local", "--metrics-port", "-1",
+                *(x for kv in ports.items() for x in kv)]  # fmt: skip
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
+    assert errors == [f"error: {option}: 127.0.0.1:{port} is taken (Address already in use): "
+                      "another server there, or one still draining?"], out.stderr  # fmt: skip
+    assert "Ray" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
 class StuckStreams:
     """A gRPC and an HTTP stream of 900 tokens on a server started with an admin and an HTTP
     port, whose workers are then stopped (SIGSTOP): neither can end by itself. How each ended:
@@ -235,10 +257,13 @@ def test_requests_left_at_the_drain_timeout_end_with_a_clear_error_on_both_doors
 def test_a_second_interrupt_while_draining_ends_the_requests_in_flight_at_once(tmp_path):
     """SIGINT drains (up to --drain-timeout, 120 s here) a gRPC and an HTTP stream that cannot
     end (their workers stopped); a second SIGINT ends both now, each with an answer that says
-    so, and the server exits 0 in seconds."""
+    so, and the server exits 0 in seconds. The same signal twice within a second (a wrapper,
+    such as `timeout`, passing on the Ctrl-C its process group got too) is one: it drains."""
     run = StuckStreams(tmp_path, "120")
     try:
         run.stream_then_stop_the_workers()
+        run.server.send_signal(signal.SIGINT)
+        time.sleep(0.1)
         run.server.send_signal(signal.SIGINT)
         time.sleep(2)
         assert run.server.poll() is None and not run.ended, (run.ended, run.got)  # draining
@@ -252,6 +277,9 @@ def test_a_second_interrupt_while_draining_ends_the_requests_in_flight_at_once(t
         assert run.ended == {"grpc": f"UNAVAILABLE: {why}", "http": f"error shutting_down: {why}"}
         assert run.got["grpc"] < 900 and run.got["http"] < 900, run.got
         assert "interrupted again" in run.log_path.read_text()
+        assert "a second signal within 1 s of the first: draining still" in (
+            run.log_path.read_text()
+        )
         run.assert_clean_log()
     finally:
         run.close()
@@ -280,9 +308,11 @@ def test_sigint_during_the_start_stops_it_at_once(tmp_path):
         out = log_path.read_text()
         assert "interrupted during the start" in out and out.rstrip().endswith("stopped"), out
         assert "Traceback" not in out, out
-        time.sleep(2)  # the private runtime's last processes ending
+        deadline = time.monotonic() + 30  # the private runtime's last processes ending
         with pytest.raises(ProcessLookupError):  # its session: Ray's processes, the workers'
-            os.killpg(server.pid, 0)
+            while time.monotonic() < deadline:
+                os.killpg(server.pid, 0)
+                time.sleep(0.2)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGKILL)
