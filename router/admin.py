@@ -126,6 +126,9 @@ class AdminServicer(pb_grpc.AdminServicer):
         except RuntimeError as exc:
             log.warning("scale failed: %s: %s", asked, exc)
             raise
+        except Exception:
+            log.exception("scale failed: %s", asked)
+            raise
         log.info("scale done: %s", asked)
 
 

@@ -7,15 +7,20 @@ from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
 from kv_transfer.faults import FaultPlan
-from router.option_values import Parse, choice, integer, number, off_or, resources
+from router.option_values import (
+    HANG_MIN_S,
+    KV_BACKENDS,
+    KV_FAILURE_POLICIES,
+    Parse,
+    choice,
+    integer,
+    number,
+    off_or,
+    resources,
+)
 from router.pools import PoolConfig
 from router.workers import Placement
 from worker_protocol.messages import WorkerRole, WorkerSpec
-
-KV_FAILURE_POLICIES = ("recompute", "fail")
-KV_BACKENDS = ("auto", "gloo", "nccl")  # see WorkerSpec.kv_backend
-# The shortest hang timeout (but 0: off): a worker answers its load poll between engine steps.
-HANG_MIN_S = 3.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# Choices and bounds that serve's options and ClusterConfig (router/cluster_config.py) share.
+KV_FAILURE_POLICIES = ("recompute", "fail")
+KV_BACKENDS = ("auto", "gloo", "nccl")  # see WorkerSpec.kv_backend
+# The shortest hang timeout (but 0: off): a worker answers its load poll between engine steps.
+HANG_MIN_S = 3.0
+
 Parse = Callable[[Any], Any]
 
 

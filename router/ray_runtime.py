@@ -106,7 +106,8 @@ def init_ray(address: str | None) -> str:
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (router/__init__.py) keeps this runtime on 127.0.0.1.
     # Its processes start in this process's group, where a SIGTERM to the group (systemd's,
     # `timeout`'s, `kill -- -PGID`) ended some of them while this one drained: they start with
-    # SIGTERM blocked (as Ray blocks SIGINT there), and ray.shutdown() ends them as before.
+    # SIGTERM blocked (as Ray blocks SIGINT there; the workers they start inherit it), and
+    # ray.shutdown() ends each with SIGKILL once its SIGTERM has gone unheard for 1 s.
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         ray.init(

@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from router.option_values import (
+    HANG_MIN_S,
+    KV_BACKENDS,
+    KV_FAILURE_POLICIES,
     Option,
     OptionError,
     auto_or,
@@ -86,7 +89,7 @@ OPTIONS: tuple[Option, ...] = (
            "worker's node by)"),
     Option("kv_host", optional(text), None, "address the KV transfer listens on (overrides "
            "--kv-interface; the same for every worker: for one-node setups)"),
-    Option("kv_backend", choice("auto", "gloo", "nccl"), "auto",
+    Option("kv_backend", choice(*KV_BACKENDS), "auto",
            "KV transfer backend: auto (per pair: nccl between two GPUs, gloo where both ends "
            "share a GPU or one is on CPU), or gloo or nccl for every pair (gloo for MIG slices "
            "of one GPU, which auto takes for two)"),
@@ -97,14 +100,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("kv_transfer_deadline", number(0, strict=True), 30.0,
            "seconds a KV send may take from its first layer before the decode worker "
            "gives up on it (and recomputes, or fails it under --kv-failure-policy fail)"),
-    Option("kv_failure_policy", choice("recompute", "fail"), "recompute",
+    Option("kv_failure_policy", choice(*KV_FAILURE_POLICIES), "recompute",
            "a disaggregated request whose KV does not come: its decode worker prefills it "
            "(recompute), or it ends with UNAVAILABLE and the reason (fail)"),
     Option("replace_dead_workers", flag, True,
            "start a new worker in place of one found dead", boolean=True),
     Option("max_workers", integer(1), 64,
            "the most workers of all pools together, at start and after `pdserve scale`"),
-    Option("worker_hang_timeout", off_or(number(3)), 60.0,
+    Option("worker_hang_timeout", off_or(number(HANG_MIN_S)), 60.0,
            "seconds a worker may answer no load poll (it answers between engine steps: keep "
            "this well above the longest step) before it is taken for hung (its engine stuck, its "
            "process stopped, its node unreachable): it is stopped and replaced, and its "
