@@ -482,7 +482,8 @@ def test_a_placement_takes_a_path_that_is_taken():
     assert Placement(path=RoutePath.DISAGGREGATED, request_id="x").prefill_worker is None
     a, b = Placement(path=RoutePath.COLOCATED), Placement(path=RoutePath.COLOCATED)
     assert a.request_id != b.request_id and a.decode_worker is None
-    for bad in (RoutePath.AUTO, "colocated"):
+    assert Placement(path="colocated").path is RoutePath.COLOCATED  # type: ignore[arg-type]
+    for bad in (RoutePath.AUTO, "auto", "colocate"):
         with pytest.raises(ValueError):
             Placement(path=bad)  # type: ignore[arg-type]
 
