@@ -222,9 +222,7 @@ class LLMEngine:
         """Count from zero again: the seconds spent in steps (and the steps kept for reading),
         the prefix cache's lookups and hits, preemptions and steps held for decodes. A worker
         does so after its warm-up, so that what it reports counts serving alone."""
-        self.step_stats.drain()
-        self.step_stats.total_steps = 0
-        self.step_stats.busy_s = 0.0
+        self.step_stats.reset()
         self.kv.pool.stats = PrefixCacheStats()
         self.scheduler.num_preemptions = 0
         self.scheduler.prompt_hold.steps = 0

@@ -70,6 +70,12 @@ class StepRecorder:
         self.busy_s += seconds
         return stat
 
+    def reset(self) -> None:
+        """Count from zero again (the steps kept for reading dropped too)."""
+        self.drain()
+        self.total_steps = 0
+        self.busy_s = 0.0
+
     def drain(self) -> tuple[StepStat, ...]:
         out = tuple(self._steps)
         self._steps.clear()

@@ -26,25 +26,27 @@ MARGIN_WINDOW, MARGIN_MIN_SAMPLES, MARGIN_QUANTILE, MARGIN_MAX = 64, 12, 0.9, 4.
 MARGIN_NEAR = 0.5
 
 
-def _room(n: int, c: RouterConfig, counts: RequestCounts) -> bool:
-    """Whether the queue holds `n` more requests (--max-pending waiting, max_active in all)."""
-    return counts.pending + n <= c.max_pending and counts.active + n <= c.max_active
+def _queue_full(
+    n: int, c: RouterConfig, counts: RequestCounts, retry_s: float
+) -> Overloaded | None:
+    """QUEUE_FULL where the queue has no room for `n` more requests (--max-pending waiting,
+    max_active in all)."""
+    if counts.pending + n <= c.max_pending and counts.active + n <= c.max_active:
+        return None
+    choices = f": no room for {n} choices" if n > 1 else ""
+    return Overloaded(
+        RejectReason.QUEUE_FULL,
+        f"server busy: {counts.pending} requests wait for a first token (limit "
+        f"{c.max_pending}), {counts.active} are active (limit {c.max_active}){choices}",
+        retry_s,
+    )
 
 
 def group_refusal(n: int, config: RouterConfig, counts: RequestCounts) -> Overloaded | None:
     """Why `n` requests that stand or fall together (an HTTP request's choices) are refused
     before any is admitted: the queue has no room for all of them. Each is then admitted on
     its own (refusal): one refused there ends the others, which ran for nothing."""
-    c = config
-    if not _room(n, c, counts):
-        return Overloaded(
-            RejectReason.QUEUE_FULL,
-            f"server busy: {counts.pending} requests wait for a first token (limit "
-            f"{c.max_pending}), {counts.active} are active (limit {c.max_active}): no room for "
-            f"{n} choices",
-            0.05,
-        )
-    return None
+    return _queue_full(n, config, counts, 0.05)
 
 
 def refusal(
@@ -56,13 +58,9 @@ def refusal(
 ) -> Overloaded | None:
     """Why the request is refused now, or None when it is taken."""
     c, chosen = config, decision.chosen
-    if not _room(1, c, counts):
-        return Overloaded(
-            RejectReason.QUEUE_FULL,
-            f"server busy: {counts.pending} requests wait for a first token "
-            f"(limit {c.max_pending}), {counts.active} are active (limit {c.max_active})",
-            max(0.05, chosen.queue_s),
-        )
+    full = _queue_full(1, c, counts, max(0.05, chosen.queue_s))
+    if full is not None:
+        return full
     if chosen.shed(shape.slo_ttft_s, margin):
         return Overloaded(
             RejectReason.SLO,

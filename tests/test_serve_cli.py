@@ -221,6 +221,10 @@ class StuckStreams:
             os.killpg(self.server.pid, signal.SIGKILL)
             self.server.wait(10)
 
+    def assert_ended_with(self, why: str) -> None:
+        """Both streams were ended with `why`, each door's way."""
+        assert self.ended == {"grpc": f"UNAVAILABLE: {why}", "http": f"error shutting_down: {why}"}
+
     def assert_clean_log(self) -> None:
         text = self.log_path.read_text()
         for bad in ("Traceback", "Exception in ASGI application", "CancelledError"):
@@ -241,9 +245,7 @@ def test_requests_left_at_the_drain_timeout_end_with_a_clear_error_on_both_doors
             t.join(60)
         took = time.monotonic() - t0
         assert 3 <= took < 3 + 5, took  # at the drain timeout, not at the doors' own grace
-        why = "the server is shutting down: its drain timeout (3 s) passed"
-        assert run.ended["grpc"] == f"UNAVAILABLE: {why}", run.ended
-        assert run.ended["http"] == f"error shutting_down: {why}", run.ended
+        run.assert_ended_with("the server is shutting down: its drain timeout (3 s) passed")
         assert run.server.wait(90) == 0, run.log_path.read_text()[-3000:]
         assert "drain timeout (3 s) passed: ended the 2 requests still in flight" in (
             run.log_path.read_text()
@@ -273,8 +275,7 @@ def test_a_second_interrupt_while_draining_ends_the_requests_in_flight_at_once(t
         assert time.monotonic() - t0 < 45, time.monotonic() - t0  # not the 120 s drain
         for t in run.threads:
             t.join(30)
-        why = "the server is shutting down: interrupted again"
-        assert run.ended == {"grpc": f"UNAVAILABLE: {why}", "http": f"error shutting_down: {why}"}
+        run.assert_ended_with("the server is shutting down: interrupted again")
         assert run.got["grpc"] < 900 and run.got["http"] < 900, run.got
         assert "interrupted again" in run.log_path.read_text()
         assert "a second signal within 1 s of the first: draining still" in (
