@@ -9,6 +9,8 @@
   the key: float32.
 
 Only the header is read (never the tensors), so this costs milliseconds even for large files.
+`gguf_architecture` reads `general.architecture` from the same header, so a GGUF file of a
+model pdserve does not run is refused before it is dequantized.
 """
 
 from __future__ import annotations
@@ -58,16 +60,41 @@ def gguf_dtype(path: Path) -> str:
 
 def gguf_file_type(path: Path) -> int | None:
     """`general.file_type` from a GGUF file's metadata; None when absent or unreadable."""
+    value = _gguf_header_value(path, "general.file_type")
+    return value if isinstance(value, int) else None
+
+
+def gguf_architecture(path: Path) -> str | None:
+    """`general.architecture` (`llama`, `qwen2`, ...) from a GGUF file's metadata; None when
+    absent or unreadable."""
+    value = _gguf_header_value(path, "general.architecture")
+    return value if isinstance(value, str) else None
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether `path` starts with the GGUF magic bytes."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == _GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def _gguf_header_value(path: Path, key: str) -> int | str | None:
+    """The metadata value under `key` when it is a 32-bit integer or a string; None when absent,
+    of another type, or the header is unreadable."""
     try:
         with open(path, "rb") as f:
             if f.read(4) != _GGUF_MAGIC:
                 return None
             _version, _tensors, kv_count = struct.unpack("<IQQ", f.read(20))
             for _ in range(kv_count):
-                key = _read_string(f)
+                name = _read_string(f)
                 (kind,) = struct.unpack("<I", f.read(4))
-                if key == "general.file_type" and kind in (4, 5):  # uint32 / int32
+                if name == key and kind in (4, 5):  # uint32 / int32
                     return int(struct.unpack("<I" if kind == 4 else "<i", f.read(4))[0])
+                if name == key and kind == _GGUF_STRING:
+                    return _read_string(f)
                 _skip_value(f, kind)
     except (OSError, struct.error, ValueError, UnicodeDecodeError):
         return None

@@ -79,9 +79,16 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if chat:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise InvalidRequestError(
+                    "chat", "this model has no chat template; send a plain prompt"
+                )
+            try:
+                ids = self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+                )
+            except Exception as exc:  # the template's own refusal (a Jinja error, raise_exception)
+                raise InvalidRequestError("chat", f"the chat template refused it: {exc}") from exc
             if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
                 ids = ids["input_ids"]  # type: ignore[index]
             return [int(t) for t in ids]  # type: ignore[arg-type]

@@ -42,7 +42,13 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from engine.checkpoint_dtype import TINY_MODEL_DTYPE, folder_dtype, gguf_dtype
+from engine.checkpoint_dtype import (
+    TINY_MODEL_DTYPE,
+    folder_dtype,
+    gguf_architecture,
+    gguf_dtype,
+    is_gguf,
+)
 from engine.config import ModelConfig, resolve_device, resolve_dtype
 from engine.errors import ModelNotFoundError
 from engine.tiny_models import TINY_MODELS, build_tiny_model
@@ -67,6 +73,15 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+# GGUF `general.architecture` values that transformers loads as a supported architecture.
+_GGUF_ARCHITECTURES = tuple(_ARCH_BY_MODEL_TYPE)
+# What transformers reads weights from; an index names the shard files.
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,15 +120,16 @@ def load_model(cfg: ModelConfig, cache_dir: Path | str | None = None) -> LoadedM
 def load_tokenizer(
     cfg: ModelConfig, cache_dir: Path | str | None = None
 ) -> PreTrainedTokenizerBase:
-    """The tokenizer of `cfg.model` alone (no weights are read, except for the tiny models,
-    which are built whole: they are small)."""
+    """The tokenizer of `cfg.model`, once the model is known to be one `load_model` loads: its
+    config is readable and names a supported architecture, and its weight files are there
+    (ModelNotFoundError otherwise). No weights are read, except for the tiny models, which are
+    built whole: they are small. `serve` calls this before any worker starts."""
     if cfg.model in TINY_MODELS:
         return build_tiny_model(cfg.model, seed=cfg.seed)[1]
     folder = _model_folder(cfg, cache_dir)
-    try:
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except OSError as exc:
-        raise ModelNotFoundError(f"model folder {folder} is incomplete: {exc}") from exc
+    _architecture(_read_config(folder), cfg.model)
+    _check_weights(folder)
+    return _read_tokenizer(folder)
 
 
 def model_dtype(
@@ -142,7 +158,7 @@ def checkpoint_dtype(cfg: ModelConfig, cache_dir: Path | str | None = None) -> s
             return folder_dtype(folder)
         raise _no_smollm2(folder)
     path = Path(cfg.model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
+    if _is_gguf_name(path):
         return gguf_dtype(path)
     return folder_dtype(_model_folder(cfg, cache_dir))
 
@@ -163,10 +179,11 @@ def _model_folder(cfg: ModelConfig, cache_dir: Path | str | None) -> Path:
             _convert_gguf(_smollm2_gguf(folder), folder)
         return folder
     path = Path(name).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
+    if _is_gguf_name(path):
         stat = path.stat()
         folder = root / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
         if not _is_complete(folder):
+            _check_gguf(path)
             _convert_gguf(path, folder)
         return folder
     if (path / "config.json").is_file():
@@ -176,6 +193,24 @@ def _model_folder(cfg: ModelConfig, cache_dir: Path | str | None) -> Path:
         f".gguf file and not a folder with config.json (looked at {path.resolve()}). "
         f"Supported architectures: {SUPPORTED_ARCHITECTURES}"
     )
+
+
+def _is_gguf_name(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() == ".gguf"
+
+
+def _check_gguf(path: Path) -> None:
+    """Refuse a file that is not GGUF, or a GGUF model pdserve does not run, from its header
+    alone: converting dequantizes every tensor first."""
+    if not is_gguf(path):
+        raise ModelNotFoundError(f"model {str(path)!r} is not a GGUF file (no GGUF magic bytes)")
+    found = gguf_architecture(path)
+    if found not in _GGUF_ARCHITECTURES:
+        raise ModelNotFoundError(
+            f"model {str(path)!r} is a GGUF file of architecture {found!r}, which pdserve does "
+            f"not run (it runs GGUF architectures {_GGUF_ARCHITECTURES}). "
+            f"Supported architectures: {SUPPORTED_ARCHITECTURES}"
+        )
 
 
 def _max_model_len(config: PretrainedConfig, requested: int | None) -> int:
@@ -212,23 +247,76 @@ def _is_complete(folder: Path) -> bool:
     return (folder / "config.json").is_file()
 
 
-def _load_folder(
-    folder: Path, dtype: torch.dtype
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _read_config(folder: Path) -> PretrainedConfig:
     try:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
+        model_type = _declared_model_type(folder)
+        if model_type is not None and model_type not in _ARCH_BY_MODEL_TYPE:
+            # transformers does not know it either; its message suggests upgrading transformers
+            raise ModelNotFoundError(
+                f"model folder {folder} has model_type {model_type!r}, which pdserve does not "
+                f"run. Supported architectures: {SUPPORTED_ARCHITECTURES}"
+            ) from exc
         raise ModelNotFoundError(
             f"model folder {folder} has no readable config ({exc}). "
             f"Supported architectures: {SUPPORTED_ARCHITECTURES}"
         ) from exc
+
+
+def _declared_model_type(folder: Path) -> str | None:
+    try:
+        declared = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return declared if isinstance(declared, str) else None
+
+
+def _check_weights(folder: Path) -> None:
+    """ModelNotFoundError unless `folder` has weights: one of _WEIGHT_FILES, with every shard an
+    index names."""
+    for name in _WEIGHT_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        if not name.endswith(".index.json"):
+            return
+        try:
+            shards = set(json.loads(path.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            unreadable = f"model folder {folder}: {name} is unreadable ({exc})"
+            raise ModelNotFoundError(unreadable) from exc
+        missing = sorted(s for s in shards if not (folder / s).is_file())
+        if missing:
+            raise ModelNotFoundError(
+                f"model folder {folder} lacks {len(missing)} weight file(s) {name} names: "
+                f"{', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}"
+            )
+        return
+    raise ModelNotFoundError(
+        f"model folder {folder} has no weights: none of {', '.join(_WEIGHT_FILES)}"
+    )
+
+
+def _read_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelNotFoundError(f"model folder {folder} has no usable tokenizer: {exc}") from exc
+
+
+def _load_folder(
+    folder: Path, dtype: torch.dtype
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    config = _read_config(folder)
     # Refuse before reading any weights.
     _architecture(config, str(folder))
+    _check_weights(folder)
+    tokenizer = _read_tokenizer(folder)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             folder, config=config, dtype=dtype, local_files_only=True
         )
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except OSError as exc:
         raise ModelNotFoundError(f"model folder {folder} is incomplete: {exc}") from exc
     return model, tokenizer

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel, load_model
+from engine.tiny_models import build_tiny_model
 
 _LOADED: dict[str, LoadedModel] = {}
 
@@ -86,3 +89,11 @@ def drain(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, list[int]]:
 def assert_pool_free(engine: LLMEngine) -> None:
     engine.kv.pool.check_invariants()
     assert engine.kv.pool.all_free(), "blocks still held after every request ended"
+
+
+def save_gpt2_with_tokenizer(folder: Path) -> None:
+    """A model folder of an architecture pdserve does not run (GPT-2), with a tokenizer beside
+    it: readable by transformers, refused by pdserve's loader."""
+    config = GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=64, n_positions=32)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    build_tiny_model("tiny-llama")[1].save_pretrained(folder)

@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+from engine.tiny_models import build_tiny_model
 from router import serve_options
 from router.cli import main
 
@@ -133,6 +134,23 @@ def test_unknown_model_exits_2_naming_it(capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "no-such-model" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("template", "said"),
+    [(None, "error: chat: this model has no chat template; send a plain prompt"),
+     ("{{ raise_exception('system turns only') }}",
+      "error: chat: the chat template refused it: system turns only")],
+)  # fmt: skip
+def test_chat_without_a_usable_template_exits_2_naming_chat(capsys, tmp_path, template, said):
+    model, tokenizer = build_tiny_model("tiny-llama")
+    tokenizer.chat_template = template
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert run(["generate", "--model", str(tmp_path), "--chat", "--max-tokens", "2", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(said) and "Traceback" not in err, err
 
 
 def test_max_tokens_past_the_context_is_refused_and_the_default_is_cut_to_it(capsys):

@@ -1,17 +1,20 @@
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Iterator
+import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
 
+from engine import loader
 from engine.config import ModelConfig
 from engine.errors import ModelNotFoundError
-from engine.loader import SUPPORTED_ARCHITECTURES, LoadedModel, load_model
+from engine.loader import SUPPORTED_ARCHITECTURES, LoadedModel, load_model, load_tokenizer
 from engine.tiny_models import TINY_MODELS, build_tiny_model
+from tests.helpers import save_gpt2_with_tokenizer
 
 
 def _assert_names_supported(message: str) -> None:
@@ -78,22 +81,87 @@ def test_sliding_window_caps_max_model_len(tmp_path: Path) -> None:
     assert load_model(ModelConfig(model=str(tmp_path), max_model_len=64)).max_model_len == 64
 
 
-def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
-    config = GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=64, n_positions=32)
-    GPT2LMHeadModel(config).save_pretrained(tmp_path)
+@pytest.mark.parametrize("load", [load_model, load_tokenizer])
+def test_unsupported_architecture_is_refused(tmp_path: Path, load: Callable) -> None:
+    save_gpt2_with_tokenizer(tmp_path)
     with pytest.raises(ModelNotFoundError) as info:
-        load_model(ModelConfig(model=str(tmp_path)))
+        load(ModelConfig(model=str(tmp_path)))
     assert "GPT2LMHeadModel" in str(info.value)
     _assert_names_supported(str(info.value))
 
 
-def test_broken_gguf_leaves_no_cache(tmp_path: Path) -> None:
-    gguf = tmp_path / "broken.gguf"
+@pytest.fixture
+def tiny_folder(tmp_path: Path) -> Path:
+    model, tokenizer = build_tiny_model("tiny-llama", seed=5)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("load", [load_model, load_tokenizer])
+def test_a_folder_without_weights_is_refused_by_name(tiny_folder: Path, load: Callable) -> None:
+    (tiny_folder / "model.safetensors").unlink()
+    with pytest.raises(ModelNotFoundError, match="has no weights: none of model.safetensors"):
+        load(ModelConfig(model=str(tiny_folder)))
+
+
+def test_a_shard_an_index_names_must_be_there(tiny_folder: Path) -> None:
+    (tiny_folder / "model.safetensors").rename(tiny_folder / "model-00001-of-00002.safetensors")
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    index = json.dumps({"weight_map": weight_map})
+    (tiny_folder / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ModelNotFoundError, match="lacks 1 weight file.*model-00002-of-00002"):
+        load_tokenizer(ModelConfig(model=str(tiny_folder)))
+
+
+@pytest.mark.parametrize("load", [load_model, load_tokenizer])
+def test_a_folder_without_a_tokenizer_is_refused_by_name(tiny_folder: Path, load: Callable) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tiny_folder / name).unlink(missing_ok=True)
+    with pytest.raises(ModelNotFoundError, match="has no usable tokenizer"):
+        load(ModelConfig(model=str(tiny_folder)))
+
+
+def test_a_model_type_transformers_does_not_know_is_named(tiny_folder: Path) -> None:
+    config = json.loads((tiny_folder / "config.json").read_text())
+    (tiny_folder / "config.json").write_text(json.dumps({**config, "model_type": "frobnicator"}))
+    with pytest.raises(ModelNotFoundError) as info:
+        load_tokenizer(ModelConfig(model=str(tiny_folder)))
+    assert "model_type 'frobnicator', which pdserve does not run" in str(info.value)
+    assert "pip" not in str(info.value)
+    _assert_names_supported(str(info.value))
+
+
+@pytest.mark.parametrize("name", ["broken.gguf", "BROKEN.GGUF"])
+def test_a_file_that_is_not_gguf_is_refused_and_leaves_no_cache(tmp_path: Path, name: str) -> None:
+    gguf = tmp_path / name
     gguf.write_bytes(b"not a gguf file")
     cache = tmp_path / "cache"
-    with pytest.raises(Exception):  # noqa: B017 - whatever the GGUF reader raises
+    with pytest.raises(ModelNotFoundError, match="is not a GGUF file"):
         load_model(ModelConfig(model=str(gguf)), cache_dir=cache)
-    assert list(cache.iterdir()) == []
+    assert not cache.exists() or list(cache.iterdir()) == []
+
+
+def test_a_gguf_architecture_not_run_is_refused_from_its_header(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_file_type(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+
+    def no_dequantize(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the GGUF file was read whole")
+
+    monkeypatch.setattr(loader, "_convert_gguf", no_dequantize)
+    cache = tmp_path / "cache"
+    with pytest.raises(ModelNotFoundError) as info:
+        load_tokenizer(ModelConfig(model=str(path)), cache_dir=cache)
+    assert "GGUF file of architecture 'gpt2', which pdserve does not run" in str(info.value)
+    _assert_names_supported(str(info.value))
+    assert not cache.exists() or list(cache.iterdir()) == []
 
 
 def test_missing_smollm2_package_says_how_to_install(

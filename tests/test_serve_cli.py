@@ -18,6 +18,7 @@ import pytest
 
 from pdserve_proto import generation_pb2 as pb
 from pdserve_proto import generation_pb2_grpc as pb_grpc
+from tests.helpers import save_gpt2_with_tokenizer
 
 
 def free_port() -> int:
@@ -110,14 +111,21 @@ def test_serve_answers_complete_and_drains_on_sigterm(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_model_that_is_not_there_stops_serve_in_one_line_before_ray():
-    """Checked before Ray or any worker starts: exit 2, one line naming the model."""
-    argv = [sys.executable, "-m", "router.cli", "serve", "--model", "no-such-model",
+@pytest.mark.parametrize("model", ["no-such-model", "gpt2-folder"])
+def test_a_model_that_is_not_there_stops_serve_in_one_line_before_ray(tmp_path, model):
+    """Checked before Ray or any worker starts: exit 2, one line naming the model. A folder of an
+    architecture pdserve does not run, with a tokenizer, is refused there too (not by every
+    worker, after Ray started)."""
+    said = "model 'no-such-model' not found"
+    if model == "gpt2-folder":
+        save_gpt2_with_tokenizer(tmp_path)
+        model, said = str(tmp_path), "has architecture GPT2LMHeadModel, which pdserve does not run"
+    argv = [sys.executable, "-m", "router.cli", "serve", "--model", model,
             "--ray-address", "local", "--port", "0", "--metrics-port", "-1"]  # fmt: skip
     out = subprocess.run(argv, capture_output=True, text=True, timeout=100)
     assert out.returncode == 2, out.stderr[-2000:]
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
-    assert len(errors) == 1 and "model 'no-such-model' not found" in errors[0], out.stderr
+    assert len(errors) == 1 and said in errors[0], out.stderr
     assert "Ray" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
