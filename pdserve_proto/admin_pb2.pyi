@@ -51,14 +51,30 @@ class ListWorkersRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ScaleOutcome(_message.Message):
+    __slots__ = ("asked", "outcome", "detail", "started_unix", "ended_unix")
+    ASKED_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ENDED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    asked: str
+    outcome: str
+    detail: str
+    started_unix: float
+    ended_unix: float
+    def __init__(self, asked: _Optional[str] = ..., outcome: _Optional[str] = ..., detail: _Optional[str] = ..., started_unix: _Optional[float] = ..., ended_unix: _Optional[float] = ...) -> None: ...
+
 class ListWorkersResponse(_message.Message):
-    __slots__ = ("workers", "prefill_restarts", "decode_restarts", "both_restarts")
+    __slots__ = ("workers", "prefill_restarts", "decode_restarts", "both_restarts", "last_scale")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     DECODE_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     BOTH_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SCALE_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[Worker]
     prefill_restarts: int
     decode_restarts: int
     both_restarts: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., prefill_restarts: _Optional[int] = ..., decode_restarts: _Optional[int] = ..., both_restarts: _Optional[int] = ...) -> None: ...
+    last_scale: ScaleOutcome
+    def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., prefill_restarts: _Optional[int] = ..., decode_restarts: _Optional[int] = ..., both_restarts: _Optional[int] = ..., last_scale: _Optional[_Union[ScaleOutcome, _Mapping]] = ...) -> None: ...

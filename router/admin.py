@@ -4,12 +4,15 @@ request core sees the new membership at its next decision.
 
 Scale answers INVALID_ARGUMENT naming the field for a size out of range, FAILED_PRECONDITION while
 the pools are fixed (a server without Ray pools), UNAVAILABLE when new workers did not start.
+ListWorkers carries the latest resize's outcome (`last_scale`), so a caller who stopped waiting
+for Scale's answer still learns how it ended.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -43,6 +46,7 @@ class AdminServicer(pb_grpc.AdminServicer):
     def __init__(self, cluster: Cluster | None) -> None:
         self.cluster = cluster
         self._resizing: set[asyncio.Future[None]] = set()  # kept: the loop holds tasks weakly
+        self.last_scale: pb.ScaleOutcome | None = None
 
     def _workers(self) -> list[pb.Worker]:
         if self.cluster is None:
@@ -61,6 +65,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             prefill_restarts=restarts.get(WorkerRole.PREFILL, 0),
             decode_restarts=restarts.get(WorkerRole.DECODE, 0),
             both_restarts=restarts.get(WorkerRole.BOTH, 0),
+            last_scale=self.last_scale,
         )
 
     async def Scale(  # noqa: N802
@@ -115,21 +120,35 @@ class AdminServicer(pb_grpc.AdminServicer):
         both: int | None,
     ) -> None:
         assert self.cluster is not None
+        outcome = pb.ScaleOutcome(asked=asked, outcome="running", started_unix=time.time())
+        self.last_scale = outcome
+
+        def ended(how: str, detail: object = "") -> None:
+            outcome.outcome, outcome.detail, outcome.ended_unix = how, str(detail), time.time()
+
         try:
             await self.cluster.scale(prefill, decode, drain, both)
         except ValueError as exc:
             log.warning("scale refused: %s", exc)
+            ended("refused", exc)
             raise
         except ResizeReplaced as exc:
             log.warning("scale replaced: %s: %s", asked, exc)
+            ended("replaced", exc)
             raise
         except RuntimeError as exc:
             log.warning("scale failed: %s: %s", asked, exc)
+            ended("failed", exc)
             raise
-        except Exception:
+        except asyncio.CancelledError:  # the server stops
+            ended("failed", "cancelled: the server is stopping")
+            raise
+        except Exception as exc:
             log.exception("scale failed: %s", asked)
+            ended("failed", f"{type(exc).__name__}: {exc}")
             raise
         log.info("scale done: %s", asked)
+        ended("done")
 
 
 def add_admin(server: grpc.aio.Server, cluster: Cluster | None) -> None:

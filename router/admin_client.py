@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Any
 
 from pdserve_client import ClientAuth
@@ -124,4 +125,15 @@ def run_workers(args: argparse.Namespace) -> int:
         f"restarts: prefill {res.prefill_restarts}, decode {res.decode_restarts}, "
         f"both {res.both_restarts}"
     )
+    if res.HasField("last_scale"):
+        print(last_scale(res.last_scale, time.time()))
     return 0
+
+
+def last_scale(s: Any, now: float) -> str:
+    """`pdserve workers`' line for the latest resize (a pb.ScaleOutcome)."""
+    if not s.ended_unix:
+        return f"last scale: {s.asked}: running for {now - s.started_unix:.0f} s"
+    took = s.ended_unix - s.started_unix
+    line = f"last scale: {s.asked}: {s.outcome} in {took:.1f} s, {now - s.ended_unix:.0f} s ago"
+    return f"{line}: {s.detail}" if s.detail else line

@@ -237,6 +237,10 @@ def test_a_scale_whose_caller_gives_up_still_completes(srv, capsys, caplog):
     while not any(r.getMessage() == f"scale done: {asked}" for r in caplog.records):
         assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
         time.sleep(0.05)
+    # `pdserve workers` tells the caller who gave up how it ended.
+    assert main(["workers", "--address", admin]) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("last scale:")]
+    assert line.startswith(f"last scale: {asked}: done in "), line
     # And a resize after it sees the pools as they are: back to the size before.
     with grpc.insecure_channel(admin) as ch:
         admin_pb2_grpc.AdminStub(ch).Scale(admin_pb2.ScaleRequest(prefill=before), timeout=200)
@@ -263,6 +267,13 @@ def test_bad_sizes_are_refused_naming_the_field(srv, caplog):
     said = [r.getMessage() for r in caplog.records if r.name == "pdserve.admin"]
     assert any(m.startswith("scale refused: decode: need at least 1 worker") for m in said), said
     assert not any(m.startswith("scale done") for m in said), said
+    # ListWorkers says so too (the fields' own refusals never reach a resize).
+    with grpc.insecure_channel(admin) as ch:
+        res = admin_pb2_grpc.AdminStub(ch).ListWorkers(admin_pb2.ListWorkersRequest(), timeout=10)
+    last = res.last_scale
+    assert (last.asked, last.outcome) == ("prefill None, decode 0, workers None (drain None s)",
+                                          "refused"), last  # fmt: skip
+    assert last.detail.startswith("decode: need at least 1 worker") and last.ended_unix, last
     # The server still serves.
     with grpc.insecure_channel(srv.address) as ch:
         res = pb_grpc.GenerationStub(ch).Complete(
