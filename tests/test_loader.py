@@ -8,6 +8,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import loader
 from engine.config import ModelConfig
@@ -146,11 +147,7 @@ def test_a_gguf_architecture_not_run_is_refused_from_its_header(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "gpt2.gguf"
-    writer = gguf.GGUFWriter(str(path), "gpt2")
-    writer.add_file_type(1)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.close()
+    write_gguf_header(path, "gpt2")
 
     def no_dequantize(*args: object, **kwargs: object) -> None:
         raise AssertionError("the GGUF file was read whole")
@@ -200,3 +197,59 @@ def test_smollm2_answers_paris(smollm2: LoadedModel) -> None:
     out = smollm2.hf_model.generate(**prompt, max_new_tokens=16, do_sample=False)
     answer = tokenizer.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer
+
+
+def write_gguf_header(path: Path, architecture: str, **fields: int) -> None:
+    """A GGUF file with metadata and no tensors: what pdserve reads before converting one."""
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_file_type(1)
+    for key, value in fields.items():
+        writer.add_uint32(key, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+
+
+def test_a_gguf_file_replaced_at_its_path_is_converted_again_and_the_old_copy_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers' GGUF reading is stood in for by tiny-llama (dequantizing a real file takes
+    20 s); the rest of the conversion, its cache and the cleanup run as they are. The name is in
+    capitals: `.GGUF` is a GGUF file too."""
+    model, tokenizer = build_tiny_model("tiny-llama", seed=9)
+    model_from, tokenizer_from = AutoModelForCausalLM.from_pretrained, AutoTokenizer.from_pretrained
+    read: list[str] = []
+
+    def read_gguf(real: Callable, made: object) -> Callable:
+        def from_pretrained(*args: object, **kwargs: object) -> object:
+            if "gguf_file" not in kwargs:
+                return real(*args, **kwargs)
+            read.append(str(kwargs["gguf_file"]))
+            return made
+
+        return from_pretrained
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", read_gguf(model_from, model))
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", read_gguf(tokenizer_from, tokenizer))
+    cache, file = tmp_path / "cache", tmp_path / "Tiny.GGUF"
+    other = tmp_path / "other" / "Tiny.GGUF"  # another file of the same name keeps its copy
+    other.parent.mkdir()
+    write_gguf_header(other, "llama")
+    write_gguf_header(file, "llama")
+    config = ModelConfig(model=str(file))
+    load_tokenizer(ModelConfig(model=str(other)), cache_dir=cache)
+    first = load_model(config, cache_dir=cache)
+    load_tokenizer(config, cache_dir=cache)
+    assert len(read) == 4  # model and tokenizer, of two files; the third load was cached
+    source = str(file.resolve())
+    (converted,) = [f for f in cache.iterdir() if source in (f / "source.json").read_text()]
+    write_gguf_header(file, "llama", extra=1)  # new contents, new size
+    again = load_model(config, cache_dir=cache)
+    assert len(read) == 6
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.equal(again.hf_model(ids).logits, model(ids).logits)
+        assert torch.equal(first.hf_model(ids).logits, model(ids).logits)
+    sources = sorted(json.loads((f / "source.json").read_text())["gguf"] for f in cache.iterdir())
+    assert sources == sorted([source, str(other.resolve())])
+    assert not converted.exists()
