@@ -21,7 +21,13 @@ class BothWorker(KVSenderSide, KVReceiverSide, KVEndpoint, EngineHost):
     # share, the router's handoff falls back to a prefill on this worker (no_reservation).
     reserve_share = 0.5
 
-    def __init__(self, worker_id: str, spec: WorkerSpec, incarnation: int = 0) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        spec: WorkerSpec,
+        incarnation: int = 0,
+        router_code: str | None = None,
+    ) -> None:
         self.init_sender()
         EngineHost.__init__(
             self,
@@ -30,6 +36,7 @@ class BothWorker(KVSenderSide, KVReceiverSide, KVEndpoint, EngineHost):
             incarnation,
             on_layer=self.on_layer,
             wants_layers=self.wants_layers,
+            router_code=router_code,
         )
         self.init_endpoint(
             self.kv_source(), self.kv_host, spec.kv_backend, spec.pair_timeout_s, spec.kv_faults

@@ -13,8 +13,14 @@ from worker_protocol.messages import WorkerRole, WorkerSpec
 class DecodeWorker(KVReceiverSide, KVEndpoint, EngineHost):
     role = WorkerRole.DECODE
 
-    def __init__(self, worker_id: str, spec: WorkerSpec, incarnation: int = 0) -> None:
-        EngineHost.__init__(self, worker_id, spec, incarnation)
+    def __init__(
+        self,
+        worker_id: str,
+        spec: WorkerSpec,
+        incarnation: int = 0,
+        router_code: str | None = None,
+    ) -> None:
+        EngineHost.__init__(self, worker_id, spec, incarnation, router_code=router_code)
         self.init_endpoint(self.kv_source(), self.kv_host, spec.kv_backend, spec.pair_timeout_s)
 
     async def abort(self, request_id: str) -> None:

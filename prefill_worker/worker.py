@@ -14,9 +14,17 @@ from worker_protocol.messages import WorkerRole, WorkerSpec
 class PrefillWorker(KVSenderSide, KVEndpoint, EngineHost):
     role = WorkerRole.PREFILL
 
-    def __init__(self, worker_id: str, spec: WorkerSpec, incarnation: int = 0) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        spec: WorkerSpec,
+        incarnation: int = 0,
+        router_code: str | None = None,
+    ) -> None:
         self.init_sender()
-        EngineHost.__init__(self, worker_id, spec, incarnation, on_layer=self.on_layer)
+        EngineHost.__init__(
+            self, worker_id, spec, incarnation, on_layer=self.on_layer, router_code=router_code
+        )
         self.init_endpoint(
             self.kv_source(), self.kv_host, spec.kv_backend, spec.pair_timeout_s, spec.kv_faults
         )

@@ -43,7 +43,7 @@ from router.workers import (
     order,
     spread_node,
 )
-from worker_protocol.code_id import code_id
+from worker_protocol.code_id import ROUTER_CODE_ARG, code_id, other_code, refused_at_start
 from worker_protocol.messages import WorkerInfo, WorkerRole, WorkerSpec
 
 log = logging.getLogger("pdserve.pools")
@@ -201,7 +201,7 @@ class Pools:
             log.info("starting %s (incarnation %d) on %s", worker_id, incarnation, where)
         cls: Any = ray.remote(ACTOR_CLASSES[role])
         actor = cls.options(**placement.actor_options(node)).remote(
-            worker_id, self.config.spec, incarnation
+            worker_id, self.config.spec, incarnation, **{ROUTER_CODE_ARG: code_id()}
         )
         handle = WorkerHandle(worker_id, role, actor, incarnation, node)
         with self.lock:
@@ -226,7 +226,7 @@ class Pools:
                 f"(`ray status`)"
             )
         except Exception as exc:
-            h.error = f"{type(exc).__name__}: {exc}"
+            h.error = refused_at_start(str(exc)) or f"{type(exc).__name__}: {exc}"
         else:
             h.node_id = h.node_id or h.info.node_id or None  # where Ray placed it, if it chose
             h.error = await self._code_error(h)
@@ -247,13 +247,7 @@ class Pools:
             )
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
-        if theirs == code_id():
-            return None
-        said = theirs or "a version from before this check"
-        return (
-            f"it runs other pdserve code than the router (worker_protocol/code_id.py: "
-            f"its {said}, the router's {code_id()}): install one version on every node"
-        )
+        return None if theirs == code_id() else other_code(theirs)
 
     async def _code_of(self, h: WorkerHandle) -> str | None:
         """The code the worker runs (worker_protocol/code_id.py); None: a version from before

@@ -224,3 +224,27 @@ def test_logprobs_reach_the_client_on_both_paths(cluster):
         assert a.token_id == b.token_id and len(b.top) == 2
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
     assert_pools_full(cluster)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_running_other_code_refuses_itself_before_its_model_loads(cluster):
+    """The router hands its code to each worker it starts: one that runs other code fails its
+    start at once (its constructor's first step, before the engine), and the router reads why
+    from Ray's error."""
+    import ray
+
+    from decode_worker.worker import DecodeWorker
+    from worker_protocol.code_id import code_id, other_code, refused_at_start
+
+    actor = (
+        ray.remote(DecodeWorker)
+        .options(num_cpus=0)
+        .remote("decode-other", cluster.pools.config.spec, 0, router_code="0123456789abcdef")
+    )
+    with pytest.raises(ray.exceptions.RayActorError) as info:
+        ray.get(actor.ready.remote(), timeout=60)
+    error = str(info.value)
+    assert f"pdserve worker code {code_id()} is not the router's (0123456789abcdef)" in error
+    assert "refuse_other_code(router_code)" in error  # where it struck: before the engine
+    assert "LLMEngine" not in error, error
+    assert refused_at_start(error) == other_code(code_id())

@@ -204,6 +204,33 @@ class Silent:
         return asyncio.Event().wait()
 
 
+@pytest.mark.parametrize("theirs", ["other", "before-the-argument"])
+def test_a_worker_refusing_the_routers_code_at_start_is_named_as_running_other_code(theirs):
+    """It failed its start (Ray's error carries its own): the router says why in one line."""
+    from types import SimpleNamespace
+
+    import ray
+
+    from worker_protocol.code_id import code_id
+
+    if theirs == "other":
+        said = "OtherCode: pdserve worker code 0123456789abcdef is not the router's (ffff)"
+    else:  # its constructor has no router_code
+        said = "TypeError: DecodeWorker.__init__() got an unexpected keyword argument 'router_code'"
+    raised = ray.exceptions.RayTaskError("DecodeWorker.__init__", f"Traceback ...\n{said}", None)
+    died = ray.exceptions.ActorDiedError(cause=raised)
+    pools = Pools(PoolConfig(spec=None, start_timeout_s=5))  # type: ignore[arg-type]
+    actor = SimpleNamespace(ready=Remote(died))
+    h = WorkerHandle("decode-0", WorkerRole.DECODE, actor, 0, None)  # type: ignore[arg-type]
+    try:
+        assert pools.ops.call(pools._engine_up(h), 10) is False
+    finally:
+        pools.ops.stop()
+    assert h.error.startswith("it runs other pdserve code than the router"), h.error
+    assert f"the router's {code_id()}" in h.error and "creation task" not in h.error
+    assert ("0123456789abcdef" if theirs == "other" else "from before this check") in h.error
+
+
 def test_a_worker_silent_on_its_code_is_told_by_the_control_timeout_not_the_start_one():
     """Its engine is up (ready answered): the code-id call waits the control timeout, and the
     error says so, not that the worker was not up within the start timeout for want of

@@ -24,7 +24,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import SchedulerOutput
 from engine.sampling_params import SamplingParams
 from worker_protocol.address import kv_bind_host, node_ip
-from worker_protocol.code_id import code_id
+from worker_protocol.code_id import code_id, refuse_other_code
 from worker_protocol.ended import EndedRequests
 from worker_protocol.messages import WorkerInfo, WorkerLoad, WorkerRole, WorkerSpec
 
@@ -45,7 +45,9 @@ class EngineHost:
         incarnation: int = 0,
         on_layer: LayerHook | None = None,
         wants_layers: Callable[[SchedulerOutput], bool] | None = None,
+        router_code: str | None = None,
     ) -> None:
+        refuse_other_code(router_code)  # before the model loads
         torch.set_num_threads(spec.num_threads)
         self.worker_id = worker_id
         self.spec = spec
