@@ -6,12 +6,20 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 from bench import overload, trace
+from bench.argtypes import (
+    auto_or,
+    count,
+    float_at_least,
+    int_at_least,
+    positive_float,
+    timeout_seconds,
+)
 from bench.server import POLICIES
 from pdserve_client import add_arguments as add_auth_arguments
+from pdserve_client.address import address
 
 
 def lengths(text: str) -> tuple[int, int]:
@@ -26,38 +34,6 @@ def lengths(text: str) -> tuple[int, int]:
     return low, high
 
 
-def float_at_least(low: float, strict: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite number >= low (> low when `strict`)."""
-
-    def parse(text: str) -> float:
-        value = float(text)
-        if not math.isfinite(value) or not (value > low if strict else value >= low):
-            raise argparse.ArgumentTypeError(
-                f"must be a number {'>' if strict else '>='} {low:g}, got {text}"
-            )
-        return value
-
-    return parse
-
-
-positive_float = float_at_least(0, strict=True)
-
-
-def int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= low."""
-
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
-        return value
-
-    return parse
-
-
-count = int_at_least(0)
-
-
 def rates(text: str) -> list[float]:
     """An argparse type: comma-separated offered rates, each finite and > 0, sorted ascending."""
     rates = [positive_float(v) for v in text.split(",") if v.strip()]
@@ -69,11 +45,13 @@ def rates(text: str) -> list[float]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--address",
+        type=address(50051),
         default=None,
         help="measure a running server as it is (labelled by the first --policy, else 'server')",
     )
     p.add_argument(
         "--metrics-address",
+        type=address(9400),
         default=None,
         metavar="HOST:PORT",
         help="with --address: that server's metrics endpoint, to report how busy each worker "
@@ -142,14 +120,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--step-target-ms",
-        type=lambda v: v if v == "auto" else positive_float(v),
+        type=auto_or(positive_float),
         default=None,
         help="--step-target-ms for the servers of chunked policies (chunk sizing next to "
         "decodes); auto: each worker's tuned from the ITL p99 its requests see",
     )
     p.add_argument(
         "--prefill-hold-ms",
-        type=lambda v: "auto" if v.lower() == "auto" else float_at_least(0)(v),
+        type=auto_or(float_at_least(0)),
         default=None,
         help="--prefill-hold-ms for the servers given --step-target-ms (a prompt waits for "
         "running decodes where no chunk beside them keeps to the step target); auto: a share "
@@ -224,7 +202,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "seen the workload (step times, transfers); 0: one short request",
     )
     p.add_argument("--seed", type=int, default=0, help="of the trace and of sampling")
-    p.add_argument("--timeout", type=positive_float, default=900.0, help="per request, seconds")
+    p.add_argument("--timeout", type=timeout_seconds, default=900.0, help="per request, seconds")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="folder for PNGs")
     overload.add_arguments(p)
@@ -242,21 +220,23 @@ def refused(args: argparse.Namespace, policies: list[str]) -> str | None:
             return f"--json: {args.json} is a folder; name the file to write"
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             return f"--json: {folder} is not a folder this bench can write to"
-    if args.plot:
+    alone = overload.given_alone(args)
+    if alone is not None:
+        return f"{alone}: an option of the overload run, so it needs --overload F"
+    if args.overload is None:  # bench/overload.py checks its own
+        if not policies:
+            return f"--policy: no policy named in {args.policy!r}; choose from {list(POLICIES)}"
+        unknown = [p for p in policies if p not in POLICIES]
+        if unknown:
+            return f"--policy: unknown {unknown}; choose from {list(POLICIES)}"
+        if args.prefill_hold_ms is not None and args.step_target_ms is None:
+            return ("--prefill-hold-ms: prompts wait where a chunk cannot keep to the step "
+                    "target, so it needs --step-target-ms")  # fmt: skip
+        if args.sweep_rates and not args.sweep_rate:
+            return "--sweep-rates: the rates a sweep probes, so it needs --sweep-rate"
+    if args.plot:  # made last: a refused command leaves no folder behind
         try:
             Path(args.plot).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             return f"--plot: {args.plot}: {exc.strerror or exc}"
-    if args.overload is not None:
-        return None  # bench/overload.py checks its own
-    if not policies:
-        return f"--policy: no policy named in {args.policy!r}; choose from {list(POLICIES)}"
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown:
-        return f"--policy: unknown {unknown}; choose from {list(POLICIES)}"
-    if args.prefill_hold_ms is not None and args.step_target_ms is None:
-        return ("--prefill-hold-ms: prompts wait where a chunk cannot keep to the step target, "
-                "so it needs --step-target-ms")  # fmt: skip
-    if args.sweep_rates and not args.sweep_rate:
-        return "--sweep-rates: the rates a sweep probes, so it needs --sweep-rate"
     return None

@@ -39,6 +39,7 @@ from typing import Any
 import psutil
 
 from bench import loadgen, session, slo, trace
+from bench.argtypes import int_at_least, positive_float
 from bench.loadgen import RequestResult
 from bench.server import POLICIES, Deployment, ServerProcess
 from pdserve_client import ClientAuth
@@ -52,24 +53,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("overload (--overload F)")
     g.add_argument(
         "--overload",
-        type=_positive,
+        type=positive_float,
         default=None,
         metavar="F",
         help="open-loop Poisson load at F x the server's sustained rate, then how it was shed",
     )
-    g.add_argument("--capacity", type=_positive, default=None, help="req/s (default: measured)")
-    g.add_argument("--capacity-clients", type=int, default=8, help="closed loop that measures it")
-    g.add_argument("--capacity-duration", type=_positive, default=40.0, help="seconds")
-    g.add_argument("--duration", type=_positive, default=60.0, help="seconds of overload")
-    g.add_argument("--sample-every", type=_positive, default=2.0, help="seconds between samples")
-    g.add_argument("--max-pending", type=int, default=None, help="the own server's --max-pending")
+    g.add_argument(
+        "--capacity", type=positive_float, default=None, help="req/s (default: measured)"
+    )
+    g.add_argument("--capacity-clients", type=int_at_least(1), default=DEFAULTS["capacity_clients"],
+                   help="closed loop that measures it")  # fmt: skip
+    g.add_argument("--capacity-duration", type=positive_float,
+                   default=DEFAULTS["capacity_duration"], help="seconds")  # fmt: skip
+    g.add_argument("--duration", type=positive_float, default=DEFAULTS["duration"],
+                   help="seconds of overload")  # fmt: skip
+    g.add_argument("--sample-every", type=positive_float, default=DEFAULTS["sample_every"],
+                   help="seconds between samples")  # fmt: skip
+    g.add_argument("--max-pending", type=int_at_least(1), default=None,
+                   help="the own server's --max-pending")  # fmt: skip
 
 
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
-    return value
+# The overload options (but --overload) and their defaults: given without --overload, refused.
+DEFAULTS = {"capacity": None, "capacity_clients": 8, "capacity_duration": 40.0, "duration": 60.0,
+            "sample_every": 2.0, "max_pending": None}  # fmt: skip
+
+
+def given_alone(args: argparse.Namespace) -> str | None:
+    """The flag of an overload option set without --overload (None: none is)."""
+    if args.overload is not None:
+        return None
+    name = next((k for k, default in DEFAULTS.items() if getattr(args, k) != default), None)
+    return None if name is None else "--" + name.replace("_", "-")
 
 
 # -- what is sampled ----------------------------------------------------------------------------

@@ -14,24 +14,30 @@ from typing import Any
 
 from pdserve_client import ClientAuth
 from pdserve_client import add_arguments as add_auth_arguments
-from router.client import seconds
+from pdserve_client.address import address
+from router.client import integer_in, seconds, seconds_or_zero
 
-DEFAULT_ADDRESS = "127.0.0.1:50052"
+ADMIN_PORT = 50052
+DEFAULT_ADDRESS = f"127.0.0.1:{ADMIN_PORT}"
+ADDRESS_HELP = f"the server's admin host:port (host alone: port {ADMIN_PORT})"
 
 
 def add_scale_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default=DEFAULT_ADDRESS, help="the server's admin host:port")
-    p.add_argument("--prefill", type=int, default=None, help="prefill workers wanted (>= 0)")
-    p.add_argument("--decode", type=int, default=None, help="decode workers wanted (>= 0)")
+    p.add_argument(
+        "--address", type=address(ADMIN_PORT), default=DEFAULT_ADDRESS, help=ADDRESS_HELP
+    )
+    size = integer_in(0, 2**31)  # the proto's int32
+    p.add_argument("--prefill", type=size, default=None, help="prefill workers wanted (>= 0)")
+    p.add_argument("--decode", type=size, default=None, help="decode workers wanted (>= 0)")
     p.add_argument(
         "--workers",
-        type=int,
+        type=size,
         default=None,
         help="workers that do both wanted (>= 0); at least one worker must decode",
     )
     p.add_argument(
         "--drain-timeout",
-        type=float,
+        type=seconds_or_zero,
         default=None,
         help="seconds a removed worker may finish its own requests (default: the server's)",
     )
@@ -45,7 +51,9 @@ def add_scale_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_workers_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default=DEFAULT_ADDRESS, help="the server's admin host:port")
+    p.add_argument(
+        "--address", type=address(ADMIN_PORT), default=DEFAULT_ADDRESS, help=ADDRESS_HELP
+    )
     p.add_argument("--timeout", type=seconds, default=10.0, help="deadline in seconds")
     add_auth_arguments(p)
 

@@ -39,7 +39,9 @@ class _Help(argparse.HelpFormatter):
 
 
 def _parser(sub: argparse._SubParsersAction, name: str, **kwargs: Any) -> argparse.ArgumentParser:
-    return sub.add_parser(name, formatter_class=_Help, **kwargs)
+    # No abbreviations: `--max-num-seq` must not become --max-num-seqs today and an error (or
+    # another option) once a flag sharing the prefix is added; the config file takes whole names.
+    return sub.add_parser(name, formatter_class=_Help, allow_abbrev=False, **kwargs)
 
 
 def _positive_int(text: str) -> int:
@@ -117,7 +119,9 @@ def _bench_engine(_args: argparse.Namespace, extra: list[str]) -> int:
         if exc.name != "engine.bench_engine":
             raise
         return _error(RuntimeError("bench-engine is not available in this installation"))
-    parser = argparse.ArgumentParser(prog="pdserve bench-engine", formatter_class=_Help)
+    parser = argparse.ArgumentParser(
+        prog="pdserve bench-engine", formatter_class=_Help, allow_abbrev=False
+    )
     bench_engine.add_arguments(parser)
     args = parser.parse_args(extra)
     try:
@@ -231,7 +235,10 @@ def bench_parser() -> argparse.ArgumentParser:
     from bench import cli as bench_cli
 
     parser = argparse.ArgumentParser(
-        prog="pdserve bench", description=bench_cli.__doc__, formatter_class=_Help
+        prog="pdserve bench",
+        description=bench_cli.__doc__,
+        formatter_class=_Help,
+        allow_abbrev=False,
     )
     bench_cli.add_arguments(parser)
     return parser
@@ -241,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve",
         description="Serve LLM completions without prefill/decode interference (README.md).",
+        allow_abbrev=False,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
@@ -253,14 +261,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] != ["serve"]:  # a client: gRPC's own log lines (a TLS handshake) are noise
         os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # read as gRPC is first imported
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and not args.passthrough:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra and not args.passthrough:  # the command's usage, not pdserve's
+        command = _subcommands(parser)[args.command]
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
     handler: Handler = args.handler
     from pdserve_client.connect import ClientAuthError
 

@@ -11,11 +11,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from pdserve_client import add_arguments as add_auth_arguments
+from pdserve_client.address import address
 
 PATHS = ("auto", "colocated", "disaggregated")
 
 
-def _integer(low: int, high: int) -> Any:
+def integer_in(low: int, high: int) -> Any:
     """An argparse type: an integer in [low, high) (the range its proto field holds)."""
 
     def parse(text: str) -> int:
@@ -30,21 +31,44 @@ def _integer(low: int, high: int) -> Any:
     return parse
 
 
+# The longest wait a client's option takes (about three years): gRPC refuses a deadline further
+# off (1e10 s) as already past.
+MAX_SECONDS = 1e8
+
+
 def seconds(text: str) -> float:
-    """An argparse type: a number of seconds > 0 (pdserve complete, pdserve status)."""
+    """An argparse type: a number of seconds in (0, MAX_SECONDS] (pdserve complete, status,
+    scale, workers)."""
+    return _seconds(text, zero=False)
+
+
+def seconds_or_zero(text: str) -> float:
+    """An argparse type: a number of seconds in [0, MAX_SECONDS]."""
+    return _seconds(text, zero=True)
+
+
+def _seconds(text: str, zero: bool) -> float:
     try:
         x = float(text)
     except ValueError:
         x = math.nan
-    if not 0 < x < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    if not (0 <= x if zero else 0 < x) or not x <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds {'>=' if zero else '>'} 0 and <= {MAX_SECONDS:g}, "
+            f"got {text!r}"
+        )
     return x
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default="127.0.0.1:50051", help="the server's host:port")
     p.add_argument(
-        "--max-tokens", type=_integer(1, 2**31), default=None, help="default: the server's (256)"
+        "--address",
+        type=address(50051),
+        default="127.0.0.1:50051",
+        help="the server's host:port (host alone: port 50051)",
+    )
+    p.add_argument(
+        "--max-tokens", type=integer_in(1, 2**31), default=None, help="default: the server's (256)"
     )
     add_sampling_arguments(p)
     p.add_argument("--chat", action="store_true", help="send the prompt as one user message")
@@ -68,18 +92,18 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1]")
     p.add_argument(
         "--top-k",
-        type=_integer(-1, 2**31),
+        type=integer_in(-1, 2**31),
         default=None,
         help="the k likeliest tokens (0 or -1: all)",
     )
     p.add_argument("--min-p", type=float, default=None, help="in [0, 1], of the likeliest's")
     p.add_argument(
-        "--seed", type=_integer(0, 2**64), default=None, help="for sampling (default: random)"
+        "--seed", type=integer_in(0, 2**64), default=None, help="for sampling (default: random)"
     )
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument(
         "--stop-token-id",
-        type=_integer(0, 2**31),
+        type=integer_in(0, 2**31),
         action="append",
         default=[],
         help="stop token (repeatable)",
@@ -87,7 +111,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-text token")
     p.add_argument(
         "--logprobs",
-        type=_integer(0, 21),
+        type=integer_in(0, 21),
         default=None,
         metavar="N",
         help="each token's logprob and its N likeliest alternatives (0 to 20; shown with --json)",

@@ -108,18 +108,32 @@ def text(v: Any) -> str:
 
 
 def path(v: Any) -> Path:
+    """A file path; `~` is the home folder, as a shell would read it on the command line."""
     if not isinstance(v, str) or not v:
         raise ValueError(f"must be a file path, got {v!r}")
-    return Path(v)
+    return Path(v).expanduser()
 
 
-def choice(*allowed: str) -> Parse:
-    def parse(v: Any) -> str:
-        if v not in allowed:
-            raise ValueError(f"must be one of {', '.join(allowed)}, got {v!r}")
-        return str(v)
+class choice:  # noqa: N801 (used as the other checks, which are functions)
+    """One of `allowed`. With `fold_case` (serve's options) a word in any case, or one of
+    `aliases` (another spelling: its canonical word), is taken as its canonical spelling."""
 
-    return parse
+    def __init__(
+        self, *allowed: str, fold_case: bool = False, aliases: dict[str, str] | None = None
+    ) -> None:
+        self.allowed, self.fold_case, self.aliases = allowed, fold_case, aliases or {}
+
+    def __call__(self, v: Any) -> str:
+        word = v.lower() if self.fold_case and isinstance(v, str) else v
+        word = self.aliases.get(word, word) if isinstance(word, str) else word
+        if word not in self.allowed:
+            raise ValueError(f"must be one of {', '.join(self.allowed)}, got {v!r}")
+        return str(word)
+
+    def describe(self) -> str:
+        """The help's list of the words taken."""
+        also = f"; also {', '.join(self.aliases)}" if self.aliases else ""
+        return f"one of {', '.join(self.allowed)}{also}"
 
 
 def flag(v: Any) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,6 +50,9 @@ POLICIES = ("auto", "colocated", "disaggregated", "threshold")
 HOLD_SHARE = 0.5
 # engine.config.DTYPE_CHOICES, spelled out: building the parser must not import torch.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Other spellings of a dtype, as other serving systems' options take them.
+DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16",
+                 "bf16": "bfloat16"}  # fmt: skip
 DTYPE_HELP = (
     "of the weights, activations and KV cache; auto: the checkpoint's own dtype on CUDA "
     "(config.json's dtype, or the GGUF file's; bfloat16 for a quantized GGUF), float32 on CPU"
@@ -59,7 +63,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 OPTIONS: tuple[Option, ...] = (
     # model and pools
     Option("model", text, "smollm2-135m", "built-in name, HF folder or .gguf"),
-    Option("dtype", choice(*DTYPES), "auto",
+    Option("dtype", choice(*DTYPES, fold_case=True, aliases=DTYPE_ALIASES), "auto",
            DTYPE_HELP + " (each worker resolves auto on its own device)"),
     Option("enforce_eager", flag, False, EAGER_HELP, boolean=True),
     Option("prefill", integer(0), 1, "prefill workers (0: colocated only)"),
@@ -89,7 +93,7 @@ OPTIONS: tuple[Option, ...] = (
            "worker's node by)"),
     Option("kv_host", optional(text), None, "address the KV transfer listens on (overrides "
            "--kv-interface; the same for every worker: for one-node setups)"),
-    Option("kv_backend", choice(*KV_BACKENDS), "auto",
+    Option("kv_backend", choice(*KV_BACKENDS, fold_case=True), "auto",
            "KV transfer backend: auto (per pair: nccl between two GPUs, gloo where both ends "
            "share a GPU or one is on CPU), or gloo or nccl for every pair (gloo for MIG slices "
            "of one GPU, which auto takes for two)"),
@@ -100,7 +104,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("kv_transfer_deadline", number(0, strict=True), 30.0,
            "seconds a KV send may take from its first layer before the decode worker "
            "gives up on it (and recomputes, or fails it under --kv-failure-policy fail)"),
-    Option("kv_failure_policy", choice(*KV_FAILURE_POLICIES), "recompute",
+    Option("kv_failure_policy", choice(*KV_FAILURE_POLICIES, fold_case=True), "recompute",
            "a disaggregated request whose KV does not come: its decode worker prefills it "
            "(recompute), or it ends with UNAVAILABLE and the reason (fail)"),
     Option("replace_dead_workers", flag, True,
@@ -129,7 +133,7 @@ OPTIONS: tuple[Option, ...] = (
            f"their steps; auto: {HOLD_SHARE:g} x each request's TTFT SLO; default (or 0): "
            "prompts never wait"),
     # policy and SLOs
-    Option("policy", choice(*POLICIES), "auto",
+    Option("policy", choice(*POLICIES, fold_case=True), "auto",
            "how each request's path is chosen (auto: the cost model)"),
     Option("threshold_tokens", integer(0), 256,
            "threshold policy: prompts with more uncached tokens go disaggregated"),
@@ -168,7 +172,7 @@ OPTIONS: tuple[Option, ...] = (
            "the largest max_tokens a request may ask for (default: the model's context)"),
     Option("drain_timeout", number(0), 30.0,
            "seconds in-flight requests get on SIGINT/SIGTERM, and a removed worker on a resize"),
-    Option("log_level", choice(*LOG_LEVELS), "info",
+    Option("log_level", choice(*LOG_LEVELS, fold_case=True), "info",
            "the server's log: info has a line per request placed (its path and why), warning "
            "keeps what went wrong and the refusals"),
 )  # fmt: skip
@@ -185,6 +189,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     for o in OPTIONS:
         default = o.default if o.default not in (None, {}) else None
         note = f" (default: {json.dumps(default)})" if default is not None else ""
+        if isinstance(o.parse, choice):
+            note = f" ({o.parse.describe()}{note.replace(' (', '; ')[:-1]})"
         if o.boolean:
             p.add_argument(
                 o.flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
@@ -209,7 +215,9 @@ def _flag_type(o: Option) -> Callable[[str], Any]:
 
 class _UniqueKeys(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (which YAML would take as
-    its last value, the first one lost silently)."""
+    its last value, the first one lost silently), `-` and `_` spellings alike; and reading
+    integers as YAML 1.2 does: `050051` is 50051 (YAML 1.1 reads a leading 0 as octal, 20521),
+    `1:30` is a string (1.1: 90, in base 60)."""
 
     def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
@@ -219,21 +227,44 @@ class _UniqueKeys(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=deep)
             if not isinstance(key, (str, int, float, bool)):
                 continue  # not an option name: refused as an unknown field later
-            if key in seen:
+            name = key.replace("-", "_") if isinstance(key, str) else key
+            if name in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"field {key!r} is given twice", key_node.start_mark
                 )
-            seen.add(key)
+            seen.add(name)
         return super().construct_mapping(node, deep)
+
+
+_INT = "tag:yaml.org,2002:int"
+_UniqueKeys.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _INT]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_UniqueKeys.add_implicit_resolver(
+    _INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
+)
+
+
+def _yaml12_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    word = str(loader.construct_scalar(node))
+    if word.startswith(("0o", "0x")):
+        return int(word[2:], 8 if word[1] == "o" else 16)
+    return int(word)
+
+
+_UniqueKeys.add_constructor(_INT, _yaml12_int)
 
 
 def read_file(path: Path) -> dict[str, Any]:
     """The options a YAML file sets, checked; raises OptionError naming the field."""
     where = f"config {path}"
     try:
-        raw = yaml.load(path.read_text(), Loader=_UniqueKeys)
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeys)
     except OSError as exc:
         raise OptionError(f"{where}: cannot be read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise OptionError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except yaml.YAMLError as exc:
         raise OptionError(f"{where}: not valid YAML: {exc}") from None
     if raw is None:
@@ -387,6 +418,8 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
         raise OptionError(
             "step_target_ms (--step-target-ms): sizes prefill chunks, so it needs chunked_prefill"
         )
+    if values["prefill_hold_ms"] == 0:  # as its default: prompts never wait
+        values["prefill_hold_ms"] = None
     if values["prefill_hold_ms"] is not None and values["step_target_ms"] is None:
         raise OptionError(
             "prefill_hold_ms (--prefill-hold-ms): prompts wait where a chunk cannot keep to the "

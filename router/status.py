@@ -18,12 +18,18 @@ import urllib.error
 from collections import defaultdict
 from collections.abc import Iterable
 
+from pdserve_client.address import address
 from pdserve_client.metrics import BUSY_SECONDS, Samples, by_labels, scrape, shares
 from router.client import seconds
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default="127.0.0.1:9400", help="the server's metrics host:port")
+    p.add_argument(
+        "--address",
+        type=address(9400),
+        default="127.0.0.1:9400",
+        help="the server's metrics host:port (host alone: port 9400)",
+    )
     p.add_argument(
         "--interval", type=seconds, default=1.0, help="seconds between two scrapes (> 0)"
     )

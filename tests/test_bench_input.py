@@ -123,6 +123,12 @@ def test_sharegpt_skips_are_said_arrivals_follow_the_seed_and_scale_is_refused(t
         ("--threads", "0"),
         ("--scale", "0"),
         ("--timeout", "0"),
+        ("--timeout", "1e30"),  # gRPC takes a deadline that far off as past
+        ("--capacity-clients", "0"),
+        ("--max-pending", "0"),
+        ("--step-target-ms", "soon"),
+        ("--address", "127.0.0.1:99999"),
+        ("--metrics-address", "::1"),
     ],
 )
 def test_an_option_out_of_range_is_refused_naming_it(flag, value, capsys):
@@ -147,6 +153,9 @@ class NoServer:
         (["--json", "{tmp}/no/such/folder/out.json"], "error: --json: "),
         (["--json", "{tmp}"], "error: --json: {tmp} is a folder"),
         (["--plot", "/proc/no-such-plots"], "error: --plot: /proc/no-such-plots: "),
+        (["--capacity-clients", "3"], "error: --capacity-clients: an option of the overload run"),
+        (["--duration", "5", "--policy", "auto"], "error: --duration: an option of the overload"),
+        (["--plot", "{tmp}/plots", "--policy", "nope"], "error: --policy: unknown ['nope']"),
     ],
 )
 def test_bad_input_ends_in_one_error_line_before_any_server_starts(
@@ -160,6 +169,12 @@ def test_bad_input_ends_in_one_error_line_before_any_server_starts(
     assert cli.main(_parser().parse_args(argv)) == 2
     err = capsys.readouterr().err
     assert err.startswith(said.format(**names)) and err.count("\n") == 1, err
+    assert not (tmp_path / "plots").exists()  # a refused command leaves no folder behind
+
+
+def test_a_flag_of_auto_in_any_case_and_a_host_alone_are_taken():
+    args = _parser().parse_args(["--step-target-ms", "AUTO", "--address", "10.0.0.7"])
+    assert args.step_target_ms == "auto" and args.address == "10.0.0.7:50051"
 
 
 def test_a_server_that_exits_at_start_is_quoted_with_its_status(tmp_path):

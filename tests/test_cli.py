@@ -153,6 +153,31 @@ def test_chat_without_a_usable_template_exits_2_naming_chat(capsys, tmp_path, te
     assert err.startswith(said) and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [(["complete", "--address", "127.0.0.1:99999", "hi"], "--address: the port must be a number"),
+     (["complete", "--timeout", "1e30", "hi"], "--timeout: must be a number of seconds > 0 and <="),
+     (["scale", "--prefill", "99999999999"], "--prefill: must be an integer in [0, 2147483648)"),
+     (["scale", "--decode", "1", "--drain-timeout", "inf"], "--drain-timeout: must be a number"),
+     (["workers", "--address", "::1"], "--address: an IPv6 address goes in brackets"),
+     (["status", "--address", "[::1]x"], "--address: must be HOST:PORT or HOST"),
+     (["complete", "hi", "extra"], "pdserve complete: error: unrecognized arguments: extra")],
+)  # fmt: skip
+def test_a_client_option_out_of_range_exits_2_naming_it(capsys, argv, said):
+    assert run(argv) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err, err
+
+
+def test_an_address_without_a_port_takes_the_commands_own():
+    from pdserve_client.address import address
+
+    assert address(50051)("10.0.0.7") == "10.0.0.7:50051"
+    assert address(50052)("[::1]") == "[::1]:50052"
+    assert address(9400)("host:81") == "host:81"
+    assert address(50051)("unix:/run/pdserve.sock") == "unix:/run/pdserve.sock"
+
+
 def test_max_tokens_past_the_context_is_refused_and_the_default_is_cut_to_it(capsys):
     """As the server: an asked-for max_tokens past the context is refused, naming it; the
     default (256) is cut to what the context leaves (tiny-llama's is 1024 tokens)."""

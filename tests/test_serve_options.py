@@ -121,6 +121,9 @@ def _parse(argv):
         ("step_target_ms: 100\nprefill_hold_ms: soon\n", "prefill_hold_ms: must be a number"),
         ("max_num_batched_tokens: 8\n", "(--max-num-batched-tokens): must be >= max_num_seqs"),
         ("log_level: loud\n", "log_level: must be one of debug, info, warning, error"),
+        ("max_num_seqs: 4\nmax-num-seqs: 8\n", "field 'max-num-seqs' is given twice"),
+        ("drain_timeout: 1:30\n", "drain_timeout: must be a number >= 0, got '1:30'"),
+        ("dtype: fp8\n", "dtype: must be one of auto, float32, bfloat16, float16, got 'fp8'"),
     ],
 )
 def test_a_bad_file_is_refused_at_start_naming_the_field(tmp_path, capsys, text, field):
@@ -153,6 +156,48 @@ def test_print_config_refuses_what_serve_refuses(capsys, flags, says):
     out = capsys.readouterr()
     assert out.out == "" and says in out.err, out.err
     assert main(["serve", *flags]) == 2 and says in capsys.readouterr().err
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path, capsys):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("prefill: 2\n# caf\u00e9\n".encode("latin-1"))
+    assert main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: config {path}: not UTF-8 text (invalid continuation byte"), err
+
+
+def test_integers_are_read_as_yaml_1_2_reads_them(tmp_path, capsys):
+    """A leading zero is no octal (YAML 1.1 read 050051 as 20521); 0o and 0x say their base."""
+    got = effective(tmp_path, "port: 050051\nthreads: 0x2\nmax_num_seqs: 0o10\n", capsys=capsys)
+    assert (got["port"], got["threads"], got["max_num_seqs"]) == (50051, 2, 8)
+
+
+def test_words_in_any_case_other_dtype_spellings_and_a_home_path_are_taken(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "token").write_text("a-token-of-twenty-characters\n")
+    got = effective(
+        tmp_path,
+        "dtype: FP16\nlog_level: INFO\npolicy: Threshold\nkv_backend: GLOO\n"
+        "kv_failure_policy: Fail\nprefill_hold_ms: 0\nauth_token_file: ~/token\n",
+        capsys=capsys,
+    )
+    assert (got["dtype"], got["log_level"], got["policy"]) == ("float16", "info", "threshold")
+    assert (got["kv_backend"], got["kv_failure_policy"]) == ("gloo", "fail")
+    assert got["prefill_hold_ms"] is None  # 0: as its default, prompts never wait
+    assert got["auth_token_file"] == str(tmp_path / "token")
+    assert effective(tmp_path, "", "--dtype", "half", capsys=capsys)["dtype"] == "float16"
+
+
+def test_help_lists_the_words_an_option_takes_and_no_flag_is_abbreviated(capsys):
+    assert main_exit(["serve", "--help"]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert '(one of auto, colocated, disaggregated, threshold; default: "auto")' in said
+    assert "one of auto, float32, bfloat16, float16; also float, fp32, half, fp16, bf16" in said
+    assert main_exit(["serve", "--max-num-seq", "4", "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert "pdserve serve: error: unrecognized arguments: --max-num-seq 4" in err, err
 
 
 def test_a_missing_file_is_named(tmp_path, capsys):
