@@ -65,7 +65,7 @@ def _error(exc: Exception) -> int:
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     from router.client import add_sampling_arguments
-    from router.serve_options import DTYPE_HELP, DTYPES, EAGER_HELP
+    from router.serve_options import BY_NAME, DTYPE_CHOICE, DTYPE_HELP, EAGER_HELP, flag_type
 
     p = _parser(sub, "generate", help="complete prompts offline with one in-process engine")
     p.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf")
@@ -88,7 +88,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="print one JSON object per prompt: text, token ids, finish and usage (and logprobs)",
     )
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
-    p.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
+    p.add_argument(
+        "--dtype", type=flag_type(BY_NAME["dtype"]), default="auto",
+        help=f"{DTYPE_HELP} ({DTYPE_CHOICE.describe()})",
+    )  # fmt: skip
     p.add_argument("--enforce-eager", action="store_true", help=EAGER_HELP)
     p.add_argument("prompt", nargs="+")
     p.set_defaults(handler=_generate, passthrough=False)

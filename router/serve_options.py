@@ -53,6 +53,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Other spellings of a dtype, as other serving systems' options take them.
 DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16",
                  "bf16": "bfloat16"}  # fmt: skip
+DTYPE_CHOICE = choice(*DTYPES, fold_case=True, aliases=DTYPE_ALIASES)
 DTYPE_HELP = (
     "of the weights, activations and KV cache; auto: the checkpoint's own dtype on CUDA "
     "(config.json's dtype, or the GGUF file's; bfloat16 for a quantized GGUF), float32 on CPU"
@@ -63,7 +64,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 OPTIONS: tuple[Option, ...] = (
     # model and pools
     Option("model", text, "smollm2-135m", "built-in name, HF folder or .gguf"),
-    Option("dtype", choice(*DTYPES, fold_case=True, aliases=DTYPE_ALIASES), "auto",
+    Option("dtype", DTYPE_CHOICE, "auto",
            DTYPE_HELP + " (each worker resolves auto on its own device)"),
     Option("enforce_eager", flag, False, EAGER_HELP, boolean=True),
     Option("prefill", integer(0), 1, "prefill workers (0: colocated only)"),
@@ -197,12 +198,12 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                 help=o.help + note,
             )  # fmt: skip
         else:
-            p.add_argument(
-                o.flag, type=_flag_type(o), default=argparse.SUPPRESS, help=o.help + note
-            )
+            p.add_argument(o.flag, type=flag_type(o), default=argparse.SUPPRESS, help=o.help + note)
 
 
-def _flag_type(o: Option) -> Callable[[str], Any]:
+def flag_type(o: Option) -> Callable[[str], Any]:
+    """An argparse type checking a flag's value as the option's own check does."""
+
     def convert(s: str) -> Any:
         try:
             return o.parse(s)

@@ -161,12 +161,21 @@ def test_chat_without_a_usable_template_exits_2_naming_chat(capsys, tmp_path, te
      (["scale", "--decode", "1", "--drain-timeout", "inf"], "--drain-timeout: must be a number"),
      (["workers", "--address", "::1"], "--address: an IPv6 address goes in brackets"),
      (["status", "--address", "[::1]x"], "--address: must be HOST:PORT or HOST"),
-     (["complete", "hi", "extra"], "pdserve complete: error: unrecognized arguments: extra")],
+     (["complete", "hi", "extra"], "pdserve complete: error: unrecognized arguments: extra"),
+     (["generate", "--dtype", "fp8", "hi"], "--dtype: must be one of auto, float32, bfloat16")],
 )  # fmt: skip
 def test_a_client_option_out_of_range_exits_2_naming_it(capsys, argv, said):
     assert run(argv) == 2
     err = capsys.readouterr().err
     assert said in err and "Traceback" not in err, err
+
+
+def test_generate_takes_a_dtype_as_serve_does(capsys):
+    argv = ["generate", "--model", "tiny-llama", "--no-chat", "--json", "--max-tokens", "2"]
+    assert run([*argv, "--dtype", "BF16", "hi"]) == 0
+    assert run([*argv, "--dtype", "bfloat16", "hi"]) == 0
+    first, second = capsys.readouterr().out.splitlines()
+    assert first == second  # the same run
 
 
 def test_an_address_without_a_port_takes_the_commands_own():
