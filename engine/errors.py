@@ -23,3 +23,8 @@ class InvalidRequestError(ValueError):
 
 class ModelNotFoundError(ValueError):
     """A model name or path that pdserve cannot load; the message says what was looked for."""
+
+
+class KVCacheAllocationError(ValueError):
+    """The KV cache asked for does not fit the device's memory; the message says how much was
+    asked for and by which setting."""

@@ -23,6 +23,7 @@ import torch
 from engine import cuda_graphs, paged_attention_cpu
 from engine.attention import AttentionBackend, SdpaAttention
 from engine.config import EngineConfig, resolve_device
+from engine.errors import KVCacheAllocationError
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import model_dtype
 from engine.model import PagedDecoderModel
@@ -67,7 +68,7 @@ class ModelRunner:
         capture = self._graph_capture()
         # With graphs, one block past the pool's is the scratch block padded decode rows use
         # (kept even if the backend chosen next turns graphs off: one block).
-        self.cache = KVCache(self.spec, self.num_blocks + (capture is not None), self.device)
+        self.cache = self._allocate_cache(self.num_blocks + (capture is not None))
         self.attention = self._attention_backend(config.model.attention_backend)
         sc = config.scheduler
         self.inputs = StepInputs(
@@ -131,6 +132,24 @@ class ModelRunner:
                 "compiler to build its kernel"
             )
         return SdpaAttention(self.cache, heads, scale)
+
+    def _allocate_cache(self, num_blocks: int) -> KVCache:
+        try:
+            return KVCache(self.spec, num_blocks, self.device)
+        except RuntimeError as exc:  # torch.OutOfMemoryError included
+            cc = self.config.cache
+            if cc.num_blocks is not None:
+                asked = f"cache.num_blocks {cc.num_blocks}"
+            elif self.device.type == "cuda":
+                asked = f"cache.gpu_memory_fraction {cc.gpu_memory_fraction:g} of the free memory"
+            else:
+                asked = f"cache.cpu_kv_cache_gib {cc.cpu_kv_cache_gib:g} (serve: --kv-cache-gib)"
+            size = num_blocks * self.spec.bytes_per_block / (1 << 30)
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise KVCacheAllocationError(
+                f"the KV cache does not fit on {self.device}: {num_blocks} blocks, "
+                f"{size:.1f} GiB, from {asked}; ask for less ({reason})"
+            ) from exc
 
     def _num_blocks(self) -> int:
         cc = self.config.cache

@@ -24,6 +24,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
+import re
 import threading
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -73,6 +74,19 @@ class PoolConfig:
     restart_backoff_s: float = 2.0  # after a replacement that failed to start; doubles to 60 s
     drain_timeout_s: float = 30.0  # a removed worker's own requests, before it is stopped
     max_workers: int = 64  # of all pools together, after a resize (ClusterConfig.max_workers)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the actor's name in its errors
+
+
+def start_failure(exc: BaseException) -> str:
+    """Why a worker did not start, in one line: what its constructor raised (the last line of
+    the traceback Ray quotes; `--log-level debug` logs it whole), else the error itself."""
+    text = _ANSI.sub("", str(exc))
+    if "raised in its creation task" in text:
+        last = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "")
+        return f"its start raised {last}"
+    return f"{type(exc).__name__}: {text}"
 
 
 class PoolsUnavailable(RuntimeError):
@@ -226,7 +240,9 @@ class Pools:
                 f"(`ray status`)"
             )
         except Exception as exc:
-            h.error = refused_at_start(str(exc)) or f"{type(exc).__name__}: {exc}"
+            h.error = refused_at_start(str(exc)) or start_failure(exc)
+            log.debug("worker %s (incarnation %d) did not start: %s", h.worker_id, h.incarnation,
+                      _ANSI.sub("", str(exc)))  # fmt: skip
         else:
             h.node_id = h.node_id or h.info.node_id or None  # where Ray placed it, if it chose
             h.error = await self._code_error(h)

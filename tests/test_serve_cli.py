@@ -129,6 +129,24 @@ def test_a_model_that_is_not_there_stops_serve_in_one_line_before_ray(tmp_path, 
     assert "Ray" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.timeout(150)
+def test_a_kv_cache_too_large_stops_serve_in_a_few_lines_naming_the_option():
+    """Each worker's constructor fails: the error says what it raised in one line (Ray quotes
+    its whole traceback, coloured), and the engine's error names the option."""
+    argv = [sys.executable, "-m", "router.cli", "serve", "--model", "tiny-llama",
+            "--kv-cache-gib", "100000", "--ray-address", "local", "--port", "0",
+            "--metrics-port", "-1", "--admin-port", "-1"]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=140)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    (error,) = [ln for ln in lines if ln.startswith("error: ")]
+    assert error.startswith("error: workers did not start: "), error
+    assert "its start raised engine.errors.KVCacheAllocationError: the KV cache does not fit on " \
+           "cpu" in error and "(serve: --kv-cache-gib)" in error, error  # fmt: skip
+    assert "Traceback" not in out.stderr and "\x1b[" not in out.stderr, out.stderr[-3000:]
+    assert len(lines) < 12, out.stderr[-3000:]
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("option", ["--port", "--http-port", "--admin-port"])
 def test_a_port_taken_stops_serve_in_one_line_before_ray(option):
