@@ -159,7 +159,14 @@ def _serve(args: argparse.Namespace, _extra: list[str]) -> int:
         config.check_hosts()
     except ValueError as exc:  # OptionError and SecurityError included
         return _error(exc)
-    if args.print_config:  # a config that serve would take, nothing less
+    if args.print_config:  # a config that serve would take, nothing less: the model too
+        from engine.errors import ModelNotFoundError
+        from router.server import model_tokenizer
+
+        try:
+            model_tokenizer(config)
+        except ModelNotFoundError as exc:
+            return _error(exc)
         print(options.to_yaml(), end="")
         return 0
     level = options.values["log_level"].upper()

@@ -148,6 +148,7 @@ def test_a_bad_file_is_refused_at_start_naming_the_field(tmp_path, capsys, text,
         (["--gpus-per-worker", "1.5"], "gpus_per_worker (--gpus-per-worker): Ray shares"),
         (["--metrics-port", "50071", "--port", "50071"], "metrics_port (--metrics-port): 50071"),
         (["--http-port", "50051"], "http_port (--http-port): 50051 is --port's too"),
+        (["--model", "no-such-model"], "model 'no-such-model' not found"),
     ],
 )
 def test_print_config_refuses_what_serve_refuses(capsys, flags, says):
