@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -178,6 +179,9 @@ OPTIONS: tuple[Option, ...] = (
            "keeps what went wrong and the refusals"),
 )  # fmt: skip
 BY_NAME = {o.name: o for o in OPTIONS}
+# File options: a relative path in a config file is relative to the file's folder (on the
+# command line, to the current folder, as a shell has it).
+PATHS = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -284,6 +288,8 @@ def read_file(path: Path) -> dict[str, Any]:
             out[name] = option.parse(value)
         except ValueError as exc:
             raise OptionError(f"{where}: {name}: {exc}") from None
+        if name in PATHS and out[name] is not None and not out[name].is_absolute():
+            out[name] = path.parent / out[name]  # the file's neighbour, wherever serve runs
     return out
 
 
@@ -301,6 +307,8 @@ class ServeOptions:
         plain = {o.name: self.values[o.name] for o in OPTIONS}
         plain = {k: str(v) if isinstance(v, Path) else v for k, v in plain.items()}
         text = yaml.safe_dump(plain, sort_keys=False)
+        if plain["ray_address"] is None and os.environ.get("RAY_ADDRESS"):
+            text += f"# ray_address null: RAY_ADDRESS={os.environ['RAY_ADDRESS']} is joined\n"
         if plain["dtype"] == "auto":
             text += (
                 "# dtype auto: each worker resolves it on its own device: the checkpoint's own "

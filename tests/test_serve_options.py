@@ -191,6 +191,21 @@ def test_words_in_any_case_other_dtype_spellings_and_a_home_path_are_taken(
     assert effective(tmp_path, "", "--dtype", "half", capsys=capsys)["dtype"] == "float16"
 
 
+def test_a_relative_path_in_a_file_is_the_files_neighbour(tmp_path, capsys, monkeypatch):
+    folder = tmp_path / "conf"
+    folder.mkdir()
+    (folder / "token").write_text("a-token-of-twenty-characters\n")
+    path = folder / "pdserve.yaml"
+    path.write_text("auth_token_file: token\n")
+    monkeypatch.chdir(tmp_path)  # serve runs elsewhere
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.9:6379")
+    assert main(["serve", "--config", str(path), "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert yaml.safe_load(out)["auth_token_file"] == str(folder / "token")
+    # What serve joins, where the file says nothing of it:
+    assert "# ray_address null: RAY_ADDRESS=10.0.0.9:6379 is joined" in out
+
+
 def test_help_lists_the_words_an_option_takes_and_no_flag_is_abbreviated(capsys):
     assert main_exit(["serve", "--help"]) == 0
     said = " ".join(capsys.readouterr().out.split())
