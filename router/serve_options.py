@@ -75,6 +75,10 @@ OPTIONS: tuple[Option, ...] = (
            "workers that do both, request by request: prefill for a peer (streaming the KV "
            "out) or decode (receiving it, or prefilling locally); beside the dedicated pools"),
     Option("threads", integer(1), 1, "torch threads per worker"),
+    Option("seed", optional(integer(0, 2**64 - 1)), None,
+           "seed of the requests that give none (default: drawn anew each run); with it, a "
+           "run repeats its samples where its requests come in the same order to the same "
+           "workers"),
     Option("kv_cache_gib", optional(number(0, strict=True)), None,
            "KV cache per CPU worker, GiB (default: 2; a GPU worker's takes 0.8 of the memory "
            "its device has free once the model is loaded)"),
@@ -338,7 +342,9 @@ class ServeOptions:
             step_target = 0.8 * v["slo_itl_ms"]  # a first guess, tuned from the measured ITL
         engine = EngineConfig(
             # the cluster sets its model name
-            model=ModelConfig(dtype=v["dtype"], enforce_eager=v["enforce_eager"]),
+            model=ModelConfig(
+                dtype=v["dtype"], enforce_eager=v["enforce_eager"], sampling_seed=v["seed"]
+            ),
             cache=cache,
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=v["max_num_batched_tokens"],

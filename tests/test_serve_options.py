@@ -65,12 +65,13 @@ def test_the_effective_options_reach_the_server_config(tmp_path):
         "replace_dead_workers: false\nstep_target_ms: 120\nprefill_hold_ms: 2500\n"
         "kv_backend: gloo\n",
     )
-    args = _parse(["serve", "--config", str(path), "--threads", "2"])
+    args = _parse(["serve", "--config", str(path), "--threads", "2", "--seed", "7"])
     config = serve_options.resolve(args).serve_config()
     c = config.cluster
     assert (c.num_prefill, c.num_decode, c.threads_per_worker) == (0, 2, 2)
     assert c.kv_interface == "eth1" and c.replace_dead is False
     assert c.pool_config().spec.kv_backend == "gloo"  # every worker's spec carries it
+    assert c.pool_config().spec.engine.model.sampling_seed == 7
     placement = c.pool_config().placement
     assert placement[WorkerRole.PREFILL] == Placement(0.5, (("a", 1.0),))
     assert placement[WorkerRole.DECODE] == Placement(0.5, ())
