@@ -76,9 +76,9 @@ OPTIONS: tuple[Option, ...] = (
            "out) or decode (receiving it, or prefilling locally); beside the dedicated pools"),
     Option("threads", integer(1), 1, "torch threads per worker"),
     Option("seed", optional(integer(0, 2**64 - 1)), None,
-           "seed of the requests that give none (default: drawn anew each run); with it, a "
-           "run repeats its samples where its requests come in the same order to the same "
-           "workers"),
+           "seed of the requests that give none (default: drawn anew each run); each worker "
+           "draws from a stream of its own made from it, so a run repeats its samples where "
+           "its requests come in the same order to the same workers"),
     Option("kv_cache_gib", optional(number(0, strict=True)), None,
            "KV cache per CPU worker, GiB (default: 2; a GPU worker's takes 0.8 of the memory "
            "its device has free once the model is loaded)"),

@@ -269,14 +269,16 @@ def test_bf16_greedy_matches_transformers_in_bf16_on_cuda(arch):
 
 # -- the three commands --------------------------------------------------------------------------
 def test_serve_takes_dtype_from_flag_and_file_and_prints_auto_honestly(tmp_path, capsys):
-    assert run(["serve", "--print-config"]) == 0
+    tiny = ["--model", "tiny-llama"]
+    assert run(["serve", *tiny, "--print-config"]) == 0
     out = capsys.readouterr().out
     assert "\ndtype: auto\n" in out and "# dtype auto: each worker resolves it" in out
     path = tmp_path / "c.yaml"
     path.write_text("dtype: float16\n")
-    assert run(["serve", "--config", str(path), "--print-config"]) == 0
+    assert run(["serve", *tiny, "--config", str(path), "--print-config"]) == 0
     assert "\ndtype: float16\n" in capsys.readouterr().out
-    assert run(["serve", "--config", str(path), "--dtype", "bfloat16", "--print-config"]) == 0
+    argv = ["serve", *tiny, "--config", str(path), "--dtype", "bfloat16", "--print-config"]
+    assert run(argv) == 0
     out = capsys.readouterr().out
     assert "\ndtype: bfloat16\n" in out and "# dtype auto" not in out
     args = build_parser().parse_args(["serve", "--dtype", "bfloat16"])
@@ -290,7 +292,7 @@ def test_a_bad_dtype_is_refused_naming_the_option(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--dtype" in err and "fp8" in err and "bfloat16" in err
     path = tmp_path / "c.yaml"
-    path.write_text("dtype: half\n")
+    path.write_text("dtype: fp8\n")
     assert run(["serve", "--config", str(path), "--print-config"]) == 2
     assert f"config {path}: dtype: must be one of auto, float32" in capsys.readouterr().err
     assert run(["generate", "--model", "tiny-llama", "--dtype", "fp8", "hi"]) == 2

@@ -23,7 +23,8 @@ def write(tmp_path, text: str):
 
 def effective(tmp_path, text: str, *flags: str, capsys) -> dict:
     path = write(tmp_path, text)
-    assert main(["serve", "--config", str(path), *flags, "--print-config"]) == 0
+    tiny = [] if "model:" in text else ["--model", "tiny-llama"]  # print-config checks it
+    assert main(["serve", "--config", str(path), *tiny, *flags, "--print-config"]) == 0
     return yaml.safe_load(capsys.readouterr().out)
 
 
@@ -80,6 +81,35 @@ def test_the_effective_options_reach_the_server_config(tmp_path):
     assert c.engine.scheduler.prefill_hold_s == pytest.approx(2.5)
     assert config.router.slo_itl_s == pytest.approx(0.15)
     assert config.admin_port is None
+
+
+class Built(Exception):
+    """Raised in place of building an engine: carries the config a worker would build."""
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+def test_each_worker_draws_unseeded_requests_seeds_from_its_own_stream(monkeypatch, seed):
+    """`--seed` reaches every worker, which draws from a seed of its own (worker id and
+    incarnation): two workers, or a worker and its replacement, never hand out the same seeds."""
+    from decode_worker.worker import DecodeWorker
+    from worker_protocol import host
+
+    def build(config):
+        raise Built(config)
+
+    monkeypatch.setattr(host, "LLMEngine", build)
+    argv = ["serve", "--model", "tiny-llama"] + ([] if seed is None else ["--seed", str(seed)])
+    spec = serve_options.resolve(_parse(argv)).serve_config().cluster.pool_config().spec
+    got = {}
+    for worker_id, incarnation in (("decode-0", 0), ("decode-1", 0), ("decode-0", 1)):
+        with pytest.raises(Built) as built:
+            DecodeWorker(worker_id, spec, incarnation)
+        got[worker_id, incarnation] = built.value.args[0].model.sampling_seed
+    if seed is None:
+        assert set(got.values()) == {None}  # each drawn from the OS's randomness
+    else:
+        assert len(set(got.values())) == 3, got
+        assert got["decode-1", 0] == host.worker_sampling_seed(7, "decode-1", 0)  # repeatable
 
 
 def test_a_hold_of_auto_is_a_share_of_each_requests_ttft_slo(tmp_path):
@@ -197,7 +227,7 @@ def test_a_relative_path_in_a_file_is_the_files_neighbour(tmp_path, capsys, monk
     folder.mkdir()
     (folder / "token").write_text("a-token-of-twenty-characters\n")
     path = folder / "pdserve.yaml"
-    path.write_text("auth_token_file: token\n")
+    path.write_text("auth_token_file: token\nmodel: tiny-llama\n")
     monkeypatch.chdir(tmp_path)  # serve runs elsewhere
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.9:6379")
     assert main(["serve", "--config", str(path), "--print-config"]) == 0
@@ -237,7 +267,7 @@ def main_exit(argv) -> int:
 
 @pytest.mark.timeout(60)
 def test_print_config_as_a_user_runs_it(tmp_path):
-    path = write(tmp_path, "decode: 2\n")
+    path = write(tmp_path, "decode: 2\nmodel: tiny-llama\n")
     out = subprocess.run(
         [sys.executable, "-m", "router.cli", "serve", "--config", str(path), "--print-config"],
         capture_output=True, text=True, timeout=60,

@@ -8,6 +8,7 @@ KVEndpoint; a worker class combines the two.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import traceback
@@ -35,6 +36,14 @@ WARMUP_PROMPT_STEPS = (8, 16, 32, 64)
 WARMUP_ROUNDS = 2
 
 
+def worker_sampling_seed(seed: int, worker_id: str, incarnation: int) -> int:
+    """The seed a worker's engine draws unseeded requests' seeds from, given the server's
+    (`serve --seed`): its own per worker id and incarnation, so that two workers (or a worker
+    and its replacement) never hand two requests the same seeds, and a run repeats."""
+    digest = hashlib.sha256(f"{seed}/{worker_id}/{incarnation}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
 class EngineHost:
     role: WorkerRole
 
@@ -60,6 +69,10 @@ class EngineHost:
         # graph cannot: it captures none (a worker that does both replays graphs in the steps
         # that send nothing: `wants_layers`).
         engine = replace(spec.engine, detokenize=False)
+        seed = engine.model.sampling_seed
+        if seed is not None:  # one stream per worker: two never draw the same seeds
+            seed = worker_sampling_seed(seed, worker_id, incarnation)
+            engine = replace(engine, model=replace(engine.model, sampling_seed=seed))
         if self.role is WorkerRole.PREFILL:
             engine = replace(engine, model=replace(engine.model, enforce_eager=True))
         self.engine = LLMEngine(engine)
