@@ -156,7 +156,8 @@ def _serve(args: argparse.Namespace, _extra: list[str]) -> int:
         options = serve_options.resolve(args)
         config = options.serve_config()  # the engine's and the cluster's own checks
         config.security.check()
-        config.check_hosts()
+        # Ports in use (a server running) are the moment, not the config: printed all the same.
+        config.check_hosts(ports_free=not args.print_config)
     except ValueError as exc:  # OptionError and SecurityError included
         return _error(exc)
     if args.print_config:  # a config that serve would take, nothing less: the model too
@@ -165,7 +166,7 @@ def _serve(args: argparse.Namespace, _extra: list[str]) -> int:
 
         try:
             model_tokenizer(config)
-        except ModelNotFoundError as exc:
+        except (ModelNotFoundError, OSError) as exc:  # OSError: a GGUF's cache not writable
             return _error(exc)
         print(options.to_yaml(), end="")
         return 0

@@ -173,6 +173,9 @@ class Option:
     default: Any
     help: str
     boolean: bool = False  # a --name / --no-name flag pair
+    # A file's path: relative in a config file, it is relative to that file's folder (on the
+    # command line, to the current folder, as a shell has it).
+    is_path: bool = False
 
     @property
     def flag(self) -> str:

@@ -166,12 +166,16 @@ OPTIONS: tuple[Option, ...] = (
            "address the admin port binds: this machine only unless set (an operator reaches it "
            "from a shell here or through a port-forward)"),
     # security
-    Option("tls_cert", optional(path), None, "server certificate chain (PEM): serve over TLS"),
-    Option("tls_key", optional(path), None, "the server certificate's private key (PEM)"),
+    Option("tls_cert", optional(path), None, "server certificate chain (PEM): serve over TLS",
+           is_path=True),
+    Option("tls_key", optional(path), None, "the server certificate's private key (PEM)",
+           is_path=True),
     Option("tls_client_ca", optional(path), None,
-           "CA certificate (PEM): clients must present a certificate it signed (mutual TLS)"),
+           "CA certificate (PEM): clients must present a certificate it signed (mutual TLS)",
+           is_path=True),
     Option("auth_token_file", optional(path), None,
-           "file holding the bearer token every request but the health checks must carry"),
+           "file holding the bearer token every request but the health checks must carry",
+           is_path=True),
     Option("max_streams_per_client", optional(integer(1)), None,
            "concurrent requests one client address may have (default: no limit)"),
     Option("max_tokens_limit", optional(integer(1)), None,
@@ -183,9 +187,6 @@ OPTIONS: tuple[Option, ...] = (
            "keeps what went wrong and the refusals"),
 )  # fmt: skip
 BY_NAME = {o.name: o for o in OPTIONS}
-# File options: a relative path in a config file is relative to the file's folder (on the
-# command line, to the current folder, as a shell has it).
-PATHS = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -224,9 +225,15 @@ def flag_type(o: Option) -> Callable[[str], Any]:
 
 class _UniqueKeys(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (which YAML would take as
-    its last value, the first one lost silently), `-` and `_` spellings alike; and reading
-    integers as YAML 1.2 does: `050051` is 50051 (YAML 1.1 reads a leading 0 as octal, 20521),
-    `1:30` is a string (1.1: 90, in base 60)."""
+    its last value, the first one lost silently), an option's `-` and `_` spellings alike; and
+    reading numbers as YAML 1.2 does: `050051` is 50051 (YAML 1.1 reads a leading 0 as octal,
+    20521), `1:30` and `1:30.5` are strings (1.1: 90 and 90.5, in base 60), `1e3` is 1000.0."""
+
+    _root: Any = None
+
+    def construct_document(self, node: Any) -> Any:
+        self._root = node
+        return super().construct_document(node)
 
     def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
@@ -236,7 +243,8 @@ class _UniqueKeys(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=deep)
             if not isinstance(key, (str, int, float, bool)):
                 continue  # not an option name: refused as an unknown field later
-            name = key.replace("-", "_") if isinstance(key, str) else key
+            # Option names are spelled either way; other keys (Ray resources) are as written.
+            name = key.replace("-", "_") if isinstance(key, str) and node is self._root else key
             if name in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"field {key!r} is given twice", key_node.start_mark
@@ -245,13 +253,22 @@ class _UniqueKeys(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-_INT = "tag:yaml.org,2002:int"
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 _UniqueKeys.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != _INT]
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT, _FLOAT)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
+# YAML 1.2's core schema: an integer first, then a float (1e3 included; 1:30.5 no longer 90.5).
 _UniqueKeys.add_implicit_resolver(
     _INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
+)
+_UniqueKeys.add_implicit_resolver(
+    _FLOAT,
+    re.compile(
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+.0123456789"),
 )
 
 
@@ -292,8 +309,8 @@ def read_file(path: Path) -> dict[str, Any]:
             out[name] = option.parse(value)
         except ValueError as exc:
             raise OptionError(f"{where}: {name}: {exc}") from None
-        if name in PATHS and out[name] is not None and not out[name].is_absolute():
-            out[name] = path.parent / out[name]  # the file's neighbour, wherever serve runs
+        if option.is_path and out[name] is not None and not out[name].is_absolute():
+            out[name] = path.absolute().parent / out[name]  # wherever serve runs
     return out
 
 

@@ -61,10 +61,11 @@ class ServeConfig:
     max_streams_per_client: int | None = None  # concurrent requests per client address
     max_tokens_limit: int | None = None  # the largest max_tokens a request may ask for
 
-    def check_hosts(self) -> None:
+    def check_hosts(self, ports_free: bool = True) -> None:
         """ValueError naming the option where `host` or `admin_host` is no address of this
-        machine, or a port set (not 0) is taken there: found before Ray and the workers start,
-        not as the ports bind after them (a restart while the old server still drains)."""
+        machine, or (`ports_free`) a port set (not 0) is taken there: found before Ray and the
+        workers start, not as the ports bind after them (a restart while the old server still
+        drains)."""
         hosts = [("--host", self.host)]
         ports = [("--port", self.host, self.port), ("--metrics-port", self.host, self.metrics_port),
                  ("--http-port", self.host, self.http_port)]  # fmt: skip
@@ -78,7 +79,7 @@ class ServeConfig:
                 raise ValueError(
                     f"{option}: {host} is not an address of this machine ({exc.strerror or exc})"
                 ) from None
-        for option, host, port in ports:
+        for option, host, port in ports if ports_free else ():
             try:
                 if port:  # 0: any free port; None: off
                     _bind(host, port)

@@ -154,6 +154,7 @@ def _parse(argv):
         ("log_level: loud\n", "log_level: must be one of debug, info, warning, error"),
         ("max_num_seqs: 4\nmax-num-seqs: 8\n", "field 'max-num-seqs' is given twice"),
         ("drain_timeout: 1:30\n", "drain_timeout: must be a number >= 0, got '1:30'"),
+        ("drain_timeout: 1:30.5\n", "drain_timeout: must be a number >= 0, got '1:30.5'"),
         ("dtype: fp8\n", "dtype: must be one of auto, float32, bfloat16, float16, got 'fp8'"),
     ],
 )
@@ -187,7 +188,13 @@ def test_print_config_refuses_what_serve_refuses(capsys, flags, says):
     assert main(["serve", *flags, "--print-config"]) == 2
     out = capsys.readouterr()
     assert out.out == "" and says in out.err, out.err
-    assert main(["serve", *flags]) == 2 and says in capsys.readouterr().err
+    # (ports of their own where the flags name none: a server may hold the defaults)
+    free = (
+        []
+        if any(f.endswith("-port") for f in flags)
+        else ["--port", "0", "--admin-port", "-1", "--metrics-port", "-1"]
+    )
+    assert main(["serve", *flags, *free]) == 2 and says in capsys.readouterr().err
 
 
 def test_a_file_that_is_not_utf8_is_named(tmp_path, capsys):
@@ -199,9 +206,17 @@ def test_a_file_that_is_not_utf8_is_named(tmp_path, capsys):
 
 
 def test_integers_are_read_as_yaml_1_2_reads_them(tmp_path, capsys):
-    """A leading zero is no octal (YAML 1.1 read 050051 as 20521); 0o and 0x say their base."""
-    got = effective(tmp_path, "port: 050051\nthreads: 0x2\nmax_num_seqs: 0o10\n", capsys=capsys)
+    """A leading zero is no octal (YAML 1.1 read 050051 as 20521); 0o and 0x say their base.
+    Only option names are taken in either spelling: Ray resources are as written."""
+    got = effective(
+        tmp_path,
+        "port: 050051\nthreads: 0x2\nmax_num_seqs: 0o10\nslo_itl_ms: 1.5e2\n"
+        "prefill_resources: {zone-a: 1, zone_a: 2}\n",
+        capsys=capsys,
+    )
     assert (got["port"], got["threads"], got["max_num_seqs"]) == (50051, 2, 8)
+    assert got["slo_itl_ms"] == 150.0
+    assert got["prefill_resources"] == {"zone-a": 1.0, "zone_a": 2.0}
 
 
 def test_words_in_any_case_other_dtype_spellings_and_a_home_path_are_taken(
@@ -228,9 +243,9 @@ def test_a_relative_path_in_a_file_is_the_files_neighbour(tmp_path, capsys, monk
     (folder / "token").write_text("a-token-of-twenty-characters\n")
     path = folder / "pdserve.yaml"
     path.write_text("auth_token_file: token\nmodel: tiny-llama\n")
-    monkeypatch.chdir(tmp_path)  # serve runs elsewhere
+    monkeypatch.chdir(tmp_path)  # serve runs elsewhere, given the file's path relative to it
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.9:6379")
-    assert main(["serve", "--config", str(path), "--print-config"]) == 0
+    assert main(["serve", "--config", "conf/pdserve.yaml", "--print-config"]) == 0
     out = capsys.readouterr().out
     assert yaml.safe_load(out)["auth_token_file"] == str(folder / "token")
     # What serve joins, where the file says nothing of it:
@@ -245,6 +260,20 @@ def test_help_lists_the_words_an_option_takes_and_no_flag_is_abbreviated(capsys)
     assert main_exit(["serve", "--max-num-seq", "4", "--print-config"]) == 2
     err = capsys.readouterr().err
     assert "pdserve serve: error: unrecognized arguments: --max-num-seq 4" in err, err
+
+
+def test_print_config_prints_while_a_server_holds_the_ports(tmp_path, capsys):
+    """A port in use is the moment, not the config: an operator asks while a server runs."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        got = effective(tmp_path, "", "--port", str(port), capsys=capsys)
+        assert got["port"] == port
+        assert main(["serve", "--model", "tiny-llama", "--port", str(port)]) == 2  # serve: no
+        assert f"--port: 127.0.0.1:{port} is taken" in capsys.readouterr().err
 
 
 def test_a_missing_file_is_named(tmp_path, capsys):
@@ -312,7 +341,8 @@ def test_log_level_sets_what_the_server_logs(level, shown):
         "    log.warning('WARN-LINE')\n"
         "router.server.serve = serve\n"
         "from router.cli import main\n"
-        "sys.exit(main(['serve', '--metrics-port', '-1', '--log-level', sys.argv[1]]))\n"
+        "sys.exit(main(['serve', '--metrics-port', '-1', '--port', '0', '--admin-port', '-1',\n"
+        "                '--log-level', sys.argv[1]]))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", script, level], capture_output=True, text=True, timeout=50
