@@ -9,17 +9,17 @@ import os
 from pathlib import Path
 
 from bench import overload, trace
-from bench.argtypes import (
+from bench.server import POLICIES
+from pdserve_client import add_arguments as add_auth_arguments
+from pdserve_client.argtypes import (
+    address,
     auto_or,
     count,
     float_at_least,
     int_at_least,
     positive_float,
-    timeout_seconds,
+    seconds,
 )
-from bench.server import POLICIES
-from pdserve_client import add_arguments as add_auth_arguments
-from pdserve_client.address import address
 
 
 def lengths(text: str) -> tuple[int, int]:
@@ -202,7 +202,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "seen the workload (step times, transfers); 0: one short request",
     )
     p.add_argument("--seed", type=int, default=0, help="of the trace and of sampling")
-    p.add_argument("--timeout", type=timeout_seconds, default=900.0, help="per request, seconds")
+    p.add_argument("--timeout", type=seconds, default=900.0, help="per request, seconds")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="folder for PNGs")
     overload.add_arguments(p)
@@ -229,7 +229,7 @@ def refused(args: argparse.Namespace, policies: list[str]) -> str | None:
         unknown = [p for p in policies if p not in POLICIES]
         if unknown:
             return f"--policy: unknown {unknown}; choose from {list(POLICIES)}"
-        if args.prefill_hold_ms is not None and args.step_target_ms is None:
+        if args.prefill_hold_ms and args.step_target_ms is None:  # 0: as its default
             return ("--prefill-hold-ms: prompts wait where a chunk cannot keep to the step "
                     "target, so it needs --step-target-ms")  # fmt: skip
         if args.sweep_rates and not args.sweep_rate:

@@ -39,10 +39,10 @@ from typing import Any
 import psutil
 
 from bench import loadgen, session, slo, trace
-from bench.argtypes import int_at_least, positive_float
 from bench.loadgen import RequestResult
 from bench.server import POLICIES, Deployment, ServerProcess
 from pdserve_client import ClientAuth
+from pdserve_client.argtypes import int_at_least, positive_float
 
 log = logging.getLogger("pdserve.bench")
 LOST = "LOST"  # no answer at all, past its deadline and a grace period

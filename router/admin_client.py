@@ -14,8 +14,7 @@ from typing import Any
 
 from pdserve_client import ClientAuth
 from pdserve_client import add_arguments as add_auth_arguments
-from pdserve_client.address import address
-from router.client import integer_in, seconds, seconds_or_zero
+from pdserve_client.argtypes import address, integer_in, seconds, seconds_or_zero
 
 ADMIN_PORT = 50052
 DEFAULT_ADDRESS = f"127.0.0.1:{ADMIN_PORT}"

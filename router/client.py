@@ -5,59 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Iterable
 from typing import Any
 
 from pdserve_client import add_arguments as add_auth_arguments
-from pdserve_client.address import address
+from pdserve_client.argtypes import address, integer_in, seconds
 
 PATHS = ("auto", "colocated", "disaggregated")
-
-
-def integer_in(low: int, high: int) -> Any:
-    """An argparse type: an integer in [low, high) (the range its proto field holds)."""
-
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            n = low - 1
-        if not low <= n < high:
-            raise argparse.ArgumentTypeError(f"must be an integer in [{low}, {high}), got {text!r}")
-        return n
-
-    return parse
-
-
-# The longest wait a client's option takes (about three years): gRPC refuses a deadline further
-# off (1e10 s) as already past.
-MAX_SECONDS = 1e8
-
-
-def seconds(text: str) -> float:
-    """An argparse type: a number of seconds in (0, MAX_SECONDS] (pdserve complete, status,
-    scale, workers)."""
-    return _seconds(text, zero=False)
-
-
-def seconds_or_zero(text: str) -> float:
-    """An argparse type: a number of seconds in [0, MAX_SECONDS]."""
-    return _seconds(text, zero=True)
-
-
-def _seconds(text: str, zero: bool) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        x = math.nan
-    if not (0 <= x if zero else 0 < x) or not x <= MAX_SECONDS:
-        raise argparse.ArgumentTypeError(
-            f"must be a number of seconds {'>=' if zero else '>'} 0 and <= {MAX_SECONDS:g}, "
-            f"got {text!r}"
-        )
-    return x
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -18,9 +18,8 @@ import urllib.error
 from collections import defaultdict
 from collections.abc import Iterable
 
-from pdserve_client.address import address
+from pdserve_client.argtypes import address, seconds
 from pdserve_client.metrics import BUSY_SECONDS, Samples, by_labels, scrape, shares
-from router.client import seconds
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -172,9 +172,13 @@ def test_bad_input_ends_in_one_error_line_before_any_server_starts(
     assert not (tmp_path / "plots").exists()  # a refused command leaves no folder behind
 
 
-def test_a_flag_of_auto_in_any_case_and_a_host_alone_are_taken():
+def test_a_flag_of_auto_in_any_case_and_a_host_alone_are_taken(monkeypatch, capsys):
     args = _parser().parse_args(["--step-target-ms", "AUTO", "--address", "10.0.0.7"])
     assert args.step_target_ms == "auto" and args.address == "10.0.0.7:50051"
+    # A hold of 0 is its default (prompts never wait), as serve takes it: no step target needed.
+    monkeypatch.setattr(cli, "ServerProcess", NoServer)
+    assert cli.main(_parser().parse_args(["--prefill-hold-ms", "0", "--policy", "nope"])) == 2
+    assert capsys.readouterr().err.startswith("error: --policy: unknown ['nope']")
 
 
 def test_a_server_that_exits_at_start_is_quoted_with_its_status(tmp_path):
