@@ -27,7 +27,8 @@ import torch
 from tqdm import tqdm
 
 from engine.bare_forward import replay
-from engine.config import DTYPE_CHOICES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.dtype_names import DTYPE_ALIASES, DTYPE_CHOICES, canonical_dtype
 from engine.llm_engine import LLMEngine
 from engine.loader import load_model
 from engine.model import PagedDecoderModel
@@ -42,6 +43,13 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
     return value
+
+
+def _dtype(word: str) -> str:
+    try:
+        return canonical_dtype(word)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,9 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default="auto",
-        choices=DTYPE_CHOICES,
-        help="auto: the checkpoint's own dtype on CUDA, float32 on CPU; the transformers "
-        "baselines run in the same dtype",
+        type=_dtype,
+        help=f"one of {', '.join(DTYPE_CHOICES)} (also {', '.join(DTYPE_ALIASES)}); auto: the "
+        "checkpoint's own dtype on CUDA, float32 on CPU; the transformers baselines run in the "
+        "same dtype",
     )
     p.add_argument(
         "--enforce-eager",

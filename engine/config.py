@@ -10,11 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.dtype_names import DTYPE_CHOICES, DTYPE_NAMES
 from engine.sampling_params import is_seed
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# "auto": the checkpoint's own dtype on CUDA, float32 on CPU (see resolve_dtype).
-DTYPE_CHOICES = ("auto", *DTYPES)
+DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16)))
 ATTENTION_BACKENDS = ("auto", "sdpa", "paged")
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from engine.dtype_names import DTYPE_ALIASES, DTYPE_CHOICES
 from router.option_values import (
     HANG_MIN_S,
     KV_BACKENDS,
@@ -49,12 +50,7 @@ POLICIES = ("auto", "colocated", "disaggregated", "threshold")
 # `--prefill-hold-ms auto`: a prompt may wait for decodes up to this share of its TTFT SLO,
 # the rest left for its queue and its prefill once they end.
 HOLD_SHARE = 0.5
-# engine.config.DTYPE_CHOICES, spelled out: building the parser must not import torch.
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-# Other spellings of a dtype, as other serving systems' options take them.
-DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16",
-                 "bf16": "bfloat16"}  # fmt: skip
-DTYPE_CHOICE = choice(*DTYPES, fold_case=True, aliases=DTYPE_ALIASES)
+DTYPE_CHOICE = choice(*DTYPE_CHOICES, fold_case=True, aliases=DTYPE_ALIASES)
 DTYPE_HELP = (
     "of the weights, activations and KV cache; auto: the checkpoint's own dtype on CUDA "
     "(config.json's dtype, or the GGUF file's; bfloat16 for a quantized GGUF), float32 on CPU"

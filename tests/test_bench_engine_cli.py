@@ -32,3 +32,18 @@ def test_counts_below_one_are_refused_naming_the_flag(flag, capsys):
         main([*TINY, flag, "0"])
     assert exc.value.code == 2
     assert f"argument {flag}: must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_a_dtype_is_taken_in_the_spellings_serve_takes(capsys):
+    import argparse
+
+    from engine import bench_engine
+
+    p = argparse.ArgumentParser()
+    bench_engine.add_arguments(p)
+    assert [p.parse_args(["--dtype", w]).dtype for w in ("BF16", "half", "auto")] == [
+        "bfloat16", "float16", "auto"
+    ]  # fmt: skip
+    with pytest.raises(SystemExit):
+        main([*TINY, "--dtype", "fp8"])
+    assert "argument --dtype: must be one of auto, float32" in capsys.readouterr().err

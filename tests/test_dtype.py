@@ -64,7 +64,7 @@ def test_bad_dtypes_are_refused_naming_the_field():
         ModelConfig(dtype="int3")
     with pytest.raises(ValueError, match="resolve it"):
         _ = ModelConfig(dtype="auto").torch_dtype
-    assert serve_options.DTYPES == DTYPE_CHOICES  # the torch-free copy agrees
+    assert serve_options.DTYPE_CHOICE.allowed == DTYPE_CHOICES  # one list, torch-free
 
 
 def test_model_dtype_reads_the_checkpoint_only_on_cuda(tmp_path):
