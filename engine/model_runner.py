@@ -137,13 +137,15 @@ class ModelRunner:
         try:
             return KVCache(self.spec, num_blocks, self.device)
         except RuntimeError as exc:  # torch.OutOfMemoryError included
+            if not _out_of_memory(exc):
+                raise
             cc = self.config.cache
             if cc.num_blocks is not None:
                 asked = f"cache.num_blocks {cc.num_blocks}"
             elif self.device.type == "cuda":
                 asked = f"cache.gpu_memory_fraction {cc.gpu_memory_fraction:g} of the free memory"
             else:
-                asked = f"cache.cpu_kv_cache_gib {cc.cpu_kv_cache_gib:g} (serve: --kv-cache-gib)"
+                asked = f"cache.cpu_kv_cache_gib {cc.cpu_kv_cache_gib:g}"
             size = num_blocks * self.spec.bytes_per_block / (1 << 30)
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise KVCacheAllocationError(
@@ -254,3 +256,10 @@ def _shape(batch: StepBatch) -> StepShape:
         prefills=tuple((len(s.token_ids), s.start_pos) for s in batch.order[nd:]),
         num_sampled=len(batch.samplers),
     )
+
+
+def _out_of_memory(exc: RuntimeError) -> bool:
+    """Whether an allocation failed for want of memory (CUDA's OutOfMemoryError, or the CPU
+    allocator's refusal), not for another reason."""
+    text = str(exc)
+    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in text

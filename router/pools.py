@@ -85,6 +85,8 @@ def start_failure(exc: BaseException) -> str:
     text = _ANSI.sub("", str(exc))
     if "raised in its creation task" in text:
         last = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "")
+        if "KVCacheAllocationError" in last and "cpu_kv_cache_gib" in last:
+            last += " (serve sets it with --kv-cache-gib)"
         return f"its start raised {last}"
     return f"{type(exc).__name__}: {text}"
 

@@ -3,7 +3,7 @@
 import pytest
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.errors import InvalidRequestError, ModelNotFoundError
+from engine.errors import InvalidRequestError, KVCacheAllocationError, ModelNotFoundError
 from engine.llm_engine import LLMEngine
 from engine.loader import load_model
 from engine.request import FinishReason, RequestStatus
@@ -117,6 +117,25 @@ def test_bad_inputs_while_running_leave_the_running_request_intact():
     assert toks == hf_greedy("tiny-llama", prompt, GREEDY.max_tokens)
     assert not engine.scheduler.requests
     assert_pool_free(engine)
+
+
+def test_a_kv_cache_too_large_for_the_device_names_the_setting(monkeypatch):
+    import engine.model_runner
+
+    with pytest.raises(KVCacheAllocationError) as info:
+        LLMEngine(EngineConfig(model=ModelConfig(model="tiny-llama"),
+                               cache=CacheConfig(cpu_kv_cache_gib=100_000)))  # fmt: skip
+    said = str(info.value)
+    assert said.startswith("the KV cache does not fit on cpu: ") and "100000.0 GiB" in said
+    assert "from cache.cpu_kv_cache_gib 100000; ask for less (" in said, said
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(engine.model_runner, "KVCache", failing)
+    with pytest.raises(RuntimeError, match="illegal memory access") as info:  # not "ask for less"
+        LLMEngine(EngineConfig(model=ModelConfig(model="tiny-llama")))
+    assert not isinstance(info.value, KVCacheAllocationError)
 
 
 def test_unknown_model_is_named():

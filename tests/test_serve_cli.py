@@ -142,7 +142,7 @@ def test_a_kv_cache_too_large_stops_serve_in_a_few_lines_naming_the_option():
     (error,) = [ln for ln in lines if ln.startswith("error: ")]
     assert error.startswith("error: workers did not start: "), error
     assert "its start raised engine.errors.KVCacheAllocationError: the KV cache does not fit on " \
-           "cpu" in error and "(serve: --kv-cache-gib)" in error, error  # fmt: skip
+           "cpu" in error and "(serve sets it with --kv-cache-gib)" in error, error  # fmt: skip
     assert "Traceback" not in out.stderr and "\x1b[" not in out.stderr, out.stderr[-3000:]
     assert len(lines) < 12, out.stderr[-3000:]
 
