@@ -16,6 +16,7 @@ import torch
 
 from engine import kv_handoff
 from engine.block_pool import PrefixCacheStats
+from engine.chat_template import chat_token_ids
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager, cdiv
@@ -79,19 +80,7 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise InvalidRequestError(
-                    "chat", "this model has no chat template; send a plain prompt"
-                )
-            try:
-                ids = self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-                )
-            except Exception as exc:  # the template's own refusal (a Jinja error, raise_exception)
-                raise InvalidRequestError("chat", f"the chat template refused it: {exc}") from exc
-            if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
-                ids = ids["input_ids"]  # type: ignore[index]
-            return [int(t) for t in ids]  # type: ignore[arg-type]
+            return chat_token_ids(self.tokenizer, [{"role": "user", "content": prompt}], "chat")
         return [int(t) for t in self.tokenizer.encode(prompt)]
 
     def validate_prompt(self, token_ids: Sequence[int]) -> None:

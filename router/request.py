@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.chat_template import chat_token_ids
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from router.vocab import Frontend, RoutePath
@@ -165,17 +166,8 @@ def _chat_ids(
             )
         size += utf8_len(f"messages[{i}].content", content)
     _check_size("messages", size, limits)
-    if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError("messages", "this model has no chat template; send prompt")
     chat = [{"role": _ROLE_AS.get(role, role), "content": content} for role, content in messages]
-    try:
-        return list(
-            tokenizer.apply_chat_template(
-                chat, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        )
-    except Exception as exc:  # the template's own refusal (e.g. roles out of order)
-        raise InvalidRequestError("messages", f"the chat template refused them: {exc}") from exc
+    return chat_token_ids(tokenizer, chat, "messages")
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:

@@ -140,7 +140,7 @@ def test_unknown_model_exits_2_naming_it(capsys):
     ("template", "said"),
     [(None, "error: chat: this model has no chat template; send a plain prompt"),
      ("{{ raise_exception('system turns only') }}",
-      "error: chat: the chat template refused it: system turns only")],
+      "error: chat: the chat template refused them: system turns only")],
 )  # fmt: skip
 def test_chat_without_a_usable_template_exits_2_naming_chat(capsys, tmp_path, template, said):
     model, tokenizer = build_tiny_model("tiny-llama")

@@ -245,6 +245,5 @@ def test_a_worker_running_other_code_refuses_itself_before_its_model_loads(clust
         ray.get(actor.ready.remote(), timeout=60)
     error = str(info.value)
     assert f"pdserve worker code {code_id()} is not the router's (0123456789abcdef)" in error
-    assert "refuse_other_code(router_code)" in error  # where it struck: before the engine
-    assert "LLMEngine" not in error, error
+    assert "LLMEngine" not in error, error  # it struck before the engine was built
     assert refused_at_start(error) == other_code(code_id())
