@@ -89,7 +89,9 @@ class AdminServicer(pb_grpc.AdminServicer):
             await context.abort(bad, f"workers: must be >= 0, got {both}")
         if drain is not None and not drain >= 0:
             await context.abort(bad, f"drain_timeout_s: must be >= 0, got {drain}")
-        asked = f"prefill {prefill}, decode {decode}, workers {both} (drain {drain} s)"
+        sizes = {"prefill": prefill, "decode": decode, "workers": both}
+        asked = ", ".join(f"{k} {v}" for k, v in sizes.items() if v is not None)
+        asked += "" if drain is None else f" (drain {drain:g} s)"
         log.info("scale asked: %s", asked)
         # A task of its own: the resize goes on, and its outcome is logged, when the caller
         # stops waiting (its deadline) and this handler is cancelled.
