@@ -7,7 +7,7 @@
 # TORCH_SPEC picks the torch build (default: the CPU wheel torch==2.13.0); TORCH_INDEX_URL a wheel
 # index for it. torch goes in first and
 # pinned because an unpinned `torch` resolves to a multi-GB CUDA build; the package's own
-# `torch>=2.4` is then already satisfied. PYTHON picks the interpreter that creates the venv.
+# `torch>=2.5` is then already satisfied. PYTHON picks the interpreter that creates the venv.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

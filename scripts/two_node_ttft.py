@@ -8,7 +8,9 @@ together), and the KV bytes that crossed. Prints one line per path.
 
 from __future__ import annotations
 
+import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -20,6 +22,10 @@ from tests.helpers import random_prompts  # noqa: E402
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__).parse_args()  # --help, and nothing else
+    # SIGTERM (`timeout`, a supervisor) leaves as Ctrl-C does: the namespaces and their Ray
+    # processes are removed on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     why_not = netns.available()
     if why_not:
         print(f"cannot run: {why_not}", file=sys.stderr)
