@@ -11,6 +11,7 @@ from typing import Any
 
 import uvicorn
 
+from router.http_conn import BoundedH11Protocol
 from router.security import SecurityConfig
 
 
@@ -24,6 +25,10 @@ class HttpServer:
             host=host,
             port=port,
             lifespan="off",
+            http=BoundedH11Protocol,  # idle and slow connections closed, their number bounded
+            # The client is the socket's peer: a header (X-Forwarded-For) names no other, so
+            # --max-streams-per-client cannot be dodged by sending one.
+            proxy_headers=False,
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=max(1, round(grace_s)),

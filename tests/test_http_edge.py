@@ -6,7 +6,9 @@ OpenAPI document."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 import ssl
 import threading
 import time
@@ -19,6 +21,7 @@ import pytest
 
 from pdserve_proto import generation_pb2 as pb
 from pdserve_proto import generation_pb2_grpc as pb_grpc
+from router import http_conn
 from router.core_types import RouterConfig
 from router.errors import WorkerLost
 from router.fake_backend import FakeBackend
@@ -173,6 +176,10 @@ def test_admission_and_the_client_limit_answer_429_with_retry_after():
             held = _hold(s, url, 2)
             third = http.post(url, json=BODY)
             assert third.status_code == 429 and third.json()["error"]["code"] == "client_limit"
+            # The client is the socket's peer: a header naming another is not taken.
+            forwarded = http.post(url, json=BODY, headers={"x-forwarded-for": "10.0.0.9"})
+            assert forwarded.status_code == 429, forwarded.text
+            assert forwarded.json()["error"]["code"] == "client_limit"
             _release(s, gate, held)
             s.run(_set(gate))
             assert http.post(url, json=BODY).status_code == 200
@@ -551,3 +558,61 @@ def completion_events(http, s, body) -> list[str]:
     with http.stream("POST", base(s) + "/v1/completions", json=body) as r:
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: {")]
     return [json.loads(ln[6:])["choices"][0]["text"] for ln in lines]
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server closes `sock` within `seconds` (reading whatever it sends first)."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        pass
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_connections_that_send_little_are_closed_and_their_number_is_bounded(monkeypatch):
+    """Idle, slowloris and stalled-body connections would hold the file descriptors the gRPC
+    and metrics ports share until every door stopped answering."""
+    monkeypatch.setattr(http_conn, "HEAD_TIMEOUT_S", 0.6)
+    monkeypatch.setattr(http_conn, "BODY_IDLE_S", 0.6)
+    s = server()
+    where = ("127.0.0.1", s.server.http_port)
+    try:
+        idle = socket.create_connection(where)
+        assert _closed_within(idle, 5)  # sent nothing
+        slow = socket.create_connection(where)
+        slow.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n")
+        started = time.monotonic()
+        while time.monotonic() - started < 0.9:  # a header line every 0.1 s, never the end
+            time.sleep(0.1)
+            with contextlib.suppress(OSError):
+                slow.sendall(b"x-a: b\r\n")
+        assert _closed_within(slow, 5)
+        stalled = socket.create_connection(where)
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n"
+                        b"content-type: application/json\r\n\r\n{\"model\"")  # fmt: skip
+        assert _closed_within(stalled, 5)
+        # A kept-alive connection is answered, then awaited as long as a new one.
+        kept = socket.create_connection(where)
+        kept.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        kept.settimeout(5)
+        assert kept.recv(4096).startswith(b"HTTP/1.1 200")
+        assert _closed_within(kept, 5)
+        # The number open at once: one past it is closed as it opens; the others are served.
+        monkeypatch.setattr(http_conn, "HEAD_TIMEOUT_S", 30.0)
+        monkeypatch.setattr(http_conn, "CONNECTIONS_CAP", 2)
+        held = [socket.create_connection(where) for _ in range(2)]
+        time.sleep(0.2)
+        past = socket.create_connection(where)
+        assert _closed_within(past, 5)
+        for h in held:
+            h.close()
+        time.sleep(0.2)
+        with httpx.Client(timeout=10) as http:
+            assert http.get(base(s) + "/health").status_code == 200
+    finally:
+        s.close()

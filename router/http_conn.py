@@ -1,0 +1,103 @@
+"""The HTTP port's connections, bounded: uvicorn's HTTP/1.1 protocol (h11) with the limits it
+lacks, so that clients which open connections and send little cannot hold the router's file
+descriptors (which the gRPC and metrics ports share with it) until every door stops answering.
+
+- A request's head (its request line and headers) must come whole within HEAD_TIMEOUT_S of the
+  connection's opening, or of the answer to its last request on a kept-alive connection: one
+  that sends nothing, or sends its headers a line at a time (slowloris), is closed then.
+- A request's body may pause at most BODY_IDLE_S (a Content-Length never reached, a chunked body
+  that never ends).
+- At most `max_connections()` are open at once: one past it is closed as it opens.
+
+The answer's own pace is the client's (a stream it reads slowly is not cut here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("pdserve.http")
+
+HEAD_TIMEOUT_S = 10.0
+BODY_IDLE_S = 30.0
+CONNECTIONS_CAP = 4096
+CAP_LOG_EVERY_S = 10.0
+_cap_said = float("-inf")
+
+
+def max_connections() -> int:
+    """Open HTTP connections allowed at once: CONNECTIONS_CAP, or half this process's file
+    descriptor limit where that is lower (the rest for gRPC, metrics, Ray and the logs)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return CONNECTIONS_CAP if soft == resource.RLIM_INFINITY else min(CONNECTIONS_CAP, soft // 2)
+
+
+class BoundedH11Protocol(H11Protocol):
+    """H11Protocol with the module's limits (see the module docstring)."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._guard: asyncio.TimerHandle | None = None
+        self._head_since = self._last_data = self.loop.time()
+        if len(self.connections) > max_connections():
+            global _cap_said
+            if self.loop.time() - _cap_said >= CAP_LOG_EVERY_S:  # a flood says it once a while
+                _cap_said = self.loop.time()
+                log.warning("HTTP connections past %d open are closed as they open (from %s)",
+                            max_connections(), _where(self.client))  # fmt: skip
+            transport.close()
+            return
+        self._watch(HEAD_TIMEOUT_S)
+
+    def data_received(self, data: bytes) -> None:
+        self._last_data = self.loop.time()
+        super().data_received(data)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():  # kept alive: the next head is awaited
+            self._head_since = self.loop.time()
+            self._watch(HEAD_TIMEOUT_S)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if getattr(self, "_guard", None) is not None:
+            self._guard.cancel()  # type: ignore[union-attr]
+        super().connection_lost(exc)
+
+    def _watch(self, delay: float) -> None:
+        if self._guard is not None:
+            self._guard.cancel()
+        self._guard = self.loop.call_later(max(delay, 0.0), self._check)
+
+    def _check(self) -> None:
+        self._guard = None
+        if self.transport.is_closing():
+            return
+        now, state = self.loop.time(), self.conn.their_state
+        if state is h11.IDLE:  # no whole head yet
+            waited = now - self._head_since
+            if waited < HEAD_TIMEOUT_S:
+                self._watch(HEAD_TIMEOUT_S - waited)
+            else:
+                self._close(f"sent no whole request head within {HEAD_TIMEOUT_S:g} s")
+        elif state is h11.SEND_BODY:  # the head came; the body is on its way
+            idle = now - self._last_data
+            if idle < BODY_IDLE_S:
+                self._watch(BODY_IDLE_S - idle)
+            else:
+                self._close(f"sent nothing of its request's body for {BODY_IDLE_S:g} s")
+        # Otherwise the request has come whole: the app has it.
+
+    def _close(self, why: str) -> None:
+        log.info("HTTP connection from %s closed: it %s", _where(self.client), why)
+        self.transport.close()
+
+
+def _where(client: Any) -> str:
+    return f"{client[0]}:{client[1]}" if client else "a client"
