@@ -46,6 +46,12 @@ END_GRACE_S = 5.0
 AGAIN_AFTER_S = 1.0
 
 
+# A connection to a gRPC port must finish its handshake (TLS, HTTP/2's preface) within this long,
+# or it is closed: connections that send nothing hold file descriptors the other doors share
+# (gRPC's own default waits 120 s). The HTTP port's bounds: router/http_conn.py.
+GRPC_HANDSHAKE_TIMEOUT_S = 10.0
+
+
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -197,6 +203,7 @@ class Server:
             options=[
                 ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.so_reuseport", 0),
+                ("grpc.server_handshake_timeout_ms", int(GRPC_HANDSHAKE_TIMEOUT_S * 1000)),
             ],
         )
         # One count of each client's requests over both front doors.
@@ -207,7 +214,11 @@ class Server:
         await self.grpc.start()
         if c.admin_port is not None:
             self.admin = grpc.aio.server(
-                interceptors=interceptors, options=[("grpc.so_reuseport", 0)]
+                interceptors=interceptors,
+                options=[
+                    ("grpc.so_reuseport", 0),
+                    ("grpc.server_handshake_timeout_ms", int(GRPC_HANDSHAKE_TIMEOUT_S * 1000)),
+                ],
             )
             add_admin(self.admin, self.cluster)
             where = (c.admin_host, c.admin_port)

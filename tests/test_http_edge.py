@@ -616,3 +616,23 @@ def test_connections_that_send_little_are_closed_and_their_number_is_bounded(mon
             assert http.get(base(s) + "/health").status_code == 200
     finally:
         s.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_grpc_connection_that_never_handshakes_is_closed(monkeypatch):
+    import router.server
+
+    monkeypatch.setattr(router.server, "GRPC_HANDSHAKE_TIMEOUT_S", 0.5)
+    s = server(admin_port=0)
+    try:
+        for port in (s.server.port, s.server.admin_port):
+            silent = socket.create_connection(("127.0.0.1", port))
+            assert _closed_within(silent, 5), port
+        with grpc.insecure_channel(f"127.0.0.1:{s.server.port}") as ch:  # a client that speaks
+            res = pb_grpc.GenerationStub(ch).Complete(
+                pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=2)),
+                timeout=30,
+            )
+        assert len(res.token_ids) == 2
+    finally:
+        s.close()
