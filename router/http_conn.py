@@ -8,8 +8,11 @@ descriptors (which the gRPC and metrics ports share with it) until every door st
 - A request's body may pause at most BODY_IDLE_S (a Content-Length never reached, a chunked body
   that never ends).
 - At most `max_connections()` are open at once: one past it is closed as it opens.
-
-The answer's own pace is the client's (a stream it reads slowly is not cut here).
+- A client that reads nothing of its answer for SEND_STALL_S while more waits to go out (the
+  socket's buffers full) is taken as gone, as nginx's send_timeout does: the connection is cut,
+  and its request ends as a client that left (aborted on its workers, its slot freed), rather
+  than held with the rest of its answer in the router's memory for as long as it stays. A slow
+  reader that reads at all is never cut.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ log = logging.getLogger("pdserve.http")
 
 HEAD_TIMEOUT_S = 10.0
 BODY_IDLE_S = 30.0
+SEND_STALL_S = 60.0
 CONNECTIONS_CAP = 4096
 CAP_LOG_EVERY_S = 10.0
 _cap_said = float("-inf")
@@ -44,6 +48,7 @@ class BoundedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._guard: asyncio.TimerHandle | None = None
+        self._stall: asyncio.TimerHandle | None = None
         self._head_since = self._last_data = self.loop.time()
         if len(self.connections) > max_connections():
             global _cap_said
@@ -66,9 +71,28 @@ class BoundedH11Protocol(H11Protocol):
             self._watch(HEAD_TIMEOUT_S)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if getattr(self, "_guard", None) is not None:
-            self._guard.cancel()  # type: ignore[union-attr]
+        for timer in (getattr(self, "_guard", None), getattr(self, "_stall", None)):
+            if timer is not None:
+                timer.cancel()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall is None:
+            self._stall = self.loop.call_later(SEND_STALL_S, self._stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _stalled(self) -> None:
+        self._stall = None
+        if not self.transport.is_closing():
+            log.info("HTTP connection from %s cut: it read nothing of its answer for %g s",
+                     _where(self.client), SEND_STALL_S)  # fmt: skip
+        self.transport.abort()  # close() would wait to send what it will never read
 
     def _watch(self, delay: float) -> None:
         if self._guard is not None:

@@ -636,3 +636,41 @@ def test_a_grpc_connection_that_never_handshakes_is_closed(monkeypatch):
         assert len(res.token_ids) == 2
     finally:
         s.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_reads_nothing_of_its_answer_is_cut_and_its_requests_end(monkeypatch):
+    """Its 16 choices would stay active, their slots held and the rest of their answer kept in
+    the router, for as long as it kept the connection open."""
+    monkeypatch.setattr(http_conn, "SEND_STALL_S", 1.0)
+    made = http_conn.BoundedH11Protocol.connection_made
+
+    def small_buffers(self, transport):  # the kernel's share small: the answer waits in pdserve
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        made(self, transport)
+
+    monkeypatch.setattr(http_conn.BoundedH11Protocol, "connection_made", small_buffers)
+    s = server()
+    sample = s.server.metrics.registry.get_sample_value
+    try:
+        body = json.dumps({**BODY, "max_tokens": 1000, "n": 16, "stream": True}).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a window that fills
+        stalled.connect(("127.0.0.1", s.server.http_port))
+        stalled.sendall(head + body)
+        deadline = time.monotonic() + 30
+        while (sample("pdserve_requests_active") or 0) < 16:  # all 16 running, then none
+            assert time.monotonic() < deadline, sample("pdserve_requests_active")
+            time.sleep(0.05)
+        while sample("pdserve_requests_active"):
+            assert time.monotonic() < deadline, sample("pdserve_requests_active")
+            time.sleep(0.1)
+        ended = {"path": "colocated", "finish_reason": "abort", "frontend": "http"}
+        assert sample("pdserve_requests_total", ended) == 16
+        assert _closed_within(stalled, 10)  # what it had buffered, then the cut
+        with httpx.Client(timeout=10) as http:  # the others are served as before
+            assert http.post(base(s) + "/v1/completions", json=BODY).status_code == 200
+    finally:
+        s.close()
