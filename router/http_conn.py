@@ -31,8 +31,24 @@ HEAD_TIMEOUT_S = 10.0
 BODY_IDLE_S = 30.0
 SEND_STALL_S = 60.0
 CONNECTIONS_CAP = 4096
-CAP_LOG_EVERY_S = 10.0
-_cap_said = float("-inf")
+LOG_EVERY_S = 10.0  # a flood of closed connections is said once a while, with its count
+
+
+class _Said:
+    """One kind of closed connection in the log: the first at once, then at most a line per
+    LOG_EVERY_S with how many since."""
+
+    def __init__(self) -> None:
+        self.at, self.since = float("-inf"), 0
+
+    def say(self, now: float, line: str, *args: object) -> None:
+        self.since += 1
+        if now - self.at >= LOG_EVERY_S:
+            log.info(line + " (%d such since the last line)", *args, self.since)
+            self.at, self.since = now, 0
+
+
+_CAPPED, _SLOW, _STALLED = _Said(), _Said(), _Said()
 
 
 def max_connections() -> int:
@@ -51,11 +67,8 @@ class BoundedH11Protocol(H11Protocol):
         self._stall: asyncio.TimerHandle | None = None
         self._head_since = self._last_data = self.loop.time()
         if len(self.connections) > max_connections():
-            global _cap_said
-            if self.loop.time() - _cap_said >= CAP_LOG_EVERY_S:  # a flood says it once a while
-                _cap_said = self.loop.time()
-                log.warning("HTTP connections past %d open are closed as they open (from %s)",
-                            max_connections(), _where(self.client))  # fmt: skip
+            _CAPPED.say(self.loop.time(), "HTTP connection from %s closed: %d are open, the most "
+                        "allowed", _where(self.client), max_connections())  # fmt: skip
             transport.close()
             return
         self._watch(HEAD_TIMEOUT_S)
@@ -90,8 +103,8 @@ class BoundedH11Protocol(H11Protocol):
     def _stalled(self) -> None:
         self._stall = None
         if not self.transport.is_closing():
-            log.info("HTTP connection from %s cut: it read nothing of its answer for %g s",
-                     _where(self.client), SEND_STALL_S)  # fmt: skip
+            _STALLED.say(self.loop.time(), "HTTP connection from %s cut: it read nothing of its "
+                         "answer for %g s", _where(self.client), SEND_STALL_S)  # fmt: skip
         self.transport.abort()  # close() would wait to send what it will never read
 
     def _watch(self, delay: float) -> None:
@@ -119,7 +132,8 @@ class BoundedH11Protocol(H11Protocol):
         # Otherwise the request has come whole: the app has it.
 
     def _close(self, why: str) -> None:
-        log.info("HTTP connection from %s closed: it %s", _where(self.client), why)
+        _SLOW.say(self.loop.time(), "HTTP connection from %s closed: it %s", _where(self.client),
+                  why)  # fmt: skip
         self.transport.close()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import ssl
 import threading
@@ -574,7 +575,7 @@ def _closed_within(sock: socket.socket, seconds: float) -> bool:
 
 
 @pytest.mark.timeout(60)
-def test_connections_that_send_little_are_closed_and_their_number_is_bounded(monkeypatch):
+def test_connections_that_send_little_are_closed_and_their_number_is_bounded(monkeypatch, caplog):
     """Idle, slowloris and stalled-body connections would hold the file descriptors the gRPC
     and metrics ports share until every door stopped answering."""
     monkeypatch.setattr(http_conn, "HEAD_TIMEOUT_S", 0.6)
@@ -602,6 +603,13 @@ def test_connections_that_send_little_are_closed_and_their_number_is_bounded(mon
         kept.settimeout(5)
         assert kept.recv(4096).startswith(b"HTTP/1.1 200")
         assert _closed_within(kept, 5)
+        # A flood of them is one line in the log, not one each.
+        monkeypatch.setattr(http_conn, "_SLOW", http_conn._Said())
+        with caplog.at_level(logging.INFO, "pdserve.http"):
+            flood = [socket.create_connection(where) for _ in range(5)]
+            assert all(_closed_within(f, 5) for f in flood)
+        said = [r.getMessage() for r in caplog.records if "sent no whole request head" in r.message]
+        assert len(said) == 1 and said[0].endswith("(1 such since the last line)"), said
         # The number open at once: one past it is closed as it opens; the others are served.
         monkeypatch.setattr(http_conn, "HEAD_TIMEOUT_S", 30.0)
         monkeypatch.setattr(http_conn, "CONNECTIONS_CAP", 2)
