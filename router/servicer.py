@@ -5,8 +5,9 @@ sees dataclasses.
 Status codes: INVALID_ARGUMENT names the field (including a string field that is not UTF-8,
 which protobuf itself would only report as a parse failure); RESOURCE_EXHAUSTED carries
 `retry-after-ms` and `pdserve-reject-reason` in the trailing metadata; UNAVAILABLE when a worker
-failed under the request. A client that cancels, or whose deadline passes, stops the handler,
-which aborts the request on every worker it touched.
+failed under the request; DEADLINE_EXCEEDED when a streamed answer was cut because its client
+read none of it for SEND_STALL_S. A client that cancels, or whose deadline passes, stops the
+handler, which aborts the request on every worker it touched.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, NoReturn
 
 import grpc
@@ -35,6 +36,9 @@ from router.request import ModelLimits, ParsedRequest, check_request_async
 from router.vocab import FailureReason, Frontend
 
 SERVICE = "pdserve.v1.Generation"
+# A streamed answer whose client reads none of it for this long (HTTP/2's window full, so a
+# write waits) is cut and its request ends, as the HTTP port does (http_conn.SEND_STALL_S).
+SEND_STALL_S = 60.0
 STATUS = {
     FailureReason.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     FailureReason.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -164,18 +168,28 @@ class GenerationServicer:
 
     async def Generate(  # noqa: N802 (the RPC's name)
         self, request: pb.GenerateRequest | _BadWire, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> None:
         arrived = time.monotonic()
         req = await self._parse(request, context)
         async with contextlib.aclosing(self._chunks(req, arrived, context)) as chunks:
             async for c in chunks:
-                yield pb.GenerateResponse(
+                message = pb.GenerateResponse(
                     request_id=c.request_id,
                     token_ids=c.token_ids,
                     text=c.text,
                     logprobs=logprobs_to_wire(c.logprobs),
                     final=final_to_wire(c.final) if c.final is not None else None,
                 )
+                try:
+                    async with asyncio.timeout(SEND_STALL_S):
+                        await context.write(message)
+                except TimeoutError:
+                    break  # closing the chunks ends the request; the status may wait long
+            else:
+                return
+        why = f"its client read none of its answer for {SEND_STALL_S:.0f} s"
+        log.warning("request %s cut: %s", req.request_id, why)
+        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"answer cut: {why}")
 
     async def Complete(  # noqa: N802
         self, request: pb.GenerateRequest | _BadWire, context: grpc.aio.ServicerContext

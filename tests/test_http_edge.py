@@ -646,6 +646,16 @@ def test_a_grpc_connection_that_never_handshakes_is_closed(monkeypatch):
         s.close()
 
 
+def _all_running_then_none(sample, n: int, within_s: float = 30) -> None:
+    deadline = time.monotonic() + within_s
+    while (sample("pdserve_requests_active") or 0) < n:
+        assert time.monotonic() < deadline, sample("pdserve_requests_active")
+        time.sleep(0.05)
+    while sample("pdserve_requests_active"):
+        assert time.monotonic() < deadline, sample("pdserve_requests_active")
+        time.sleep(0.1)
+
+
 @pytest.mark.timeout(60)
 def test_a_client_that_reads_nothing_of_its_answer_is_cut_and_its_requests_end(monkeypatch):
     """Its 16 choices would stay active, their slots held and the rest of their answer kept in
@@ -668,17 +678,46 @@ def test_a_client_that_reads_nothing_of_its_answer_is_cut_and_its_requests_end(m
         stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a window that fills
         stalled.connect(("127.0.0.1", s.server.http_port))
         stalled.sendall(head + body)
-        deadline = time.monotonic() + 30
-        while (sample("pdserve_requests_active") or 0) < 16:  # all 16 running, then none
-            assert time.monotonic() < deadline, sample("pdserve_requests_active")
-            time.sleep(0.05)
-        while sample("pdserve_requests_active"):
-            assert time.monotonic() < deadline, sample("pdserve_requests_active")
-            time.sleep(0.1)
+        _all_running_then_none(sample, 16)
         ended = {"path": "colocated", "finish_reason": "abort", "frontend": "http"}
         assert sample("pdserve_requests_total", ended) == 16
         assert _closed_within(stalled, 10)  # what it had buffered, then the cut
         with httpx.Client(timeout=10) as http:  # the others are served as before
             assert http.post(base(s) + "/v1/completions", json=BODY).status_code == 200
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_grpc_client_that_reads_nothing_of_its_stream_is_cut_and_its_requests_end(monkeypatch):
+    """As over HTTP: its streams would stay active, their slots held, while it kept the
+    connection open without reading."""
+    import router.servicer
+
+    monkeypatch.setattr(router.servicer, "SEND_STALL_S", 1.0)
+    s = server()
+    sample = s.server.metrics.registry.get_sample_value
+    # Many tokens with 20 logprobs each: more than HTTP/2's window holds.
+    req = pb.GenerateRequest(
+        prompt_token_ids=[1, 2, 3], sampling=pb.SamplingParams(max_tokens=4000, logprobs=20)
+    )
+    try:
+        with grpc.insecure_channel(
+            f"127.0.0.1:{s.server.port}", options=[("grpc.http2.bdp_probe", 0)]
+        ) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            calls = [stub.Generate(req, timeout=50) for _ in range(4)]  # none of them read
+            _all_running_then_none(sample, 4)
+            ended = {"path": "colocated", "finish_reason": "abort", "frontend": "grpc"}
+            assert sample("pdserve_requests_total", ended) == 4
+            read = 0
+            with pytest.raises(grpc.RpcError) as cut:  # what it had buffered, then the cut
+                for _ in calls[0]:
+                    read += 1
+            assert cut.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "read none of its answer" in cut.value.details()
+            assert 0 < read < 4000
+            small = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=3))
+            assert sum(len(m.token_ids) for m in stub.Generate(small, timeout=10)) == 3
     finally:
         s.close()
