@@ -1,9 +1,12 @@
-"""--max-streams-per-client: how many requests one client address may have running at once, over
-both front doors together (one count per address). Past the limit a request is refused as
-Overloaded (client_limit)."""
+"""What clients may hold. --max-streams-per-client: how many requests one client address may
+have running at once, over both front doors together (one count per address); past the limit a
+request is refused as Overloaded (client_limit). And how many connections each door (the HTTP
+port, the gRPC port, the admin port) keeps open at once: `max_connections()`."""
 
 from __future__ import annotations
 
+import logging
+import resource
 from collections.abc import Callable
 
 from router.core_types import Overloaded
@@ -11,6 +14,30 @@ from router.stats import StatsSink
 from router.vocab import Frontend, RejectReason
 
 RETRY_AFTER_S = 1.0
+CONNECTIONS_CAP = 4096  # per door
+FILE_LIMIT_WANTED = 65536
+log = logging.getLogger("pdserve.server")
+
+
+def raise_file_limit() -> None:
+    """Raise this process's soft file-descriptor limit toward its hard limit (to
+    FILE_LIMIT_WANTED at most), as servers do at start: the common soft limit of 1,024 would
+    hold each door to 256 connections."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = FILE_LIMIT_WANTED if hard == resource.RLIM_INFINITY else min(hard, FILE_LIMIT_WANTED)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the file limit from %d to %d: %s", soft, want, exc)
+
+
+def max_connections() -> int:
+    """Connections one door may hold open at once: CONNECTIONS_CAP, or a quarter of this
+    process's file-descriptor limit where that is lower, so that the three doors together
+    leave at least a quarter to the metrics port, Ray, the KV transfer and the logs."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return CONNECTIONS_CAP if soft == resource.RLIM_INFINITY else min(CONNECTIONS_CAP, soft // 4)
 
 
 class ClientLimit:

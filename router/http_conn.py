@@ -7,7 +7,8 @@ descriptors (which the gRPC and metrics ports share with it) until every door st
   that sends nothing, or sends its headers a line at a time (slowloris), is closed then.
 - A request's body may pause at most BODY_IDLE_S (a Content-Length never reached, a chunked body
   that never ends).
-- At most `max_connections()` are open at once: one past it is closed as it opens.
+- At most `client_limit.max_connections()` are open at once: one past it is closed as it
+  opens.
 - A client that reads nothing of its answer for SEND_STALL_S while more waits to go out (the
   socket's buffers full) is taken as gone, as nginx's send_timeout does: the connection is cut,
   and its request ends as a client that left (aborted on its workers, its slot freed), rather
@@ -19,18 +20,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import resource
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from router.client_limit import max_connections
 
 log = logging.getLogger("pdserve.http")
 
 HEAD_TIMEOUT_S = 10.0
 BODY_IDLE_S = 30.0
 SEND_STALL_S = 60.0
-CONNECTIONS_CAP = 4096
 LOG_EVERY_S = 10.0  # a flood of closed connections is said once a while, with its count
 
 
@@ -49,13 +50,6 @@ class _Said:
 
 
 _CAPPED, _SLOW, _STALLED = _Said(), _Said(), _Said()
-
-
-def max_connections() -> int:
-    """Open HTTP connections allowed at once: CONNECTIONS_CAP, or half this process's file
-    descriptor limit where that is lower (the rest for gRPC, metrics, Ray and the logs)."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return CONNECTIONS_CAP if soft == resource.RLIM_INFINITY else min(CONNECTIONS_CAP, soft // 2)
 
 
 class BoundedH11Protocol(H11Protocol):

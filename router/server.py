@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2
 
 from engine.loader import load_tokenizer
 from router.admin import add_admin
-from router.client_limit import ClientLimit
+from router.client_limit import ClientLimit, max_connections, raise_file_limit
 from router.cluster import Cluster, ClusterConfig
 from router.core import RequestCore
 from router.core_types import Backend, RouterConfig
@@ -50,6 +50,16 @@ AGAIN_AFTER_S = 1.0
 # or it is closed: connections that send nothing hold file descriptors the other doors share
 # (gRPC's own default waits 120 s). The HTTP port's bounds: router/http_conn.py.
 GRPC_HANDSHAKE_TIMEOUT_S = 10.0
+
+
+def _grpc_door_options() -> list[tuple[str, int]]:
+    """A gRPC port's bounds: the handshake's deadline, and at most `max_connections()` open at
+    once (one past it is closed as it opens)."""
+    return [
+        ("grpc.so_reuseport", 0),
+        ("grpc.server_handshake_timeout_ms", int(GRPC_HANDSHAKE_TIMEOUT_S * 1000)),
+        ("grpc.max_allowed_incoming_connections", max_connections()),
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,11 +210,7 @@ class Server:
         self.core.start()
         self.grpc = grpc.aio.server(
             interceptors=interceptors,
-            options=[
-                ("grpc.max_receive_message_length", 64 << 20),
-                ("grpc.so_reuseport", 0),
-                ("grpc.server_handshake_timeout_ms", int(GRPC_HANDSHAKE_TIMEOUT_S * 1000)),
-            ],
+            options=[("grpc.max_receive_message_length", 64 << 20), *_grpc_door_options()],
         )
         # One count of each client's requests over both front doors.
         self.clients = clients = ClientLimit(c.max_streams_per_client, self.core.sink)
@@ -215,10 +221,7 @@ class Server:
         if c.admin_port is not None:
             self.admin = grpc.aio.server(
                 interceptors=interceptors,
-                options=[
-                    ("grpc.so_reuseport", 0),
-                    ("grpc.server_handshake_timeout_ms", int(GRPC_HANDSHAKE_TIMEOUT_S * 1000)),
-                ],
+                options=_grpc_door_options(),
             )
             add_admin(self.admin, self.cluster)
             where = (c.admin_host, c.admin_port)
@@ -391,6 +394,7 @@ def model_tokenizer(c: ServeConfig) -> Any:
 
 async def serve(config: ServeConfig) -> None:
     """Run until SIGINT or SIGTERM, then drain and stop."""
+    raise_file_limit()
     # The model first: one that is not there stops the start before Ray and any worker.
     server = Server(config, tokenizer=await asyncio.to_thread(model_tokenizer, config))
     stop = asyncio.Event()

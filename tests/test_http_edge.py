@@ -22,7 +22,7 @@ import pytest
 
 from pdserve_proto import generation_pb2 as pb
 from pdserve_proto import generation_pb2_grpc as pb_grpc
-from router import http_conn
+from router import client_limit, http_conn
 from router.core_types import RouterConfig
 from router.errors import WorkerLost
 from router.fake_backend import FakeBackend
@@ -612,7 +612,7 @@ def test_connections_that_send_little_are_closed_and_their_number_is_bounded(mon
         assert len(said) == 1 and said[0].endswith("(1 such since the last line)"), said
         # The number open at once: one past it is closed as it opens; the others are served.
         monkeypatch.setattr(http_conn, "HEAD_TIMEOUT_S", 30.0)
-        monkeypatch.setattr(http_conn, "CONNECTIONS_CAP", 2)
+        monkeypatch.setattr(client_limit, "CONNECTIONS_CAP", 2)
         held = [socket.create_connection(where) for _ in range(2)]
         time.sleep(0.2)
         past = socket.create_connection(where)
@@ -626,16 +626,36 @@ def test_connections_that_send_little_are_closed_and_their_number_is_bounded(mon
         s.close()
 
 
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(3) + b"\x04" + bytes(5)  # + SETTINGS
+
+
 @pytest.mark.timeout(60)
-def test_a_grpc_connection_that_never_handshakes_is_closed(monkeypatch):
+def test_grpc_connections_that_never_handshake_are_closed_and_their_number_is_bounded(
+    monkeypatch,
+):
     import router.server
 
     monkeypatch.setattr(router.server, "GRPC_HANDSHAKE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(client_limit, "CONNECTIONS_CAP", 2)
     s = server(admin_port=0)
     try:
         for port in (s.server.port, s.server.admin_port):
             silent = socket.create_connection(("127.0.0.1", port))
             assert _closed_within(silent, 5), port
+            silent.close()
+            time.sleep(0.5)  # its count is given back a little after it is closed
+            # Two that speak HTTP/2 are held; one past them is closed as it opens.
+            held = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+            for h in held:
+                h.sendall(H2_PREFACE)
+            time.sleep(0.6)  # past the handshake's deadline: these are not closed for it
+            past = socket.create_connection(("127.0.0.1", port))
+            past.sendall(H2_PREFACE)
+            assert _closed_within(past, 5), port
+            assert not any(_closed_within(h, 0.2) for h in held), port
+            for h in held:
+                h.close()
+        time.sleep(0.3)
         with grpc.insecure_channel(f"127.0.0.1:{s.server.port}") as ch:  # a client that speaks
             res = pb_grpc.GenerationStub(ch).Complete(
                 pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=2)),
@@ -644,6 +664,29 @@ def test_a_grpc_connection_that_never_handshakes_is_closed(monkeypatch):
         assert len(res.token_ids) == 2
     finally:
         s.close()
+
+
+def test_the_file_limit_is_raised_at_start_toward_the_hard_limit():
+    """A soft limit of 1,024 would hold each door to 256 connections."""
+    import resource
+    import subprocess
+    import sys
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 1024:
+        pytest.skip(f"the hard file limit here is {hard}: nothing to raise to")
+    code = (
+        "import resource; from router.client_limit import raise_file_limit, max_connections;"
+        "raise_file_limit(); print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], "
+        "max_connections())"
+    )
+    low = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))  # noqa: E731
+    out = subprocess.run(
+        [sys.executable, "-c", code], preexec_fn=low, capture_output=True, text=True, check=True
+    ).stdout.split()
+    want = min(65536, hard) if hard != resource.RLIM_INFINITY else 65536
+    assert int(out[0]) == want
+    assert int(out[1]) == min(4096, want // 4)
 
 
 def _all_running_then_none(sample, n: int, within_s: float = 30) -> None:
