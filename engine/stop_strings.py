@@ -18,14 +18,15 @@ class StopStringMatcher:
         self.sent = 0  # characters of output text already streamed
         self.end: int | None = None  # where the text ends once a stop string matched
 
-    def find(self, text: str) -> str | None:
-        """The first stop string in `text` (searching only where a new match can start)."""
+    def find(self, text: str, upto: int | None = None) -> str | None:
+        """The first stop string in `text` (searching only where a new match can start), ending
+        at `upto` at the latest."""
         if not self.stops or self.end is not None:
             return None
         start = max(0, self.sent - self.hold)
         best: tuple[int, str] | None = None
         for s in self.stops:
-            i = text.find(s, start)
+            i = text.find(s, start, upto)
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:

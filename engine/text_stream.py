@@ -26,11 +26,13 @@ class TextStream:
         text is final and the request should end."""
         if token_ids:
             self._detok.extend(token_ids)
-        if finished:
-            self._detok.flush()
-        hit = self._stops.find(self._detok.text)
+        cut = 0
+        if finished and self._detok.flush().endswith("\ufffd"):
+            cut = 1  # a character cut off at the end: not the model's text, nor a stop string's
+        text = self._detok.text
+        hit = self._stops.find(text, len(text) - cut)
         if hit is not None:
             self.stop_hit = hit
         if finished or self.stop_hit is not None:
-            return self._stops.final_delta(self._detok.text)
-        return self._stops.safe_delta(self._detok.text)
+            return self._stops.final_delta(text)
+        return self._stops.safe_delta(text)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import codecs
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -57,15 +57,23 @@ class TextOffsets:
     the characters the tokens before it complete (a character split over tokens counts from
     the token that completes it)."""
 
-    def __init__(self, token_bytes: TokenBytes) -> None:
+    def __init__(self, token_bytes: TokenBytes, prompt_token_ids: Sequence[int] = ()) -> None:
         self._bytes = token_bytes
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self.chars = 0
+        # A prompt (as token ids) may end inside a character: the output's first character then
+        # completes the prompt's, and is not in the output's text.
+        tail = [t for t in prompt_token_ids[-4:] if t not in token_bytes.special]
+        self._utf8.decode(b"".join(token_bytes(t) for t in tail))
+        self._owed = 1 if self._utf8.getstate()[0] else 0
 
     def feed(self, token_ids: Iterable[int]) -> list[int]:
         out = []
         for t in token_ids:
             out.append(self.chars)
             if t not in self._bytes.special:
-                self.chars += len(self._utf8.decode(self._bytes(t)))
+                n = len(self._utf8.decode(self._bytes(t)))
+                if n and self._owed:
+                    n, self._owed = n - 1, 0
+                self.chars += n
         return out

@@ -248,7 +248,7 @@ class HttpApi:
         they carry logprobs."""
         events = []
         if i not in offsets:
-            offsets[i] = self.shapes.offsets()
+            offsets[i] = self.shapes.offsets(call)
             if call.chat:
                 delta = {"role": "assistant", "content": ""}
                 opening = {"delta": delta, "logprobs": None, "finish_reason": None}

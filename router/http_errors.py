@@ -119,6 +119,7 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         msg = "is required"
     elif msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
-        if ": " in msg and not param:  # a check across fields names its own field
-            param, msg = msg.split(": ", 1)
+        head, _, rest = msg.partition(": ")
+        if rest and head.isidentifier():  # a check across fields names its own field
+            param, msg = (f"{param}.{head}" if param else head), rest
     return ApiError(400, f"{param or 'body'}: {msg}", param=param or None)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.errors import InvalidRequestError
-from router.request import DEFAULT_MAX_TOKENS, RequestFields
+from router.request import CHAT_ROLES, DEFAULT_MAX_TOKENS, RequestFields
 from router.vocab import Frontend, RoutePath
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the server's own)
@@ -146,16 +146,33 @@ class ChatMessage(_Body):
     role: str = Field(description="system, developer (as system), user or assistant")
     content: str | list[TextPart]
 
+    @model_validator(mode="before")
+    @classmethod
+    def _role_first(cls, data: Any) -> Any:
+        """A role pdserve does not take is named before the fields that come with it (a tool
+        message's tool_call_id)."""
+        role = data.get("role") if isinstance(data, dict) else None
+        if isinstance(role, str) and role not in CHAT_ROLES:
+            raise ValueError(f"role: must be one of {CHAT_ROLES}, got {role!r}")
+        return data
+
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, v: Any) -> Any:
         if isinstance(v, list):
             for i, part in enumerate(v):
-                kind = part.get("type") if isinstance(part, dict) else None
+                if not isinstance(part, dict):
+                    raise ValueError(
+                        f'part {i}: must be an object, {{"type": "text", "text": ...}}, '
+                        f"got {json.dumps(part)[:40]}"
+                    )
+                kind = part.get("type")
                 if kind != "text":
                     raise ValueError(
                         f"part {i}: only text parts are supported, got type {json.dumps(kind)}"
                     )
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f'part {i}: needs "text", a string')
         return v
 
 
@@ -267,4 +284,5 @@ def _one_prompt(
 
 
 def _text(content: str | list[TextPart]) -> str:
-    return content if isinstance(content, str) else "".join(p.text for p in content)
+    """A message's text: its text parts joined by newlines (as vLLM joins them)."""
+    return content if isinstance(content, str) else "\n".join(p.text for p in content)

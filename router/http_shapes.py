@@ -70,7 +70,7 @@ class Shapes:
         vLLM's); `pdserve` says how the first was served."""
         choices = []
         for i, answer in enumerate(answers):
-            logprobs = self.logprobs(call, answer.logprobs, self.offsets())
+            logprobs = self.logprobs(call, answer.logprobs, self.offsets(call))
             if call.chat:
                 said: dict[str, Any] = {"message": {"role": "assistant", "content": answer.text}}
             else:
@@ -88,11 +88,20 @@ class Shapes:
         }
 
     def token(self, token_id: int) -> str:
+        """A token's text in logprobs. One that holds part of a character is written as its
+        bytes, "bytes:\\xf0\\x9f" (as OpenAI writes them): decoded, every such token would be
+        the same U+FFFD, and completions' top_logprobs, keyed by text, would merge them."""
+        raw = self.token_bytes(token_id)
+        if token_id not in self.token_bytes.special:
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
         return str(self.tokenizer.decode([token_id]))
 
-    def offsets(self) -> TextOffsets:
+    def offsets(self, call: Call) -> TextOffsets:
         """A new answer's text offsets (completions' logprobs.text_offset)."""
-        return TextOffsets(self.token_bytes)
+        return TextOffsets(self.token_bytes, call.req.prompt_token_ids)
 
     def logprobs(
         self, call: Call, lps: tuple[TokenLogprobs, ...], offsets: TextOffsets
@@ -125,8 +134,10 @@ class Shapes:
     def _top(self, lp: TokenLogprobs) -> dict[str, float]:
         """A completion token's alternatives, and the sampled token among them always (OpenAI's
         and vLLM's: up to logprobs + 1 entries; with logprobs 0, the sampled token alone)."""
-        top = {self.token(t): v for t, v in lp.top}
-        top.setdefault(self.token(lp.token_id), lp.logprob)
+        top: dict[str, float] = {}
+        for t, v in lp.top:  # best first: two tokens of one text (rare) keep the better's
+            top.setdefault(self.token(t), v)
+        top[self.token(lp.token_id)] = lp.logprob  # its own, as `token_logprobs` gives it
         return top
 
 

@@ -10,6 +10,8 @@ from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ModelNotFoundError
 from engine.loader import load_model
+from engine.sampling_params import SamplingParams
+from engine.text_stream import TextStream
 from engine.tiny_models import EOS_ID, byte_tokenizer
 
 MULTIBYTE = "naïve café 🙂 日本語 👩‍👩‍👧 and 🇫🇷!"
@@ -44,6 +46,18 @@ def test_flush_returns_unfinished_tail() -> None:
     tail = detok.flush()
     assert tail == "\ufffd"
     assert detok.text == tokenizer.decode(ids)
+
+
+def test_a_character_cut_off_at_the_end_is_no_stop_string() -> None:
+    """The U+FFFD given for it is not the model's text: a request that ran out of tokens there
+    ended for its length."""
+    tokenizer = byte_tokenizer()
+    ids = tokenizer.encode("ok 🙂")[:-2]
+    stream = TextStream(tokenizer, [], SamplingParams(stop=["\ufffd"], max_tokens=len(ids)))
+    assert stream.feed(ids, finished=True) == "ok \ufffd"
+    assert stream.stop_hit is None
+    whole = TextStream(tokenizer, [], SamplingParams(stop=["k"], max_tokens=len(ids)))
+    assert whole.feed(ids, finished=True) == "o" and whole.stop_hit == "k"
 
 
 def test_random_byte_streams_match_full_decode() -> None:

@@ -182,6 +182,12 @@ def test_n_greedy_choices_handed_off_each_move_their_kv(srv, stub, client):
     assert_pools_full(srv, within_s=2.0)
 
 
+def _token_bytes(token: str) -> bytes:
+    if token.startswith("bytes:"):
+        return bytes(int(h, 16) for h in token[len("bytes:") :].split("\\x")[1:])
+    return token.encode()
+
+
 def test_chat_logprobs_and_completion_logprobs_have_openai_shapes(srv, client):
     chat = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
@@ -193,11 +199,17 @@ def test_chat_logprobs_and_completion_logprobs_have_openai_shapes(srv, client):
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-4)  # greedy
     comp = client.completions.create(
-        model=MODEL, prompt=[5, 6, 7, 8], max_tokens=4, temperature=0, logprobs=1
+        model=MODEL, prompt=[5, 6, 7, 8], max_tokens=8, temperature=0, logprobs=5
     )
     lp = comp.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
-    assert "".join(lp.tokens) == comp.choices[0].text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    # A token that holds part of a character is its bytes ("bytes:\\xf0\\x9f", as OpenAI's):
+    # the tokens rebuild the text; and no two alternatives share one key and merge.
+    assert any(t.startswith("bytes:") for lp_top in lp.top_logprobs for t in lp_top), "untested"
+    rebuilt = b"".join(_token_bytes(t) for t in lp.tokens).decode("utf-8", "replace")
+    assert rebuilt == comp.choices[0].text
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) >= 5 and top[token] == logprob, (token, logprob, top)
     # The sampled token is always among a completion token's top_logprobs (OpenAI's and
     # vLLM's): with logprobs 0, it alone.
     comp = client.completions.create(

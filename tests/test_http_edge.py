@@ -532,6 +532,16 @@ def test_what_openai_clients_send_and_read_beside_the_plain_request():
             err = resp.json()["error"]
             assert resp.status_code == 400 and err["param"] == "messages[0].content", err
             assert 'part 0: only text parts are supported, got type "image_url"' in err["message"]
+            for message, param, said in [
+                ({"role": "user", "content": ["hi"]}, "content", "part 0: must be an object"),
+                ({"role": "user", "content": [{"type": "text"}]}, "content", 'needs "text"'),
+                ({"role": "tool", "content": "4", "tool_call_id": "1"}, "role", "must be one"),
+            ]:
+                body = {**chat, "messages": [message]}
+                resp = http.post(base(s) + "/v1/chat/completions", json=body)
+                err = resp.json()["error"]
+                assert resp.status_code == 400 and err["param"] == f"messages[0].{param}", err
+                assert said in err["message"], err
             with http.stream(
                 "POST", base(s) + "/v1/chat/completions", json={**chat, "stream": True}
             ) as r:
@@ -764,3 +774,12 @@ def test_a_grpc_client_that_reads_nothing_of_its_stream_is_cut_and_its_requests_
             assert sum(len(m.token_ids) for m in stub.Generate(small, timeout=10)) == 3
     finally:
         s.close()
+
+
+def test_a_chat_messages_text_parts_are_joined_by_newlines():
+    """As vLLM joins them: words of two parts do not run together."""
+    from router.http_schema import ChatCompletionRequest, request_fields
+
+    parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": parts}]})
+    assert request_fields(body)[0].messages == [("user", "hi\nthere")]

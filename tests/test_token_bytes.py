@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.detokenizer import IncrementalDetokenizer
 from engine.token_bytes import TextOffsets, TokenBytes
 from tests.helpers import loaded
 
@@ -35,6 +36,17 @@ def test_the_tokens_bytes_rebuild_the_text_and_their_offsets_index_it(model):
     # A special token adds no text, so nothing to the offsets after it.
     special = tok.all_special_ids[0]
     assert TextOffsets(pieces).feed([*ids[:3], special, *ids[3:5]])[4] == whole[3]
+    # A prompt (token ids) that ends inside a character: the output's text begins after that
+    # character, and its offsets index that text.
+    k = ids.index(split[0]) + 1  # the prompt ends with the character's first token
+    assert "\ufffd" in tok.decode(ids[:k])[-1:]
+    detok = IncrementalDetokenizer(tok, ids[:k])
+    detok.extend(ids[k:])
+    detok.flush()
+    begins = len(b"".join(pieces(t) for t in ids[:k]).decode("utf-8", "replace"))
+    assert detok.text == TEXT[begins:]
+    offsets = TextOffsets(pieces, ids[:k]).feed(ids[k:])
+    assert offsets == [max(0, o - begins) for o in whole[k:]]
 
 
 def test_sentencepiece_byte_pieces_and_spaces():
