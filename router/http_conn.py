@@ -14,12 +14,16 @@ descriptors (which the gRPC and metrics ports share with it) until every door st
   and its request ends as a client that left (aborted on its workers, its slot freed), rather
   than held with the rest of its answer in the router's memory for as long as it stays. A slow
   reader that reads at all is never cut.
+- A request h11 refuses (not HTTP/1.1, or a head over its 16 KiB) is answered as every other
+  error, with a JSON error object (431 for a head too large), where uvicorn's is plain text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+from http import HTTPStatus
 from typing import Any
 
 import h11
@@ -60,12 +64,42 @@ class BoundedH11Protocol(H11Protocol):
         self._guard: asyncio.TimerHandle | None = None
         self._stall: asyncio.TimerHandle | None = None
         self._head_since = self._last_data = self.loop.time()
+        self._refused: h11.RemoteProtocolError | None = None
+        self._h11_next_event = self.conn.next_event
+        self.conn.next_event = self._next_event  # type: ignore[method-assign]
         if len(self.connections) > max_connections():
             _CAPPED.say(self.loop.time(), "HTTP connection from %s closed: %d are open, the most "
                         "allowed", _where(self.client), max_connections())  # fmt: skip
             transport.close()
             return
         self._watch(HEAD_TIMEOUT_S)
+
+    def send_400_response(self, msg: str) -> None:
+        """A request that is not HTTP/1.1 (h11 refused it): answered as every other error, a
+        JSON error object, and 431 where its head was too large (uvicorn's own answer is plain
+        text, 400 either way)."""
+        exc = self._refused
+        status = getattr(exc, "error_status_hint", 400)
+        said = str(exc)[:200]  # h11 quotes the line it refused, which may be long
+        why = "its head is too large" if status == 431 else f"it is not valid HTTP/1.1: {said}"
+        body = {"message": f"request refused: {why}", "type": "invalid_request_error",
+                "param": None, "code": None}  # fmt: skip
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        for event in (
+            h11.Response(status_code=status, headers=headers, reason=HTTPStatus(status).phrase),
+            h11.Data(data=json.dumps({"error": body}).encode()),
+            h11.EndOfMessage(),
+        ):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
+    def _next_event(self) -> Any:
+        """h11's next event, and the error it raised kept for send_400_response."""
+        try:
+            return self._h11_next_event()
+        except h11.RemoteProtocolError as exc:
+            self._refused = exc
+            raise
 
     def data_received(self, data: bytes) -> None:
         self._last_data = self.loop.time()

@@ -783,3 +783,32 @@ def test_a_chat_messages_text_parts_are_joined_by_newlines():
     parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": parts}]})
     assert request_fields(body)[0].messages == [("user", "hi\nthere")]
+
+
+@pytest.mark.parametrize(
+    "head, status, said",
+    [
+        (b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 200_000, 431, "head is too large"),
+        (b"GET /health HTTP/1.1\r\nhost: x\r\nno colon\r\n\r\n", 400, "illegal header line"),
+        (b"NOT HTTP\r\n\r\n", 400, "not valid HTTP/1.1"),
+    ],
+)
+def test_a_request_that_is_not_http_gets_a_json_error(head, status, said):
+    s = server()
+    try:
+        with socket.create_connection(("127.0.0.1", s.server.http_port)) as k:
+            with contextlib.suppress(OSError):  # the server may close before all is sent
+                k.sendall(head)
+            k.settimeout(5)
+            got = b""
+            with contextlib.suppress(OSError):
+                while data := k.recv(65536):
+                    got += data
+        answer, _, body = got.partition(b"\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 %d " % status), got[:300]
+        assert b"content-type: application/json" in answer.lower()
+        assert said in json.loads(body)["error"]["message"]
+        with httpx.Client(timeout=10) as http:  # and the port serves on
+            assert http.get(base(s) + "/health").status_code == 200
+    finally:
+        s.close()
