@@ -63,7 +63,7 @@ class TextOffsets:
         self.chars = 0
         # A prompt (as token ids) may end inside a character: the output's first character then
         # completes the prompt's, and is not in the output's text.
-        tail = [t for t in prompt_token_ids[-4:] if t not in token_bytes.special]
+        tail = [t for t in prompt_token_ids if t not in token_bytes.special][-4:]
         self._utf8.decode(b"".join(token_bytes(t) for t in tail))
         self._owed = 1 if self._utf8.getstate()[0] else 0
 

@@ -17,19 +17,44 @@ RETRY_AFTER_S = 1.0
 CONNECTIONS_CAP = 4096  # per door
 FILE_LIMIT_WANTED = 65536
 log = logging.getLogger("pdserve.server")
+# A client that reads none of its answer this long while more waits to go out is cut, on either
+# door (router/http_conn.py, router/servicer.py).
+SEND_STALL_S = 60.0
+LOG_EVERY_S = 10.0  # a flood of closed connections is said once a while, with its count
+
+
+class Said:
+    """One kind of closed connection in the log: the first at once, then at most a line per
+    LOG_EVERY_S with how many since."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.log = logger
+        self.at, self.since = float("-inf"), 0
+
+    def say(self, now: float, line: str, *args: object) -> None:
+        self.since += 1
+        if now - self.at >= LOG_EVERY_S:
+            self.log.info(line + " (%d such since the last line)", *args, self.since)
+            self.at, self.since = now, 0
 
 
 def raise_file_limit() -> None:
     """Raise this process's soft file-descriptor limit toward its hard limit (to
     FILE_LIMIT_WANTED at most), as servers do at start: the common soft limit of 1,024 would
-    hold each door to 256 connections."""
+    hold each door to 256 connections. Where the system allows less than asked (macOS caps the
+    soft limit below an unlimited hard one), the most it allows of halves of it."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = FILE_LIMIT_WANTED if hard == resource.RLIM_INFINITY else min(hard, FILE_LIMIT_WANTED)
-    if soft != resource.RLIM_INFINITY and soft < want:
+    if soft == resource.RLIM_INFINITY:
+        return
+    while want > soft:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            return
         except (ValueError, OSError) as exc:
-            log.warning("could not raise the file limit from %d to %d: %s", soft, want, exc)
+            if want // 2 <= soft:
+                log.warning("could not raise the file limit from %d: %s", soft, exc)
+            want //= 2
 
 
 def max_connections() -> int:
@@ -37,7 +62,9 @@ def max_connections() -> int:
     process's file-descriptor limit where that is lower, so that the three doors together
     leave at least a quarter to the metrics port, Ray, the KV transfer and the logs."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return CONNECTIONS_CAP if soft == resource.RLIM_INFINITY else min(CONNECTIONS_CAP, soft // 4)
+    if soft == resource.RLIM_INFINITY:
+        return CONNECTIONS_CAP
+    return max(1, min(CONNECTIONS_CAP, soft // 4))
 
 
 class ClientLimit:

@@ -9,13 +9,14 @@ descriptors (which the gRPC and metrics ports share with it) until every door st
   that never ends).
 - At most `client_limit.max_connections()` are open at once: one past it is closed as it
   opens.
-- A client that reads nothing of its answer for SEND_STALL_S while more waits to go out (the
-  socket's buffers full) is taken as gone, as nginx's send_timeout does: the connection is cut,
-  and its request ends as a client that left (aborted on its workers, its slot freed), rather
-  than held with the rest of its answer in the router's memory for as long as it stays. A slow
-  reader that reads at all is never cut.
-- A request h11 refuses (not HTTP/1.1, or a head over its 16 KiB) is answered as every other
-  error, with a JSON error object (431 for a head too large), where uvicorn's is plain text.
+- A client that reads nothing of its answer for client_limit.SEND_STALL_S while more waits to
+  go out (the socket's buffers full) is taken as gone, as nginx's send_timeout does: the
+  connection is cut, and its request ends as a client that left (aborted on its workers, its
+  slot freed), rather than held with the rest of its answer in the router's memory for as long
+  as it stays. A slow reader that reads at all is never cut.
+- A request h11 refuses (malformed HTTP/1.x, or a head over its 16 KiB) is answered as every
+  other error, with a JSON error object (431 for a head too large), where uvicorn's is plain
+  text.
 """
 
 from __future__ import annotations
@@ -29,31 +30,14 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from router.client_limit import max_connections
+from router import client_limit
+from router.client_limit import Said, max_connections
 
 log = logging.getLogger("pdserve.http")
 
 HEAD_TIMEOUT_S = 10.0
 BODY_IDLE_S = 30.0
-SEND_STALL_S = 60.0
-LOG_EVERY_S = 10.0  # a flood of closed connections is said once a while, with its count
-
-
-class _Said:
-    """One kind of closed connection in the log: the first at once, then at most a line per
-    LOG_EVERY_S with how many since."""
-
-    def __init__(self) -> None:
-        self.at, self.since = float("-inf"), 0
-
-    def say(self, now: float, line: str, *args: object) -> None:
-        self.since += 1
-        if now - self.at >= LOG_EVERY_S:
-            log.info(line + " (%d such since the last line)", *args, self.since)
-            self.at, self.since = now, 0
-
-
-_CAPPED, _SLOW, _STALLED = _Said(), _Said(), _Said()
+_CAPPED, _SLOW, _STALLED = Said(log), Said(log), Said(log)
 
 
 class BoundedH11Protocol(H11Protocol):
@@ -75,13 +59,16 @@ class BoundedH11Protocol(H11Protocol):
         self._watch(HEAD_TIMEOUT_S)
 
     def send_400_response(self, msg: str) -> None:
-        """A request that is not HTTP/1.1 (h11 refused it): answered as every other error, a
-        JSON error object, and 431 where its head was too large (uvicorn's own answer is plain
-        text, 400 either way)."""
+        """A request h11 refused (malformed, or its head too large): answered as every other
+        error, with a JSON error object, and h11's status (431 for a head too large; uvicorn's
+        own answer is plain text, 400 always)."""
+        if self.conn.our_state is not h11.IDLE:  # an answer has begun: no other can be sent
+            self.transport.close()
+            return
         exc = self._refused
         status = getattr(exc, "error_status_hint", 400)
         said = str(exc)[:200]  # h11 quotes the line it refused, which may be long
-        why = "its head is too large" if status == 431 else f"it is not valid HTTP/1.1: {said}"
+        why = "its head is too large" if status == 431 else f"the HTTP parser refused it: {said}"
         body = {"message": f"request refused: {why}", "type": "invalid_request_error",
                 "param": None, "code": None}  # fmt: skip
         headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
@@ -120,7 +107,7 @@ class BoundedH11Protocol(H11Protocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._stall is None:
-            self._stall = self.loop.call_later(SEND_STALL_S, self._stalled)
+            self._stall = self.loop.call_later(client_limit.SEND_STALL_S, self._stalled)
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -132,7 +119,8 @@ class BoundedH11Protocol(H11Protocol):
         self._stall = None
         if not self.transport.is_closing():
             _STALLED.say(self.loop.time(), "HTTP connection from %s cut: it read nothing of its "
-                         "answer for %g s", _where(self.client), SEND_STALL_S)  # fmt: skip
+                         "answer for %g s", _where(self.client),
+                         client_limit.SEND_STALL_S)  # fmt: skip
         self.transport.abort()  # close() would wait to send what it will never read
 
     def _watch(self, delay: float) -> None:

@@ -91,13 +91,13 @@ class Shapes:
         """A token's text in logprobs. One that holds part of a character is written as its
         bytes, "bytes:\\xf0\\x9f" (as OpenAI writes them): decoded, every such token would be
         the same U+FFFD, and completions' top_logprobs, keyed by text, would merge them."""
+        if token_id in self.token_bytes.special:
+            return str(self.tokenizer.decode([token_id]))
         raw = self.token_bytes(token_id)
-        if token_id not in self.token_bytes.special:
-            try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError:
-                return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-        return str(self.tokenizer.decode([token_id]))
+        try:  # its bytes, not decode([id]): a SentencePiece token keeps its leading space
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def offsets(self, call: Call) -> TextOffsets:
         """A new answer's text offsets (completions' logprobs.text_offset)."""

@@ -146,7 +146,7 @@ async def _refuse_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
 
 async def _refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, _WHY)
-    yield  # never reached: makes this an async generator, as a streaming handler must be
+    yield  # never reached: makes this an async generator, one shape of a streaming handler
 
 
 def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

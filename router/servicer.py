@@ -6,8 +6,8 @@ Status codes: INVALID_ARGUMENT names the field (including a string field that is
 which protobuf itself would only report as a parse failure); RESOURCE_EXHAUSTED carries
 `retry-after-ms` and `pdserve-reject-reason` in the trailing metadata; UNAVAILABLE when a worker
 failed under the request; DEADLINE_EXCEEDED when a streamed answer was cut because its client
-read none of it for SEND_STALL_S. A client that cancels, or whose deadline passes, stops the
-handler, which aborts the request on every worker it touched.
+read none of it for client_limit.SEND_STALL_S. A client that cancels, or whose deadline passes,
+stops the handler, which aborts the request on every worker it touched.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.errors import InvalidRequestError
 from pdserve_proto import generation_pb2 as pb
-from router.client_limit import ClientLimit, client_host
+from router import client_limit
+from router.client_limit import ClientLimit, Said, client_host
 from router.convert import final_to_wire, invalid_utf8_field, logprobs_to_wire, request_fields
 from router.core import RequestCore
 from router.core_types import CoreChunk, Overloaded, collect
@@ -36,9 +37,9 @@ from router.request import ModelLimits, ParsedRequest, check_request_async
 from router.vocab import FailureReason, Frontend
 
 SERVICE = "pdserve.v1.Generation"
-# A streamed answer whose client reads none of it for this long (HTTP/2's window full, so a
-# write waits) is cut and its request ends, as the HTTP port does (http_conn.SEND_STALL_S).
-SEND_STALL_S = 60.0
+# How long a cut stream's status may wait to go out (behind the answer its client does not read)
+# before its handler ends regardless.
+CUT_STATUS_S = 5.0
 STATUS = {
     FailureReason.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     FailureReason.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -53,6 +54,7 @@ _WHY = {r: "" for r in FailureReason} | {
     FailureReason.INTERNAL: "request failed: ",
 }
 log = logging.getLogger("pdserve.servicer")
+_CUT = Said(log)
 
 
 class _BadWire:
@@ -171,6 +173,7 @@ class GenerationServicer:
     ) -> None:
         arrived = time.monotonic()
         req = await self._parse(request, context)
+        opened = False
         async with contextlib.aclosing(self._chunks(req, arrived, context)) as chunks:
             async for c in chunks:
                 message = pb.GenerateResponse(
@@ -180,16 +183,28 @@ class GenerationServicer:
                     logprobs=logprobs_to_wire(c.logprobs),
                     final=final_to_wire(c.final) if c.final is not None else None,
                 )
+                if not opened:  # the headers (not held back by flow control) first
+                    await context.send_initial_metadata(())
+                    opened = True
                 try:
-                    async with asyncio.timeout(SEND_STALL_S):
+                    async with asyncio.timeout(client_limit.SEND_STALL_S):
                         await context.write(message)
                 except TimeoutError:
-                    break  # closing the chunks ends the request; the status may wait long
+                    if c.final is not None:
+                        return  # the request has ended anyway
+                    break  # closing the chunks ends the request before the status waits
             else:
                 return
-        why = f"its client read none of its answer for {SEND_STALL_S:.0f} s"
-        log.warning("request %s cut: %s", req.request_id, why)
-        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"answer cut: {why}")
+        stall = client_limit.SEND_STALL_S
+        _CUT.say(time.monotonic(), "gRPC stream %s cut: its client read none of its answer for "
+                 "%g s", req.request_id, stall)  # fmt: skip
+        del req, chunks  # the prompt is not held while the status waits
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(CUT_STATUS_S):
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"answer cut: the client read none of it for {stall:g} s",
+                )
 
     async def Complete(  # noqa: N802
         self, request: pb.GenerateRequest | _BadWire, context: grpc.aio.ServicerContext

@@ -7,6 +7,7 @@ import pytest
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.token_bytes import TextOffsets, TokenBytes
+from router.http_shapes import Shapes
 from tests.helpers import loaded
 
 TEXT = "Japanese: 日本語, emoji: 🎉🎉, again 🐦!"
@@ -49,16 +50,28 @@ def test_the_tokens_bytes_rebuild_the_text_and_their_offsets_index_it(model):
     assert offsets == [max(0, o - begins) for o in whole[k:]]
 
 
+class Pieces:
+    """A SentencePiece tokenizer's pieces: a word with its ▁, byte-fallback pieces."""
+
+    all_special_ids = [0]
+    added_tokens_decoder = {0: "<s>"}
+
+    def convert_ids_to_tokens(self, token_id):
+        return {0: "<s>", 1: "▁caf", 2: "<0xC3>", 3: "<0xA9>"}[token_id]
+
+    def decode(self, ids):
+        return {0: "<s>"}[ids[0]]
+
+
 def test_sentencepiece_byte_pieces_and_spaces():
     """A SentencePiece tokenizer's byte-fallback piece is its byte, its ▁ a space."""
-
-    class Pieces:
-        all_special_ids = [0]
-        added_tokens_decoder = {0: "<s>"}
-
-        def convert_ids_to_tokens(self, token_id):
-            return {0: "<s>", 1: "▁caf", 2: "<0xC3>", 3: "<0xA9>"}[token_id]
-
     pieces = TokenBytes(Pieces())
     assert b"".join(pieces(t) for t in (1, 2, 3)).decode() == " café"
     assert TextOffsets(pieces).feed([0, 1, 2, 3]) == [0, 0, 4, 4]
+
+
+def test_a_logprob_tokens_text_keeps_its_space_and_a_part_of_a_character_is_its_bytes():
+    """The HTTP API's logprobs tokens: joined, they rebuild the text; no two of different
+    bytes share one text (completions' top_logprobs are keyed by it)."""
+    shapes = Shapes("m", Pieces())
+    assert [shapes.token(t) for t in (0, 1, 2, 3)] == ["<s>", " caf", "bytes:\\xc3", "bytes:\\xa9"]
