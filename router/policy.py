@@ -95,6 +95,13 @@ def with_peer(prefill: Sequence[WorkerState], decode: Sequence[WorkerState]) -> 
     return [w for w in decode if ids - {w.worker_id}]
 
 
+def _reservable(req: RequestShape, d: WorkerState) -> bool:
+    """Whether `d` could reserve blocks for the prompt's whole KV, its reservations holding no
+    others (engine/kv_handoff.reserve's share)."""
+    blocks = -(-req.prompt_len // d.info.block_size)
+    return blocks <= d.info.reserve_share * d.info.num_blocks
+
+
 def pick_prefill(
     prefill: Sequence[WorkerState], d: str = "", health: HandoffHealth | None = None
 ) -> WorkerState:
@@ -247,6 +254,8 @@ class Planner:
                     c = predict_disaggregated(
                         req, p, d, self.transfer, b, shared[d.worker_id], width
                     )
+                if not _reservable(req, d):
+                    c = replace(c, no_room=True)
                 rate = self.health.failure_rate(p.worker_id, d.worker_id)
                 if rate > 0:
                     wasted = self.health.wasted_s(p.worker_id, d.worker_id)
@@ -349,6 +358,14 @@ class Planner:
         code = "cost_ttft"
         fewest = min(c.expected_misses(req) for c in usable)
         for o in others:
+            if o.no_room and len(usable) < len(cands):
+                d_id = o.decode_worker
+                parts.append(
+                    f"{o.path.value}: {d_id} cannot reserve the prompt's KV (more blocks than its "
+                    "reservations may hold: a worker that also prefills keeps part for its own)"
+                )
+                code = "handoff_no_room"
+                continue
             if o.failing and len(usable) < len(cands):
                 parts.append(
                     f"{o.path.value} handoffs {o.prefill_worker}->{o.decode_worker} keep "

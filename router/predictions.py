@@ -71,6 +71,9 @@ class PathPrediction:
     uncached_tokens: int
     transfer_bytes: int
     failure_rate: float = 0.0  # of this pair's recent handoffs (disaggregated)
+    # D can never reserve blocks for the prompt's KV: more than its reservations may hold (a
+    # worker of both kinds keeps part for its own prefills); the handoff would fall back.
+    no_room: bool = False
     # Expected misses among the requests already decoding on D, and on P (when P decodes too), or
     # to decode there once their local prefill is done.
     caused_misses: float = 0.0
@@ -109,7 +112,7 @@ class PathPrediction:
 
     @property
     def failing(self) -> bool:
-        return self.failure_rate > MAX_FAILURE_RATE
+        return self.no_room or self.failure_rate > MAX_FAILURE_RATE
 
     def with_failure_risk(
         self, rate: float, wasted_s: float, local_ttft_s: float

@@ -146,8 +146,9 @@ def _prompt_ids(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> list[i
         if len(ids) > most:
             raise InvalidRequestError(
                 "prompt",
-                f"has {len(ids)} tokens; the workers' KV cache holds at most {most} "
-                f"({limits.kv_blocks} blocks of {limits.block_size} tokens; "
+                f"has {len(ids)} tokens; the workers' KV cache holds at most {most} beside "
+                f"its first output token ({limits.kv_blocks} block"
+                f"{'' if limits.kv_blocks == 1 else 's'} of {limits.block_size} tokens; "
                 "--kv-cache-gib sizes it on a CPU)",
             )
     return ids

@@ -266,6 +266,25 @@ def test_a_chunk_beside_decodes_is_priced_no_quicker_than_the_smallest_chunks_me
     assert d.model.chunked_s(1500, pairs, d.batch, d.context) == plain
 
 
+def test_auto_hands_no_prompt_to_a_worker_whose_reservations_could_never_hold_its_kv():
+    """A worker that also prefills lets reservations for peers' KV hold at most half its
+    blocks: a prompt over that would fall back (no_reservation) on an idle server."""
+    p, d = trained("prefill-0", "prefill", seed=3), trained("decode-0", "decode", seed=4)
+    with_decodes(d, 8, 512, 1.0)
+    req = shape(2000, max_tokens=64)
+    blocks = -(-2000 // d.info.block_size)
+    d.info = replace(d.info, num_blocks=blocks + 8)  # it holds the prompt, alone
+    assert planner().decide(req, [p], [d]).chosen.path is RoutePath.DISAGGREGATED
+    d.info = replace(d.info, reserve_share=0.5)  # not within half of its blocks
+    decision = planner().decide(req, [p], [d])
+    assert decision.chosen.path is RoutePath.COLOCATED
+    assert decision.reason_code == "handoff_no_room", decision.reason
+    assert "decode-0 cannot reserve the prompt's KV" in decision.reason
+    short = shape(blocks * d.info.block_size // 3, max_tokens=64)  # within half: a candidate
+    cands = planner().candidates(short, [p], [d])
+    assert not any(c.no_room for c in cands)
+
+
 def test_auto_stops_choosing_a_pair_whose_handoffs_keep_failing_and_tries_it_again_later():
     p, d = trained("prefill-0", "prefill", seed=3), trained("decode-0", "decode", seed=4)
     with_decodes(d, 8, 512, 1.0)

@@ -47,6 +47,8 @@ def test_workers_of_both_kinds_take_either_role(cluster):
     # Where it runs, for the router's node share (router/host_share.py).
     info = cluster.worker_info("both-1")
     assert (info.device, info.node_ip) == ("cpu", "127.0.0.1")
+    # How much of its blocks reservations for peers may hold, for auto's placements.
+    assert info.reserve_share == 0.5 and cluster.worker_info("decode-0").reserve_share == 1.0
     pairs = cluster.pools.pairs
     for a, b in [("both-0", "both-1"), ("prefill-0", "both-0"), ("both-1", "decode-0")]:
         assert pairs.connected(a, b) and pairs.connected(b, a), (a, b)

@@ -82,6 +82,40 @@ def test_promtool_accepts_the_config_and_the_rules():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def test_a_decode_worker_without_room_is_no_broken_handoff_path(tmp_path):
+    """Handoffs that fall back for lack of room on the decode worker (no_reservation) are the
+    cache at capacity: the fallback alert, which points at the network between the nodes,
+    stays quiet for them and fires for the others."""
+    summary = next(r for r in rules() if r["alert"] == "PdserveLocalPrefillFallbacks")
+    said = summary["annotations"]["summary"].replace("{{ $labels.reason }}", "transfer_failed")
+    test = {
+        "rule_files": [str(DEPLOY / "prometheus" / "alerts.yml")],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": [
+                {"series": 'pdserve_local_prefill_fallbacks_total{reason="no_reservation"}',
+                 "values": "0+10x30"},
+                {"series": 'pdserve_local_prefill_fallbacks_total{reason="transfer_failed"}',
+                 "values": "0+1x30"},
+            ],
+            "alert_rule_test": [{
+                "eval_time": "20m",
+                "alertname": "PdserveLocalPrefillFallbacks",
+                "exp_alerts": [{
+                    "exp_labels": {"severity": "warning", "reason": "transfer_failed"},
+                    "exp_annotations": {"summary": said},
+                }],
+            }],
+        }],
+    }  # fmt: skip
+    (tmp_path / "t.yml").write_text(yaml.safe_dump(test))
+    out = subprocess.run(
+        [tool("promtool"), "test", "rules", str(tmp_path / "t.yml")], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 def script(path: Path):
     """A deploy/ script, loaded as a module."""
     spec = importlib.util.spec_from_file_location(path.stem, path)

@@ -91,6 +91,7 @@ class EngineHost:
             kv_host=self.kv_host,
             actor_id=_actor_id(),
             pid=os.getpid(),
+            reserve_share=float(getattr(self, "reserve_share", 1.0)),  # KVReceiverSide's
         )
 
     def _engine_died(self, exc: BaseException) -> None:

@@ -78,6 +78,9 @@ class WorkerInfo:
     kv_host: str = ""  # where its KV rendezvous and lanes listen
     actor_id: str = ""  # the Ray actor serving under this id now
     pid: int = 0  # its process id on its node
+    # The most of its blocks that reservations for peers' KV may hold together (a worker of both
+    # kinds keeps the rest for its own prefills: KVReceiverSide.reserve_share).
+    reserve_share: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
