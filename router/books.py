@@ -156,13 +156,18 @@ class RequestBooks:
         elif d.prefilling(wid):
             d.done(wid)  # a disaggregated request prefilled here after a fallback
 
-    def finished(self, reason: FinishReason | None, cached_prompt_tokens: int) -> None:
+    def finished(
+        self,
+        reason: FinishReason | None,
+        cached_prompt_tokens: int,
+        length_reason: str | None = None,
+    ) -> None:
         """Its last chunk is about to go out; a request that decoded on one worker throughout
         tells that worker's tail what its gaps were, and its spread and the bias of its kind
         (prefilled there, or its KV from the prefill worker: not one that fell back to a prefill
         on the decode worker or was replanned) how they came against the p99 gap predicted at
         its placement, where that prediction is one to check (PathPrediction.itl_checkable)."""
-        self.track.ended(reason, cached_prompt_tokens)
+        self.track.ended(reason, cached_prompt_tokens, length_reason)
         self.ended = True
         d, c, shape = self.d, self.chosen, self.shape  # set together by `place`
         if d is not None and c is not None and shape is not None and not self.track.resumed:

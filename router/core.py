@@ -261,7 +261,9 @@ class RequestCore:
                 final = None
                 if chunk.finished or text.stop_hit is not None:
                     final = self._summary(req, books.first, chosen, chunk, text, books.track)
-                    books.finished(final.finish_reason, chunk.num_cached_tokens)
+                    books.finished(
+                        final.finish_reason, chunk.num_cached_tokens, final.length_reason
+                    )
                     self.planner.demand.ended(books.track.output_tokens, req.sampling.max_tokens)
                 yield CoreChunk(req.request_id, chunk.token_ids, delta, chunk.logprobs, final)
                 if final is not None:

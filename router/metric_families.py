@@ -262,6 +262,14 @@ class MetricFamilies:
             WORKER,
             registry=r,
         )
+        self.cut_short = Counter(
+            "pdserve_requests_cut_short",
+            "Requests that ended (finish_reason length) before their max_tokens for a reason "
+            "other than the model: kv_cache_capacity, their worker's KV cache could not hold "
+            "them. A share of requests_total{finish_reason=length}.",
+            ("path", "reason"),
+            registry=r,
+        )
         self.fallbacks = Counter(
             "pdserve_local_prefill_fallbacks",
             "Disaggregated requests whose prompt was prefilled on their decode worker after "

@@ -81,6 +81,8 @@ class Metrics(MetricFamilies):
     def finished(self, rec: RequestRecord) -> None:
         p = rec.path
         self._c(self.requests, p, rec.finish_reason, rec.frontend.value).inc()
+        if rec.length_reason is not None:
+            self._c(self.cut_short, p, rec.length_reason).inc()
         self._c(self.prompt_tokens, p).inc(rec.prompt_tokens)
         self._c(self.cached_prompt_tokens, p).inc(rec.cached_prompt_tokens)
         self._c(self.e2e, p).observe(rec.e2e_s)

@@ -31,6 +31,9 @@ class RequestRecord:
     queue_s: float  # arrival on the worker that prefilled it -> first scheduled there
     prefill_s: float | None  # first scheduled -> first token on the prefilling worker
     resumed: int  # times it moved to another decode worker after its own died or left
+    # What ended a "length" finish before max_tokens: kv_cache_capacity (its worker's KV cache
+    # could not hold it). None: max_tokens, or another finish.
+    length_reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

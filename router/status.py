@@ -155,7 +155,15 @@ def render(before: Samples, after: Samples, seconds: float, address: str) -> str
         "them before their first token"
     )
     fin = by_labels(after, "pdserve_requests_total", "finish_reason")
-    lines.append("finish: " + (", ".join(f"{k[0]} {v:.0f}" for k, v in sorted(fin.items())) or "-"))
+    said = ", ".join(f"{k[0]} {v:.0f}" for k, v in sorted(fin.items())) or "-"
+    cut = by_labels(after, "pdserve_requests_cut_short_total", "reason")
+    if any(cut.values()):  # of the length finishes, those a worker's limit cut short
+        said += (
+            " (of them cut short: "
+            + ", ".join(f"{k[0]} {v:.0f}" for k, v in sorted(cut.items()) if v)
+            + ")"
+        )
+    lines.append("finish: " + said)
     for label, metric in (
         ("TTFT", "pdserve_time_to_first_token_seconds"),
         ("ITL", "pdserve_inter_token_latency_seconds"),

@@ -27,6 +27,7 @@ class Tracker:
     queue_s: float = 0.0
     prefill_s: float | None = None
     finish_reason: FinishReason = FinishReason.ABORT  # until it ends: the client left, or a failure
+    length_reason: str | None = None  # what cut a LENGTH finish short (kv_cache_capacity)
     resumed: int = 0
     handed_off: bool = False  # the prefill worker's KV reached the decode worker
     kv_fallback: FallbackReason | None = None  # why the decode worker prefilled it after all
@@ -60,9 +61,15 @@ class Tracker:
             self.output_tokens += n
         return gaps
 
-    def ended(self, finish_reason: FinishReason | None, cached_prompt_tokens: int) -> None:
+    def ended(
+        self,
+        finish_reason: FinishReason | None,
+        cached_prompt_tokens: int,
+        length_reason: str | None = None,
+    ) -> None:
         self.finish_reason = finish_reason or FinishReason.STOP
         self.cached_prompt_tokens = cached_prompt_tokens
+        self.length_reason = length_reason
 
     @property
     def ttft_s(self) -> float | None:
@@ -95,4 +102,5 @@ class Tracker:
             queue_s=self.queue_s,
             prefill_s=self.prefill_s,
             resumed=self.resumed,
+            length_reason=None if failed else self.length_reason,
         )

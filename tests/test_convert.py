@@ -137,11 +137,18 @@ def test_a_length_the_kv_cache_ended_is_not_a_stop_string():
     string a client would take for one of its own."""
     from dataclasses import replace as _replace
 
+    from prometheus_client import generate_latest
+
+    from pdserve_client.metrics import by_labels, parse
+    from router import status
     from router.convert import final_to_wire
+    from router.core import RequestCore
+    from router.core_types import RouterConfig
     from router.fake_backend import FakeBackend
     from router.http_shapes import pdserve
+    from router.metrics import Metrics
     from router.vocab import FinishReason
-    from tests.test_router_core import consume, make_core, request, run
+    from tests.test_router_core import TOKENIZER, consume, request, run
 
     class Cut(FakeBackend):
         async def generate(self, *args, **kw):  # type: ignore[override]
@@ -150,14 +157,24 @@ def test_a_length_the_kv_cache_ended_is_not_a_stop_string():
                     chunk = _replace(chunk, finish_reason="length", stop_reason="kv_cache_capacity")
                 yield chunk
 
-    async def main(backend):
-        core = await make_core(backend)
+    async def main(backend, sink=None):
+        core = RequestCore(backend, await backend.infos(), RouterConfig(), TOKENIZER, sink)
+        await core.refresh()
         return (await consume(core, request("r")))[-1].final
 
-    cut = run(main(Cut()))
+    metrics = Metrics()
+    cut = run(main(Cut(), metrics))
     assert cut.finish_reason is FinishReason.LENGTH and cut.stop_reason is None
     assert cut.length_reason == "kv_cache_capacity"
-    done = run(main(FakeBackend()))
+    # Counted apart from the length finishes of max_tokens, and `pdserve status` says it.
+    done = run(main(FakeBackend(), metrics))
+    samples = parse(generate_latest(metrics.registry).decode())
+    assert by_labels(samples, "pdserve_requests_cut_short_total", "reason") == {
+        ("kv_cache_capacity",): 1.0
+    }
+    assert by_labels(samples, "pdserve_requests_total", "finish_reason") == {("length",): 2.0}
+    said = status.render(samples, samples, 1.0, "test")
+    assert "finish: length 2 (of them cut short: kv_cache_capacity 1)\n" in said, said
     wire = final_to_wire(cut)
     assert wire.WhichOneof("stop_reason") is None and wire.length_reason == "kv_cache_capacity"
     assert pdserve(cut)["length_reason"] == "kv_cache_capacity"
