@@ -12,6 +12,7 @@ refusing would not help it)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 
@@ -74,10 +75,16 @@ def refusal(
     over = decision.overload
     if c.decode_rate_admission and over is not None:
         workers = "worker" if over.workers == 1 else f"{over.workers} workers"
+        gaps = (
+            "a batch that keeps growing (decodes come faster than they end, past the "
+            "--max-num-seqs a worker runs at once)"
+            if math.isinf(over.p99_s)
+            else f"p99 gaps of {over.p99_s * 1000:.0f} ms"
+        )
         return Overloaded(
             RejectReason.DECODE_RATE,
             f"requests come at {over.rate:.2f}/s with this one: decodes on {workers} would see "
-            f"p99 gaps of {over.p99_s * 1000:.0f} ms in steady state, past the ITL SLO "
+            f"{gaps} in steady state, past the ITL SLO "
             f"{shape.slo_itl_s * 1000:.0f} ms, and {over.load} decodes run or are placed "
             f"there, of the {over.room} they hold within it",
             # The mean gap between requests taken: at a full batch, about how often one ends.

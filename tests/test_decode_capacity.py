@@ -166,6 +166,10 @@ def test_a_rate_the_decodes_cannot_hold_marks_the_decision_for_refusal():
     assert refused is not None and refused.reason is RejectReason.DECODE_RATE
     assert f"past the ITL SLO {slo * 1000:.0f} ms, and {room} decodes run" in str(refused)
     assert refused.retry_after_s == pytest.approx(1 / over.rate)
+    # A batch that never settles has no p99 gap to give: the refusal says so, not "inf ms".
+    endless = replace(decision, overload=replace(over, p99_s=float("inf")))
+    said = str(refusal(req, endless, RouterConfig(), RequestCounts(), 1.0))
+    assert "inf" not in said and "a batch that keeps growing" in said, said
     off = RouterConfig(decode_rate_admission=False)
     assert refusal(req, decision, off, RequestCounts(), 1.0) is None
 
