@@ -20,22 +20,6 @@ log = logging.getLogger("pdserve.server")
 # A client that reads none of its answer this long while more waits to go out is cut, on either
 # door (router/http_conn.py, router/servicer.py).
 SEND_STALL_S = 60.0
-LOG_EVERY_S = 10.0  # a flood of closed connections is said once a while, with its count
-
-
-class Said:
-    """One kind of closed connection in the log: the first at once, then at most a line per
-    LOG_EVERY_S with how many since."""
-
-    def __init__(self, logger: logging.Logger) -> None:
-        self.log = logger
-        self.at, self.since = float("-inf"), 0
-
-    def say(self, now: float, line: str, *args: object) -> None:
-        self.since += 1
-        if now - self.at >= LOG_EVERY_S:
-            self.log.info(line + " (%d such since the last line)", *args, self.since)
-            self.at, self.since = now, 0
 
 
 def raise_file_limit() -> None:

@@ -40,6 +40,7 @@ from router.handoff_model import HandoffHealth, TransferTimeModel
 from router.membership import Membership
 from router.policy import Decision, PathPrediction, Planner, RequestShape
 from router.pool_state import WorkerState
+from router.refusal_log import Said
 from router.request import ParsedRequest
 from router.stats import NullSink, StatsSink
 from router.step_target import StepTargets
@@ -49,6 +50,7 @@ from router.vocab import FinishReason, Frontend, Placement, RejectReason, RouteP
 from worker_protocol.messages import TokenChunk, WorkerInfo
 
 log = logging.getLogger("pdserve.router")
+_CUT_SHORT = Said(log)  # answers the KV cache cut short
 MAX_RESUMES = 2  # a request outliving this many dead decode workers fails
 # A handoff's KV is expected on its decode worker no sooner than this share of its predicted
 # TTFT (Placement.kv_due_in_s): until then that worker runs its own prompts at the whole budget
@@ -264,6 +266,12 @@ class RequestCore:
                     books.finished(
                         final.finish_reason, chunk.num_cached_tokens, final.length_reason
                     )
+                    if final.length_reason is not None:
+                        _CUT_SHORT.say(time.monotonic(), "request %s cut short after %d of its "
+                                       "%d tokens: %s (on %s; --kv-cache-gib sizes the cache)",
+                                       req.request_id, final.completion_tokens,
+                                       req.sampling.max_tokens, final.length_reason,
+                                       final.decode_worker)  # fmt: skip
                     self.planner.demand.ended(books.track.output_tokens, req.sampling.max_tokens)
                 yield CoreChunk(req.request_id, chunk.token_ids, delta, chunk.logprobs, final)
                 if final is not None:

@@ -31,7 +31,8 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from router import client_limit
-from router.client_limit import Said, max_connections
+from router.client_limit import max_connections
+from router.refusal_log import Said
 
 log = logging.getLogger("pdserve.http")
 

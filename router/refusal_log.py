@@ -1,7 +1,8 @@
 """Admission refusals in the server's log: the first one after a quiet spell at once, then one
 line per window while they go on, with the counts by reason and front door. Each refusal is
 also counted in pdserve_admission_rejections_total; the log says that the server is refusing,
-and why, without a line per request under overload."""
+and why, without a line per request under overload. `Said`: the same for a line of one kind
+(connections closed, answers cut short)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from router.vocab import Frontend, RejectReason
 log = logging.getLogger("pdserve.router")
 
 WINDOW_S = 10.0
+LOG_EVERY_S = 10.0  # a flood of one kind of line is said once a while, with its count
 
 WHY = {
     RejectReason.QUEUE_FULL: "too many requests wait for a first token (--max-pending)",
@@ -69,3 +71,18 @@ class RefusalLog:
             return f"{n} requests in the last {now - self._since:.0f} s: {parts}"
         span = f"{n} requests over {last - self._since:.0f} s, up to {now - last:.0f} s ago"
         return f"{span}: {parts}"
+
+
+class Said:
+    """One kind of line in the log (a connection closed, an answer cut short): the first at
+    once, then at most a line per LOG_EVERY_S with how many since."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.log = logger
+        self.at, self.since = float("-inf"), 0
+
+    def say(self, now: float, line: str, *args: object) -> None:
+        self.since += 1
+        if now - self.at >= LOG_EVERY_S:
+            self.log.info(line + " (%d such since the last line)", *args, self.since)
+            self.at, self.since = now, 0

@@ -27,12 +27,13 @@ from grpc_reflection.v1alpha import reflection
 from engine.errors import InvalidRequestError
 from pdserve_proto import generation_pb2 as pb
 from router import client_limit
-from router.client_limit import ClientLimit, Said, client_host
+from router.client_limit import ClientLimit, client_host
 from router.convert import final_to_wire, invalid_utf8_field, logprobs_to_wire, request_fields
 from router.core import RequestCore
 from router.core_types import CoreChunk, Overloaded, collect
 from router.errors import failure_reason
 from router.health import DrainingHealth
+from router.refusal_log import Said
 from router.request import ModelLimits, ParsedRequest, check_request_async
 from router.vocab import FailureReason, Frontend
 

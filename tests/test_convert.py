@@ -1,5 +1,7 @@
 """The gRPC edge's request checks: defaults when unset, refusals that name the field."""
 
+import logging
+
 import pytest
 
 from engine.errors import InvalidRequestError
@@ -131,7 +133,7 @@ def test_chat_without_a_template_or_refused_by_it_names_messages():
     assert info.value.field == "messages" and "roles must alternate" in str(info.value)
 
 
-def test_a_length_the_kv_cache_ended_is_not_a_stop_string():
+def test_a_length_the_kv_cache_ended_is_not_a_stop_string(caplog):
     """A request that outgrew its worker's KV cache ends LENGTH with the engine's stop_reason
     kv_cache_capacity: the core's summary, and the wire, say it as length_reason, not as a stop
     string a client would take for one of its own."""
@@ -163,7 +165,10 @@ def test_a_length_the_kv_cache_ended_is_not_a_stop_string():
         return (await consume(core, request("r")))[-1].final
 
     metrics = Metrics()
-    cut = run(main(Cut(), metrics))
+    with caplog.at_level(logging.INFO, "pdserve.router"):
+        cut = run(main(Cut(), metrics))
+    said = [r.getMessage() for r in caplog.records if "cut short" in r.getMessage()]
+    assert len(said) == 1 and "kv_cache_capacity" in said[0] and "--kv-cache-gib" in said[0]
     assert cut.finish_reason is FinishReason.LENGTH and cut.stop_reason is None
     assert cut.length_reason == "kv_cache_capacity"
     # Counted apart from the length finishes of max_tokens, and `pdserve status` says it.

@@ -26,6 +26,7 @@ from router import client_limit, http_conn
 from router.core_types import RouterConfig
 from router.errors import WorkerLost
 from router.fake_backend import FakeBackend
+from router.refusal_log import Said
 from router.security import SecurityConfig
 from router.server import ServeConfig
 from tests.grpc_server import ServerThread
@@ -614,7 +615,7 @@ def test_connections_that_send_little_are_closed_and_their_number_is_bounded(mon
         assert kept.recv(4096).startswith(b"HTTP/1.1 200")
         assert _closed_within(kept, 5)
         # A flood of them is one line in the log, not one each.
-        monkeypatch.setattr(http_conn, "_SLOW", client_limit.Said(http_conn.log))
+        monkeypatch.setattr(http_conn, "_SLOW", Said(http_conn.log))
         with caplog.at_level(logging.INFO, "pdserve.http"):
             flood = [socket.create_connection(where) for _ in range(5)]
             assert all(_closed_within(f, 5) for f in flood)
