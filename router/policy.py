@@ -325,6 +325,7 @@ class Planner:
     ) -> Decision:
         if path is RoutePath.DISAGGREGATED:
             decode = with_peer(prefill, decode) or decode  # not the one worker that prefills
+            decode = [d for d in decode if _reservable(req, d)] or decode  # one that can hold it
         d = pick_decode(req, decode, self.config.affinity_margin).worker_id
         prefill = [p for p in prefill if p.worker_id != d]
         if path is RoutePath.DISAGGREGATED and not prefill:

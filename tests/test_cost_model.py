@@ -285,6 +285,25 @@ def test_auto_hands_no_prompt_to_a_worker_whose_reservations_could_never_hold_it
     assert not any(c.no_room for c in cands)
 
 
+def test_a_handoff_asked_for_goes_to_a_decode_worker_that_can_reserve_its_kv():
+    """--policy disaggregated (or a client's path) takes the least loaded decode worker, but
+    not one whose reservations could never hold the prompt's KV while another can."""
+    p = trained("prefill-0", "prefill", seed=3)
+    busy, both = trained("decode-0", "decode", seed=4), trained("both-0", "both", seed=5)
+    with_decodes(busy, 8, 512, 1.0)
+    req = shape(2000, max_tokens=64)
+    blocks = -(-2000 // both.info.block_size)
+    pl = planner(Policy.DISAGGREGATED)
+    assert pl.decide(req, [p, both], [busy, both]).chosen.decode_worker == "both-0"
+    both.info = replace(both.info, num_blocks=blocks + 8, reserve_share=0.5)
+    chosen = pl.decide(req, [p, both], [busy, both]).chosen
+    assert (chosen.path, chosen.prefill_worker, chosen.decode_worker) == (
+        RoutePath.DISAGGREGATED,
+        "prefill-0",
+        "decode-0",
+    )
+
+
 def test_auto_stops_choosing_a_pair_whose_handoffs_keep_failing_and_tries_it_again_later():
     p, d = trained("prefill-0", "prefill", seed=3), trained("decode-0", "decode", seed=4)
     with_decodes(d, 8, 512, 1.0)
