@@ -8,15 +8,27 @@ from typing import Any
 from engine.errors import InvalidRequestError
 
 
-def chat_token_ids(tokenizer: Any, messages: Sequence[dict[str, str]], field: str) -> list[int]:
-    """The prompt's ids for `messages` ({"role", "content"} each), the assistant's turn opened.
-    InvalidRequestError naming `field` where the model has no chat template, or its template
-    refuses them (roles out of order, a raise_exception of its own)."""
+def chat_token_ids(
+    tokenizer: Any,
+    messages: Sequence[dict[str, str]],
+    field: str,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> list[int]:
+    """The prompt's ids for `messages` ({"role", "content"} each), the assistant's turn opened
+    (`add_generation_prompt`), or the last message left open for the model to go on with
+    (`continue_final_message`, as transformers' and vLLM's). InvalidRequestError naming `field`
+    where the model has no chat template, or its template refuses them (roles out of order, a
+    raise_exception of its own)."""
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(field, "this model has no chat template; send a plain prompt")
     try:
         ids = tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=True,
+            return_dict=False,
         )
     except Exception as exc:  # the template's own refusal: Jinja's errors are of many types
         raise InvalidRequestError(field, f"the chat template refused them: {exc}") from exc

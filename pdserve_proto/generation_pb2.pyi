@@ -84,7 +84,7 @@ class SloHint(_message.Message):
     def __init__(self, ttft_ms: _Optional[float] = ..., itl_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "sampling", "slo", "path")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "sampling", "slo", "path", "add_generation_prompt", "continue_final_message")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,8 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SLO_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -99,7 +101,9 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     slo: SloHint
     path: Path
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., slo: _Optional[_Union[SloHint, _Mapping]] = ..., path: _Optional[_Union[Path, str]] = ...) -> None: ...
+    add_generation_prompt: bool
+    continue_final_message: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., slo: _Optional[_Union[SloHint, _Mapping]] = ..., path: _Optional[_Union[Path, str]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

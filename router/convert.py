@@ -40,6 +40,10 @@ def request_fields(req: pb.GenerateRequest) -> RequestFields:
         prompt=req.prompt or None,
         prompt_token_ids=list(req.prompt_token_ids) or None,
         messages=[(m.role, m.content) for m in req.messages] or None,
+        add_generation_prompt=(
+            req.add_generation_prompt if req.HasField("add_generation_prompt") else None
+        ),
+        continue_final_message=req.continue_final_message,
         max_tokens=opt("max_tokens"),
         temperature=opt("temperature"),
         top_p=opt("top_p"),

@@ -188,6 +188,13 @@ class ChatCompletionRequest(_Sampling):
     response_format: dict[str, Any] = Field(
         default_factory=lambda: {"type": "text"}, description='only {"type": "text"}'
     )
+    # vLLM's chat-template options.
+    add_generation_prompt: bool | None = Field(
+        None, description="open the assistant's turn (default: unless continue_final_message)"
+    )
+    continue_final_message: bool = Field(
+        False, description="leave the last (assistant) message open for the model to go on with"
+    )
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -208,6 +215,7 @@ def request_fields(
     logprobs: int | None
     max_tokens = body.max_tokens
     default_max_tokens = DEFAULT_MAX_TOKENS
+    chat_options: dict[str, Any] = {}
     if isinstance(body, CompletionRequest):
         prompt, ids = _one_prompt(body.prompt)
         if ids is not None:
@@ -223,6 +231,10 @@ def request_fields(
         if body.max_completion_tokens is not None:
             max_tokens = body.max_completion_tokens
             renames["max_tokens"] = "max_completion_tokens"
+        chat_options = {
+            "add_generation_prompt": body.add_generation_prompt,
+            "continue_final_message": body.continue_final_message,
+        }
     opts = body.pdserve or PdserveOptions()
     stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     fields = RequestFields(
@@ -230,6 +242,7 @@ def request_fields(
         prompt=prompt,
         prompt_token_ids=ids,
         messages=messages,
+        **chat_options,
         max_tokens=max_tokens,
         default_max_tokens=default_max_tokens,
         temperature=body.temperature,

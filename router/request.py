@@ -48,6 +48,10 @@ class RequestFields:
     prompt: str | None = None
     prompt_token_ids: Sequence[int] | None = None
     messages: Sequence[tuple[str, str]] | None = None  # (role, content)
+    # With messages: open the assistant's turn (None: unless continue_final_message), or leave
+    # the last message open for the model to go on with.
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
     max_tokens: int | None = None
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # when max_tokens is None (capped by the room)
     temperature: float | None = None
@@ -132,7 +136,10 @@ def _prompt_ids(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> list[i
         _check_size("prompt", utf8_len("prompt", f.prompt), limits)
         ids = encode(tokenizer, f.prompt)
     else:
-        ids = _chat_ids(f.messages or (), tokenizer, limits)
+        ids = _chat_ids(f, tokenizer, limits)
+    if f.messages is None and (f.continue_final_message or f.add_generation_prompt is not None):
+        field = "continue_final_message" if f.continue_final_message else "add_generation_prompt"
+        raise InvalidRequestError(field, "only with messages (the chat template's option)")
     if not ids:
         raise InvalidRequestError("prompt", "must not be empty (at least 1 token)")
     if len(ids) >= limits.max_model_len:
@@ -154,9 +161,8 @@ def _prompt_ids(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> list[i
     return ids
 
 
-def _chat_ids(
-    messages: Sequence[tuple[str, str]], tokenizer: Any, limits: ModelLimits
-) -> list[int]:
+def _chat_ids(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> list[int]:
+    messages = f.messages or ()
     if not messages:
         raise InvalidRequestError("messages", "must hold at least one message")
     size = 0
@@ -167,8 +173,22 @@ def _chat_ids(
             )
         size += utf8_len(f"messages[{i}].content", content)
     _check_size("messages", size, limits)
+    if f.continue_final_message and f.add_generation_prompt:
+        raise InvalidRequestError(
+            "continue_final_message",
+            "cannot be true with add_generation_prompt true (the last message is left open, "
+            "no new turn opened)",
+        )
+    if f.continue_final_message and messages[-1][0] != "assistant":
+        raise InvalidRequestError(
+            "continue_final_message",
+            f"the last message must be the assistant's to go on with, got {messages[-1][0]!r}",
+        )
+    opening = (
+        not f.continue_final_message if f.add_generation_prompt is None else f.add_generation_prompt
+    )
     chat = [{"role": _ROLE_AS.get(role, role), "content": content} for role, content in messages]
-    return chat_token_ids(tokenizer, chat, "messages")
+    return chat_token_ids(tokenizer, chat, "messages", opening, f.continue_final_message)
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:

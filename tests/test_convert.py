@@ -57,6 +57,38 @@ def test_chat_messages_use_the_template():
     assert "hi" in text and text != "hi"
 
 
+def test_the_last_assistant_message_can_be_continued_as_transformers_does():
+    """continue_final_message (vLLM's): the assistant's message left open, no new turn, the
+    ids transformers' template gives; refused where it cannot mean anything."""
+    chat = [{"role": "user", "content": "Capital of France?"},
+            {"role": "assistant", "content": "The capital is"}]  # fmt: skip
+    msgs = [pb.ChatMessage(**m) for m in chat]
+    go_on = parse(messages=msgs, continue_final_message=True)
+    want = TOK.apply_chat_template(
+        chat, continue_final_message=True, tokenize=True, return_dict=False
+    )
+    assert list(go_on.prompt_token_ids) == list(want)
+    assert TOK.decode(list(go_on.prompt_token_ids)).endswith("The capital is")
+    opened = parse(messages=msgs)  # the default: a new assistant turn after it
+    want = TOK.apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert list(opened.prompt_token_ids) == list(want) != list(go_on.prompt_token_ids)
+    closed = parse(messages=msgs, add_generation_prompt=False)
+    want = TOK.apply_chat_template(
+        chat, add_generation_prompt=False, tokenize=True, return_dict=False
+    )
+    assert list(closed.prompt_token_ids) == list(want)
+    both = refused("continue_final_message", messages=msgs, continue_final_message=True,
+                   add_generation_prompt=True)  # fmt: skip
+    assert "add_generation_prompt" in both
+    assert "assistant" in refused(
+        "continue_final_message", messages=msgs[:1], continue_final_message=True
+    )
+    assert "messages" in refused("continue_final_message", prompt="a", continue_final_message=True)
+    refused("add_generation_prompt", prompt="a", add_generation_prompt=False)
+
+
 def test_bad_requests_name_their_field():
     assert "exactly one" in refused("prompt")
     refused("prompt", prompt="a", prompt_token_ids=[1])

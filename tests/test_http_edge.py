@@ -705,14 +705,14 @@ def test_the_file_limit_is_raised_at_start_toward_the_hard_limit():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard <= 1024:
         pytest.skip(f"the hard file limit here is {hard}: nothing to raise to")
-    code = (
+    code = (  # a process that starts at 1,024 (lowered in it: no preexec_fn beside threads)
         "import resource; from router.client_limit import raise_file_limit, max_connections;"
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, (1024, {hard}));"
         "raise_file_limit(); print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], "
         "max_connections())"
     )
-    low = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))  # noqa: E731
     out = subprocess.run(
-        [sys.executable, "-c", code], preexec_fn=low, capture_output=True, text=True, check=True
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.split()
     want = min(65536, hard) if hard != resource.RLIM_INFINITY else 65536
     assert int(out[0]) == want
@@ -828,5 +828,32 @@ def test_a_request_that_is_not_http_gets_a_json_error(head, status, said):
         assert said in json.loads(body)["error"]["message"]
         with httpx.Client(timeout=10) as http:  # and the port serves on
             assert http.get(base(s) + "/health").status_code == 200
+    finally:
+        s.close()
+
+
+def test_a_chat_can_go_on_from_the_assistants_message():
+    """vLLM's continue_final_message and add_generation_prompt, through the HTTP door."""
+    chat = [{"role": "user", "content": "Capital of France?"},
+            {"role": "assistant", "content": "The capital is"}]  # fmt: skip
+    ids = {
+        opt: TOKENIZER.apply_chat_template(chat, tokenize=True, return_dict=False, **kw)
+        for opt, kw in [
+            ("open", {"add_generation_prompt": True}),
+            ("go_on", {"continue_final_message": True}),
+        ]
+    }
+    assert len(ids["open"]) != len(ids["go_on"])
+    s = server()
+    try:
+        with httpx.Client(timeout=30) as http:
+            url = base(s) + "/v1/chat/completions"
+            for extra, want in [({}, "open"), ({"continue_final_message": True}, "go_on")]:
+                resp = http.post(url, json={"messages": chat, "max_tokens": 2, **extra})
+                assert resp.status_code == 200, resp.text
+                assert resp.json()["usage"]["prompt_tokens"] == len(ids[want]), extra
+            body = {"messages": chat, "continue_final_message": True, "add_generation_prompt": True}
+            err = http.post(url, json=body).json()["error"]
+            assert err["param"] == "continue_final_message", err
     finally:
         s.close()
