@@ -31,5 +31,9 @@ def chat_token_ids(
             return_dict=False,
         )
     except Exception as exc:  # the template's own refusal: Jinja's errors are of many types
-        raise InvalidRequestError(field, f"the chat template refused them: {exc}") from exc
+        said = str(exc)  # transformers may quote the whole rendered prompt
+        said = said if len(said) <= 300 else said[:300] + "..."
+        if continue_final_message and "continue_final_message" in said:
+            field = "continue_final_message"
+        raise InvalidRequestError(field, f"the chat template refused them: {said}") from exc
     return [int(t) for t in ids]

@@ -193,7 +193,7 @@ class ChatCompletionRequest(_Sampling):
         None, description="open the assistant's turn (default: unless continue_final_message)"
     )
     continue_final_message: bool = Field(
-        False, description="leave the last (assistant) message open for the model to go on with"
+        False, description="leave the last message (usually the assistant's) open to go on with"
     )
 
     @model_validator(mode="after")

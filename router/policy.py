@@ -96,10 +96,10 @@ def with_peer(prefill: Sequence[WorkerState], decode: Sequence[WorkerState]) -> 
 
 
 def _reservable(req: RequestShape, d: WorkerState) -> bool:
-    """Whether `d` could reserve blocks for the prompt's whole KV, its reservations holding no
-    others (engine/kv_handoff.reserve's share)."""
-    blocks = -(-req.prompt_len // d.info.block_size)
-    return blocks <= d.info.reserve_share * d.info.num_blocks
+    """Whether `d` could reserve a sequence slot and blocks for the prompt's whole KV, its
+    reservations holding no others (engine/kv_handoff.reserve's share)."""
+    share, blocks = d.info.reserve_share, -(-req.prompt_len // d.info.block_size)
+    return share * d.info.max_num_seqs >= 1 and blocks <= share * d.info.num_blocks
 
 
 def pick_prefill(
@@ -348,8 +348,13 @@ class Planner:
     ) -> Decision:
         usable = [c for c in cands if not c.failing] or cands
         chosen = choose(usable, req)
-        # The other paths' best, against which the reason weighs the choice.
-        others = [c for c in best if c.path is not chosen.path]
+        # The other paths' best that could be taken, against which the reason weighs the
+        # choice; a path with none is said as why (the best of those that cannot).
+        others = [
+            choose([c for c in usable if c.path is path] or group, req)
+            for path in (RoutePath.COLOCATED, RoutePath.DISAGGREGATED)
+            if path is not chosen.path and (group := [c for c in cands if c.path is path])
+        ]
         parts = [
             f"{chosen.path.value}: {_misses(chosen, req)}, predicted TTFT {_ms(chosen.ttft_s)}, "
             f"ITL p99 {_ms(chosen.itl_p99_s)} (bias x{chosen.itl_bias:.2f} included; such "
@@ -359,7 +364,7 @@ class Planner:
         code = "cost_ttft"
         fewest = min(c.expected_misses(req) for c in usable)
         for o in others:
-            if o.no_room and len(usable) < len(cands):
+            if o.no_room and o not in usable:
                 d_id = o.decode_worker
                 parts.append(
                     f"{o.path.value}: {d_id} cannot reserve the prompt's KV (more blocks than its "
@@ -367,7 +372,7 @@ class Planner:
                 )
                 code = "handoff_no_room"
                 continue
-            if o.failing and len(usable) < len(cands):
+            if o.failing and o not in usable:
                 parts.append(
                     f"{o.path.value} handoffs {o.prefill_worker}->{o.decode_worker} keep "
                     f"falling back (failure rate {o.failure_rate:.2f})"

@@ -119,6 +119,9 @@ def _prompt_ids(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> list[i
         raise InvalidRequestError(
             "prompt", "give exactly one of prompt, prompt_token_ids or messages (non-empty)"
         )
+    if f.messages is None and (f.continue_final_message or f.add_generation_prompt is not None):
+        field = "continue_final_message" if f.continue_final_message else "add_generation_prompt"
+        raise InvalidRequestError(field, "only with messages (the chat template's option)")
     if f.prompt_token_ids is not None:
         if len(f.prompt_token_ids) >= limits.max_model_len:  # before looking at each id
             raise InvalidRequestError(
@@ -137,9 +140,6 @@ def _prompt_ids(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> list[i
         ids = encode(tokenizer, f.prompt)
     else:
         ids = _chat_ids(f, tokenizer, limits)
-    if f.messages is None and (f.continue_final_message or f.add_generation_prompt is not None):
-        field = "continue_final_message" if f.continue_final_message else "add_generation_prompt"
-        raise InvalidRequestError(field, "only with messages (the chat template's option)")
     if not ids:
         raise InvalidRequestError("prompt", "must not be empty (at least 1 token)")
     if len(ids) >= limits.max_model_len:
@@ -178,11 +178,6 @@ def _chat_ids(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> list[int
             "continue_final_message",
             "cannot be true with add_generation_prompt true (the last message is left open, "
             "no new turn opened)",
-        )
-    if f.continue_final_message and messages[-1][0] != "assistant":
-        raise InvalidRequestError(
-            "continue_final_message",
-            f"the last message must be the assistant's to go on with, got {messages[-1][0]!r}",
         )
     opening = (
         not f.continue_final_message if f.add_generation_prompt is None else f.add_generation_prompt

@@ -199,7 +199,7 @@ class GenerationServicer:
         stall = client_limit.SEND_STALL_S
         _CUT.say(time.monotonic(), "gRPC stream %s cut: its client read none of its answer for "
                  "%g s", req.request_id, stall)  # fmt: skip
-        del req, chunks  # the prompt is not held while the status waits
+        del req, chunks, request, c, message  # none of it held while the status waits
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(CUT_STATUS_S):
                 await context.abort(

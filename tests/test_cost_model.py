@@ -304,6 +304,25 @@ def test_a_handoff_asked_for_goes_to_a_decode_worker_that_can_reserve_its_kv():
     )
 
 
+def test_the_reason_weighs_the_choice_against_a_placement_that_could_be_taken():
+    """A handoff to a worker of both kinds that cannot reserve the prompt is no rival: where
+    another handoff could be taken and lost on cost, the reason compares with that one."""
+    p = trained("prefill-0", "prefill", seed=3)
+    busy, both = trained("decode-0", "decode", seed=4), trained("both-0", "both", seed=5)
+    with_decodes(busy, 30, 512, 0.08)  # a handoff to it costs its decodes their ITL SLO
+    req = shape(2000, max_tokens=64)
+    blocks = -(-2000 // both.info.block_size)
+    both.info = replace(both.info, num_blocks=blocks + 8, reserve_share=0.5)
+    decision = planner().decide(req, [p], [busy, both])
+    assert (decision.chosen.path, decision.chosen.decode_worker) == (RoutePath.COLOCATED, "both-0")
+    assert decision.reason_code == "cost_misses", decision.reason
+    assert "vs disaggregated" in decision.reason and "prefill-0->decode-0" in decision.reason
+    # A worker of both kinds whose share of sequence slots is under one takes no reservation.
+    one = replace(both.info, num_blocks=10 * blocks, max_num_seqs=1)
+    both.info = one
+    assert all(c.no_room for c in planner().candidates(req, [p], [both]) if c.prefill_worker)
+
+
 def test_auto_stops_choosing_a_pair_whose_handoffs_keep_failing_and_tries_it_again_later():
     p, d = trained("prefill-0", "prefill", seed=3), trained("decode-0", "decode", seed=4)
     with_decodes(d, 8, 512, 1.0)

@@ -83,11 +83,14 @@ def test_promtool_accepts_the_config_and_the_rules():
 
 
 def test_a_decode_worker_without_room_is_no_broken_handoff_path(tmp_path):
-    """Handoffs that fall back for lack of room on the decode worker (no_reservation) are the
-    cache at capacity: the fallback alert, which points at the network between the nodes,
-    stays quiet for them and fires for the others."""
+    """Handoffs that fall back for lack of room on the decode worker (no_reservation) are
+    capacity: the fallback alert, which points at the network between the nodes, stays quiet
+    for them and fires for the others; an alert of their own fires where most handoffs
+    find no room for a quarter of an hour."""
     summary = next(r for r in rules() if r["alert"] == "PdserveLocalPrefillFallbacks")
     said = summary["annotations"]["summary"].replace("{{ $labels.reason }}", "transfer_failed")
+    room = next(r for r in rules() if r["alert"] == "PdserveHandoffsWithoutRoom")
+    room = room["annotations"]["summary"].replace("{{ $value | humanizePercentage }}", "83.33%")
     test = {
         "rule_files": [str(DEPLOY / "prometheus" / "alerts.yml")],
         "evaluation_interval": "1m",
@@ -98,6 +101,9 @@ def test_a_decode_worker_without_room_is_no_broken_handoff_path(tmp_path):
                  "values": "0+10x30"},
                 {"series": 'pdserve_local_prefill_fallbacks_total{reason="transfer_failed"}',
                  "values": "0+1x30"},
+                {"series": 'pdserve_requests_total{path="disaggregated",finish_reason="length",'
+                           'frontend="grpc"}',
+                 "values": "0+12x40"},
             ],
             "alert_rule_test": [{
                 "eval_time": "20m",
@@ -106,6 +112,17 @@ def test_a_decode_worker_without_room_is_no_broken_handoff_path(tmp_path):
                     "exp_labels": {"severity": "warning", "reason": "transfer_failed"},
                     "exp_annotations": {"summary": said},
                 }],
+            }, {
+                "eval_time": "29m",  # 10 of 12 handoffs a minute without room, for 15 min
+                "alertname": "PdserveHandoffsWithoutRoom",
+                "exp_alerts": [{
+                    "exp_labels": {"severity": "warning"},
+                    "exp_annotations": {"summary": room},
+                }],
+            }, {
+                "eval_time": "10m",  # not yet for 15 min
+                "alertname": "PdserveHandoffsWithoutRoom",
+                "exp_alerts": [],
             }],
         }],
     }  # fmt: skip
