@@ -367,8 +367,9 @@ class Planner:
             if o.no_room and o not in usable:
                 d_id = o.decode_worker
                 parts.append(
-                    f"{o.path.value}: {d_id} cannot reserve the prompt's KV (more blocks than its "
-                    "reservations may hold: a worker that also prefills keeps part for its own)"
+                    f"{o.path.value}: {d_id} cannot reserve the prompt's KV (its reservations "
+                    "may hold part of its blocks and slots: a worker that also prefills keeps the "
+                    "rest for its own)"
                 )
                 code = "handoff_no_room"
                 continue
