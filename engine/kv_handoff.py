@@ -34,6 +34,13 @@ class KVReservation(NamedTuple):
     num_cached_tokens: int  # blocks [0, num_cached_tokens / block_size) need no transfer
 
 
+def within_share(share: float, max_num_seqs: int, num_blocks: int, seqs: int, blocks: int) -> bool:
+    """Whether reservations for peers' KV holding `seqs` sequence slots and `blocks` blocks
+    together stay within `share` of an engine's slots and blocks (`reserve`'s rule; the router
+    asks it of a prompt alone, to know whether a worker could ever take its handoff)."""
+    return seqs <= share * max_num_seqs and blocks <= share * num_blocks
+
+
 def reserve(
     sched: Scheduler, req: Request, share: float = 1.0, due_in_s: float = 0.0
 ) -> KVReservation | None:
@@ -54,10 +61,9 @@ def reserve(
         return None
     kv = sched.kv
     if share < 1.0:
-        if len(sched.waiting_for_kv) + 1 > share * sched.config.max_num_seqs:
-            return None
         held = sum(len(r.block_ids) for r in sched.waiting_for_kv.values())
-        if held + cdiv(req.num_tokens, kv.block_size) > share * kv.pool.num_blocks:
+        seqs, blocks = len(sched.waiting_for_kv) + 1, held + cdiv(req.num_tokens, kv.block_size)
+        if not within_share(share, sched.config.max_num_seqs, kv.pool.num_blocks, seqs, blocks):
             return None
     computed = kv.get_computed_blocks(req)
     if not kv.allocate_slots(req, req.num_tokens - computed.num_tokens, computed):

@@ -38,6 +38,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from engine.kv_cache_manager import cdiv
+from engine.kv_handoff import within_share
 from router.capacity import DecodeDemand, DecodeOverload
 from router.handoff_model import HandoffHealth, TransferTimeModel
 from router.interference import shared_misses
@@ -97,9 +99,10 @@ def with_peer(prefill: Sequence[WorkerState], decode: Sequence[WorkerState]) -> 
 
 def _reservable(req: RequestShape, d: WorkerState) -> bool:
     """Whether `d` could reserve a sequence slot and blocks for the prompt's whole KV, its
-    reservations holding no others (engine/kv_handoff.reserve's share)."""
-    share, blocks = d.info.reserve_share, -(-req.prompt_len // d.info.block_size)
-    return share * d.info.max_num_seqs >= 1 and blocks <= share * d.info.num_blocks
+    reservations holding no others."""
+    i = d.info
+    blocks = cdiv(req.prompt_len, i.block_size)
+    return within_share(i.reserve_share, i.max_num_seqs, i.num_blocks, 1, blocks)
 
 
 def pick_prefill(

@@ -15,8 +15,7 @@ from router.vocab import Frontend, RejectReason
 
 log = logging.getLogger("pdserve.router")
 
-WINDOW_S = 10.0
-LOG_EVERY_S = 10.0  # a flood of one kind of line is said once a while, with its count
+WINDOW_S = 10.0  # refusals, and any flood of one kind of line, said once a window
 
 WHY = {
     RejectReason.QUEUE_FULL: "too many requests wait for a first token (--max-pending)",
@@ -75,7 +74,7 @@ class RefusalLog:
 
 class Said:
     """One kind of line in the log (a connection closed, an answer cut short): the first at
-    once, then at most a line per LOG_EVERY_S with how many since."""
+    once, then at most a line per WINDOW_S with how many since."""
 
     def __init__(self, logger: logging.Logger) -> None:
         self.log = logger
@@ -83,6 +82,6 @@ class Said:
 
     def say(self, now: float, line: str, *args: object) -> None:
         self.since += 1
-        if now - self.at >= LOG_EVERY_S:
+        if now - self.at >= WINDOW_S:
             self.log.info(line + " (%d such since the last line)", *args, self.since)
             self.at, self.since = now, 0
