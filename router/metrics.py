@@ -6,6 +6,8 @@ name and label is defined), and /metrics served. Refusals also go to the log
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,7 +15,7 @@ from prometheus_client import disable_created_metrics, start_http_server
 
 from router.host_share import PeerWork
 from router.metric_families import MetricFamilies
-from router.refusal_log import RefusalLog
+from router.refusal_log import RefusalLog, Said
 from router.stats import FirstTokenRecord, RequestRecord, TransferRecord
 from router.vocab import PLACEMENT_KINDS, Frontend, RejectReason
 from worker_protocol.messages import WorkerLoad, WorkerRole
@@ -21,6 +23,10 @@ from worker_protocol.messages import WorkerLoad, WorkerRole
 # No `*_created` series beside each counter and histogram (a tenth of the series, which neither
 # the dashboard nor the alerts read), in the server as in its tests.
 disable_created_metrics()
+
+log = logging.getLogger("pdserve.pools")
+# Requests a worker preempted (its KV cache full: their blocks freed, recomputed later).
+_PREEMPTED = Said(log, logging.WARNING)
 
 
 class Metrics(MetricFamilies):
@@ -123,6 +129,19 @@ class Metrics(MetricFamilies):
                 ),
             ):
                 counter.labels(*w).inc(now - before if now >= before else now)
+            before = last.preemptions if last else 0
+            grew = ld.preemptions - before if ld.preemptions >= before else ld.preemptions
+            if grew > 0:
+                _PREEMPTED.say(
+                    time.monotonic(),
+                    "worker %s preempted %d requests: its KV cache was full, so their blocks "
+                    "were freed and they are recomputed from their prompts and outputs (they "
+                    "take longer). More KV-cache memory (--kv-cache-gib) or fewer sequences "
+                    "per worker (--max-num-seqs) avoids it",
+                    ld.worker_id,
+                    grew,
+                    n=grew,
+                )
             # Exist at 0, so that a first failure or hang is an increase.
             self.worker_failures.labels(*w)
             self.worker_hangs.labels(*w)

@@ -76,12 +76,13 @@ class Said:
     """One kind of line in the log (a connection closed, an answer cut short): the first at
     once, then at most a line per WINDOW_S with how many since."""
 
-    def __init__(self, logger: logging.Logger) -> None:
-        self.log = logger
+    def __init__(self, logger: logging.Logger, level: int = logging.INFO) -> None:
+        self.log, self.level = logger, level
         self.at, self.since = float("-inf"), 0
 
-    def say(self, now: float, line: str, *args: object) -> None:
-        self.since += 1
+    def say(self, now: float, line: str, *args: object, n: int = 1) -> None:
+        """Count n more of the kind (requests, connections); say the line if the window is over."""
+        self.since += n
         if now - self.at >= WINDOW_S:
-            self.log.info(line + " (%d such since the last line)", *args, self.since)
+            self.log.log(self.level, line + " (%d such since the last line)", *args, self.since)
             self.at, self.since = now, 0

@@ -69,3 +69,48 @@ def test_the_servers_metrics_count_and_log_each_refusal(caplog):
     assert sample == 1
     [line] = lines(caplog)
     assert line.startswith("refusing requests (http): slo: its predicted TTFT misses its SLO")
+
+
+def test_preemptions_a_worker_reports_are_counted_and_said_once_a_window(caplog, monkeypatch):
+    from router import metrics
+    from router.refusal_log import Said
+    from worker_protocol.messages import WorkerLoad, WorkerRole
+
+    monkeypatch.setattr(metrics, "_PREEMPTED", Said(metrics.log, logging.WARNING))
+    caplog.set_level(logging.WARNING, "pdserve.pools")
+    m = Metrics()
+
+    def load(preemptions: int, incarnation: int = 0) -> WorkerLoad:
+        return WorkerLoad(
+            "decode-0",
+            WorkerRole.DECODE,
+            4,
+            1,
+            0,
+            0.98,
+            2,
+            128,
+            0,
+            preemptions=preemptions,
+            incarnation=incarnation,
+        )
+
+    def said() -> list[str]:
+        out = [r.getMessage() for r in caplog.records if r.name == "pdserve.pools"]
+        caplog.clear()
+        return out
+
+    m.loads([load(0)])
+    assert said() == []
+    m.loads([load(3)])
+    [line] = said()
+    assert line.startswith("worker decode-0 preempted 3 requests: its KV cache was full")
+    assert "--kv-cache-gib" in line and line.endswith("(3 such since the last line)")
+    m.loads([load(5)])  # within the window: counted, not said
+    m.loads([load(2, incarnation=1)])  # a new incarnation's own total
+    assert said() == []
+    total = m.registry.get_sample_value(
+        "pdserve_worker_preemptions_total", {"worker": "decode-0", "role": "decode"}
+    )
+    assert total == 7
+    assert metrics._PREEMPTED.since == 4
