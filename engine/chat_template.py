@@ -15,11 +15,11 @@ def chat_token_ids(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
 ) -> list[int]:
-    """The prompt's ids for `messages` ({"role", "content"} each), the assistant's turn opened
-    (`add_generation_prompt`), or the last message left open for the model to go on with
-    (`continue_final_message`, as transformers' and vLLM's). InvalidRequestError naming `field`
-    where the model has no chat template, or its template refuses them (roles out of order, a
-    raise_exception of its own)."""
+    """The prompt's ids for `messages` ({"role", "content"} each, "name" where given), the
+    assistant's turn opened (`add_generation_prompt`), or the last message left open for the
+    model to go on with (`continue_final_message`, as transformers' and vLLM's).
+    InvalidRequestError naming `field` where the model has no chat template, or its template
+    refuses them (roles out of order, a raise_exception of its own)."""
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(field, "this model has no chat template; send a plain prompt")
     try:

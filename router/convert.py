@@ -13,7 +13,7 @@ from engine.errors import InvalidRequestError
 from engine.outputs import TokenLogprobs
 from pdserve_proto import generation_pb2 as pb
 from router.core_types import Summary
-from router.request import RequestFields
+from router.request import ChatTurn, RequestFields
 from router.vocab import FinishReason, Frontend, RoutePath
 
 PATH_FROM_WIRE = {
@@ -39,7 +39,11 @@ def request_fields(req: pb.GenerateRequest) -> RequestFields:
         request_id=req.request_id or None,
         prompt=req.prompt or None,
         prompt_token_ids=list(req.prompt_token_ids) or None,
-        messages=[(m.role, m.content) for m in req.messages] or None,
+        messages=[
+            ChatTurn(m.role, m.content, m.name if m.HasField("name") else None)
+            for m in req.messages
+        ]
+        or None,
         add_generation_prompt=(
             req.add_generation_prompt if req.HasField("add_generation_prompt") else None
         ),
@@ -123,7 +127,7 @@ def final_to_wire(s: Summary) -> pb.FinalInfo:
 # the field's name instead of a parse failure.
 _STRINGS = {1: "request_id", 2: "prompt"}
 _NESTED: dict[int, tuple[str, dict[int, str]]] = {
-    4: ("messages", {1: "role", 2: "content"}),
+    4: ("messages", {1: "role", 2: "content", 3: "name"}),
     5: ("sampling", {7: "stop"}),
 }
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.errors import InvalidRequestError
-from router.request import CHAT_ROLES, DEFAULT_MAX_TOKENS, RequestFields
+from router.request import CHAT_ROLES, DEFAULT_MAX_TOKENS, ChatTurn, RequestFields
 from router.vocab import Frontend, RoutePath
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the server's own)
@@ -145,6 +145,9 @@ class TextPart(_Body):
 class ChatMessage(_Body):
     role: str = Field(description="system, developer (as system), user or assistant")
     content: str | list[TextPart]
+    name: str | None = Field(
+        None, description="the participant's, passed to the chat template (most leave it out)"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -211,7 +214,7 @@ def request_fields(
     renames: dict[str, str] = {}
     prompt: str | None = None
     ids: list[int] | None = None
-    messages: list[tuple[str, str]] | None = None
+    messages: list[ChatTurn] | None = None
     logprobs: int | None
     max_tokens = body.max_tokens
     default_max_tokens = DEFAULT_MAX_TOKENS
@@ -223,7 +226,7 @@ def request_fields(
         logprobs = body.logprobs
         default_max_tokens = COMPLETIONS_MAX_TOKENS
     else:
-        messages = [(m.role, _text(m.content)) for m in body.messages]
+        messages = [ChatTurn(m.role, _text(m.content), m.name) for m in body.messages]
         renames["prompt"] = "messages"  # the prompt the chat template makes of them
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None:

@@ -12,7 +12,7 @@ import math
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.chat_template import chat_token_ids
 from engine.errors import InvalidRequestError
@@ -25,6 +25,14 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 _ROLE_AS = {"developer": "system"}
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 1.0
+
+
+class ChatTurn(NamedTuple):
+    """One chat message as a front door read it."""
+
+    role: str
+    content: str
+    name: str | None = None  # the participant's, passed to the template (most leave it out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +55,7 @@ class RequestFields:
     request_id: str | None = None
     prompt: str | None = None
     prompt_token_ids: Sequence[int] | None = None
-    messages: Sequence[tuple[str, str]] | None = None  # (role, content)
+    messages: Sequence[ChatTurn] | None = None
     # With messages: open the assistant's turn (None: unless continue_final_message), or leave
     # the last message open for the model to go on with.
     add_generation_prompt: bool | None = None
@@ -86,7 +94,7 @@ class ParsedRequest:
 def prompt_bytes(f: RequestFields) -> int:
     """The text a request brings (its prompt or chat turns), in characters: large ones are worth
     tokenizing off the event loop."""
-    return len(f.prompt or "") + sum(len(c) for _, c in f.messages or ())
+    return len(f.prompt or "") + sum(len(m.content) + len(m.name or "") for m in f.messages or ())
 
 
 def check_request(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> ParsedRequest:
@@ -166,12 +174,17 @@ def _chat_ids(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> list[int
     if not messages:
         raise InvalidRequestError("messages", "must hold at least one message")
     size = 0
-    for i, (role, content) in enumerate(messages):
+    chat: list[dict[str, str]] = []
+    for i, (role, content, name) in enumerate(messages):
         if role not in CHAT_ROLES:
             raise InvalidRequestError(
                 f"messages[{i}].role", f"must be one of {CHAT_ROLES}, got {role!r}"
             )
         size += utf8_len(f"messages[{i}].content", content)
+        chat.append({"role": _ROLE_AS.get(role, role), "content": content})
+        if name is not None:
+            size += utf8_len(f"messages[{i}].name", name)
+            chat[-1]["name"] = name
     _check_size("messages", size, limits)
     if f.continue_final_message and f.add_generation_prompt:
         raise InvalidRequestError(
@@ -182,7 +195,6 @@ def _chat_ids(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> list[int
     opening = (
         not f.continue_final_message if f.add_generation_prompt is None else f.add_generation_prompt
     )
-    chat = [{"role": _ROLE_AS.get(role, role), "content": content} for role, content in messages]
     return chat_token_ids(tokenizer, chat, "messages", opening, f.continue_final_message)
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from engine.errors import InvalidRequestError
 from pdserve_proto import generation_pb2 as pb
-from router.convert import request_fields
+from router.convert import invalid_utf8_field, request_fields
 from router.request import ModelLimits, check_request
 from router.vocab import RoutePath
 from tests.helpers import loaded
@@ -147,6 +147,36 @@ def test_fast_encode_gives_the_tokenizers_own_ids(model):
         "<|im_start|>",
     ]:
         assert encode(tok, text) == tok.encode(text), text
+
+
+def test_a_message_s_name_reaches_the_template_and_is_checked_as_its_content_is():
+    import copy
+
+    named = copy.deepcopy(TOK)
+    named.chat_template = (
+        "{% for m in messages %}{{ m.role }}{% if m.name is defined %}({{ m.name }})"
+        "{% endif %}: {{ m.content }}\n{% endfor %}"
+    )
+
+    def text(*msgs):
+        req = pb.GenerateRequest(messages=list(msgs), add_generation_prompt=False)
+        ids = check_request(request_fields(req), named, LIMITS).prompt_token_ids
+        return named.decode(list(ids))
+
+    ana, yo = (
+        pb.ChatMessage(role="user", content="hi", name="ana"),
+        pb.ChatMessage(role="user", content="yo"),
+    )
+    said = text(ana, yo)
+    assert said == "user(ana): hi\nuser: yo\n", said
+    # An empty name is a name given ("" is not unset: the field is optional on the wire).
+    assert text(pb.ChatMessage(role="user", content="hi", name="")) == "user(): hi\n"
+    huge = "n" * LIMITS.max_prompt_bytes
+    refused("messages", messages=[pb.ChatMessage(role="user", content="hi", name=huge)])
+    # Bad UTF-8 in a name, on the wire, is named as a content's is.
+    raw = pb.GenerateRequest(messages=[yo, pb.ChatMessage(role="user", content="hi", name="XNX")])
+    bad = raw.SerializeToString().replace(b"XNX", b"X\xffX")
+    assert invalid_utf8_field(bad) == "messages[1].name"
 
 
 def test_chat_without_a_template_or_refused_by_it_names_messages():

@@ -384,7 +384,10 @@ def test_values_the_engine_cannot_take_are_a_400_not_a_failed_worker():
                  "messages[0].content"),
                 ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]},
                  "messages[0].role"),
-                ({"model": MODEL, "messages": [{"role": "user", "content": "hi", "name": "x"}]},
+                ({"model": MODEL, "messages": [{"role": "user", "content": "hi", "name": 5}]},
+                 "messages[0].name"),
+                ({"model": MODEL,
+                  "messages": [{"role": "user", "content": "hi", "name": "\udfff"}]},
                  "messages[0].name"),
                 ({"model": MODEL, "messages": []}, "messages"),
             ]  # fmt: skip
@@ -398,6 +401,11 @@ def test_values_the_engine_cannot_take_are_a_400_not_a_failed_worker():
                 assert resp.json()["error"]["param"] == param, resp.text
             ok = http.post(base(s) + "/v1/completions", json={**BODY, "seed": 2**64 - 1})
             assert ok.status_code == 200
+            # A participant's name is taken (OpenAI's field; this template leaves it out).
+            named = {"model": MODEL, "max_tokens": 2,
+                     "messages": [{"role": "user", "content": "hi", "name": "ana"}]}  # fmt: skip
+            ok = http.post(base(s) + "/v1/chat/completions", json=named)
+            assert ok.status_code == 200, ok.text
             # seed -1 is no seed (vLLM's reading, which clients send for "random").
             for n in (1, 3):
                 ok = http.post(base(s) + "/v1/completions", json={**BODY, "seed": -1, "n": n})
