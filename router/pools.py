@@ -394,7 +394,10 @@ class Pools:
                 await asyncio.sleep(backoff)
                 backoff = min(60.0, backoff * 2)
                 continue
-            if await self._engine_up(h):
+            up = await self._engine_up(h)
+            if not self._current(h, WorkerStatus.STARTING):
+                return  # a resize removed it meanwhile
+            if up:
                 await self._pair_up(h)
                 await self._warm(h)
                 with self.lock:

@@ -120,8 +120,10 @@ class Resizes:
         task.result()
 
     def _victims(self, want: dict[WorkerRole, int | None]) -> list[WorkerHandle]:
-        """Mark the workers to remove DRAINING (a pending replacement stops on seeing it): dead
-        ones (a replacement pending) first, then the least busy, then the newest."""
+        """Mark the workers to remove DRAINING: dead ones (a replacement pending) first, then the
+        least busy, then the newest. One whose engine is not up (dead, or its replacement still
+        starting) has nothing to drain and gives no load to watch: it is STOPPED at once, and a
+        pending replacement stops on seeing it."""
         victims: list[WorkerHandle] = []
         with self.pools.lock:
             for role, n in want.items():
@@ -136,11 +138,15 @@ class Resizes:
                     )
                     victims += members[: len(members) - n]
             for h in victims:
-                h.status = WorkerStatus.DRAINING
+                h.status = WorkerStatus.DRAINING if h.up else WorkerStatus.STOPPED
             self.pools.refresh_ids()
         return victims
 
     async def _drain(self, h: WorkerHandle, timeout_s: float) -> None:
+        if h.status is WorkerStatus.STOPPED:  # never up: nothing ran there to finish
+            await self.pools.retire(h, graceful=False)
+            log.info("%s stopped before it was up: it left its pool", h.worker_id)
+            return
         deadline = time.monotonic() + timeout_s
         while h.active > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

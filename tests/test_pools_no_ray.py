@@ -3,7 +3,8 @@ spread_node): the live node with room for it holding the fewest workers that are
 stopped, none of the nodes to avoid while another has room; none (Ray's choice) where no node has
 room. Which nodes a replacement avoids (Pools._replace): the one its worker hung on, and each one
 a start of it failed on. A worker Ray's memory monitor killed is dead at once; a resize past
---max-workers is refused before any actor starts."""
+--max-workers is refused before any actor starts; one that removes a worker whose replacement is
+still starting stops it at once."""
 
 from __future__ import annotations
 
@@ -360,3 +361,58 @@ def test_a_start_cancelled_before_it_began_starts_nothing_and_raises():
         assert time.monotonic() - t0 < 5 and not spawned and not pools.handles()
     finally:
         pools.ops.stop()
+
+
+def test_a_scale_down_stops_a_replacement_still_starting_at_once(monkeypatch):
+    """decode-1 died and its replacement is starting (its engine not up) when a resize removes
+    one decode worker: the replacement is the one removed, stopped at once without a drain or a
+    graceful shutdown call it could not answer, never taken for up (the load poll would have
+    called it hung), and the replacement loop starts no other."""
+    pools = Pools(PoolConfig(spec=None, restart_backoff_s=0.01))  # type: ignore[arg-type]
+    pools.workers["decode-0"] = on("a")
+    dead = WorkerHandle("decode-1", WorkerRole.DECODE, None, 0, "a", WorkerStatus.DEAD)  # type: ignore[arg-type]
+    pools.workers["decode-1"] = dead
+    loading = asyncio.Event()
+    spawned: list[WorkerHandle] = []
+    seen_up: list[str] = []
+    retired: list[tuple[str, bool]] = []
+
+    def spawn(role, worker_id, incarnation=0, avoid=()):
+        h = WorkerHandle(worker_id, role, None, incarnation, "a")  # type: ignore[arg-type]
+        pools.workers[worker_id] = h
+        spawned.append(h)
+        return h
+
+    async def engine_up(h):
+        while h.status is WorkerStatus.STARTING:  # loads until stopped
+            await asyncio.sleep(0.01)
+        if h.up:  # as the removal left it: the load poll would call it
+            seen_up.append(h.worker_id)
+        loading.set()
+        return False  # its actor killed under the load
+
+    async def retire(h, graceful):
+        retired.append((h.worker_id, graceful))
+        h.status = WorkerStatus.STOPPED
+        pools._drop(h)
+
+    monkeypatch.setattr(pools, "_spawn", spawn)
+    monkeypatch.setattr(pools, "_engine_up", engine_up)
+    monkeypatch.setattr(pools, "retire", retire)
+    monkeypatch.setattr(pools, "_stop_actor", lambda h, status: setattr(h, "status", status))
+    try:
+        replacing = pools.ops.submit(pools._replace(dead))
+        while not spawned:
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        pools.ops.call(Resizes(pools).scale(None, 1, 60.0), 10)
+        assert time.monotonic() - t0 < 5  # not the drain timeout, nor a hang timeout
+        replacing.result(5)
+        assert loading.is_set()
+    finally:
+        pools.ops.stop()
+    assert retired == [("decode-1", False)]
+    assert [h.status for h in spawned] == [WorkerStatus.STOPPED]  # and no second one started
+    assert seen_up == []
+    assert list(pools.workers) == ["decode-0"]
+    assert pools.workers["decode-0"].status is WorkerStatus.READY
