@@ -40,7 +40,7 @@ from router.worker_calls import (
     stream_of,
     why_gone,
 )
-from router.workers import WorkerHandle, WorkerStatus
+from router.workers import WorkerHandle, WorkerStatus, within
 from worker_protocol.messages import (
     PrefillResult,
     TokenChunk,
@@ -284,12 +284,12 @@ class Cluster:
         self, worker_id: str, target_s: float | None, seq: int = 0
     ) -> Awaitable[None]:
         ref: Any = self._handle(worker_id).actor.set_step_target.remote(target_s, seq)  # sent now
-        return asyncio.wait_for(ref, self.config.control_timeout_s)
+        return within(ref, self.config.control_timeout_s)
 
     async def kv_stats(self) -> dict[str, TransferStats]:
         """Each live worker's KV transfer totals, by worker id."""
         items = self.pools.live()
-        stats: list[TransferStats] = await asyncio.wait_for(
+        stats: list[TransferStats] = await within(
             asyncio.gather(*(h.actor.kv_stats.remote() for h in items)),
             self.config.control_timeout_s,
         )

@@ -38,7 +38,7 @@ from router.worker_calls import (
     stream_of,
     why_gone,
 )
-from router.workers import WorkerHandle, WorkerStatus, done_unless
+from router.workers import WorkerHandle, WorkerStatus, done_unless, within
 from worker_protocol.messages import KVTarget, PrefillResult, TokenChunk, WorkRequest
 
 log = logging.getLogger("pdserve.cluster")
@@ -125,7 +125,7 @@ class Handoffs:
             return None
         timeout = self.config.control_timeout_s
         try:
-            target: KVTarget | None = await asyncio.wait_for(
+            target: KVTarget | None = await within(
                 d.actor.reserve_kv.remote(req, p.worker_id, kv_due_in_s), timeout
             )
         except GONE:
@@ -147,7 +147,7 @@ class Handoffs:
         try:
             dst, skip = target.dst_block_ids, target.skip_blocks
             call = p.actor.prefill.remote(req, d.worker_id, dst, skip)
-            result: PrefillResult = await self._while_there(d, asyncio.wait_for(call, limit))
+            result: PrefillResult = await self._while_there(d, within(call, limit))
         except WorkerLost:
             raise  # D left: the request resumes elsewhere (P's prefill is aborted by generate)
         except Exception as exc:  # P died, timed out or failed
@@ -235,7 +235,7 @@ class Handoffs:
         again in the background; requests between the two prefill locally meanwhile."""
         try:
             ok = all(
-                await asyncio.wait_for(
+                await within(
                     asyncio.gather(
                         p.actor.connected.remote(d.worker_id),
                         d.actor.connected.remote(p.worker_id),

@@ -29,6 +29,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from router.workers import within
+
 log = logging.getLogger("pdserve.pairing")
 
 Connect = Callable[[str, str], Awaitable[None]]  # (worker id, worker id): make the pair
@@ -132,7 +134,7 @@ class PairBook:
     async def _attempt(self, p: str, d: str, st: PairState) -> None:
         t0 = time.monotonic()
         try:
-            await asyncio.wait_for(self._connect(p, d), self.timeout_s)
+            await within(self._connect(p, d), self.timeout_s)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -43,6 +43,7 @@ from router.workers import (
     WorkerStatus,
     order,
     spread_node,
+    within,
 )
 from worker_protocol.code_id import ROUTER_CODE_ARG, code_id, other_code, refused_at_start
 from worker_protocol.messages import WorkerInfo, WorkerRole, WorkerSpec
@@ -233,7 +234,7 @@ class Pools:
     async def _engine_up(self, h: WorkerHandle) -> bool:
         """Wait (bounded) for the actor's engine; keep what it says about itself."""
         try:
-            h.info = await asyncio.wait_for(h.actor.ready.remote(), self.config.start_timeout_s)
+            h.info = await within(h.actor.ready.remote(), self.config.start_timeout_s)
         except asyncio.TimeoutError:
             placement = self.config.placement.get(h.role, Placement())
             h.error = (
@@ -272,7 +273,7 @@ class Pools:
         the check (its actor has no such method: Ray's call fails on its side)."""
         try:
             call: Any = h.actor.code_id.remote()
-            return str(await asyncio.wait_for(call, self.config.control_timeout_s))
+            return str(await within(call, self.config.control_timeout_s))
         except (AttributeError, ray.exceptions.RayTaskError):
             return None
 
@@ -287,7 +288,7 @@ class Pools:
 
     async def _warm(self, h: WorkerHandle) -> None:
         try:
-            await asyncio.wait_for(h.actor.warmup.remote(), self.config.start_timeout_s)
+            await within(h.actor.warmup.remote(), self.config.start_timeout_s)
         except Exception as exc:  # it still serves; its first request pays for the warm-up
             log.warning("warm-up of %s failed: %s: %s", h.worker_id, type(exc).__name__, exc)
 
@@ -425,7 +426,7 @@ class Pools:
         """Stop a removed worker and take its pairs down on the peers."""
         if graceful:
             try:
-                await asyncio.wait_for(h.actor.shutdown.remote(), self.config.control_timeout_s)
+                await within(h.actor.shutdown.remote(), self.config.control_timeout_s)
             except Exception:
                 pass  # killed below either way
         self._stop_actor(h, WorkerStatus.STOPPED)
@@ -435,7 +436,7 @@ class Pools:
         timeout = self.config.control_timeout_s
         n = next(self._attempts)  # ends any attempt with it still running on a peer
         await asyncio.gather(
-            *(asyncio.wait_for(p.actor.disconnect.remote(h.worker_id, n), timeout) for p in peers),
+            *(within(p.actor.disconnect.remote(h.worker_id, n), timeout) for p in peers),
             return_exceptions=True,
         )
 

@@ -17,6 +17,7 @@ from router.core_types import Backend
 from router.membership import Membership
 from router.pool_state import WorkerState
 from router.step_target import StepTargets
+from router.workers import within
 
 log = logging.getLogger("pdserve.router")
 
@@ -95,9 +96,7 @@ class TargetCalls:
         worker ignores an older one that Ray runs after it, Cluster.set_step_target)."""
         if calls is None:
             calls = [self._send_target(s.worker_id, t) for s, t in moves]
-        done = await asyncio.gather(
-            *(asyncio.wait_for(c, 5.0) for c in calls), return_exceptions=True
-        )
+        done = await asyncio.gather(*(within(c, 5.0) for c in calls), return_exceptions=True)
         for (state, target), res in zip(moves, done):
             if isinstance(res, BaseException):  # a worker mid-restart: tried again later
                 log.warning("step target of %s not set: %s: %s", state.worker_id,

@@ -15,7 +15,7 @@ import ray
 
 from engine.async_engine import EngineDeadError
 from router.pools import Pools
-from router.workers import WorkerHandle, WorkerStatus
+from router.workers import WorkerHandle, WorkerStatus, within
 from worker_protocol.messages import TokenChunk
 
 log = logging.getLogger("pdserve.cluster")
@@ -44,7 +44,7 @@ async def abort_until(h: WorkerHandle, rid: str, timeout_s: float) -> BaseExcept
     while True:
         try:
             left = max(0.0, deadline - time.monotonic())
-            await asyncio.wait_for(h.actor.abort.remote(rid), left)
+            await within(h.actor.abort.remote(rid), left)
             return None
         except UNAVAILABLE as exc:
             if deadline - time.monotonic() < 2 * UNAVAILABLE_RETRY_S:  # no room for a try
@@ -89,7 +89,7 @@ async def abort_soon(
     `later` (the supervisor loop's submit), so that no request waits on it. A failure is logged
     here, unless the worker is gone (nothing is left there to free)."""
     try:
-        await asyncio.wait_for(h.actor.abort.remote(rid), timeout_s)
+        await within(h.actor.abort.remote(rid), timeout_s)
         return None
     except UNAVAILABLE as exc:
         log.info("abort of %s on %s: unreachable for now, tried again until it answers",

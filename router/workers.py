@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -206,3 +207,14 @@ async def done_unless(task: asyncio.Future[Any], stop: Callable[[], bool], every
         if not task.done() and stop():
             return False
     return True
+
+
+async def within(aw: Awaitable[T], timeout_s: float) -> T:
+    """`await aw`, bounded: asyncio.TimeoutError past `timeout_s` (`aw` cancelled), as
+    asyncio.wait_for; but a cancellation that comes as `aw` ends is never lost. Python 3.11's
+    wait_for returns `aw`'s result then, and the cancelled task runs on: a request whose
+    client left went on to its last token."""
+    if sys.version_info < (3, 11):  # pragma: no cover (no asyncio.timeout)
+        return await asyncio.wait_for(aw, timeout_s)
+    async with asyncio.timeout(timeout_s):
+        return await aw

@@ -416,3 +416,41 @@ def test_a_scale_down_stops_a_replacement_still_starting_at_once(monkeypatch):
     assert seen_up == []
     assert list(pools.workers) == ["decode-0"]
     assert pools.workers["decode-0"].status is WorkerStatus.READY
+
+
+def test_a_bounded_wait_cancelled_as_its_call_ends_is_cancelled():
+    """The router's bounded wait on a worker's call (router/workers.within): a cancellation
+    (the client left) that comes in the same turn of the loop as the call's answer stands.
+    Python 3.11's asyncio.wait_for returned the answer then, and the request ran to its end."""
+    from router.workers import within
+
+    async def race() -> str:
+        answer = asyncio.get_running_loop().create_future()
+        waiting = asyncio.ensure_future(within(answer, 10))
+        await asyncio.sleep(0)  # it waits for the answer
+        answer.set_result("tokens")
+        waiting.cancel()  # the same turn
+        try:
+            return await waiting
+        except asyncio.CancelledError:
+            return "cancelled"
+
+    assert asyncio.run(race()) == "cancelled"
+
+    async def late() -> None:
+        await within(asyncio.sleep(5), 0.05)
+
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(late())
+
+
+def test_the_router_bounds_its_waits_with_within_not_wait_for():
+    """asyncio.wait_for loses such a cancellation on Python 3.11: the router uses none."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "router"
+    users = [
+        p.name for p in sorted(root.glob("*.py"))
+        if "asyncio.wait_for(" in p.read_text() and p.name != "workers.py"
+    ]  # fmt: skip
+    assert users == []
