@@ -91,6 +91,8 @@ class RequestBooks:
         for w in self.placed:
             w.finish(self.wid)
         self.sink.finished(self.track.record(failed=not (self.ended or left)))
+        if self.track.kv_fallback is not None:  # of its last placement: what its answer says
+            self.sink.fell_back(self.track.kv_fallback.value)
 
     def place(self, shape: RequestShape, chosen: PathPrediction) -> tuple[WorkerState, WorkerState]:
         """Enter a placement: (the worker that prefills it, its decode worker). A disaggregated
@@ -99,6 +101,7 @@ class RequestBooks:
         d = self.states[chosen.decode_worker]
         p = self.states.get(chosen.prefill_worker) or d
         self.shape, self.p, self.d, self.chosen = shape, p, d, chosen
+        self.track.path = chosen.path.value  # a resumed request's metrics go by where it went on
         self.placed += [p, d]
         hit = p.cached_tokens(shape.hashes, shape.prompt_len)
         n_prefill = shape.prompt_len - hit

@@ -58,9 +58,10 @@ class Handoff:
 
     def fell_back(self, reason: FallbackReason, detail: str, wasted_s: float) -> None:
         """The decode worker prefills the request itself: its prefill moves to the decode
-        worker's books (until its first token), the pair's health learns the failure (not when
-        the decode worker only had no room to reserve: that says nothing of the pair), and the
-        fallback is counted."""
+        worker's books (until its first token), and the pair's health learns the failure (not
+        when the decode worker only had no room to reserve: that says nothing of the pair). The
+        fallback is counted as the request ends, unless it resumed elsewhere meanwhile (its
+        decode worker lost: RequestBooks.moved): the metric says what the answers say."""
         if self.track.kv_fallback is None:
             self.track.kv_fallback = reason
         # Its first token comes from the decode worker's own prefill: that is the TTFT's story
@@ -73,7 +74,6 @@ class Handoff:
             self.d.add_prefill(self.wid, n, prefill_pairs(n, 0))
         if reason is not FallbackReason.NO_RESERVATION:  # a full decode worker, not the pair
             self.health.observe(self.prefill_worker, self.chosen.decode_worker, False, wasted_s)
-        self.sink.fell_back(reason.value)
 
     def replanned(self, dead: str, to: str, detail: str, wasted_s: float) -> None:
         """Its prefill worker died: the pair's health learns the failure and the prefill leaves

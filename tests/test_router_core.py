@@ -16,7 +16,7 @@ from router.core import KV_DUE_SHARE, RequestCore
 from router.core_types import Overloaded, RouterConfig
 from router.fake_backend import FakeBackend
 from router.request import ParsedRequest
-from router.vocab import FinishReason, Frontend, Placement, RejectReason, RoutePath
+from router.vocab import FallbackReason, FinishReason, Frontend, Placement, RejectReason, RoutePath
 
 
 def request(rid: str, n: int = 32, max_tokens: int = 4, slo_ttft_ms: float | None = None):
@@ -832,3 +832,32 @@ def test_a_stream_answered_or_left_at_the_shutdown_ends_as_it_would_have():
         assert core.active == 0 and not core.endings.live
 
     run(main())
+
+
+def test_a_resumed_request_is_counted_as_its_answer_says_not_as_its_first_placement():
+    """A handoff falls back (its transfer failed) as its decode worker dies; the request
+    resumes on the other worker, colocated. Its answer says colocated, no kv_fallback: so do
+    the metrics (no local prefill counted for a placement it left, nor its first path)."""
+    from router.metrics import Metrics
+
+    async def main():
+        backend = FakeBackend(
+            num_prefill=0, num_decode=0, num_both=2, lose_decode_after=0,
+            fallback=FallbackReason.TRANSFER_FAILED,
+        )  # fmt: skip
+        metrics = Metrics()
+        core = RequestCore(backend, await backend.infos(), RouterConfig(), TOKENIZER, metrics)
+        await core.refresh()
+        req = replace(request("moved", max_tokens=8), path=RoutePath.DISAGGREGATED)
+        return backend, metrics, await consume(core, req)
+
+    backend, metrics, chunks = run(main())
+    assert [p.path for p in backend.placements] == [RoutePath.DISAGGREGATED, RoutePath.COLOCATED]
+    final = chunks[-1].final
+    assert final.path is RoutePath.COLOCATED and final.kv_fallback is None and final.resumed == 1
+    sample = metrics.registry.get_sample_value
+    labels = {"finish_reason": "length", "frontend": "grpc"}
+    assert sample("pdserve_requests_total", {**labels, "path": "colocated"}) == 1
+    assert sample("pdserve_requests_total", {**labels, "path": "disaggregated"}) is None
+    fell = sample("pdserve_local_prefill_fallbacks_total", {"reason": "transfer_failed"})
+    assert not fell
