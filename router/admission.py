@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections import deque
 
 from router.books import RequestCounts
@@ -50,14 +51,33 @@ def group_refusal(n: int, config: RouterConfig, counts: RequestCounts) -> Overlo
     return _queue_full(n, config, counts, 0.05)
 
 
+class RetrySpread:
+    """The retry hints of decode_rate refusals. Such a refusal ends as a decode ends, about one
+    per 1 / rate taken: each client refused is told a slot later than the one refused before
+    it (up to MOST_S), so that a burst's refused clients come back about as fast as slots
+    free, rather than all together at the first one (where all but one are refused again)."""
+
+    MOST_S = 60.0
+
+    def __init__(self) -> None:
+        self._next = float("-inf")  # when the latest client told to come back is due
+
+    def hint(self, every_s: float, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        self._next = min(max(self._next, now) + every_s, now + self.MOST_S)
+        return self._next - now
+
+
 def refusal(
     shape: RequestShape,
     decision: Decision,
     config: RouterConfig,
     counts: RequestCounts,
     margin: float,
+    spread: RetrySpread | None = None,
 ) -> Overloaded | None:
-    """Why the request is refused now, or None when it is taken."""
+    """Why the request is refused now, or None when it is taken (`spread`: the decode_rate
+    refusals' hints, one slot apart; None: each its own slot's)."""
     c, chosen = config, decision.chosen
     full = _queue_full(1, c, counts, max(0.05, chosen.queue_s))
     if full is not None:
@@ -87,8 +107,9 @@ def refusal(
             f"{gaps} in steady state, past the ITL SLO "
             f"{shape.slo_itl_s * 1000:.0f} ms, and {over.load} decodes run or are placed "
             f"there, of the {over.room} they hold within it",
-            # The mean gap between requests taken: at a full batch, about how often one ends.
-            1.0 / over.rate,
+            # The mean gap between requests taken (at a full batch, about how often one ends),
+            # past those told to come back before it.
+            1.0 / over.rate if spread is None else spread.hint(1.0 / over.rate),
         )
     return None
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from engine.prefix_hash import block_hashes
 from engine.text_stream import TextStream
-from router.admission import TtftMargin, group_refusal, refusal
+from router.admission import RetrySpread, TtftMargin, group_refusal, refusal
 from router.books import RequestBooks, RequestCounts
 from router.core_types import Backend, CoreChunk, DecisionRecord, NoWorkers, RouterConfig, Summary
 from router.endings import Endings
@@ -87,6 +87,7 @@ class RequestCore:
         self.margin = TtftMargin()  # admission's, from the first tokens (planner.ttft_margin)
         self.planner.rate_admission = config.decode_rate_admission
         self.counts = RequestCounts()
+        self.spread = RetrySpread()  # decode_rate refusals' retry hints
         self.endings = Endings()  # the streams in flight, to end when the server stops
         self._poller: asyncio.Task[None] | None = None
         self._ids = itertools.count()  # workers see internal ids: clients' ids may collide
@@ -182,7 +183,9 @@ class RequestCore:
 
     def _admit(self, shape: RequestShape, decision: Decision, frontend: Frontend) -> None:
         """Raise Overloaded (counted by its reason) when the request is refused."""
-        refused = refusal(shape, decision, self.config, self.counts, self.planner.ttft_margin)
+        refused = refusal(
+            shape, decision, self.config, self.counts, self.planner.ttft_margin, self.spread
+        )
         if refused is not None:
             self.sink.rejected(refused.reason, frontend)
             raise refused

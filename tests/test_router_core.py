@@ -134,7 +134,14 @@ def test_requests_past_the_rate_the_decodes_hold_are_refused_with_no_work_done()
             assert err.value.reason is RejectReason.DECODE_RATE
             assert err.value.retry_after_s == pytest.approx(1 / 20.1, rel=0.05)
             assert f"past the ITL SLO {slo * 1000:.0f} ms" in str(err.value)
-            assert not [w for w in backend.started if w.startswith("late#")]
+            # The next ones refused are told a slot later each: a burst's retries spread out.
+            hints = []
+            for i in range(3):
+                with pytest.raises(Overloaded) as err:
+                    await consume(core, replace(late, request_id=f"late-{i}"))
+                hints.append(err.value.retry_after_s)
+            assert hints == pytest.approx([k / 20.1 for k in (2, 3, 4)], rel=0.1)
+            assert not [w for w in backend.started if w.startswith("late")]
         else:
             assert len(await consume(core, late)) == 4
         hopeless = replace(request("hopeless"), slo_itl_ms=idle / 2 * 1000)
@@ -861,3 +868,13 @@ def test_a_resumed_request_is_counted_as_its_answer_says_not_as_its_first_placem
     assert sample("pdserve_requests_total", {**labels, "path": "disaggregated"}) is None
     fell = sample("pdserve_local_prefill_fallbacks_total", {"reason": "transfer_failed"})
     assert not fell
+
+
+def test_decode_rate_retry_hints_are_a_slot_apart_then_start_again_and_stay_bounded():
+    from router.admission import RetrySpread
+
+    spread = RetrySpread()
+    assert [spread.hint(0.5, now=100.0) for _ in range(3)] == [0.5, 1.0, 1.5]
+    assert spread.hint(0.5, now=100.5) == 1.5  # the last one told is due at 101.5: 102.0
+    assert spread.hint(0.5, now=200.0) == 0.5  # all of them came back long ago
+    assert max(spread.hint(1.0, now=300.0) for _ in range(100)) == RetrySpread.MOST_S
