@@ -54,6 +54,7 @@ class Metrics(MetricFamilies):
         return int(server.server_address[1])
 
     def close(self) -> None:
+        self.refusals.flush()  # the last refusals counted reach the log too
         server = getattr(self, "_http", None)
         if server is not None:
             server.shutdown()

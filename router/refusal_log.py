@@ -61,6 +61,14 @@ class RefusalLog:
                 self._counts.clear()
                 self._since = now
 
+    def flush(self, now: float | None = None) -> None:
+        """Say what the window has counted and not yet said (the server stopping)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if self._counts:
+                log.warning("refused %s", self._summary(self._last, now))
+                self._counts.clear()
+
     def _summary(self, last: float, now: float) -> str:
         """The window's counts, from its start to `last` (its latest refusal), said at `now`."""
         assert self._since is not None

@@ -53,6 +53,21 @@ def test_after_a_quiet_spell_a_refusal_is_logged_at_once_with_what_was_left(capl
     assert before in line, line  # when they came, not the quiet since
 
 
+def test_what_the_window_counted_is_said_as_the_server_stops(caplog):
+    caplog.set_level(logging.WARNING, "pdserve.router")
+    m = Metrics()
+    m.refusals.refused(Q, GRPC, now=100.0)
+    for _ in range(200):
+        m.refusals.refused(RATE, HTTP, now=103.0)
+    lines(caplog)
+    m.close()
+    [line] = lines(caplog)
+    assert line.startswith("refused 200 requests over 3 s, up to "), line
+    assert line.endswith("decode_rate 200 (http)")
+    m.refusals.flush()  # nothing left
+    assert lines(caplog) == []
+
+
 def test_every_reason_is_explained():
     from router.refusal_log import WHY
 
