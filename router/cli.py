@@ -296,6 +296,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C where a command has no say of its own (generate)
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # its reader closed the pipe (`| head`): nothing more to say
+        # Python flushes stdout again at exit: point it at nothing first (its docs' advice).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a shell reports a command SIGPIPE ended
 
 
 if __name__ == "__main__":

@@ -364,6 +364,22 @@ def test_arguments_that_are_not_utf8_exit_2_naming_them(argv, capsys):
     assert "is not valid UTF-8" in err and "Traceback" not in err, err
 
 
+def test_output_into_a_closed_pipe_ends_quietly_as_sigpipe_would():
+    """`pdserve ... | head`: the reader left; no traceback, the exit status a shell gives."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    argv = [sys.executable, "-m", "router.cli", "serve", "--print-config", "--model", "tiny-llama"]
+    root = Path(__file__).resolve().parent.parent
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=root)
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()  # before it prints
+    err = p.stderr.read().decode()
+    assert p.wait(60) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
 def test_status_interval_must_be_positive(capsys):
     assert run(["status", "--interval", "0"]) == 2
     assert "argument --interval: must be" in capsys.readouterr().err
