@@ -50,7 +50,7 @@ from router.vocab import FinishReason, Frontend, Placement, RejectReason, RouteP
 from worker_protocol.messages import TokenChunk, WorkerInfo
 
 log = logging.getLogger("pdserve.router")
-_CUT_SHORT = Said(log)  # answers the KV cache cut short
+_CUT_SHORT = Said(log, logging.WARNING)  # answers the KV cache cut short
 MAX_RESUMES = 2  # a request outliving this many dead decode workers fails
 # A handoff's KV is expected on its decode worker no sooner than this share of its predicted
 # TTFT (Placement.kv_due_in_s): until then that worker runs its own prompts at the whole budget

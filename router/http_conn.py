@@ -38,7 +38,8 @@ log = logging.getLogger("pdserve.http")
 
 HEAD_TIMEOUT_S = 10.0
 BODY_IDLE_S = 30.0
-_CAPPED, _SLOW, _STALLED = Said(log), Said(log), Said(log)
+_CAPPED = Said(log, logging.WARNING)  # the server at its connection cap
+_SLOW, _STALLED = Said(log), Said(log)
 
 
 class BoundedH11Protocol(H11Protocol):
