@@ -805,10 +805,11 @@ def test_a_grpc_client_that_reads_nothing_of_its_stream_is_cut_and_its_requests_
 def test_a_chat_messages_text_parts_are_joined_by_newlines():
     """As vLLM joins them: words of two parts do not run together."""
     from router.http_schema import ChatCompletionRequest, request_fields
+    from router.request import ChatTurn
 
     parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": parts}]})
-    assert request_fields(body)[0].messages == [("user", "hi\nthere")]
+    assert request_fields(body)[0].messages == [ChatTurn("user", "hi\nthere")]
 
 
 @pytest.mark.parametrize(
