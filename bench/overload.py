@@ -183,7 +183,7 @@ async def overload(
             ),
             last + timeout + 30,
         )
-    except asyncio.TimeoutError:
+    except TimeoutError:
         for r in out.results:
             if _open(r):
                 r.status = LOST

@@ -11,7 +11,7 @@ import shlex
 import statistics
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +81,7 @@ def provenance() -> dict[str, Any]:
         "commit": commit,
         "changed": bool(changed) if changed is not None else None,
         "host": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "started": datetime.now(UTC).isoformat(timespec="seconds"),
     }
 
 

@@ -235,7 +235,7 @@ class Pools:
         """Wait (bounded) for the actor's engine; keep what it says about itself."""
         try:
             h.info = await within(h.actor.ready.remote(), self.config.start_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             placement = self.config.placement.get(h.role, Placement())
             h.error = (
                 f"not up within {self.config.start_timeout_s:.0f} s; each {h.role.value} worker "
@@ -259,7 +259,7 @@ class Pools:
         """Why a worker whose engine is up cannot serve with this router (None: it can)."""
         try:
             theirs = await self._code_of(h)
-        except asyncio.TimeoutError:  # the control call's wait, not the start's
+        except TimeoutError:  # the control call's wait, not the start's
             return (
                 f"its engine is up, but it did not say which code it runs within "
                 f"{self.config.control_timeout_s:g} s (the control timeout)"

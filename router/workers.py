@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Collection, Coroutine, Mapping
@@ -214,7 +213,5 @@ async def within(aw: Awaitable[T], timeout_s: float) -> T:
     asyncio.wait_for; but a cancellation that comes as `aw` ends is never lost. Python 3.11's
     wait_for returns `aw`'s result then, and the cancelled task runs on: a request whose
     client left went on to its last token."""
-    if sys.version_info < (3, 11):  # pragma: no cover (no asyncio.timeout)
-        return await asyncio.wait_for(aw, timeout_s)
     async with asyncio.timeout(timeout_s):
         return await aw

@@ -4,9 +4,8 @@ is named by pyproject.toml's package list, so an installed pdserve imports all o
 from __future__ import annotations
 
 import fnmatch
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
