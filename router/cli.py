@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -290,16 +291,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pdserve_client.connect import ClientAuthError
 
     try:
-        return handler(args, extra)
+        rc = handler(args, extra)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return rc
     except ClientAuthError as exc:  # a client's TLS or token option (workers, scale, bench)
         return _error(exc)
     except KeyboardInterrupt:  # Ctrl-C where a command has no say of its own (generate)
         print("\ninterrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # its reader closed the pipe (`| head`): nothing more to say
-        # Python flushes stdout again at exit: point it at nothing first (its docs' advice).
+    except BrokenPipeError:
+        if _stdout_open():
+            raise  # another pipe or socket broke, not the output's
+        # Its reader closed the pipe (`| head`): nothing more to say. Python flushes stdout
+        # again at exit: point it at nothing first (its docs' advice).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # as a shell reports a command SIGPIPE ended
+
+
+def _stdout_open() -> bool:
+    """Whether standard output still takes writes: not a pipe whose reader closed it (poll
+    says POLLERR of such a pipe's end)."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return not any(ev & select.POLLERR for _, ev in poll.poll(0))
+    except (OSError, ValueError):
+        return True  # not a file it can poll, or closed by the command itself
 
 
 if __name__ == "__main__":

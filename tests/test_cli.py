@@ -372,12 +372,26 @@ def test_output_into_a_closed_pipe_ends_quietly_as_sigpipe_would():
 
     argv = [sys.executable, "-m", "router.cli", "serve", "--print-config", "--model", "tiny-llama"]
     root = Path(__file__).resolve().parent.parent
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=root)
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as most shells
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=root, env=env)
     assert p.stdout is not None and p.stderr is not None
     p.stdout.close()  # before it prints
     err = p.stderr.read().decode()
     assert p.wait(60) == 141, err
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_a_broken_pipe_that_is_not_the_output_s_is_not_taken_for_its_reader_leaving(monkeypatch):
+    from router import cli
+
+    def broken(args, extra):
+        raise BrokenPipeError(32, "a worker's socket")
+
+    monkeypatch.setattr(cli, "_complete", broken)
+    with pytest.raises(BrokenPipeError, match="a worker's socket"):
+        main(["complete", "hi"])
 
 
 def test_status_interval_must_be_positive(capsys):
