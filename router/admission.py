@@ -16,6 +16,7 @@ import math
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 
 from router.books import RequestCounts
 from router.core_types import Overloaded, RouterConfig
@@ -54,17 +55,21 @@ def group_refusal(n: int, config: RouterConfig, counts: RequestCounts) -> Overlo
 class RetrySpread:
     """The retry hints of decode_rate refusals. Such a refusal ends as a decode ends, about one
     per 1 / rate taken: each client refused is told a slot later than the one refused before
-    it (up to MOST_S), so that a burst's refused clients come back about as fast as slots
-    free, rather than all together at the first one (where all but one are refused again)."""
+    it, so that a burst's refused clients come back about as fast as slots free, rather than
+    all together at the first one (where all but one are refused again). At most `most_slots`
+    slots (the queue's length: a client retrying at once, its hint unheeded, moves the next
+    one's on, within them) and MOST_S ahead."""
 
     MOST_S = 60.0
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self._next = float("-inf")  # when the latest client told to come back is due
 
-    def hint(self, every_s: float, now: float | None = None) -> float:
-        now = time.monotonic() if now is None else now
-        self._next = min(max(self._next, now) + every_s, now + self.MOST_S)
+    def hint(self, every_s: float, most_slots: int) -> float:
+        now = self.clock()
+        most = min(self.MOST_S, max(1, most_slots) * every_s)
+        self._next = min(max(self._next, now) + every_s, now + most)
         return self._next - now
 
 
@@ -109,7 +114,7 @@ def refusal(
             f"there, of the {over.room} they hold within it",
             # The mean gap between requests taken (at a full batch, about how often one ends),
             # past those told to come back before it.
-            1.0 / over.rate if spread is None else spread.hint(1.0 / over.rate),
+            1.0 / over.rate if spread is None else spread.hint(1.0 / over.rate, c.max_pending),
         )
     return None
 

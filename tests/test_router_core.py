@@ -135,12 +135,16 @@ def test_requests_past_the_rate_the_decodes_hold_are_refused_with_no_work_done()
             assert err.value.retry_after_s == pytest.approx(1 / 20.1, rel=0.05)
             assert f"past the ITL SLO {slo * 1000:.0f} ms" in str(err.value)
             # The next ones refused are told a slot later each: a burst's retries spread out.
+            from router.admission import RetrySpread
+
+            frozen = time.monotonic()
+            core.spread = RetrySpread(clock=lambda: frozen)
             hints = []
             for i in range(3):
                 with pytest.raises(Overloaded) as err:
                     await consume(core, replace(late, request_id=f"late-{i}"))
                 hints.append(err.value.retry_after_s)
-            assert hints == pytest.approx([k / 20.1 for k in (2, 3, 4)], rel=0.1)
+            assert hints == pytest.approx([k / 20.1 for k in (1, 2, 3)], rel=0.05)
             assert not [w for w in backend.started if w.startswith("late")]
         else:
             assert len(await consume(core, late)) == 4
@@ -873,8 +877,15 @@ def test_a_resumed_request_is_counted_as_its_answer_says_not_as_its_first_placem
 def test_decode_rate_retry_hints_are_a_slot_apart_then_start_again_and_stay_bounded():
     from router.admission import RetrySpread
 
-    spread = RetrySpread()
-    assert [spread.hint(0.5, now=100.0) for _ in range(3)] == [0.5, 1.0, 1.5]
-    assert spread.hint(0.5, now=100.5) == 1.5  # the last one told is due at 101.5: 102.0
-    assert spread.hint(0.5, now=200.0) == 0.5  # all of them came back long ago
-    assert max(spread.hint(1.0, now=300.0) for _ in range(100)) == RetrySpread.MOST_S
+    now = [100.0]
+    spread = RetrySpread(clock=lambda: now[0])
+    assert [spread.hint(0.5, 256) for _ in range(3)] == [0.5, 1.0, 1.5]
+    now[0] = 100.5
+    assert spread.hint(0.5, 256) == 1.5  # the last one told is due at 101.5: 102.0
+    now[0] = 200.0
+    assert spread.hint(0.5, 256) == 0.5  # all of them came back long ago
+    # A client that retries at once, its hint unheeded, moves the next one's on only within
+    # the queue's length, and never past MOST_S.
+    assert max(spread.hint(0.1, 8) for _ in range(100)) == pytest.approx(0.8)
+    now[0] = 300.0
+    assert max(spread.hint(1.0, 256) for _ in range(100)) == RetrySpread.MOST_S
