@@ -25,8 +25,6 @@ from worker_protocol.messages import WorkerLoad, WorkerRole
 disable_created_metrics()
 
 log = logging.getLogger("pdserve.pools")
-# Requests a worker preempted (its KV cache full: their blocks freed, recomputed later).
-_PREEMPTED = Said(log, logging.WARNING)
 
 
 class Metrics(MetricFamilies):
@@ -38,6 +36,9 @@ class Metrics(MetricFamilies):
         self._kinds_seen: set[tuple[str, str, str]] = set()
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.refusals = RefusalLog()  # each refusal counted here is also said in the log
+        # Requests each worker preempted (its KV cache full: their blocks freed, recomputed
+        # later), said in the log.
+        self._preempted: dict[str, Said] = {}
 
     def _c(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, looked up once (the request path calls these per token)."""
@@ -133,7 +134,8 @@ class Metrics(MetricFamilies):
             before = last.preemptions if last else 0
             grew = ld.preemptions - before if ld.preemptions >= before else ld.preemptions
             if grew > 0:
-                _PREEMPTED.say(
+                said = self._preempted.setdefault(ld.worker_id, Said(log, logging.WARNING))
+                said.say(
                     time.monotonic(),
                     "worker %s preempted %d requests: its KV cache was full, so their blocks "
                     "were freed and they are recomputed from their prompts and outputs (they "

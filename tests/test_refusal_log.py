@@ -86,29 +86,17 @@ def test_the_servers_metrics_count_and_log_each_refusal(caplog):
     assert line.startswith("refusing requests (http): slo: its predicted TTFT misses its SLO")
 
 
-def test_preemptions_a_worker_reports_are_counted_and_said_once_a_window(caplog, monkeypatch):
-    from router import metrics
-    from router.refusal_log import Said
+def test_preemptions_a_worker_reports_are_counted_and_said_once_a_window(caplog):
     from worker_protocol.messages import WorkerLoad, WorkerRole
 
-    monkeypatch.setattr(metrics, "_PREEMPTED", Said(metrics.log, logging.WARNING))
     caplog.set_level(logging.WARNING, "pdserve.pools")
     m = Metrics()
 
-    def load(preemptions: int, incarnation: int = 0) -> WorkerLoad:
+    def load(preemptions: int, incarnation: int = 0, wid: str = "decode-0") -> WorkerLoad:
         return WorkerLoad(
-            "decode-0",
-            WorkerRole.DECODE,
-            4,
-            1,
-            0,
-            0.98,
-            2,
-            128,
-            0,
-            preemptions=preemptions,
-            incarnation=incarnation,
-        )
+            wid, WorkerRole.DECODE, 4, 1, 0, 0.98, 2, 128, 0,
+            preemptions=preemptions, incarnation=incarnation,
+        )  # fmt: skip
 
     def said() -> list[str]:
         out = [r.getMessage() for r in caplog.records if r.name == "pdserve.pools"]
@@ -128,4 +116,8 @@ def test_preemptions_a_worker_reports_are_counted_and_said_once_a_window(caplog,
         "pdserve_worker_preemptions_total", {"worker": "decode-0", "role": "decode"}
     )
     assert total == 7
-    assert metrics._PREEMPTED.since == 4
+    assert m._preempted["decode-0"].since == 4
+    # Another worker's are a line of its own, counted apart.
+    m.loads([load(1, wid="decode-1")])
+    [line] = said()
+    assert line.startswith("worker decode-1 preempted 1 requests") and "(1 such" in line
