@@ -91,8 +91,11 @@ class RequestBooks:
         for w in self.placed:
             w.finish(self.wid)
         self.sink.finished(self.track.record(failed=not (self.ended or left)))
-        if self.track.kv_fallback is not None:  # of its last placement: what its answer says
+        # Of its last placement, as its answer says them (RequestBooks.moved forgets the others).
+        if self.track.kv_fallback is not None:
             self.sink.fell_back(self.track.kv_fallback.value)
+        if self.track.replanned_to is not None:
+            self.sink.replanned()
 
     def place(self, shape: RequestShape, chosen: PathPrediction) -> tuple[WorkerState, WorkerState]:
         """Enter a placement: (the worker that prefills it, its decode worker). A disaggregated

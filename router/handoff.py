@@ -81,5 +81,4 @@ class Handoff:
         if self.p is not self.d:
             self.p.done(self.wid)
         self.health.observe(dead, self.chosen.decode_worker, False, wasted_s)
-        self.prefill_worker = self.track.replanned_to = to
-        self.sink.replanned()
+        self.prefill_worker = self.track.replanned_to = to  # counted as it ends (books)

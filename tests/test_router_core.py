@@ -889,3 +889,22 @@ def test_decode_rate_retry_hints_are_a_slot_apart_then_start_again_and_stay_boun
     assert max(spread.hint(0.1, 8) for _ in range(100)) == pytest.approx(0.8)
     now[0] = 300.0
     assert max(spread.hint(1.0, 256) for _ in range(100)) == RetrySpread.MOST_S
+
+
+def test_a_replan_is_counted_once_for_the_placement_the_answer_names():
+    """Its prefill worker dies (re-planned onto the other) and then its decode worker: the
+    request resumes and is re-planned again there. One request re-planned, counted once."""
+    from router.metrics import Metrics
+
+    async def main():
+        backend = FakeBackend(num_prefill=2, num_decode=2, replan=True, lose_decode_after=0)
+        metrics = Metrics()
+        core = RequestCore(backend, await backend.infos(), RouterConfig(), TOKENIZER, metrics)
+        await core.refresh()
+        req = replace(request("twice", max_tokens=8), path=RoutePath.DISAGGREGATED)
+        return backend, metrics, await consume(core, req)
+
+    backend, metrics, chunks = run(main())
+    assert len(backend.placements) == 2 and len(backend.lost) == 1
+    assert chunks[-1].final.resumed == 1
+    assert metrics.registry.get_sample_value("pdserve_prefill_replans_total") == 1
