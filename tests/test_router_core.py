@@ -845,24 +845,27 @@ def test_a_stream_answered_or_left_at_the_shutdown_ends_as_it_would_have():
     run(main())
 
 
+async def _handed_off_and_resumed(backend: FakeBackend, rid: str):
+    """A disaggregated request of 8 tokens through a metered core over `backend` (which loses
+    its decode worker): the metrics and its chunks."""
+    from router.metrics import Metrics
+
+    metrics = Metrics()
+    core = RequestCore(backend, await backend.infos(), RouterConfig(), TOKENIZER, metrics)
+    await core.refresh()
+    req = replace(request(rid, max_tokens=8), path=RoutePath.DISAGGREGATED)
+    return metrics, await consume(core, req)
+
+
 def test_a_resumed_request_is_counted_as_its_answer_says_not_as_its_first_placement():
     """A handoff falls back (its transfer failed) as its decode worker dies; the request
     resumes on the other worker, colocated. Its answer says colocated, no kv_fallback: so do
     the metrics (no local prefill counted for a placement it left, nor its first path)."""
-    from router.metrics import Metrics
-
-    async def main():
-        backend = FakeBackend(
-            num_prefill=0, num_decode=0, num_both=2, lose_decode_after=0,
-            fallback=FallbackReason.TRANSFER_FAILED,
-        )  # fmt: skip
-        metrics = Metrics()
-        core = RequestCore(backend, await backend.infos(), RouterConfig(), TOKENIZER, metrics)
-        await core.refresh()
-        req = replace(request("moved", max_tokens=8), path=RoutePath.DISAGGREGATED)
-        return backend, metrics, await consume(core, req)
-
-    backend, metrics, chunks = run(main())
+    backend = FakeBackend(
+        num_prefill=0, num_decode=0, num_both=2, lose_decode_after=0,
+        fallback=FallbackReason.TRANSFER_FAILED,
+    )  # fmt: skip
+    metrics, chunks = run(_handed_off_and_resumed(backend, "moved"))
     assert [p.path for p in backend.placements] == [RoutePath.DISAGGREGATED, RoutePath.COLOCATED]
     final = chunks[-1].final
     assert final.path is RoutePath.COLOCATED and final.kv_fallback is None and final.resumed == 1
@@ -894,17 +897,8 @@ def test_decode_rate_retry_hints_are_a_slot_apart_then_start_again_and_stay_boun
 def test_a_replan_is_counted_once_for_the_placement_the_answer_names():
     """Its prefill worker dies (re-planned onto the other) and then its decode worker: the
     request resumes and is re-planned again there. One request re-planned, counted once."""
-    from router.metrics import Metrics
-
-    async def main():
-        backend = FakeBackend(num_prefill=2, num_decode=2, replan=True, lose_decode_after=0)
-        metrics = Metrics()
-        core = RequestCore(backend, await backend.infos(), RouterConfig(), TOKENIZER, metrics)
-        await core.refresh()
-        req = replace(request("twice", max_tokens=8), path=RoutePath.DISAGGREGATED)
-        return backend, metrics, await consume(core, req)
-
-    backend, metrics, chunks = run(main())
+    backend = FakeBackend(num_prefill=2, num_decode=2, replan=True, lose_decode_after=0)
+    metrics, chunks = run(_handed_off_and_resumed(backend, "twice"))
     assert len(backend.placements) == 2 and len(backend.lost) == 1
     assert chunks[-1].final.resumed == 1
     assert metrics.registry.get_sample_value("pdserve_prefill_replans_total") == 1
