@@ -251,8 +251,12 @@ class Pools:
             h.error = await self._code_error(h)
             if h.error is None:
                 return True
-        log.warning("worker %s (incarnation %d) did not start: %s", h.worker_id, h.incarnation,
-                    h.error)  # fmt: skip
+        if h.status is WorkerStatus.STOPPED:  # a resize removed it as it started
+            log.info("worker %s (incarnation %d) stopped as it started", h.worker_id,
+                     h.incarnation)  # fmt: skip
+        else:
+            log.warning("worker %s (incarnation %d) did not start: %s", h.worker_id,
+                        h.incarnation, h.error)  # fmt: skip
         return False
 
     async def _code_error(self, h: WorkerHandle) -> str | None:
@@ -290,7 +294,9 @@ class Pools:
         try:
             await within(h.actor.warmup.remote(), self.config.start_timeout_s)
         except Exception as exc:  # it still serves; its first request pays for the warm-up
-            log.warning("warm-up of %s failed: %s: %s", h.worker_id, type(exc).__name__, exc)
+            if h.status is not WorkerStatus.STOPPED:  # (not: a resize removed it meanwhile)
+                log.warning("warm-up of %s failed: %s: %s", h.worker_id, type(exc).__name__,
+                            exc)  # fmt: skip
 
     async def _connect(self, a: str, b: str) -> None:
         """Make the pair of `a` and `b`: both ends first drop what is left of an earlier one and

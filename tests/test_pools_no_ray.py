@@ -454,3 +454,22 @@ def test_the_router_bounds_its_waits_with_within_not_wait_for():
         if "asyncio.wait_for(" in p.read_text() and p.name != "workers.py"
     ]  # fmt: skip
     assert users == []
+
+
+def test_a_worker_stopped_as_it_starts_is_not_said_to_have_failed_its_start(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    async def killed():
+        raise RuntimeError("The actor died because it was killed by `ray.kill`")
+
+    pools = Pools(PoolConfig(spec=None))  # type: ignore[arg-type]
+    actor = SimpleNamespace(ready=SimpleNamespace(remote=killed))
+    h = WorkerHandle("decode-1", WorkerRole.DECODE, actor, 1, "a", WorkerStatus.STOPPED)  # type: ignore[arg-type]
+    try:
+        with caplog.at_level(logging.INFO, "pdserve.pools"):
+            assert pools.ops.call(pools._engine_up(h), 10) is False
+    finally:
+        pools.ops.stop()
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "pdserve.pools"]
+    assert said == [(logging.INFO, "worker decode-1 (incarnation 1) stopped as it started")]
