@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable
 
 from router.books import RequestCounts
+from router.capacity import DecodeOverload
 from router.core_types import Overloaded, RouterConfig
 from router.policy import Decision, RequestShape
 from router.vocab import RejectReason
@@ -112,11 +113,15 @@ def refusal(
             f"{gaps} in steady state, past the ITL SLO "
             f"{shape.slo_itl_s * 1000:.0f} ms, and {over.load} decodes run or are placed "
             f"there, of the {over.room} they hold within it",
-            # The mean gap between requests taken (at a full batch, about how often one ends),
-            # past those told to come back before it.
-            1.0 / over.rate if spread is None else spread.hint(1.0 / over.rate, c.max_pending),
+            # How often a decode ends with as many running as they hold (else the mean gap
+            # between requests taken), past those told to come back before it.
+            _slot_s(over) if spread is None else spread.hint(_slot_s(over), c.max_pending),
         )
     return None
+
+
+def _slot_s(over: DecodeOverload) -> float:
+    return 1.0 / (over.ends_per_s if over.ends_per_s > 0 else over.rate)
 
 
 class TtftMargin:

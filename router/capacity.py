@@ -72,6 +72,9 @@ class DecodeOverload:
     # reaches the second.
     load: int
     room: int
+    # How many decodes end per second with `room` of them running (each its output's steps
+    # at the gap of that batch): about how often one more can be taken.
+    ends_per_s: float = 0.0
 
 
 class DecodeDemand:
@@ -229,10 +232,18 @@ class DecodeDemand:
         # Where they hold not one (a lone request's gaps already miss it), refusing cannot help.
         load = sum(w.batch + w.local_prefills for w in workers)
         context = self.context(now)
-        room = sum(self.holds(w, slo_itl_s, context, _node_share(w, workers)) for w in workers)
+        shares = [_node_share(w, workers) for w in workers]
+        holds = [self.holds(w, slo_itl_s, context, s) for w, s in zip(workers, shares)]
+        room = sum(holds)
         if load < room or room == 0:
             return None
-        return DecodeOverload(rate, *best, load=load, room=room)
+        out_len = max(1.0, self.output_len(now))
+        ends = sum(
+            n / (out_len * _gap(w, n, context, s))
+            for w, n, s in zip(workers, holds, shares)
+            if n > 0
+        )
+        return DecodeOverload(rate, *best, load=load, room=room, ends_per_s=ends)
 
     def holds(self, w: WorkerState, slo_itl_s: float, context: float, share: float = 1.0) -> int:
         """The most decodes `w` runs with its p99 gap within `slo_itl_s`, at mean context

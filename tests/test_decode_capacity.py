@@ -165,7 +165,9 @@ def test_a_rate_the_decodes_cannot_hold_marks_the_decision_for_refusal():
     refused = refusal(req, decision, RouterConfig(), RequestCounts(), 1.0)
     assert refused is not None and refused.reason is RejectReason.DECODE_RATE
     assert f"past the ITL SLO {slo * 1000:.0f} ms, and {room} decodes run" in str(refused)
-    assert refused.retry_after_s == pytest.approx(1 / over.rate)
+    # Its hint: as often as a decode ends with `room` of them running.
+    assert 0 < over.ends_per_s < over.rate
+    assert refused.retry_after_s == pytest.approx(1 / over.ends_per_s)
     # A batch that never settles has no p99 gap to give: the refusal says so, not "inf ms".
     endless = replace(decision, overload=replace(over, p99_s=float("inf")))
     said = str(refusal(req, endless, RouterConfig(), RequestCounts(), 1.0))
