@@ -54,12 +54,12 @@ def group_refusal(n: int, config: RouterConfig, counts: RequestCounts) -> Overlo
 
 
 class RetrySpread:
-    """The retry hints of decode_rate refusals. Such a refusal ends as a decode ends, about one
-    per 1 / rate taken: each client refused is told a slot later than the one refused before
-    it, so that a burst's refused clients come back about as fast as slots free, rather than
-    all together at the first one (where all but one are refused again). At most `most_slots`
-    slots (the queue's length: a client retrying at once, its hint unheeded, moves the next
-    one's on, within them) and MOST_S ahead."""
+    """The retry hints of decode_rate refusals. Such a refusal ends as decodes end, one per
+    slot: first the decodes placed beyond what the workers hold (`ahead`), then one each
+    for the clients refused before it, so that a burst's refused clients come back about as
+    fast as room frees, rather than all together (where all but one are refused again). At
+    most `most_slots` slots past those ahead (the queue's length: a client retrying at once,
+    its hint unheeded, moves the next one's on, within them), and MOST_S in all."""
 
     MOST_S = 60.0
 
@@ -67,11 +67,11 @@ class RetrySpread:
         self.clock = clock
         self._next = float("-inf")  # when the latest client told to come back is due
 
-    def hint(self, every_s: float, most_slots: int) -> float:
+    def hint(self, every_s: float, most_slots: int, ahead: int = 0) -> float:
         now = self.clock()
-        most = min(self.MOST_S, max(1, most_slots) * every_s)
-        self._next = min(max(self._next, now) + every_s, now + most)
-        return self._next - now
+        start = now + max(0, ahead) * every_s  # the decodes ahead have ended
+        self._next = min(max(self._next, start) + every_s, start + max(1, most_slots) * every_s)
+        return min(self._next - now, self.MOST_S)
 
 
 def refusal(
@@ -115,7 +115,11 @@ def refusal(
             f"there, of the {over.room} they hold within it",
             # How often a decode ends with as many running as they hold (else the mean gap
             # between requests taken), past those told to come back before it.
-            _slot_s(over) if spread is None else spread.hint(_slot_s(over), c.max_pending),
+            (
+                _slot_s(over)
+                if spread is None
+                else spread.hint(_slot_s(over), c.max_pending, over.load - over.room)
+            ),
         )
     return None
 

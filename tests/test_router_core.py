@@ -150,6 +150,13 @@ def test_requests_past_the_rate_the_decodes_hold_are_refused_with_no_work_done()
                     await consume(core, replace(late, request_id=f"late-{i}"))
                 hints.append(err.value.retry_after_s)
             assert hints == pytest.approx([k / ends for k in (1, 2, 3)], rel=0.05)
+            # Five decodes placed beyond what it holds end before the next one refused.
+            for i in range(5):
+                d.add_decode(f"beyond-{i}", 1000, slo, local=False)
+            core.spread = RetrySpread(clock=lambda: frozen)
+            with pytest.raises(Overloaded) as err:
+                await consume(core, replace(late, request_id="late-after"))
+            assert err.value.retry_after_s == pytest.approx(6 / ends, rel=0.05)
             assert not [w for w in backend.started if w.startswith("late")]
         else:
             assert len(await consume(core, late)) == 4
@@ -897,6 +904,10 @@ def test_decode_rate_retry_hints_are_a_slot_apart_then_start_again_and_stay_boun
     assert max(spread.hint(0.1, 8) for _ in range(100)) == pytest.approx(0.8)
     now[0] = 300.0
     assert max(spread.hint(1.0, 256) for _ in range(100)) == RetrySpread.MOST_S
+    # Decodes placed beyond what the workers hold end first: 30 ahead, then this one's slot.
+    now[0] = 1000.0
+    assert spread.hint(0.1, 256, ahead=30) == pytest.approx(3.1)
+    assert spread.hint(0.1, 256, ahead=30) == pytest.approx(3.2)
 
 
 def test_a_replan_is_counted_once_for_the_placement_the_answer_names():
