@@ -65,15 +65,18 @@ class KVCacheManager:
             computed = _NOTHING_COMPUTED
         if not self.can_allocate(req, num_new_tokens, computed):
             return False
-        if req.num_computed_tokens == 0 and not req.block_ids and self.pool.enable_caching:
-            # Counted once, when the request is admitted (not on every failed attempt).
+        # Counted once, when the request is first admitted (not on every failed attempt, nor
+        # again after a preemption, where the hit is its own output's blocks).
+        first = req.num_computed_tokens == 0 and not req.block_ids and not req.num_preemptions
+        if first and self.pool.enable_caching:
             self.pool.stats.queries += req.num_tokens
             self.pool.stats.hits += computed.num_tokens
         if computed.block_ids:
             self.pool.touch(computed.block_ids)
             req.block_ids.extend(computed.block_ids)
             req.num_computed_tokens += computed.num_tokens
-            req.num_cached_tokens = computed.num_tokens
+            if first:
+                req.num_cached_tokens = computed.num_tokens
         need = self.blocks_needed(req, num_new_tokens, _NOTHING_COMPUTED)
         if need:
             req.block_ids.extend(self.pool.allocate(need))

@@ -117,6 +117,28 @@ def test_preemption_newest_first_and_recompute():
     assert s.kv.pool.all_free()
 
 
+def test_a_preempted_request_s_cached_tokens_stay_those_of_its_first_admission():
+    """Recomputed after a preemption, it finds its own blocks (prompt and output) in the prefix
+    cache: its prompt's hit at first admission stays what it reports (never more than its
+    prompt), and the cache's lookups count its first admission only."""
+    s = make(budget=64, blocks=7, bs=4, caching=True)
+    s.add_request(req("old", 8, max_tokens=12))
+    s.add_request(req("new", 8, max_tokens=12, start=50))
+    new = s.requests["new"]
+    for _ in range(80):
+        if not s.num_unfinished:
+            break
+        step(s)
+        s.kv.pool.check_invariants()
+    assert new.num_preemptions >= 1 and new.num_output_tokens == 12
+    assert new.num_cached_tokens == 0  # a prompt nothing held
+    assert s.kv.pool.stats.queries == 16  # the two prompts, once each
+    s.add_request(req("again", 8, max_tokens=1, start=50))
+    again = s.requests["again"]
+    step(s)
+    assert again.num_cached_tokens == 4  # the first block of new's prompt (at most len - 1)
+
+
 def test_request_larger_than_pool_ends_with_length_not_hang():
     s = make(budget=64, blocks=3, bs=4, caching=False)
     s.add_request(req("big", 8, max_tokens=20))
