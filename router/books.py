@@ -200,6 +200,7 @@ class RequestBooks:
                 w.finish(self.wid)
         self.track.resumed += 1
         self.track.kv_fallback = self.track.replanned_to = None  # of the placement it leaves
+        self.track.prefiller_cached = None
         self.counts.resumed += 1
         self.sink.moved()
         self._resumed_gap = True

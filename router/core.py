@@ -59,6 +59,14 @@ MAX_RESUMES = 2  # a request outliving this many dead decode workers fails
 KV_DUE_SHARE = 0.4
 
 
+def _cached(req: ParsedRequest, chunk: TokenChunk, track: Tracker) -> int:
+    """Its prompt tokens whose KV was not computed for it: the hit of the worker that prefilled
+    it (a handoff's prefill worker, else the worker that streams it), at most its prompt (a
+    resumed request's prompt there holds its output so far)."""
+    hit = chunk.num_cached_tokens if track.prefiller_cached is None else track.prefiller_cached
+    return min(hit, len(req.prompt_token_ids))
+
+
 class RequestCore:
     def __init__(
         self,
@@ -267,7 +275,7 @@ class RequestCore:
                 if chunk.finished or text.stop_hit is not None:
                     final = self._summary(req, books.first, chosen, chunk, text, books.track)
                     books.finished(
-                        final.finish_reason, chunk.num_cached_tokens, final.length_reason
+                        final.finish_reason, final.cached_prompt_tokens, final.length_reason
                     )
                     if final.length_reason is not None:
                         _CUT_SHORT.say(time.monotonic(), "request %s cut short after %d of its "
@@ -361,7 +369,7 @@ class RequestCore:
             length_reason=str(chunk.stop_reason) if cut and not stopped else None,
             prompt_tokens=len(req.prompt_token_ids),
             completion_tokens=track.output_tokens,
-            cached_prompt_tokens=chunk.num_cached_tokens,
+            cached_prompt_tokens=_cached(req, chunk, track),
             path=chosen.path,  # the placement that finished it (the first, unless resumed)
             prefill_worker=track.replanned_to or chosen.prefill_worker,
             decode_worker=chosen.decode_worker,

@@ -7,7 +7,9 @@ an optional `gate` (an asyncio.Event) is set; it reports the same load every tim
 `fail_handoffs` then ends, as under --kv-failure-policy fail). With `replan`, every
 disaggregated request's prefill worker "dies" and it is re-planned onto another. With
 `lose_decode_after`, the first request to have streamed that many tokens loses its decode worker
-(WorkerLost, once), as when one dies.
+(WorkerLost, once), as when one dies. With `hits` (prefill worker's, decode worker's), each
+handoff's prefill worker answers (its KV sent) with the first as its prefix-cache hit, and every
+chunk carries the second.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ from engine.sampling_params import SamplingParams
 from router.core_types import HandoffListener
 from router.errors import HandoffFailed, WorkerLost
 from router.vocab import FallbackReason, Placement, RoutePath
-from worker_protocol.messages import TokenChunk, WorkerInfo, WorkerLoad, WorkerRole
+from worker_protocol.messages import (
+    PrefillResult,
+    TokenChunk,
+    WorkerInfo,
+    WorkerLoad,
+    WorkerRole,
+)
 
 
 def fake_info(
@@ -60,6 +68,7 @@ class FakeBackend:
         replan: bool = False,
         lose_decode_after: int | None = None,
         num_both: int = 0,
+        hits: tuple[int, int] | None = None,
     ) -> None:
         both = [f"both-{i}" for i in range(num_both)]  # in both lists, as in the pools
         self.prefill_ids = [f"prefill-{i}" for i in range(num_prefill)] + both
@@ -75,6 +84,7 @@ class FakeBackend:
         self.fail_handoffs = fail_handoffs  # a fallback then ends the request (policy "fail")
         self.replan = replan
         self.lose_decode_after = lose_decode_after
+        self.hits = hits
         self.lost: list[str] = []  # request ids whose decode worker "died" under them
         self.started: list[str] = []  # request ids, in the order they reached the backend
         self.placements: list[Placement] = []  # as they reached the backend
@@ -127,6 +137,10 @@ class FakeBackend:
                 handoff.fell_back(self.fallback, "fake", 0.0)
                 if self.fail_handoffs:
                     raise HandoffFailed(self.fallback.value, "fake")
+            elif handoff is not None and self.hits is not None:
+                hit = self.hits[0]
+                sent = PrefillResult(rid, 0, None, True, 0.0, 0.0, 0, num_cached_tokens=hit)
+                handoff.prefilled(sent)
             n = params.max_tokens
             for start in range(0, n, self.chunk_tokens):
                 if self._loses_decode(start):
@@ -141,6 +155,7 @@ class FakeBackend:
                     finished=last,
                     finish_reason="length" if last else None,
                     num_prompt_tokens=len(prompt_token_ids),
+                    num_cached_tokens=self.hits[1] if self.hits else 0,
                     worker_id=placement.decode_worker or "",
                     emitted_at=time.monotonic(),
                 )

@@ -41,6 +41,8 @@ class Handoff:
 
     def prefilled(self, result: PrefillResult) -> None:
         self.track.prefilled(result)
+        if result.first_token is not None and result.transfer_ok:
+            self.track.prefiller_cached = result.num_cached_tokens
         if self.track.replanned_to is not None:  # its TTFT includes the dead worker's time:
             self.track.handed_off = False  # nothing to train the disaggregated path's bias on
         if self.p is not self.d:
@@ -64,6 +66,7 @@ class Handoff:
         decode worker lost: RequestBooks.moved): the metric says what the answers say."""
         if self.track.kv_fallback is None:
             self.track.kv_fallback = reason
+        self.track.prefiller_cached = None  # the decode worker's own hit, then
         # Its first token comes from the decode worker's own prefill: that is the TTFT's story
         # (and no handoff to train the disaggregated path's bias on).
         self.track.handed_off = False

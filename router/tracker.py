@@ -32,6 +32,9 @@ class Tracker:
     handed_off: bool = False  # the prefill worker's KV reached the decode worker
     kv_fallback: FallbackReason | None = None  # why the decode worker prefilled it after all
     replanned_to: str | None = None  # the prefill worker it moved to after its own died
+    # The prefill worker's prefix-cache hit where its KV reached the decode worker (the prompt
+    # tokens not computed for it); None where the decode worker prefilled it.
+    prefiller_cached: int | None = None
 
     def prefilled(self, result: PrefillResult) -> None:
         """The prefill worker's own figures (disaggregated path), for the first prefill only

@@ -918,3 +918,21 @@ def test_a_replan_is_counted_once_for_the_placement_the_answer_names():
     assert len(backend.placements) == 2 and len(backend.lost) == 1
     assert chunks[-1].final.resumed == 1
     assert metrics.registry.get_sample_value("pdserve_prefill_replans_total") == 1
+
+
+def test_cached_tokens_are_the_hit_of_the_worker_that_prefilled_the_prompt():
+    """A handoff reports its prefill worker's prefix-cache hit (the prompt tokens not computed
+    for it), not its decode worker's (which only spares blocks of the transfer); colocated, or
+    prefilled by the decode worker after a fallback, that worker's; never more than the
+    prompt."""
+
+    async def main(path: RoutePath, **kw) -> int:
+        core = await make_core(FakeBackend(**kw))
+        chunks = await consume(core, replace(request("c", n=64), path=path))
+        return chunks[-1].final.cached_prompt_tokens
+
+    dis, colo = RoutePath.DISAGGREGATED, RoutePath.COLOCATED
+    assert run(main(dis, hits=(12, 40))) == 12
+    assert run(main(colo, hits=(12, 40))) == 40
+    assert run(main(dis, hits=(12, 40), fallback=FallbackReason.TRANSFER_FAILED)) == 40
+    assert run(main(colo, hits=(0, 500))) == 64

@@ -126,6 +126,26 @@ def unary_tokens(stub, req, timeout=60):
     return list(resp.token_ids), resp.final
 
 
+@pytest.mark.timeout(120)
+def test_a_handoff_reports_its_prefill_worker_s_prefix_cache_hit(srv, stub):
+    """The same 64-token prompt handed off twice: the prefill worker holds its blocks the second
+    time, and 60 tokens (15 blocks of 4; the last token is always computed) are not computed
+    again, whichever decode worker it goes to: what its answer says, with the right tokens."""
+    [prompt] = random_prompts([64], seed=404)
+    want = hf_greedy(MODEL, prompt, MAX_NEW)
+    req = replace_path(greedy(prompt), pb.PATH_DISAGGREGATED)
+    first_toks, first = unary_tokens(stub, req)
+    again_toks, again = unary_tokens(stub, req)
+    assert first_toks == again_toks == want
+    assert first.path == again.path == pb.PATH_DISAGGREGATED and not again.kv_fallback
+    assert (first.usage.cached_prompt_tokens, again.usage.cached_prompt_tokens) == (0, 60)
+
+
+def replace_path(req: pb.GenerateRequest, path: int) -> pb.GenerateRequest:
+    req.path = path
+    return req
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("policy", list(Policy))
 def test_every_policy_matches_transformers_streaming_and_unary(srv, stub, policy):

@@ -161,6 +161,7 @@ class KVSenderSide:
         first = None
         first_lp = None
         queue_s = 0.0
+        cached = 0
         try:
             q = await self.aeng.add(
                 rid,
@@ -178,6 +179,7 @@ class KVSenderSide:
                     first = out.new_token_ids[0]
                     first_lp = out.logprobs[0] if out.logprobs else None
                     queue_s = out.queue_s
+                    cached = out.num_cached_tokens
             t1 = time.monotonic()
             with self._lock:
                 pending = self._sends.get(rid)
@@ -218,6 +220,7 @@ class KVSenderSide:
             send_s=outcome.seconds,
             failure_reason=outcome.reason,
             queue_s=queue_s,
+            num_cached_tokens=cached,
         )
 
     def _end_send_then_free(self, rid: str) -> None:

@@ -158,6 +158,8 @@ class PrefillResult:
     queue_s: float = 0.0  # arrival to first scheduled on the prefill worker
     send_s: float = 0.0  # the connector's own: send started -> ended
     failure_reason: str | None = None  # kv_transfer.FailureReason value when the send failed
+    # Prompt tokens the prefill worker found in its prefix cache (not computed again there).
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
