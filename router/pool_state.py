@@ -107,6 +107,9 @@ class WorkerState:
         self.prefix = PrefixIndex(info.num_blocks)
         self._prefills: dict[str, _Prefill] = {}
         self._decodes: dict[str, _Decode] = {}
+        # The context of the decodes that ended here since the latest poll, whose blocks that
+        # poll's KV usage still counts.
+        self._ended_tokens = 0
         self.load: WorkerLoad | None = None
         # (time.monotonic(), tokens, pairs) of the latest prefills placed here.
         self._placed: deque[tuple[float, int, float]] = deque(maxlen=256)
@@ -175,7 +178,9 @@ class WorkerState:
 
     def finish(self, rid: str) -> None:
         self._prefills.pop(rid, None)
-        if self._decodes.pop(rid, None) is not None:
+        ended = self._decodes.pop(rid, None)
+        if ended is not None:
+            self._ended_tokens += ended.context
             self._decodes_changed()
 
     @property
@@ -294,6 +299,7 @@ class WorkerState:
         since the last one then ran HostShare.factor(peer) times slower, which the model learns
         them without)."""
         self.load = load
+        self._ended_tokens = 0  # (its usage is the worker's own, of now)
         self.model.chunk_floor_s = load.chunk_floor_s
         self.model.hold_left_s = load.hold_left_s
         now = time.monotonic()
@@ -325,10 +331,14 @@ class WorkerState:
 
     @property
     def load_score(self) -> float:
-        """The larger of the books' active tokens over the KV capacity and the polled KV usage
-        (the same tokens seen twice: the books are current, the poll sees everything)."""
+        """The larger of the books' active tokens over the KV capacity and the polled KV usage,
+        less the decodes that ended since that poll (the same tokens seen twice: the books are
+        current, the poll sees everything, as of its time: a request that just ended here
+        would leave the worker that caches its prompt looking busier than it is, and the next
+        request with that prompt would go elsewhere)."""
         capacity = self.info.num_blocks * self.info.block_size
-        return max((self.context + self.queued_tokens) / capacity, self.kv_usage)
+        polled = self.kv_usage - self._ended_tokens / capacity
+        return max((self.context + self.queued_tokens) / capacity, polled)
 
 
 def peer_work(w: WorkerState, workers: Sequence[WorkerState]) -> PeerWork:
