@@ -13,6 +13,11 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 extras=${1:+[$1]}
 if [[ ! -x .venv/bin/python ]]; then
+    if ! "${PYTHON:-python3}" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+        echo "error: pdserve needs Python 3.11 or newer; ${PYTHON:-python3} is" \
+            "$("${PYTHON:-python3}" -V 2>&1) (PYTHON=python3.11 picks another)" >&2
+        exit 1
+    fi
     "${PYTHON:-python3}" -m venv .venv
 fi
 pip=(.venv/bin/python -m pip install --quiet)
