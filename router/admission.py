@@ -69,9 +69,11 @@ class RetrySpread:
 
     def hint(self, every_s: float, most_slots: int, ahead: int = 0) -> float:
         now = self.clock()
-        start = now + max(0, ahead) * every_s  # the decodes ahead have ended
-        self._next = min(max(self._next, start) + every_s, start + max(1, most_slots) * every_s)
-        return min(self._next - now, self.MOST_S)
+        # The decodes ahead have ended (within half of MOST_S: the rest is left to spread in).
+        start = now + min(max(0, ahead) * every_s, self.MOST_S / 2)
+        last = min(start + max(1, most_slots) * every_s, now + self.MOST_S)
+        self._next = min(max(self._next, start) + every_s, last)
+        return self._next - now
 
 
 def refusal(
@@ -125,7 +127,8 @@ def refusal(
 
 
 def _slot_s(over: DecodeOverload) -> float:
-    return 1.0 / (over.ends_per_s if over.ends_per_s > 0 else over.rate)
+    ends = over.ends_per_s
+    return 1.0 / (ends if 0 < ends < math.inf else over.rate)
 
 
 class TtftMargin:

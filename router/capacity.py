@@ -238,11 +238,8 @@ class DecodeDemand:
         if load < room or room == 0:
             return None
         out_len = max(1.0, self.output_len(now))
-        ends = sum(
-            n / (out_len * _gap(w, n, context, s))
-            for w, n, s in zip(workers, holds, shares)
-            if n > 0
-        )
+        gaps = [(n, _gap(w, n, context, s)) for w, n, s in zip(workers, holds, shares) if n > 0]
+        ends = sum(n / (out_len * g) for n, g in gaps if g > 0)
         return DecodeOverload(rate, *best, load=load, room=room, ends_per_s=ends)
 
     def holds(self, w: WorkerState, slo_itl_s: float, context: float, share: float = 1.0) -> int:

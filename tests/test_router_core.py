@@ -908,6 +908,13 @@ def test_decode_rate_retry_hints_are_a_slot_apart_then_start_again_and_stay_boun
     now[0] = 1000.0
     assert spread.hint(0.1, 256, ahead=30) == pytest.approx(3.1)
     assert spread.hint(0.1, 256, ahead=30) == pytest.approx(3.2)
+    # So many ahead that they would take minutes: half of MOST_S for them, the rest spread;
+    # and once they have gone, the hints are short again (none pinned at MOST_S).
+    now[0] = 2000.0
+    hints = [spread.hint(0.5, 256, ahead=200) for _ in range(3)]
+    assert hints == pytest.approx([30.5, 31.0, 31.5])
+    now[0] = 2032.0
+    assert spread.hint(0.5, 256) == pytest.approx(0.5)
 
 
 def test_a_replan_is_counted_once_for_the_placement_the_answer_names():
@@ -934,5 +941,14 @@ def test_cached_tokens_are_the_hit_of_the_worker_that_prefilled_the_prompt():
     dis, colo = RoutePath.DISAGGREGATED, RoutePath.COLOCATED
     assert run(main(dis, hits=(12, 40))) == 12
     assert run(main(colo, hits=(12, 40))) == 40
+    # The prefill worker's KV sent, but the decode worker recomputed it after all.
     assert run(main(dis, hits=(12, 40), fallback=FallbackReason.TRANSFER_FAILED)) == 40
     assert run(main(colo, hits=(0, 500))) == 64
+    # Handed off, then resumed colocated on the other worker (its decode worker lost): that
+    # worker's own hit, not the first placement's prefill worker's.
+    resumed = FakeBackend(
+        num_prefill=0, num_decode=0, num_both=2, lose_decode_after=0, hits=(12, 20)
+    )
+    metrics, chunks = run(_handed_off_and_resumed(resumed, "moved"))
+    assert chunks[-1].final.path is RoutePath.COLOCATED
+    assert chunks[-1].final.cached_prompt_tokens == 20
