@@ -76,6 +76,7 @@ class _Decode:
     itl_slo_s: float
     local: bool  # prefilled here (colocated), not its KV from a peer
     left: int = 0  # tokens it may still decode (max_tokens less those come; 0: unknown)
+    polls: int = 0  # the worker's polls absorbed when it was placed (WorkerState._polls)
 
 
 class Queued(NamedTuple):
@@ -108,8 +109,9 @@ class WorkerState:
         self._prefills: dict[str, _Prefill] = {}
         self._decodes: dict[str, _Decode] = {}
         # The context of the decodes that ended here since the latest poll, whose blocks that
-        # poll's KV usage still counts.
+        # poll's KV usage still counts (those placed before it), and the polls absorbed.
         self._ended_tokens = 0
+        self._polls = 0
         self.load: WorkerLoad | None = None
         # (time.monotonic(), tokens, pairs) of the latest prefills placed here.
         self._placed: deque[tuple[float, int, float]] = deque(maxlen=256)
@@ -140,7 +142,7 @@ class WorkerState:
         """`local`: it prefilled here (colocated); else its KV came from a peer (a handoff that
         fell back to a prefill here stays one: priced as the handoffs here come). `left`: the
         tokens it may decode (its max_tokens; 0: unknown)."""
-        self._decodes[rid] = _Decode(context, itl_slo_s, local, left)
+        self._decodes[rid] = _Decode(context, itl_slo_s, local, left, self._polls)
         self._decodes_changed()
 
     def _decodes_changed(self) -> None:
@@ -180,7 +182,8 @@ class WorkerState:
         self._prefills.pop(rid, None)
         ended = self._decodes.pop(rid, None)
         if ended is not None:
-            self._ended_tokens += ended.context
+            if ended.polls < self._polls:  # the latest poll could see it
+                self._ended_tokens += ended.context
             self._decodes_changed()
 
     @property
@@ -300,6 +303,7 @@ class WorkerState:
         them without)."""
         self.load = load
         self._ended_tokens = 0  # (its usage is the worker's own, of now)
+        self._polls += 1
         self.model.chunk_floor_s = load.chunk_floor_s
         self.model.hold_left_s = load.hold_left_s
         now = time.monotonic()

@@ -658,3 +658,7 @@ def test_a_worker_whose_request_just_ended_keeps_the_next_one_with_its_prompt():
     assert pick_decode(req, [d0, d1], 0.1) is d0
     poll(d0, 4000)  # a poll that still sees it (something the books do not know of): trusted
     assert d0.load_score == pytest.approx(4000 / capacity)
+    # A decode placed and ended between two polls: that poll never counted it.
+    d0.add_decode("r1", 2000, 10.0, local=True)
+    d0.finish("r1")
+    assert d0.load_score == pytest.approx(4000 / capacity)
