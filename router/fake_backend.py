@@ -8,8 +8,9 @@ an optional `gate` (an asyncio.Event) is set; it reports the same load every tim
 disaggregated request's prefill worker "dies" and it is re-planned onto another. With
 `lose_decode_after`, the first request to have streamed that many tokens loses its decode worker
 (WorkerLost, once), as when one dies. With `hits` (prefill worker's, decode worker's), each
-handoff's prefill worker answers (its KV sent) with the first as its prefix-cache hit, and every
-chunk carries the second.
+handoff's prefill worker answers (its KV sent) with the first as its prefix-cache hit (a
+`fallback` then comes after: the KV never reached the decode worker), and every chunk carries the
+second.
 """
 
 from __future__ import annotations
@@ -133,14 +134,15 @@ class FakeBackend:
                 dead = placement.prefill_worker or self.prefill_ids[0]
                 to = next(w for w in self.prefill_ids if w != dead)
                 handoff.replanned(dead, to, "fake", 0.0)
-            if self.fallback is not None and handoff is not None:
-                handoff.fell_back(self.fallback, "fake", 0.0)
-                if self.fail_handoffs:
-                    raise HandoffFailed(self.fallback.value, "fake")
-            elif handoff is not None and self.hits is not None:
+            if handoff is not None and self.hits is not None:
                 hit = self.hits[0]
                 sent = PrefillResult(rid, 0, None, True, 0.0, 0.0, 0, num_cached_tokens=hit)
                 handoff.prefilled(sent)
+            if self.fallback is not None and handoff is not None:
+                # (after `hits`' answer: its KV sent, then not received)
+                handoff.fell_back(self.fallback, "fake", 0.0)
+                if self.fail_handoffs:
+                    raise HandoffFailed(self.fallback.value, "fake")
             n = params.max_tokens
             for start in range(0, n, self.chunk_tokens):
                 if self._loses_decode(start):

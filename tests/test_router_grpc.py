@@ -128,11 +128,14 @@ def unary_tokens(stub, req, timeout=60):
 
 @pytest.mark.timeout(120)
 def test_a_handoff_reports_its_prefill_worker_s_prefix_cache_hit(srv, stub):
-    """The same 64-token prompt handed off twice: the prefill worker holds its blocks the second
-    time, and 60 tokens (15 blocks of 4; the last token is always computed) are not computed
-    again, whichever decode worker it goes to: what its answer says, with the right tokens."""
+    """A 64-token prompt served colocated (a decode worker holds its blocks), then handed off
+    twice: the first handoff's prefill worker computes all of it (cached 0, though the decode
+    worker it likely goes to holds 60 tokens), the second finds 60 there (15 blocks of 4; the
+    last token is always computed): what the answers say, with the right tokens."""
     [prompt] = random_prompts([64], seed=404)
     want = hf_greedy(MODEL, prompt, MAX_NEW)
+    toks, colocated = unary_tokens(stub, replace_path(greedy(prompt), pb.PATH_COLOCATED))
+    assert toks == want and colocated.usage.cached_prompt_tokens == 0
     req = replace_path(greedy(prompt), pb.PATH_DISAGGREGATED)
     first_toks, first = unary_tokens(stub, req)
     again_toks, again = unary_tokens(stub, req)

@@ -137,6 +137,9 @@ def test_a_preempted_request_s_cached_tokens_stay_those_of_its_first_admission()
     again = s.requests["again"]
     step(s)
     assert again.num_cached_tokens == 4  # the first block of new's prompt (at most len - 1)
+    while s.num_unfinished:
+        step(s)
+    assert s.kv.pool.all_free()
 
 
 def test_request_larger_than_pool_ends_with_length_not_hang():
