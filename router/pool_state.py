@@ -76,7 +76,6 @@ class _Decode:
     itl_slo_s: float
     local: bool  # prefilled here (colocated), not its KV from a peer
     left: int = 0  # tokens it may still decode (max_tokens less those come; 0: unknown)
-    polls: int = 0  # the worker's polls absorbed when it was placed (WorkerState._polls)
 
 
 class Queued(NamedTuple):
@@ -108,10 +107,6 @@ class WorkerState:
         self.prefix = PrefixIndex(info.num_blocks)
         self._prefills: dict[str, _Prefill] = {}
         self._decodes: dict[str, _Decode] = {}
-        # The context of the decodes that ended here since the latest poll, whose blocks that
-        # poll's KV usage still counts (those placed before it), and the polls absorbed.
-        self._ended_tokens = 0
-        self._polls = 0
         self.load: WorkerLoad | None = None
         # (time.monotonic(), tokens, pairs) of the latest prefills placed here.
         self._placed: deque[tuple[float, int, float]] = deque(maxlen=256)
@@ -142,7 +137,7 @@ class WorkerState:
         """`local`: it prefilled here (colocated); else its KV came from a peer (a handoff that
         fell back to a prefill here stays one: priced as the handoffs here come). `left`: the
         tokens it may decode (its max_tokens; 0: unknown)."""
-        self._decodes[rid] = _Decode(context, itl_slo_s, local, left, self._polls)
+        self._decodes[rid] = _Decode(context, itl_slo_s, local, left)
         self._decodes_changed()
 
     def _decodes_changed(self) -> None:
@@ -180,10 +175,7 @@ class WorkerState:
 
     def finish(self, rid: str) -> None:
         self._prefills.pop(rid, None)
-        ended = self._decodes.pop(rid, None)
-        if ended is not None:
-            if ended.polls < self._polls:  # the latest poll could see it
-                self._ended_tokens += ended.context
+        if self._decodes.pop(rid, None) is not None:
             self._decodes_changed()
 
     @property
@@ -302,8 +294,6 @@ class WorkerState:
         since the last one then ran HostShare.factor(peer) times slower, which the model learns
         them without)."""
         self.load = load
-        self._ended_tokens = 0  # (its usage is the worker's own, of now)
-        self._polls += 1
         self.model.chunk_floor_s = load.chunk_floor_s
         self.model.hold_left_s = load.hold_left_s
         now = time.monotonic()
@@ -335,14 +325,10 @@ class WorkerState:
 
     @property
     def load_score(self) -> float:
-        """The larger of the books' active tokens over the KV capacity and the polled KV usage,
-        less the decodes that ended since that poll (the same tokens seen twice: the books are
-        current, the poll sees everything, as of its time: a request that just ended here
-        would leave the worker that caches its prompt looking busier than it is, and the next
-        request with that prompt would go elsewhere)."""
+        """The larger of the books' active tokens over the KV capacity and the polled KV usage
+        (the same tokens seen twice: the books are current, the poll sees everything)."""
         capacity = self.info.num_blocks * self.info.block_size
-        polled = self.kv_usage - self._ended_tokens / capacity
-        return max((self.context + self.queued_tokens) / capacity, polled)
+        return max((self.context + self.queued_tokens) / capacity, self.kv_usage)
 
 
 def peer_work(w: WorkerState, workers: Sequence[WorkerState]) -> PeerWork:

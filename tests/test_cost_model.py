@@ -22,7 +22,7 @@ from router.predictions import PathPrediction, choose, predict_colocated, predic
 from router.spread import PRIOR_WIDTH, PredictionSpread, miss_chance
 from router.ttft_bias import Bias
 from router.vocab import RoutePath
-from tests.cost_fixtures import BLOCK, planner, shape, trained, true_step, with_decodes
+from tests.cost_fixtures import planner, shape, trained, true_step, with_decodes
 from worker_protocol.messages import WorkerLoad
 
 
@@ -633,32 +633,3 @@ def test_a_prompt_placed_behind_a_prefill_nearly_done_waits_only_for_what_is_lef
     assert p.queued_tokens == 1 + 1 + 500
     p.done("a")
     assert p.queued_tokens == 1 + 500
-
-
-def test_a_worker_whose_request_just_ended_keeps_the_next_one_with_its_prompt():
-    """decode-0 served a 4000-token request and holds its prompt's blocks; its last poll came
-    while the request ran. Back to back, the same prompt goes to decode-0 again (its usage read
-    less the decode that ended since that poll), not to the idle decode-1 that holds nothing;
-    the next poll's usage is the worker's own again."""
-    req = shape(4000, seed=5)
-    d0, d1 = trained("decode-0", "decode"), trained("decode-1", "decode", seed=1)
-    capacity = d0.info.num_blocks * d0.info.block_size
-
-    def poll(w, used: int) -> None:
-        w.absorb(WorkerLoad(w.worker_id, w.info.role, 1 if used else 0, 0, 0, used / capacity,
-                            (capacity - used) // BLOCK, w.info.num_blocks, 0))  # fmt: skip
-
-    d0.prefix.insert(req.hashes)
-    d0.add_decode("r0", 4000, 10.0, local=True)
-    poll(d0, 4000)
-    poll(d1, 0)
-    assert pick_decode(req, [d0, d1], 0.1) is d1  # busy: the prompt's blocks are not worth it
-    d0.finish("r0")
-    assert d0.load_score == pytest.approx(0.0, abs=1e-9)
-    assert pick_decode(req, [d0, d1], 0.1) is d0
-    poll(d0, 4000)  # a poll that still sees it (something the books do not know of): trusted
-    assert d0.load_score == pytest.approx(4000 / capacity)
-    # A decode placed and ended between two polls: that poll never counted it.
-    d0.add_decode("r1", 2000, 10.0, local=True)
-    d0.finish("r1")
-    assert d0.load_score == pytest.approx(4000 / capacity)
