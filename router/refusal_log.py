@@ -57,8 +57,7 @@ class RefusalLog:
             self._counts[reason, frontend] += 1
             self._last = now
             if now - self._since >= self.window_s:
-                log.warning("refused %s", self._summary(now, now))
-                self._counts.clear()
+                self._say_window(now, now)
                 self._since = now
 
     def flush(self, now: float | None = None) -> None:
@@ -66,8 +65,12 @@ class RefusalLog:
         now = time.monotonic() if now is None else now
         with self._lock:
             if self._counts:
-                log.warning("refused %s", self._summary(self._last, now))
-                self._counts.clear()
+                self._say_window(self._last, now)
+
+    def _say_window(self, last: float, now: float) -> None:
+        """The window's counts to the log (_summary), and a new count begun."""
+        log.warning("refused %s", self._summary(last, now))
+        self._counts.clear()
 
     def _summary(self, last: float, now: float) -> str:
         """The window's counts, from its start to `last` (its latest refusal), said at `now`."""
