@@ -41,7 +41,9 @@ def _trace(args: argparse.Namespace) -> list[trace.TraceRequest]:
         if args.scale != 1.0:
             raise trace.TraceError("synthetic: --scale: set --prompt-len and --output-len")
         n = args.num_requests or 100
-        return trace.synthetic(n, args.prompt_len, args.output_len, args.burstiness, args.seed)
+        return trace.synthetic(
+            n, args.prompt_len, args.output_len, args.burstiness, args.seed, args.prefixes
+        )
     return trace.load(args.trace, args.num_requests, args.scale, args.seed)
 
 

@@ -33,6 +33,9 @@ class RequestResult:
     status: str = "OK"  # a gRPC status code name
     error: str = ""  # the server's message where the status is not OK
     path: str = ""
+    cached_tokens: int = (
+        0  # prompt tokens found in the prefix cache of the worker that prefilled it
+    )
     router_ttft_s: float | None = None
     retry_after_ms: int | None = None  # RESOURCE_EXHAUSTED: the server's hint, when it gave one
     reject_reason: str = ""  # RESOURCE_EXHAUSTED: pdserve-reject-reason
@@ -68,6 +71,7 @@ class RequestResult:
             "status": self.status,
             "error": self.error,
             "path": self.path,
+            "cached_tokens": self.cached_tokens,
             "router_ttft_s": self.router_ttft_s,
             "retry_after_ms": self.retry_after_ms,
             "reject_reason": self.reject_reason,
@@ -103,6 +107,7 @@ async def _one(
                 final = msg.final
                 res.path = PATHS.get(final.path, "")
                 res.router_ttft_s = final.ttft_ms / 1000
+                res.cached_tokens = final.usage.cached_prompt_tokens
                 res.prefill_worker, res.decode_worker = final.prefill_worker, final.decode_worker
                 res.decision_reason, res.kv_fallback = final.decision_reason, final.kv_fallback
                 taken = (final.path, final.prefill_worker, final.decode_worker)

@@ -34,6 +34,20 @@ def lengths(text: str) -> tuple[int, int]:
     return low, high
 
 
+def prefixes(text: str) -> tuple[int, int]:
+    """An argparse type: K:L, K shared prefixes of L tokens, K and L at least 1."""
+    k, sep, n = text.partition(":")
+    try:
+        count, length = int(k), int(n)
+    except ValueError:
+        count = length = 0
+    if not sep or count < 1 or length < 1:
+        raise argparse.ArgumentTypeError(
+            f"K:L (K prefixes of L tokens, both >= 1) expected, got {text!r}"
+        )
+    return count, length
+
+
 def rates(text: str) -> list[float]:
     """An argparse type: comma-separated offered rates, each finite and > 0, sorted ascending."""
     rates = [positive_float(v) for v in text.split(",") if v.strip()]
@@ -88,6 +102,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--output-len", type=lengths, default=(16, 128), help="synthetic: A:B (default: 16:128)"
+    )
+    p.add_argument(
+        "--prefixes",
+        type=prefixes,
+        default=None,
+        metavar="K:L",
+        help="synthetic: every prompt starts with one of K shared prefixes of L tokens (system "
+        "prompts), chosen at random; --prompt-len sets the rest",
     )
     p.add_argument(
         "--policy",
@@ -220,6 +242,8 @@ def refused(args: argparse.Namespace, policies: list[str]) -> str | None:
             return f"--json: {args.json} is a folder; name the file to write"
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             return f"--json: {folder} is not a folder this bench can write to"
+    if args.prefixes is not None and args.trace != "synthetic":
+        return "--prefixes: shared prefixes of the synthetic trace, so it needs --trace synthetic"
     alone = overload.given_alone(args)
     if alone is not None:
         return f"{alone}: an option of the overload run, so it needs --overload F"

@@ -19,12 +19,14 @@ def table(out: dict, runs: dict, args: Any) -> None:
     pol = out["policies"]
     fixed = [pol[p]["goodput_rps"] for p in FIXED if p in pol]
     best_fixed = max(fixed) if fixed else None
-    head = (f"{'policy':<18} {'done':>4} {'fail':>4} {'rej':>4} {'kvfb':>4} {'TTFT p50':>8} "
-            f"{'p99':>6} {'ITL p50':>7} {'p99':>6} {'TPOT':>5} {'req/s':>6} {'tok/s':>6} "
-            f"{'attain':>6} {'goodput':>7} {'vs best fixed':>13} {'lone gap':>8}")  # fmt: skip
+    head = (f"{'policy':<18} {'done':>4} {'fail':>4} {'rej':>4} {'kvfb':>4} {'cache':>5} "
+            f"{'TTFT p50':>8} {'p99':>6} {'ITL p50':>7} {'p99':>6} {'TPOT':>5} {'req/s':>6} "
+            f"{'tok/s':>6} {'attain':>6} {'goodput':>7} {'vs best fixed':>13} "
+            f"{'lone gap':>8}")  # fmt: skip
     print(
         f"trace {out['trace']}, {out['num_requests']} requests at {out['rate']:g}/s; ms unless said"
-        "; kvfb: handoffs whose KV did not arrive (prefilled again where they decode); lone gap:"
+        "; kvfb: handoffs whose KV did not arrive (prefilled again where they decode); cache: the"
+        " share of prompt tokens found in the prefix cache where they were prefilled; lone gap:"
         " a lone request's median gap just before the policy's run (the host's speed then)"
     )
     print(head)
@@ -36,6 +38,7 @@ def table(out: dict, runs: dict, args: Any) -> None:
             f"{f['failed']:>4}",
             f"{f['rejected']:>4}",
             f"{f.get('kv_fallbacks', 0):>4}",
+            f"{f.get('cached_share', 0):>5.0%}",
             f"{_ms(f['ttft_s']['p50']):>8}",
             f"{_ms(f['ttft_s']['p99']):>6}",
             f"{_ms(f['itl_s']['p50']):>7}",

@@ -80,5 +80,7 @@ def figures(results: Sequence[RequestResult], slo: Slo, wall_s: float) -> dict:
         # completed handed-off requests whose KV did not arrive and were prefilled again where they
         # decode (a request that fails after its fallback counts as failed, not here)
         "kv_fallbacks": sum(1 for r in ok if r.kv_fallback),
+        # the completed requests' prompt tokens found in the prefix cache where they were prefilled
+        "cached_share": sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_len for r in ok)),
         "wall_s": wall_s,
     }

@@ -160,16 +160,31 @@ def _sharegpt(path: Path, text: str, seed: int) -> list[tuple[int, TraceRequest]
 
 
 def synthetic(
-    n: int, prompt: tuple[int, int], output: tuple[int, int], burstiness: float, seed: int
+    n: int,
+    prompt: tuple[int, int],
+    output: tuple[int, int],
+    burstiness: float,
+    seed: int,
+    prefixes: tuple[int, int] | None = None,
 ) -> list[TraceRequest]:
     """Uniform lengths; gamma inter-arrival times of mean 1 s (shape `burstiness`: 1 is Poisson,
-    below 1 burstier)."""
+    below 1 burstier). `prefixes` (K, L): every prompt starts with one of K shared prefixes of
+    L tokens, chosen at random (a system prompt), followed by its own `prompt` tokens; the
+    arrivals and the other lengths are those of the same trace without them."""
     rng = random.Random(seed)
+    pick = random.Random(f"{seed}:prefixes")
     t = 0.0
     out = []
     for _ in range(n):
         t += rng.gammavariate(burstiness, 1.0 / burstiness)
-        out.append(TraceRequest(t, rng.randint(*prompt), rng.randint(*output)))
+        req = TraceRequest(t, rng.randint(*prompt), rng.randint(*output))
+        if prefixes is not None:
+            count, length = prefixes
+            which = f"system-{pick.randrange(count)}"
+            req = replace(
+                req, prompt_len=length + req.prompt_len, prefix_id=which, prefix_len=length
+            )
+        out.append(req)
     return out
 
 

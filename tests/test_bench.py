@@ -41,6 +41,33 @@ def test_shared_prefixes_are_the_same_tokens(tmp_path):
     assert ia[:32] == ib[:32] and ia[32:] != ib[32:40]
 
 
+def test_synthetic_prefixes_open_prompts_with_one_of_k_system_prompts():
+    reqs = trace.synthetic(60, (8, 16), (4, 8), 1.0, seed=5, prefixes=(3, 40))
+    assert all(r.prefix_len == 40 and 48 <= r.prompt_len <= 56 for r in reqs)
+    assert {r.prefix_id for r in reqs} == {"system-0", "system-1", "system-2"}
+    ids = [trace.prompt_ids(r, i, 500, 5) for i, r in enumerate(reqs)]
+    heads: dict = {}
+    for r, got in zip(reqs, ids):
+        assert heads.setdefault(r.prefix_id, got[:40]) == got[:40]  # the same prefix tokens
+    assert len({tuple(h) for h in heads.values()}) == 3  # and three different ones
+    assert len({tuple(got[40:]) for got in ids}) == 60  # each with its own tail
+    plain = trace.synthetic(60, (8, 16), (4, 8), 1.0, seed=5)
+    assert [r.arrival_s for r in plain] == [r.arrival_s for r in reqs]  # same arrivals
+    assert all(r.prefix_id is None for r in plain)
+
+
+def test_the_cached_share_is_of_completed_requests_prompt_tokens():
+    done = _result(0.5, [0.05] * 3)
+    done.prompt_len, done.cached_tokens = 100, 64
+    other = _result(0.5, [0.05] * 3)
+    other.prompt_len = 60
+    failed = _result(0.5, [0.05] * 3, status="UNAVAILABLE")
+    failed.prompt_len, failed.cached_tokens = 1000, 1000
+    got = slo.figures([done, other, failed], slo.Slo(ttft_s=1.0, itl_s=0.1), 10.0)
+    assert got["cached_share"] == 64 / 160
+    assert slo.figures([], slo.Slo(ttft_s=1.0, itl_s=0.1), 1.0)["cached_share"] == 0
+
+
 def test_bad_trace_line_names_the_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"arrival_s": 0, "prompt_len": 3, "output_len": 1}\n{"arrival_s": 1}\n')
