@@ -18,9 +18,23 @@ from router.option_values import (
     off_or,
     resources,
 )
-from router.pools import PoolConfig
 from router.workers import Placement
 from worker_protocol.messages import WorkerRole, WorkerSpec
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """The pools' own configuration (router/pools.py), made by ClusterConfig.pool_config."""
+
+    spec: WorkerSpec
+    placement: dict[WorkerRole, Placement] = field(default_factory=dict)
+    start_timeout_s: float = 300.0  # an actor placed, its engine up and warm
+    control_timeout_s: float = 30.0  # a control call to a worker
+    pair_timeout_s: float = 10.0  # one pairing attempt
+    replace_dead: bool = True
+    restart_backoff_s: float = 2.0  # after a replacement that failed to start; doubles to 60 s
+    drain_timeout_s: float = 30.0  # a removed worker's own requests, before it is stopped
+    max_workers: int = 64  # of all pools together, after a resize (ClusterConfig.max_workers)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from router.pools import HUNG, PoolConfig, Pools
+from router.cluster_config import PoolConfig
+from router.pools import HUNG, Pools
 from router.resize import ResizeReplaced, Resizes
 from router.workers import Placement, WorkerHandle, WorkerStatus, spread_node
 from worker_protocol.messages import WorkerRole

@@ -2,7 +2,7 @@
 constants cross between the router and its workers (pickled by Ray) and between two workers
 (the KV transfer's wire), computed alike on every side. A worker whose digest differs from the
 router's (a node left on an older version, an upgrade half done) is refused at start, naming
-both (router/pools.py), rather than failing every request it is handed: a message pickled by
+both (router/worker_starts.py), rather than failing every request it is handed: a message pickled by
 one version reads shifted in another. The router hands its digest to each worker it starts,
 which refuses itself before loading its model (`refuse_other_code`); a worker from before that
 argument is refused by Ray (an unexpected keyword), and the router asks every worker whose
