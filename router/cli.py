@@ -151,10 +151,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace, _extra: list[str]) -> int:
     import logging
 
-    from router import serve_options
+    from router import effective_options
 
     try:
-        options = serve_options.resolve(args)
+        options = effective_options.resolve(args)
         config = options.serve_config()  # the engine's and the cluster's own checks
         config.security.check()
         # Ports in use (a server running) are the moment, not the config: printed all the same.

@@ -373,7 +373,7 @@ def test_bench_gpus_per_worker_reaches_every_policys_server_as_serve_reads_it():
     from bench import cli
     from bench.server import POLICIES, Deployment
     from router.cli import build_parser
-    from router.serve_options import resolve
+    from router.effective_options import resolve
 
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from router import serve_options
+from router import config_file, effective_options
 from router.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +42,7 @@ def effective(argv: list[str], config_text: str | None = None, tmp: Path | None 
         path = tmp / "config.yaml"
         path.write_text(config_text)
         args.config = path
-    return dict(serve_options.resolve(args).values)
+    return dict(effective_options.resolve(args).values)
 
 
 def test_every_yaml_file_parses():
@@ -53,7 +53,7 @@ def test_every_yaml_file_parses():
 
 
 def test_the_example_config_is_accepted_whole():
-    values = serve_options.read_file(DEPLOY / "config.example.yaml")
+    values = config_file.read_file(DEPLOY / "config.example.yaml")
     assert values["prefill_resources"] == {"pdserve_prefill": 1.0}
     assert values["decode_resources"] == {"pdserve_decode": 1.0}
     assert values["ray_address"] == "auto"
@@ -61,7 +61,7 @@ def test_the_example_config_is_accepted_whole():
 
 def test_ray_up_groups_carry_the_resources_the_config_names(tmp_path):
     (cluster,) = load("ray/cluster.yaml")
-    config = serve_options.read_file(DEPLOY / "config.example.yaml")
+    config = config_file.read_file(DEPLOY / "config.example.yaml")
     types = cluster["available_node_types"]
     assert set(types) == {"head", "prefill_gpu", "decode_gpu"}
     assert cluster["head_node_type"] == "head"
@@ -177,7 +177,7 @@ def test_every_command_in_the_deploy_readme_exists_and_accepts_its_flags():
             if rest[0] == "serve":  # its config file exists and is accepted
                 if args.config is not None:
                     args.config = ROOT / args.config
-                serve_options.resolve(args)
+                effective_options.resolve(args)
         elif tool == "ray":
             help_text = ray_help(rest[0])
             for flag in (a.split("=")[0] for a in rest if a.startswith("--")):

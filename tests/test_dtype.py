@@ -18,7 +18,7 @@ from engine.llm_engine import LLMEngine
 from engine.loader import DEFAULT_MODEL, checkpoint_dtype, load_model, model_dtype
 from engine.sampling_params import SamplingParams
 from engine.tiny_models import TINY_MODELS, build_tiny_model
-from router import serve_options
+from router import effective_options, serve_options
 from router.cli import build_parser, main
 from tests.helpers import assert_pool_free, random_prompts
 
@@ -282,7 +282,7 @@ def test_serve_takes_dtype_from_flag_and_file_and_prints_auto_honestly(tmp_path,
     out = capsys.readouterr().out
     assert "\ndtype: bfloat16\n" in out and "# dtype auto" not in out
     args = build_parser().parse_args(["serve", "--dtype", "bfloat16"])
-    cluster = serve_options.resolve(args).serve_config().cluster
+    cluster = effective_options.resolve(args).serve_config().cluster
     assert cluster.engine.model.dtype == "bfloat16"
     assert cluster.pool_config().spec.engine.model.dtype == "bfloat16"  # what workers get
 

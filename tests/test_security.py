@@ -264,7 +264,7 @@ def test_the_admin_port_binds_its_own_host_this_machine_unless_told():
     """--host 0.0.0.0 puts the API on the network, not the admin service (Scale): it stays on
     --admin-host, 127.0.0.1 unless set."""
     from router.cli import build_parser
-    from router.serve_options import resolve
+    from router.effective_options import resolve
 
     config = resolve(build_parser().parse_args(["serve", "--host", "0.0.0.0"])).serve_config()
     assert (config.host, config.admin_host) == ("0.0.0.0", "127.0.0.1")

@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from router import serve_options
+from router import effective_options, serve_options
 from router.cli import main
 from router.workers import Placement
 from worker_protocol.messages import WorkerRole
@@ -67,7 +67,7 @@ def test_the_effective_options_reach_the_server_config(tmp_path):
         "kv_backend: gloo\n",
     )
     args = _parse(["serve", "--config", str(path), "--threads", "2", "--seed", "7"])
-    config = serve_options.resolve(args).serve_config()
+    config = effective_options.resolve(args).serve_config()
     c = config.cluster
     assert (c.num_prefill, c.num_decode, c.threads_per_worker) == (0, 2, 2)
     assert c.kv_interface == "eth1" and c.replace_dead is False
@@ -99,7 +99,7 @@ def test_each_worker_draws_unseeded_requests_seeds_from_its_own_stream(monkeypat
 
     monkeypatch.setattr(host, "LLMEngine", build)
     argv = ["serve", "--model", "tiny-llama"] + ([] if seed is None else ["--seed", str(seed)])
-    spec = serve_options.resolve(_parse(argv)).serve_config().cluster.pool_config().spec
+    spec = effective_options.resolve(_parse(argv)).serve_config().cluster.pool_config().spec
     got = {}
     for worker_id, incarnation in (("decode-0", 0), ("decode-1", 0), ("decode-0", 1)):
         with pytest.raises(Built) as built:
@@ -116,10 +116,10 @@ def test_a_hold_of_auto_is_a_share_of_each_requests_ttft_slo(tmp_path):
     """`prefill_hold_ms: auto`: the router gives each placement HOLD_SHARE of its request's TTFT
     SLO; the workers' own hold (for a request that brings none) is that share of the default."""
     path = write(tmp_path, "step_target_ms: auto\nprefill_hold_ms: AUTO\nslo_ttft_ms: 8000\n")
-    config = serve_options.resolve(_parse(["serve", "--config", str(path)])).serve_config()
+    config = effective_options.resolve(_parse(["serve", "--config", str(path)])).serve_config()
     assert config.router.prefill_hold_share == serve_options.HOLD_SHARE == 0.5
     assert config.cluster.engine.scheduler.prefill_hold_s == pytest.approx(4.0)
-    plain = serve_options.resolve(_parse(["serve", "--step-target-ms", "100"])).serve_config()
+    plain = effective_options.resolve(_parse(["serve", "--step-target-ms", "100"])).serve_config()
     assert plain.router.prefill_hold_share is None
     assert plain.cluster.engine.scheduler.prefill_hold_s is None
 
@@ -308,21 +308,23 @@ def test_print_config_as_a_user_runs_it(tmp_path):
 def test_workers_that_do_both_may_stand_in_for_the_decode_pool(tmp_path, capsys):
     got = effective(tmp_path, "decode: 0\nworkers: 2\n", "--prefill", "0", capsys=capsys)
     assert (got["prefill"], got["decode"], got["workers"]) == (0, 0, 2)
-    config = serve_options.resolve(_parse(["serve", "--decode", "0", "--workers", "3"]))
+    config = effective_options.resolve(_parse(["serve", "--decode", "0", "--workers", "3"]))
     cluster = config.serve_config().cluster
     assert (cluster.num_decode, cluster.num_both) == (0, 3)
 
 
 def test_an_auto_step_target_starts_under_the_itl_slo_and_is_tuned_by_the_router():
-    config = serve_options.resolve(
+    config = effective_options.resolve(
         _parse(["serve", "--step-target-ms", "auto", "--slo-itl-ms", "150"])
     ).serve_config()
     assert config.cluster.engine.scheduler.step_target_s == pytest.approx(0.12)
     assert config.router.tune_step_target
-    fixed = serve_options.resolve(_parse(["serve", "--step-target-ms", "100"])).serve_config()
+    fixed = effective_options.resolve(_parse(["serve", "--step-target-ms", "100"])).serve_config()
     assert not fixed.router.tune_step_target
-    with pytest.raises(serve_options.OptionError, match="chunked_prefill"):
-        serve_options.resolve(_parse(["serve", "--step-target-ms", "auto", "--no-chunked-prefill"]))
+    with pytest.raises(effective_options.OptionError, match="chunked_prefill"):
+        effective_options.resolve(
+            _parse(["serve", "--step-target-ms", "auto", "--no-chunked-prefill"])
+        )
 
 
 @pytest.mark.timeout(60)
