@@ -163,7 +163,7 @@ def _serve(args: argparse.Namespace, _extra: list[str]) -> int:
         return _error(exc)
     if args.print_config:  # a config that serve would take, nothing less: the model too
         from engine.errors import ModelNotFoundError
-        from router.server import model_tokenizer
+        from router.serve_config import model_tokenizer
 
         try:
             model_tokenizer(config)
@@ -179,7 +179,7 @@ def _serve(args: argparse.Namespace, _extra: list[str]) -> int:
     from engine.errors import ModelNotFoundError
     from router.pools import PoolsUnavailable
     from router.ray_runtime import RayUnavailable
-    from router.server import serve
+    from router.serve_signals import serve
 
     try:
         asyncio.run(serve(config))

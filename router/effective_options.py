@@ -24,7 +24,7 @@ from router.option_values import OptionError
 from router.serve_options import HOLD_SHARE, OPTIONS
 
 if TYPE_CHECKING:
-    from router.server import ServeConfig
+    from router.serve_config import ServeConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +58,7 @@ class ServeOptions:
         from router.core_types import RouterConfig
         from router.policy import Policy, PolicyConfig
         from router.security import SecurityConfig
-        from router.server import ServeConfig
+        from router.serve_config import ServeConfig
 
         v = self.values
         cache = CacheConfig()

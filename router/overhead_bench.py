@@ -180,7 +180,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     from engine.loader import load_tokenizer
     from router.cluster_config import ClusterConfig
     from router.fake_backend import FakeBackend
-    from router.server import ServeConfig, Server
+    from router.serve_config import ServeConfig
+    from router.server import Server
 
     tokenizer = load_tokenizer(ModelConfig(model=args.model))
     backend = FakeBackend(

@@ -54,7 +54,8 @@ async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from pdserve_proto import generation_pb2_grpc as pb_grpc
     from router.cluster import ClusterConfig
     from router.policy import Policy, PolicyConfig
-    from router.server import ServeConfig, Server
+    from router.serve_config import ServeConfig
+    from router.server import Server
 
     rng = random.Random(args.seed)
     base = ServeConfig()

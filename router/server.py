@@ -3,116 +3,39 @@
 Start: the metrics endpoint, Ray (router/ray_runtime.py) and the worker actors, the tokenizer,
 the core (with its load poller), then the gRPC server on host:port with health SERVING, and
 the admin service (Scale, ListWorkers) on admin_host:admin_port, and the OpenAI-compatible HTTP
-API on host:http_port when it is set. Stop (SIGINT/SIGTERM, or `stop()`): health NOT_SERVING,
-the admin service, no new RPCs or HTTP requests, in-flight requests drained for up to
-`drain_timeout_s` (then ended with ShuttingDown, answered UNAVAILABLE or 503 and aborted on the
-workers: router/endings.py), the poller, the actors, the metrics endpoint.
+API on host:http_port when it is set. Stop (`stop()`; on SIGINT/SIGTERM: router/serve_signals.py):
+health NOT_SERVING, the admin service, no new RPCs or HTTP requests, in-flight requests drained
+for up to `drain_timeout_s` (then ended with ShuttingDown, answered UNAVAILABLE or 503 and
+aborted on the workers: router/endings.py), the poller, the actors, the metrics endpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
-import socket
-import time
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
 
-from engine.loader import load_tokenizer
 from router.admin import add_admin
-from router.client_limit import ClientLimit, max_connections, raise_file_limit
-from router.cluster import Cluster, ClusterConfig
+from router.client_limit import ClientLimit
+from router.cluster import Cluster
 from router.core import RequestCore
-from router.core_types import Backend, RouterConfig
+from router.core_types import Backend
+from router.grpc_ports import door_options, listen, transport
 from router.http_api import HttpApi
 from router.http_server import HttpServer
 from router.metrics import Metrics
-from router.pools import PoolsUnavailable
 from router.ray_runtime import init_ray
 from router.request import ModelLimits
-from router.security import SecurityConfig
+from router.serve_config import ServeConfig, model_tokenizer
 from router.servicer import SERVICE, GenerationServicer, add_services
 
 log = logging.getLogger("pdserve.server")
 # Once the requests in flight are ended (at the drain timeout, or interrupted again): how long
 # more the front doors wait for their answers to go out before cutting their calls.
 END_GRACE_S = 5.0
-# A second SIGINT/SIGTERM this soon after the first is the same one passed on, not "again".
-AGAIN_AFTER_S = 1.0
-
-
-# A connection to a gRPC port must finish its handshake (TLS, HTTP/2's preface) within this long,
-# or it is closed: connections that send nothing hold file descriptors the other doors share
-# (gRPC's own default waits 120 s). The HTTP port's bounds: router/http_conn.py.
-GRPC_HANDSHAKE_TIMEOUT_S = 10.0
-
-
-def _grpc_door_options() -> list[tuple[str, int]]:
-    """A gRPC port's bounds: the handshake's deadline, and at most `max_connections()` open at
-    once (one past it is closed as it opens)."""
-    return [
-        ("grpc.so_reuseport", 0),
-        ("grpc.server_handshake_timeout_ms", int(GRPC_HANDSHAKE_TIMEOUT_S * 1000)),
-        ("grpc.max_allowed_incoming_connections", max_connections()),
-    ]
-
-
-@dataclass(frozen=True, slots=True)
-class ServeConfig:
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    router: RouterConfig = field(default_factory=RouterConfig)
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0: any free port (see Server.port)
-    metrics_port: int | None = 9400  # Prometheus /metrics on `host`; 0: any free port; None: off
-    admin_port: int | None = None  # pdserve.v1.Admin on `admin_host`; 0: any port; None: off
-    admin_host: str = "127.0.0.1"  # operators only: this machine unless told otherwise
-    http_port: int | None = None  # the OpenAI-compatible HTTP API on `host`; 0: any; None: off
-    drain_timeout_s: float = 30.0  # in-flight requests on SIGINT/SIGTERM
-    security: SecurityConfig = field(default_factory=SecurityConfig)  # both gRPC ports
-    max_streams_per_client: int | None = None  # concurrent requests per client address
-    max_tokens_limit: int | None = None  # the largest max_tokens a request may ask for
-
-    def check_hosts(self, ports_free: bool = True) -> None:
-        """ValueError naming the option where `host` or `admin_host` is no address of this
-        machine, or (`ports_free`) a port set (not 0) is taken there: found before Ray and the
-        workers start, not as the ports bind after them (a restart while the old server still
-        drains)."""
-        hosts = [("--host", self.host)]
-        ports = [("--port", self.host, self.port), ("--metrics-port", self.host, self.metrics_port),
-                 ("--http-port", self.host, self.http_port)]  # fmt: skip
-        if self.admin_port is not None:
-            hosts.append(("--admin-host", self.admin_host))
-            ports.append(("--admin-port", self.admin_host, self.admin_port))
-        for option, host in hosts:
-            try:
-                _bind(host, 0)
-            except OSError as exc:
-                raise ValueError(
-                    f"{option}: {host} is not an address of this machine ({exc.strerror or exc})"
-                ) from None
-        for option, host, port in ports if ports_free else ():
-            try:
-                if port:  # 0: any free port; None: off
-                    _bind(host, port)
-            except OSError as exc:
-                raise ValueError(
-                    f"{option}: {host}:{port} is taken ({exc.strerror or exc}): another server "
-                    "there, or one still draining?"
-                ) from None
-
-
-def _bind(host: str, port: int) -> None:
-    """Bind a socket to host:port and let it go, as the servers bind theirs (SO_REUSEADDR: a
-    port some closed connection still waits on is free to them)."""
-    family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    with socket.socket(family, kind) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(address)
 
 
 class Server:
@@ -210,22 +133,22 @@ class Server:
         self.core.start()
         self.grpc = grpc.aio.server(
             interceptors=interceptors,
-            options=[("grpc.max_receive_message_length", 64 << 20), *_grpc_door_options()],
+            options=[("grpc.max_receive_message_length", 64 << 20), *door_options()],
         )
         # One count of each client's requests over both front doors.
         self.clients = clients = ClientLimit(c.max_streams_per_client, self.core.sink)
         servicer = GenerationServicer(self.core, tokenizer, limits, c.cluster.model, clients)
         self._health = await add_services(self.grpc, servicer)
-        self.port = _listen(self.grpc, c.host, c.port, creds, "--port")
+        self.port = listen(self.grpc, c.host, c.port, creds, "--port")
         await self.grpc.start()
         if c.admin_port is not None:
             self.admin = grpc.aio.server(
                 interceptors=interceptors,
-                options=_grpc_door_options(),
+                options=door_options(),
             )
             add_admin(self.admin, self.cluster)
             where = (c.admin_host, c.admin_port)
-            self.admin_port = _listen(self.admin, *where, creds, "--admin-port")
+            self.admin_port = listen(self.admin, *where, creds, "--admin-port")
             await self.admin.start()
             log.info("admin service (operators only) on %s:%d", c.admin_host, self.admin_port)
         if c.http_port is not None:
@@ -253,7 +176,7 @@ class Server:
             "pdserve listening on %s:%d (%s%s; %d prefill, %d decode, %d both workers, policy %s)",
             c.host,
             self.port,
-            _transport(c.security),
+            transport(c.security),
             ", bearer token" if interceptors else "",
             len(backend.prefill_ids) - len(both),
             len(backend.decode_ids) - len(both),
@@ -353,93 +276,3 @@ class Server:
             await grpc_server.stop(0)
         if http is not None:
             http.hurry()
-
-
-def _transport(sec: SecurityConfig) -> str:
-    if sec.tls_cert is None:
-        return "plaintext"
-    return "TLS" if sec.tls_client_ca is None else "mutual TLS"
-
-
-def _listen(
-    server: grpc.aio.Server,
-    host: str,
-    port: int,
-    creds: grpc.ServerCredentials | None,
-    option: str,
-) -> int:
-    address = f"{host}:{port}"
-    try:
-        bound = (
-            server.add_insecure_port(address)
-            if creds is None
-            else server.add_secure_port(address, creds)
-        )
-    except RuntimeError:  # newer gRPC raises where older ones returned 0
-        bound = 0
-    if bound == 0:
-        raise OSError(
-            f"could not listen on {address} ({option}): is the port taken, or the host not an "
-            "address of this machine?"
-        )
-    return bound
-
-
-def model_tokenizer(c: ServeConfig) -> Any:
-    """The served model's tokenizer, read as the workers read the model (their model config:
-    cache folder, seed; under the cluster's model name); ModelNotFoundError where it is not
-    there."""
-    return load_tokenizer(replace(c.cluster.engine.model, model=c.cluster.model))
-
-
-async def serve(config: ServeConfig) -> None:
-    """Run until SIGINT or SIGTERM, then drain and stop."""
-    raise_file_limit()
-    # The model first: one that is not there stops the start before Ray and any worker.
-    server = Server(config, tokenizer=await asyncio.to_thread(model_tokenizer, config))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    # Ray installs its own SIGTERM handler (exit at once) when it starts: start it first, then
-    # take the signals over, so that SIGTERM drains like SIGINT.
-    init_ray(config.cluster.address)
-
-    first: list[float] = []  # when the first signal came
-
-    def on_signal() -> None:
-        if not stop.is_set():
-            first.append(time.monotonic())
-            stop.set()
-        elif time.monotonic() - first[0] < AGAIN_AFTER_S:
-            # The same stop sent twice: a wrapper (`timeout`, a shell script) passing on the
-            # Ctrl-C or SIGTERM its process group got too. It drains.
-            log.info("a second signal within %.0f s of the first: draining still", AGAIN_AFTER_S)
-        else:  # a second one while draining
-            log.warning("interrupted again: the requests still in flight end now")
-            server.hurry()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
-    starting = asyncio.ensure_future(server.start())
-    stopping = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
-        if not starting.done():  # a start waits for its workers (up to --start-timeout)
-            log.warning("interrupted during the start: stopping the workers started so far")
-            server.cancel_start()
-            with contextlib.suppress(PoolsUnavailable):
-                await starting
-        else:
-            starting.result()  # what stopped the start, if it did
-            await stop.wait()
-            log.info(
-                "shutting down: draining in-flight requests (up to %.0f s; interrupt again to "
-                "end them now)",
-                config.drain_timeout_s,
-            )
-    finally:
-        stopping.cancel()
-        with contextlib.suppress(Exception):
-            await server.stop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-    log.info("stopped")

@@ -11,7 +11,8 @@ from typing import Any, TypeVar
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from router.cluster import ClusterConfig
 from router.ray_runtime import init_ray
-from router.server import ServeConfig, Server
+from router.serve_config import ServeConfig
+from router.server import Server
 
 T = TypeVar("T")
 

@@ -78,7 +78,7 @@ def test_the_client_gets_unavailable_with_the_reason_and_the_fallback_is_counted
     from pdserve_proto import generation_pb2 as pb
     from pdserve_proto import generation_pb2_grpc as pb_grpc
     from router.fake_backend import FakeBackend
-    from router.server import ServeConfig
+    from router.serve_config import ServeConfig
     from tests.grpc_server import ServerThread
 
     backend = FakeBackend(fallback=FallbackReason.PAIRING_FAILED, fail_handoffs=True)

@@ -28,7 +28,7 @@ from router.errors import WorkerLost
 from router.fake_backend import FakeBackend
 from router.refusal_log import Said
 from router.security import SecurityConfig
-from router.server import ServeConfig
+from router.serve_config import ServeConfig
 from tests.grpc_server import ServerThread
 from tests.test_security import TOKENIZER, pki  # noqa: F401 (a fixture)
 
@@ -652,9 +652,9 @@ H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(3) + b"\x04" + bytes(5)
 def test_grpc_connections_that_never_handshake_are_closed_and_their_number_is_bounded(
     monkeypatch,
 ):
-    import router.server
+    import router.grpc_ports
 
-    monkeypatch.setattr(router.server, "GRPC_HANDSHAKE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(router.grpc_ports, "GRPC_HANDSHAKE_TIMEOUT_S", 0.5)
     monkeypatch.setattr(client_limit, "CONNECTIONS_CAP", 2)
     s = server(admin_port=0)
     try:

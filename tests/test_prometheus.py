@@ -22,7 +22,7 @@ from pdserve_proto import generation_pb2 as pb
 from pdserve_proto import generation_pb2_grpc as pb_grpc
 from router import status
 from router.cluster import ClusterConfig
-from router.server import ServeConfig
+from router.serve_config import ServeConfig
 from tests.grpc_server import ServerThread
 from tests.helpers import random_prompts
 from tests.prometheus_server import DEPLOY, api, rules, tool

@@ -17,7 +17,7 @@ from pdserve_proto import generation_pb2 as pb
 from pdserve_proto import generation_pb2_grpc as pb_grpc
 from router.cluster import ClusterConfig
 from router.policy import Policy, PolicyConfig
-from router.server import ServeConfig
+from router.serve_config import ServeConfig
 from tests.grpc_server import ServerThread
 from tests.helpers import hf_greedy, random_prompts
 

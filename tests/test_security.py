@@ -21,7 +21,7 @@ from pdserve_proto import generation_pb2 as pb
 from pdserve_proto import generation_pb2_grpc as pb_grpc
 from router.fake_backend import FakeBackend
 from router.security import SecurityConfig
-from router.server import ServeConfig
+from router.serve_config import ServeConfig
 from tests.grpc_server import ServerThread
 
 TOKENIZER = load_tokenizer(ModelConfig(model="tiny-llama"))

@@ -336,12 +336,12 @@ def test_log_level_sets_what_the_server_logs(level, shown):
 
     script = (
         "import logging, sys\n"
-        "import router.server\n"
+        "import router.serve_signals\n"
         "async def serve(config):\n"
         "    log = logging.getLogger('pdserve.router')\n"
         "    log.info('INFO-LINE')\n"
         "    log.warning('WARN-LINE')\n"
-        "router.server.serve = serve\n"
+        "router.serve_signals.serve = serve\n"
         "from router.cli import main\n"
         "sys.exit(main(['serve', '--metrics-port', '-1', '--port', '0', '--admin-port', '-1',\n"
         "                '--log-level', sys.argv[1]]))\n"

@@ -24,7 +24,7 @@ from pdserve_proto import generation_pb2_grpc as pb_grpc
 from router import status
 from router.cluster import ClusterConfig
 from router.core_types import RouterConfig
-from router.server import ServeConfig
+from router.serve_config import ServeConfig
 from tests.fault.clusters import pools_full
 from tests.grpc_server import ServerThread
 from tests.helpers import random_prompts

@@ -21,7 +21,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from router.admission import TtftMargin
 from router.cluster import ClusterConfig
 from router.core_types import RouterConfig
-from router.server import ServeConfig
+from router.serve_config import ServeConfig
 from tests.grpc_server import ServerThread
 from tests.test_router_grpc import assert_pools_full
 
