@@ -474,3 +474,66 @@ def test_a_worker_stopped_as_it_starts_is_not_said_to_have_failed_its_start(capl
         pools.ops.stop()
     said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "pdserve.pools"]
     assert said == [(logging.INFO, "worker decode-1 (incarnation 1) stopped as it started")]
+
+
+def test_a_scale_down_removes_a_dead_worker_waiting_out_its_restart_backoff(monkeypatch):
+    """decode-0 is dead and its replacement loop sleeps out a backoff (Ray refused the first
+    replacement) when a resize removes one decode worker: the dead one is the one removed (not
+    the newest, live and idle decode-1), retired without a graceful call it could not answer,
+    and the loop ends after its backoff without starting another."""
+    pools = Pools(PoolConfig(spec=None, restart_backoff_s=0.5))  # type: ignore[arg-type]
+    dead = WorkerHandle("decode-0", WorkerRole.DECODE, None, 0, "a", WorkerStatus.DEAD)  # type: ignore[arg-type]
+    pools.workers["decode-0"] = dead
+    pools.workers["decode-1"] = WorkerHandle(
+        "decode-1", WorkerRole.DECODE, None, 0, "a", WorkerStatus.READY
+    )  # type: ignore[arg-type]
+    tries: list[int] = []
+    retired: list[tuple[str, bool]] = []
+
+    def spawn(role, worker_id, incarnation=0, avoid=()):
+        tries.append(incarnation)
+        raise RuntimeError("no node has room")
+
+    async def retire(h, graceful):
+        retired.append((h.worker_id, graceful))
+        h.status = WorkerStatus.STOPPED
+        pools._drop(h)
+
+    monkeypatch.setattr(pools, "_spawn", spawn)
+    monkeypatch.setattr(pools, "retire", retire)
+    try:
+        replacing = pools.ops.submit(pools._replace(dead))
+        while not tries:
+            time.sleep(0.01)
+        pools.ops.call(Resizes(pools).scale(None, 1, 60.0), 10)  # within the 0.5 s backoff
+        replacing.result(5)
+    finally:
+        pools.ops.stop()
+    assert tries == [1]  # the loop saw decode-1 removed and tried no more
+    assert retired == [("decode-0", False)]
+    assert list(pools.workers) == ["decode-1"]
+    assert pools.workers["decode-1"].status is WorkerStatus.READY
+
+
+@pytest.mark.parametrize("status", [WorkerStatus.STARTING, WorkerStatus.STOPPED])
+def test_a_failed_warm_up_is_said_unless_a_resize_stopped_the_worker(caplog, status):
+    import logging
+    from types import SimpleNamespace
+
+    async def killed():
+        raise RuntimeError("The actor died because it was killed by `ray.kill`")
+
+    pools = Pools(PoolConfig(spec=None))  # type: ignore[arg-type]
+    actor = SimpleNamespace(warmup=SimpleNamespace(remote=killed))
+    h = WorkerHandle("both-2", WorkerRole.BOTH, actor, 0, "a", status)  # type: ignore[arg-type]
+    try:
+        with caplog.at_level(logging.INFO, "pdserve.pools"):
+            pools.ops.call(pools._warm(h), 10)  # never raises: the worker serves regardless
+    finally:
+        pools.ops.stop()
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "pdserve.pools"]
+    if status is WorkerStatus.STOPPED:
+        assert said == []
+    else:
+        assert said == [(logging.WARNING, "warm-up of both-2 failed: RuntimeError: The actor "
+                         "died because it was killed by `ray.kill`")]  # fmt: skip
