@@ -364,6 +364,17 @@ def test_a_start_cancelled_before_it_began_starts_nothing_and_raises():
         pools.ops.stop()
 
 
+def _retire_into(pools: Pools, retired: list[tuple[str, bool]]):
+    """A stand-in for Pools.retire that records (worker, graceful) and drops the worker."""
+
+    async def retire(h: WorkerHandle, graceful: bool) -> None:
+        retired.append((h.worker_id, graceful))
+        h.status = WorkerStatus.STOPPED
+        pools._drop(h)
+
+    return retire
+
+
 def test_a_scale_down_stops_a_replacement_still_starting_at_once(monkeypatch):
     """decode-1 died and its replacement is starting (its engine not up) when a resize removes
     one decode worker: the replacement is the one removed, stopped at once without a drain or a
@@ -392,14 +403,9 @@ def test_a_scale_down_stops_a_replacement_still_starting_at_once(monkeypatch):
         loading.set()
         return False  # its actor killed under the load
 
-    async def retire(h, graceful):
-        retired.append((h.worker_id, graceful))
-        h.status = WorkerStatus.STOPPED
-        pools._drop(h)
-
     monkeypatch.setattr(pools, "_spawn", spawn)
     monkeypatch.setattr(pools, "_engine_up", engine_up)
-    monkeypatch.setattr(pools, "retire", retire)
+    monkeypatch.setattr(pools, "retire", _retire_into(pools, retired))
     monkeypatch.setattr(pools, "_stop_actor", lambda h, status: setattr(h, "status", status))
     try:
         replacing = pools.ops.submit(pools._replace(dead))
@@ -494,13 +500,8 @@ def test_a_scale_down_removes_a_dead_worker_waiting_out_its_restart_backoff(monk
         tries.append(incarnation)
         raise RuntimeError("no node has room")
 
-    async def retire(h, graceful):
-        retired.append((h.worker_id, graceful))
-        h.status = WorkerStatus.STOPPED
-        pools._drop(h)
-
     monkeypatch.setattr(pools, "_spawn", spawn)
-    monkeypatch.setattr(pools, "retire", retire)
+    monkeypatch.setattr(pools, "retire", _retire_into(pools, retired))
     try:
         replacing = pools.ops.submit(pools._replace(dead))
         while not tries:
