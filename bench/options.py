@@ -108,8 +108,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=prefixes,
         default=None,
         metavar="K:L",
-        help="synthetic: every prompt starts with one of K shared prefixes of L tokens (system "
-        "prompts), chosen at random; --prompt-len sets the rest",
+        help="synthetic and --overload: every prompt starts with one of K shared prefixes of L "
+        "tokens (system prompts), chosen at random; --prompt-len sets the rest",
     )
     p.add_argument(
         "--policy",
@@ -242,7 +242,7 @@ def refused(args: argparse.Namespace, policies: list[str]) -> str | None:
             return f"--json: {args.json} is a folder; name the file to write"
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             return f"--json: {folder} is not a folder this bench can write to"
-    if args.prefixes is not None and args.trace != "synthetic":
+    if args.prefixes is not None and args.trace != "synthetic" and args.overload is None:
         return "--prefixes: shared prefixes of the synthetic trace, so it needs --trace synthetic"
     alone = overload.given_alone(args)
     if alone is not None:

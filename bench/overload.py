@@ -6,8 +6,8 @@ is shed. One policy, one server (its own, or `--address`).
    `--capacity-duration` s; R = its output tokens/s over the last two thirds of that window over
    the mean output length of a request.
 2. Overload: Poisson arrivals at F x R for `--duration` s, synthetic lengths (`--prompt-len`,
-   `--output-len`), every request with its SLO hint, so that the router can refuse at once what
-   it cannot serve in time.
+   `--output-len`, `--prefixes`), every request with its SLO hint, so that the router can refuse
+   at once what it cannot serve in time.
 3. Every request sent ends as exactly one of: completed (all its tokens), rejected
    (RESOURCE_EXHAUSTED with `retry-after-ms`), rejected without `retry-after-ms` (an error),
    failed with another status, or lost (no answer by its deadline, `--timeout`: DEADLINE_EXCEEDED
@@ -196,13 +196,18 @@ async def overload(
 
 
 def arrivals(
-    rate: float, duration_s: float, prompt: tuple[int, int], output: tuple[int, int], seed: int
+    rate: float,
+    duration_s: float,
+    prompt: tuple[int, int],
+    output: tuple[int, int],
+    seed: int,
+    prefixes: tuple[int, int] | None = None,
 ) -> list[trace.TraceRequest]:
     """Poisson arrivals (at a mean of 1/s, as traces are; send them at `rate`) that fall inside
-    `duration_s` at that rate."""
+    `duration_s` at that rate; `prefixes` as trace.synthetic's."""
     n = int(rate * duration_s * 1.5) + 20
     while True:
-        reqs = trace.synthetic(n, prompt, output, 1.0, seed)
+        reqs = trace.synthetic(n, prompt, output, 1.0, seed, prefixes)
         if reqs[-1].arrival_s / rate >= duration_s:
             return [r for r in reqs if r.arrival_s / rate < duration_s]
         n *= 2
@@ -327,7 +332,9 @@ def run(args: argparse.Namespace) -> int:
         address = args.address or server.address  # type: ignore[union-attr]
         vocab = info.vocab_size
         # Lengths for the SLO calibration (their 99th-percentile prompt) and the closed loop.
-        shapes = trace.synthetic(200, args.prompt_len, args.output_len, 1.0, args.seed)
+        shapes = trace.synthetic(
+            200, args.prompt_len, args.output_len, 1.0, args.seed, args.prefixes
+        )
         objective = session.objective(args, address, shapes, vocab, out)
         warm = [trace.TraceRequest(0.0, 16, 4)]
         session.run_trace(address, warm, 1.0, vocab, args, "warm-up", seed=2_000_000 + args.seed)
@@ -341,7 +348,9 @@ def run(args: argparse.Namespace) -> int:
                                        args.capacity_duration, 5_000_000 + args.seed,
                                        args.timeout, auth)  # fmt: skip
         rate = args.overload * out["capacity"]["rps"]
-        reqs = arrivals(rate, args.duration, args.prompt_len, args.output_len, args.seed)
+        reqs = arrivals(
+            rate, args.duration, args.prompt_len, args.output_len, args.seed, args.prefixes
+        )
         out.update(rate=rate, duration_s=args.duration, max_pending=args.max_pending)
         print(f"overload: {len(reqs)} requests at {rate:.2f}/s for {args.duration:g} s")
         hint = None if args.no_slo_hint else (objective.ttft_s, objective.itl_s)

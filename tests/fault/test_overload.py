@@ -163,6 +163,10 @@ def test_arrivals_fill_the_duration_at_the_rate():
     assert all(r.arrival_s / 20.0 < 30.0 for r in reqs)
     assert 480 < len(reqs) < 720  # Poisson: 600 expected
     assert all(PROMPT[0] <= r.prompt_len <= PROMPT[1] for r in reqs)
+    shared = overload.arrivals(20.0, 30.0, PROMPT, OUTPUT, seed=1, prefixes=(2, 64))
+    assert [r.arrival_s for r in shared] == [r.arrival_s for r in reqs]
+    assert {r.prefix_id for r in shared} == {"system-0", "system-1"}
+    assert [r.prompt_len for r in shared] == [64 + r.prompt_len for r in reqs]
 
 
 def test_overload_takes_one_policy():
