@@ -7,6 +7,7 @@ import argparse
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 from bench import overload, trace
 from bench.server import POLICIES
@@ -56,6 +57,33 @@ def rates(text: str) -> list[float]:
     return sorted(set(rates))
 
 
+# The synthetic trace's options and their defaults: given where no synthetic trace is sent (a
+# trace file; the overload run's Poisson arrivals for --burstiness), refused.
+SYNTHETIC: dict[str, Any] = {
+    "prompt_len": (32, 512),
+    "output_len": (16, 128),
+    "burstiness": 1.0,
+    "prefixes": None,
+}
+
+
+def unused_synthetic(args: argparse.Namespace) -> str | None:
+    """Why a synthetic trace's option given is not used (None: each given is)."""
+    if args.overload is not None:
+        if args.burstiness != SYNTHETIC["burstiness"]:
+            return "--burstiness: the overload run's arrivals are Poisson (burstiness 1)"
+        return None
+    if args.trace == "synthetic":
+        return None
+    name = next((k for k, default in SYNTHETIC.items() if getattr(args, k) != default), None)
+    if name is None:
+        return None
+    flag = "--" + name.replace("_", "-")
+    return (
+        f"{flag}: an option of the synthetic trace, so it needs --trace synthetic (or --overload)"
+    )
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--address",
@@ -94,19 +122,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--burstiness",
         type=positive_float,
-        default=1.0,
+        default=SYNTHETIC["burstiness"],
         help="synthetic: gamma shape of the inter-arrival times (1: Poisson; below 1 burstier)",
     )
     p.add_argument(
-        "--prompt-len", type=lengths, default=(32, 512), help="synthetic: A:B (default: 32:512)"
+        "--prompt-len",
+        type=lengths,
+        default=SYNTHETIC["prompt_len"],
+        help="synthetic and --overload: A:B (default: 32:512)",
     )
     p.add_argument(
-        "--output-len", type=lengths, default=(16, 128), help="synthetic: A:B (default: 16:128)"
+        "--output-len",
+        type=lengths,
+        default=SYNTHETIC["output_len"],
+        help="synthetic and --overload: A:B (default: 16:128)",
     )
     p.add_argument(
         "--prefixes",
         type=prefixes,
-        default=None,
+        default=SYNTHETIC["prefixes"],
         metavar="K:L",
         help="synthetic and --overload: every prompt starts with one of K shared prefixes of L "
         "tokens (system prompts), chosen at random; --prompt-len sets the rest",
@@ -242,8 +276,9 @@ def refused(args: argparse.Namespace, policies: list[str]) -> str | None:
             return f"--json: {args.json} is a folder; name the file to write"
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             return f"--json: {folder} is not a folder this bench can write to"
-    if args.prefixes is not None and args.trace != "synthetic" and args.overload is None:
-        return "--prefixes: shared prefixes of the synthetic trace, so it needs --trace synthetic"
+    unused = unused_synthetic(args)
+    if unused is not None:
+        return unused
     alone = overload.given_alone(args)
     if alone is not None:
         return f"{alone}: an option of the overload run, so it needs --overload F"
