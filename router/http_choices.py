@@ -4,7 +4,11 @@ Choice 0 is the request as asked (its id, its seed); choice i > 0 is the same re
 own id (`<id>-<i>`) and, where a seed was given, its own seed made from it (choice_seed), so that
 a seeded request gives the same n choices each time and n = 1 gives what it always gave. Each
 choice is admitted, placed and metered as a request of its own; the answer goes out once all n
-are admitted, and a refusal or a failure of any is the answer's. Closing the choices closes the
+are admitted, and a refusal or a failure of any is the answer's. Choice 0 goes first and the
+others once it has its first token: by then the prompt's KV is in the prefix cache of the worker
+that computed it and of the one that received it, so the others find it there, neither computed
+nor sent again (started together, n prefills of one prompt would run side by side and each
+handoff would move the whole prompt's KV). Closing the choices closes the
 reading of them, then every core stream, aborting each choice wherever it still runs.
 
 With one choice its stream is read in the reader's own task, as a plain stream is; with more,
@@ -68,11 +72,17 @@ class Choices:
         self._merged: AsyncGenerator[tuple[int, CoreChunk], None] | None = None
 
     async def firsts(self) -> list[CoreChunk]:
-        """Every choice's first chunk: each admitted and placed (a refusal of any is raised)."""
-        return await together([anext(s) for s in self.streams])  # type: ignore[arg-type]
+        """Every choice's first chunk: each admitted and placed (a refusal of any is raised);
+        choice 0's first, then the others' together."""
+        first = await anext(self.streams[0])
+        if len(self.streams) == 1:
+            return [first]
+        rest = await together([anext(s) for s in self.streams[1:]])  # type: ignore[arg-type]
+        return [first, *rest]
 
     async def answers(self) -> list[Answer]:
-        return await together([collect(s) for s in self.streams])
+        firsts = await self.firsts()
+        return await together([collect(_from(f, s)) for f, s in zip(firsts, self.streams)])
 
     def merged(self, firsts: list[CoreChunk]) -> AsyncGenerator[tuple[int, CoreChunk], None]:
         """The choices' chunks with their index: the first ones (in order), then the others as
@@ -121,6 +131,16 @@ class Choices:
         failed = next((r for r in results if isinstance(r, BaseException)), None)
         if failed is not None:
             raise failed
+
+
+async def _from(
+    first: CoreChunk, stream: AsyncGenerator[CoreChunk, None]
+) -> AsyncGenerator[CoreChunk, None]:
+    """`first`, then the rest of the stream it came from."""
+    yield first
+    if first.final is None:
+        async for chunk in stream:
+            yield chunk
 
 
 async def _next(stream: AsyncGenerator[CoreChunk, None]) -> CoreChunk:

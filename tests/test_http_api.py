@@ -14,7 +14,7 @@ import pytest
 from pdserve_proto import generation_pb2 as pb
 from pdserve_proto import generation_pb2_grpc as pb_grpc
 from tests.grpc_server import ServerThread, tiny_config
-from tests.helpers import hf_greedy
+from tests.helpers import hf_greedy, random_prompts
 from tests.test_router_grpc import assert_pools_full, received
 
 MODEL = "tiny-llama"
@@ -166,19 +166,25 @@ def test_n_choices_whole_and_streamed_are_seeded_apart_and_counted_together(srv,
 
 
 @pytest.mark.timeout(120)
-def test_n_greedy_choices_handed_off_each_move_their_kv(srv, stub, client):
-    """Each choice is a request of its own: disaggregated, each moves its KV (none falls back),
-    and each greedy choice is the gRPC answer."""
-    text, _, _ = grpc_answer(stub, "disaggregated", prompt=PROMPT)
+def test_n_greedy_choices_handed_off_move_the_prompts_kv_once(srv, client):
+    """Each choice is a request of its own, handed off (each completes a transfer, none falls
+    back), each greedy choice the answer to the prompt alone. Choice 0 goes first, so the others
+    find the prompt in the prefix caches of the prefill and decode workers and send only its
+    last block: four choices move less than twice what one choice of a prompt as long moves
+    (started together, each moved the whole prompt: four times)."""
+    one, four = random_prompts([41, 41], seed=7)  # 4-token blocks: 10 whole ones, and 1 token
+    body = {"model": MODEL, "max_tokens": MAX_NEW, "temperature": 0,
+            "extra_body": {"pdserve": {"path": "disaggregated"}}}  # fmt: skip
     before = received(srv)
-    got = client.completions.create(
-        model=MODEL, prompt=PROMPT, n=4, max_tokens=MAX_NEW, temperature=0,
-        extra_body={"pdserve": {"path": "disaggregated"}},
-    )  # fmt: skip
-    assert [c.text for c in got.choices] == [text] * 4
+    client.completions.create(prompt=one, **body)
+    after_one = received(srv)
+    got = client.completions.create(prompt=four, n=4, **body)
     nbytes, ok = received(srv)
-    assert ok - before[1] == 4 and nbytes > before[0]
-    assert got.model_extra["pdserve"]["kv_fallback"] is None
+    alone = client.completions.create(prompt=four, **body).choices[0].text
+    assert [c.text for c in got.choices] == [alone] * 4
+    assert ok - after_one[1] == 4 and got.model_extra["pdserve"]["kv_fallback"] is None
+    moved_one, moved_four = after_one[0] - before[0], nbytes - after_one[0]
+    assert 0 < moved_one < moved_four < 2 * moved_one, (moved_one, moved_four)
     assert_pools_full(srv, within_s=2.0)
 
 

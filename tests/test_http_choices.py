@@ -52,6 +52,34 @@ def test_chunks_come_with_their_index_up_to_every_final():
     assert [s.closed for s in streams] == [1, 1, 1]
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_other_choices_start_once_choice_zero_has_its_first_token(stream):
+    """Then its prompt's KV is in the prefix caches of the workers that computed and received
+    it, where the others find it."""
+
+    async def main():
+        seen: list[str] = []
+
+        async def run(i: int, delay: float):
+            seen.append(f"start {i}")
+            for k in range(3):
+                await asyncio.sleep(delay)
+                if k == 0:
+                    seen.append(f"token {i}")
+                yield CoreChunk(f"r{i}", (k,), str(k), final=object() if k == 2 else None)  # type: ignore[arg-type]
+
+        c = Choices([run(0, 0.05), run(1, 0.001), run(2, 0.001)])
+        if stream:
+            got = [(i, ch.text) async for i, ch in c.merged(await c.firsts())]
+            assert got[:3] == [(0, "0"), (1, "0"), (2, "0")]
+        else:
+            assert [a.text for a in await c.answers()] == ["012"] * 3
+        await c.aclose()
+        return seen[:4]
+
+    assert asyncio.run(main()) == ["start 0", "token 0", "start 1", "start 2"]
+
+
 def test_a_refusal_of_one_first_chunk_is_raised_and_the_others_are_closed():
     async def main():
         streams = [Stream(4, delay=0.05), Stream(4, fail_at=0), Stream(4, delay=0.05)]
