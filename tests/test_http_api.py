@@ -188,6 +188,26 @@ def test_n_greedy_choices_handed_off_move_the_prompts_kv_once(srv, client):
     assert_pools_full(srv, within_s=2.0)
 
 
+@pytest.mark.timeout(120)
+def test_the_choices_bench_measures_both_orders_on_the_servers_workers(srv):
+    """router/choices_bench.py's measurement: started together, 3 handed-off choices of a
+    41-token prompt move its KV 3 times; choice 0 first, once and a block twice."""
+    from router.choices_bench import choices
+    from router.vocab import RoutePath
+
+    together, first = random_prompts([41, 41], seed=9)
+    cluster = srv.server.cluster
+    got = {
+        order: srv.run(choices(cluster, ids, RoutePath.DISAGGREGATED, 3, 4, order))
+        for order, ids in (("together", together), ("first", first))
+    }
+    assert got["together"]["all_done_s"] >= got["together"]["all_first_token_s"] > 0
+    block = got["together"]["kv_bytes"] // 3 // 11  # 11 blocks of 4 tokens a prompt
+    assert got["together"]["kv_bytes"] == 3 * 11 * block
+    assert got["first"]["kv_bytes"] == (11 + 2) * block
+    assert_pools_full(srv, within_s=2.0)
+
+
 def _token_bytes(token: str) -> bytes:
     if token.startswith("bytes:"):
         return bytes(int(h, 16) for h in token[len("bytes:") :].split("\\x")[1:])
