@@ -5,7 +5,7 @@ or after resuming on another decode worker when its own died).
 What they hold:
   - the core's counts: requests waiting for their first token (pending) and not yet finished
     (active), and how many times one moved to another decode worker (resumed);
-  - the request's entries in the books of every worker it was placed on (router/pool_state.py):
+  - the request's entries in the books of every worker it was placed on (router/worker_books.py):
     queued prefill, then decoding, grown by each token, out when the placement ends;
   - its DecisionRecord when no token ever came (one with its TTFT is kept by the core when the
     first token comes);

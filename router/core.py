@@ -4,7 +4,7 @@ yields. One request, in order:
   2. admission (router/admission.py) takes it, or refuses it at once (Overloaded) when the
      queue is full or waiting would make it miss its TTFT SLO; the decision is logged and kept;
   3. the pools run it (router/cluster.py) where the decision placed it; its books
-     (router/books.py, over the workers' books in router/pool_state.py) follow it from queued
+     (router/books.py, over the workers' books in router/worker_books.py) follow it from queued
      prefill to decoding to done, so the next decision sees it at once, and settle it in one
      place however it ends;
   4. chunks stream back with text; the first one's arrival is the TTFT the client sees, and it

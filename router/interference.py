@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from router.pool_state import ItlCheck, WorkerState
+from router.pool_state import WorkerState
 from router.spread import miss_chance
+from router.worker_books import ItlCheck
 
 # A worker's prefills of the last PREFILL_WINDOW_S show how often a request decoding there will
 # have one beside it; when they would slow more than BESIDE_SHARE of its gaps, its p99 gap is

@@ -1,4 +1,4 @@
-"""What predictions miss (router/ttft_bias.py Bias, the ITL checks of router/pool_state.py),
+"""What predictions miss (router/ttft_bias.py Bias, the ITL checks of router/worker_books.py),
 learnt from injected first tokens and gaps: no workers, no clock."""
 
 from __future__ import annotations

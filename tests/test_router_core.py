@@ -767,7 +767,7 @@ def test_a_decoding_request_is_priced_with_the_bias_of_its_kind_of_placement():
     received ones at 3x, a colocated request decoding there (from its first token) is checked
     at 2x in the misses new work would cause, a handoff (from its placement) at 3x."""
     from router.metrics import Metrics
-    from router.pool_state import ItlCheck
+    from router.worker_books import ItlCheck
 
     async def main():
         backend = FakeBackend(chunk_tokens=1)

@@ -15,8 +15,9 @@ from router.handoff_model import HandoffHealth
 from router.interference import caused_misses
 from router.membership import Membership
 from router.metrics import Metrics
-from router.pool_state import ItlCheck, WorkerState
+from router.pool_state import WorkerState
 from router.spread import MISS_WIDTH, miss_chance
+from router.worker_books import ItlCheck
 from tests.cost_fixtures import planner, shape, trained, true_step, with_decodes
 from worker_protocol.messages import WorkerLoad
 
