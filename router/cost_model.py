@@ -1,5 +1,5 @@
 """The step-time model: what a worker's steps take, fitted from the steps it measured (what each
-path would cost a request, router/predictions.py, is priced from it).
+path would cost a request, router/placement_costs.py, is priced from it).
 
 One linear model of a worker's step time, fitted online from the steps the worker reports
 (engine/step_stats.py), prices everything:

@@ -2,7 +2,7 @@
 their local prefill is done) and beside it: the steps they see next to queued prefills, the SLO
 misses a prefill or one more decode causes among them (on the worker, and on its node's other
 workers, which a worker set decoding slows where they share the node), and the floor that
-frequent prefills set under a decoding request's p99 gap (router/predictions.py builds each
+frequent prefills set under a decoding request's p99 gap (router/placement_costs.py builds each
 placement's prediction from these)."""
 
 from __future__ import annotations

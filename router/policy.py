@@ -43,6 +43,7 @@ from engine.kv_handoff import within_share
 from router.capacity import DecodeDemand, DecodeOverload
 from router.handoff_model import HandoffHealth, TransferTimeModel
 from router.interference import shared_misses
+from router.placement_costs import predict_colocated, predict_disaggregated
 from router.pool_state import WorkerState, peer_work
 from router.predictions import (
     MAX_FAILURE_RATE,
@@ -50,8 +51,6 @@ from router.predictions import (
     RequestShape,
     choose,
     eligible,
-    predict_colocated,
-    predict_disaggregated,
 )
 from router.spread import PredictionSpread
 from router.ttft_bias import Bias

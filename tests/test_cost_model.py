@@ -16,9 +16,10 @@ from router.handoff_model import HandoffHealth, TransferTimeModel
 from router.interference import caused_misses, prefills_beside
 from router.membership import Membership
 from router.metrics import Metrics
+from router.placement_costs import predict_colocated, predict_disaggregated
 from router.policy import Planner, Policy, PolicyConfig, pick_decode
 from router.pool_state import WorkerState
-from router.predictions import PathPrediction, choose, predict_colocated, predict_disaggregated
+from router.predictions import PathPrediction, choose
 from router.spread import PRIOR_WIDTH, PredictionSpread, miss_chance
 from router.ttft_bias import Bias
 from router.vocab import RoutePath

@@ -14,9 +14,9 @@ from router.fits import affine_fit
 from router.handoff_model import HandoffHealth
 from router.membership import Membership
 from router.metrics import Metrics
+from router.placement_costs import predict_colocated
 from router.policy import RequestShape
 from router.pool_state import WorkerState
-from router.predictions import predict_colocated
 from router.ttft_bias import Bias
 from router.vocab import RoutePath
 from tests.cost_fixtures import planner, shape, trained, with_decodes
