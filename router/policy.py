@@ -1,5 +1,5 @@
-"""Where a request runs: predictions for every (path, prefill worker, decode worker) and the
-policies that choose among them.
+"""Where a request runs: the policies that choose among the predictions for every (path, prefill
+worker, decode worker) (router/candidates.py makes them).
 
   - auto: the cost model, over every (P, D) among the workers able to take each role (P = D:
     colocated). Disaggregated candidates whose pair keeps falling back to a local prefill (failure
@@ -21,12 +21,9 @@ policies that choose among them.
     until the expected misses say otherwise), then the least predicted SLO violation (where every
     choice misses), then the earliest predicted second token (TTFT + ITL): see router/predictions.py
     choose. The decision's reason code says which of these decided.
-  - colocated / disaggregated: always that path, workers from the balancer.
+  - colocated / disaggregated: always that path, workers from the balancer (router/balancer.py).
   - threshold (Dynamo's rule): disaggregated iff uncached prompt tokens > T and the prefill
     worker's queue holds fewer than Q requests.
-Balancer: the decode worker with the least load (active tokens over capacity, plus KV usage),
-except that among workers within `affinity_margin` of the least, the one holding the longest
-cached prefix wins; the prefill worker with the least predicted queue time.
 Every decision carries the best prediction for each path (the chosen one for its own path) and
 a reason in words.
 """
@@ -35,25 +32,15 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from engine.kv_cache_manager import cdiv
-from engine.kv_handoff import within_share
-from router.capacity import DecodeDemand, DecodeOverload
+from router.balancer import pick_decode, pick_prefill, with_peer
+from router.candidates import Candidates, reservable
+from router.capacity import DecodeOverload
 from router.handoff_model import HandoffHealth, TransferTimeModel
-from router.interference import shared_misses
-from router.placement_costs import predict_colocated, predict_disaggregated
-from router.pool_state import WorkerState, peer_work
-from router.predictions import (
-    MAX_FAILURE_RATE,
-    PathPrediction,
-    RequestShape,
-    choose,
-    eligible,
-)
-from router.spread import PredictionSpread
-from router.ttft_bias import Bias
+from router.pool_state import WorkerState
+from router.predictions import PathPrediction, RequestShape, choose, eligible
 from router.vocab import RoutePath
 
 
@@ -81,42 +68,6 @@ class Decision:
     # Taking the request sets a rate of requests the decodes cannot hold (admission refuses it;
     # router/capacity.py DecodeDemand.overload); None: they can, or the rate is not known.
     overload: DecodeOverload | None = None
-
-
-def pick_decode(req: RequestShape, decode: Sequence[WorkerState], margin: float) -> WorkerState:
-    least = min(w.load_score for w in decode)
-    close = [w for w in decode if w.load_score <= least + margin]
-    return max(close, key=lambda w: (w.prefix.match(req.hashes), -w.load_score))
-
-
-def with_peer(prefill: Sequence[WorkerState], decode: Sequence[WorkerState]) -> list[WorkerState]:
-    """The decode workers that another worker can prefill for: where a worker of both kinds is
-    the only one that prefills, a handoff must decode elsewhere."""
-    ids = {p.worker_id for p in prefill}
-    return [w for w in decode if ids - {w.worker_id}]
-
-
-def _reservable(req: RequestShape, d: WorkerState) -> bool:
-    """Whether `d` could reserve a sequence slot and blocks for the prompt's whole KV, its
-    reservations holding no others."""
-    i = d.info
-    blocks = cdiv(req.prompt_len, i.block_size)
-    return within_share(i.reserve_share, i.max_num_seqs, i.num_blocks, 1, blocks)
-
-
-def pick_prefill(
-    prefill: Sequence[WorkerState], d: str = "", health: HandoffHealth | None = None
-) -> WorkerState:
-    """The prefill worker with the least predicted queue, among those whose pair with decode
-    worker `d` is not failing (when any is not)."""
-
-    def failing(w: WorkerState) -> bool:
-        return health is not None and health.failure_rate(w.worker_id, d) > MAX_FAILURE_RATE
-
-    return min(
-        prefill,
-        key=lambda w: (failing(w), w.model.chunked_s(w.queued_tokens, w.queued_pairs, 0, 0)[0]),
-    )
 
 
 def _ms(s: float) -> str:
@@ -167,111 +118,18 @@ def _tie_broken(
     return "cost_gather_decodes"
 
 
-class Planner:
+class Planner(Candidates):
     def __init__(
         self,
         config: PolicyConfig,
         transfer: TransferTimeModel,
         health: HandoffHealth | None = None,
     ) -> None:
+        super().__init__(transfer, health)
         self.config = config
-        self.transfer = transfer
-        self.health = health or HandoffHealth()
-        self.bias = {RoutePath.COLOCATED: Bias(), RoutePath.DISAGGREGATED: Bias()}
-        # Admission's factor on predicted TTFT (router/admission.py ttft_margin), set by the core.
-        self.ttft_margin = 1.0
-        # How far TTFT predictions came from measured first tokens (trained by the core): the
-        # width of every candidate's TTFT miss chance.
-        self.ttft_spread = PredictionSpread()
-        # The step target a worker takes when a request with a given ITL SLO is placed on it
-        # (StepTargets.for_request, set by the core where it tunes targets; None: unchanged).
-        self.target_for: Callable[[WorkerState, float], float | None] | None = None
-        # The rate requests arrive and what they decode: how many workers the decodes need.
-        self.demand = DecodeDemand()
-        self.decoders_needed = 1  # as of the latest candidates()
         # Whether decisions say when taking the request sets a rate the decodes cannot hold
         # (Decision.overload; RouterConfig.decode_rate_admission, set by the core).
         self.rate_admission = True
-
-    def ttft_bias(self, path: RoutePath) -> Bias:
-        """The TTFT correction `path`'s predictions take: its own, or while it has seen too few
-        first tokens of its own, the other path's. Both are mostly the error of a prefill
-        queue's prediction; with one path corrected and the other not, the one left as the
-        bare model predicts it would look the quicker for want of first tokens of its own (on
-        long-prompt, flex colocates a few requests a round: too few for a correction of their
-        own)."""
-        own = self.bias[path]
-        if own.trained:
-            return own
-        other = self.bias[
-            RoutePath.DISAGGREGATED if path is RoutePath.COLOCATED else RoutePath.COLOCATED
-        ]
-        return other if other.trained else own
-
-    def candidates(
-        self,
-        req: RequestShape,
-        prefill: Sequence[WorkerState],
-        decode: Sequence[WorkerState],
-        admitting: bool = True,
-    ) -> list[PathPrediction]:
-        """Every placement's prediction; `admitting`: the request has still to pass admission
-        (not one resumed after its decode worker died), so placements admission would refuse
-        are marked so."""
-        workers = list({id(w): w for w in [*prefill, *decode]}.values())
-        for w in workers:  # the node's share, as the books stand now (the poll is older)
-            w.set_peer_work(peer_work(w, workers))
-        # The workers the decodes need at the current rate (those with the most decodes first):
-        # setting one of them decoding costs its node peers nothing the share would count, as
-        # they would lose more to the batch gathering builds (router/capacity.py).
-        needed = {d.worker_id for d in self.demand.needed(prefill, decode, req.slo_itl_s)}
-        self.decoders_needed = len(needed)
-        shared = {
-            d.worker_id: 0.0 if d.worker_id in needed else shared_misses(d, workers) for d in decode
-        }
-        width = self.ttft_spread.width
-        # Each decode worker's step target as it will be once this request is placed there.
-        limits = {
-            d.worker_id: self.target_for(d, req.slo_itl_s) if self.target_for else None
-            for d in decode
-        }
-        out: list[PathPrediction] = []
-        b = self.ttft_bias(RoutePath.COLOCATED)
-        for d in decode:
-            with d.model.target_at_most(limits[d.worker_id]):
-                out.append(predict_colocated(req, d, b, shared[d.worker_id], width))
-        local = {c.decode_worker: c.ttft_s for c in out}
-        b = self.ttft_bias(RoutePath.DISAGGREGATED)
-        for p in prefill:
-            for d in decode:
-                if p.worker_id == d.worker_id:
-                    continue  # one worker doing both for a request: the colocated candidate
-                # Its decode on D is one more that prompts there would wait for (none where a
-                # decode of unknown length runs there: no wait is priced then).
-                more = req.max_tokens if d.model.decode_left or not d.batch else 0
-                with (
-                    d.model.target_at_most(limits[d.worker_id]),
-                    d.model.decodes_left_at_least(more),
-                ):
-                    c = predict_disaggregated(
-                        req, p, d, self.transfer, b, shared[d.worker_id], width
-                    )
-                if not _reservable(req, d):
-                    c = replace(c, no_room=True)
-                rate = self.health.failure_rate(p.worker_id, d.worker_id)
-                if rate > 0:
-                    wasted = self.health.wasted_s(p.worker_id, d.worker_id)
-                    c = c.with_failure_risk(rate, wasted, local[d.worker_id])
-                out.append(c)
-        if not admitting:
-            return out
-        # A placement admission would refuse loses the request and runs nothing (one miss, none
-        # caused): auto takes another where that is expected to cost less.
-        m = self.ttft_margin
-        return [
-            replace(c, refused=True, caused_misses=0.0) if c.shed(req.slo_ttft_s, m) else c
-            for c in out
-        ]
 
     def decide(
         self,
@@ -327,7 +185,7 @@ class Planner:
     ) -> Decision:
         if path is RoutePath.DISAGGREGATED:
             decode = with_peer(prefill, decode) or decode  # not the one worker that prefills
-            decode = [d for d in decode if _reservable(req, d)] or decode  # one that can hold it
+            decode = [d for d in decode if reservable(req, d)] or decode  # one that can hold it
         d = pick_decode(req, decode, self.config.affinity_margin).worker_id
         prefill = [p for p in prefill if p.worker_id != d]
         if path is RoutePath.DISAGGREGATED and not prefill:

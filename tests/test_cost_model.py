@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from engine.step_stats import StepStat
+from router.balancer import pick_decode
 from router.cost_model import prefill_pairs
 from router.fake_backend import FakeBackend
 from router.handoff_model import HandoffHealth, TransferTimeModel
@@ -17,7 +18,7 @@ from router.interference import caused_misses, prefills_beside
 from router.membership import Membership
 from router.metrics import Metrics
 from router.placement_costs import predict_colocated, predict_disaggregated
-from router.policy import Planner, Policy, PolicyConfig, pick_decode
+from router.policy import Planner, Policy, PolicyConfig
 from router.pool_state import WorkerState
 from router.predictions import PathPrediction, choose
 from router.spread import PRIOR_WIDTH, PredictionSpread, miss_chance
