@@ -12,9 +12,10 @@ import pytest
 from engine.config import ModelConfig
 from engine.loader import load_tokenizer
 from engine.sampling_params import SamplingParams
-from router.core import KV_DUE_SHARE, RequestCore
+from router.core import RequestCore
 from router.core_types import Overloaded, RouterConfig
 from router.fake_backend import FakeBackend
+from router.placement_stream import KV_DUE_SHARE
 from router.request import ParsedRequest
 from router.vocab import FallbackReason, FinishReason, Frontend, Placement, RejectReason, RoutePath
 
