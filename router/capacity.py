@@ -13,9 +13,9 @@ Little's law, n = (rate / k) x output_len x gap(n), where gap(n) is its decode s
 (the step-time model, with its node's share where the k workers share a node) as a gap (times
 the worker's gaps over steps), and its requests' p99 gap is that times the worker's tail. The
 decodes need the fewest k whose p99 holds the ITL SLO; the router keeps them on that many
-workers (the k with the most decodes, see Planner.candidates), and setting one of those decoding
-costs the others no share-counted misses: at this rate they would see more from the batch that
-gathering builds.
+workers (the k with the most decodes, see Candidates.candidates in router/candidates.py), and
+setting one of those decoding costs the others no share-counted misses: at this rate they would
+see more from the batch that gathering builds.
 
 The prompts must still be prefilled somewhere. Where every worker that can prefill would then
 decode too, each prompt's chunks run beside decodes, which cost the requests there their p99 gap

@@ -7,7 +7,7 @@ yields. One request, in order:
      (router/books.py, over the workers' books in router/worker_books.py) follow it from queued
      prefill to decoding to done, so the next decision sees it at once, and settle it in one
      place however it ends;
-  4. chunks stream back with text (router/placement_stream.py); the first one's arrival is the
+  4. chunks stream back with text (router/placement_steps.py); the first one's arrival is the
      TTFT the client sees, and it trains the per-path bias and the prediction-error record; the
      last carries a summary.
 Leaving early (client cancel or deadline) closes the stream, which aborts the request on every
@@ -33,12 +33,12 @@ from engine.prefix_hash import block_hashes
 from engine.text_stream import TextStream
 from router.admission import RetrySpread, TtftMargin, group_refusal, refusal
 from router.books import RequestBooks, RequestCounts
-from router.core_types import Backend, CoreChunk, DecisionRecord, NoWorkers, RouterConfig
+from router.core_types import Backend, CoreChunk, NoWorkers, RouterConfig
 from router.endings import Endings
 from router.errors import WorkerLost
 from router.handoff_model import HandoffHealth, TransferTimeModel
 from router.membership import Membership
-from router.placement_stream import PlacementStream
+from router.placement_steps import PlacementSteps
 from router.policy import Decision, Planner, RequestShape
 from router.pool_state import WorkerState
 from router.request import ParsedRequest
@@ -53,7 +53,7 @@ log = logging.getLogger("pdserve.router")
 MAX_RESUMES = 2  # a request outliving this many dead decode workers fails
 
 
-class RequestCore(PlacementStream):
+class RequestCore(PlacementSteps):
     def __init__(
         self,
         backend: Backend,
@@ -64,7 +64,7 @@ class RequestCore(PlacementStream):
     ) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
-        self.sink: StatsSink = sink or NullSink()
+        self.sink = sink or NullSink()
         self.config = config
         self.block_size = infos[0].block_size
         self.transfer = TransferTimeModel()
@@ -73,11 +73,11 @@ class RequestCore(PlacementStream):
         self.states = self.members.states  # the books, by worker id (current incarnations)
         self.planner = Planner(config.policy, self.transfer, self.health)
         self.step_targets = StepTargets() if config.tune_step_target else None
-        self.target_calls: TargetCalls | None = None
+        self.target_calls = None
         if self.step_targets is not None:
             self.planner.target_for = self.step_targets.for_request
             self.target_calls = TargetCalls(backend, self.members, self.step_targets)
-        self.records: deque[DecisionRecord] = deque(maxlen=2048)
+        self.records = deque(maxlen=2048)
         self.margin = TtftMargin()  # admission's, from the first tokens (planner.ttft_margin)
         self.planner.rate_admission = config.decode_rate_admission
         self.counts = RequestCounts()

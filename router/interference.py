@@ -140,12 +140,12 @@ def coming_chunk_step(w: WorkerState, tokens: int, pairs: float) -> float:
 def shared_misses(d: WorkerState, workers: Sequence[WorkerState]) -> float:
     """The misses that setting `d` decoding causes among the requests decoding on the other
     workers of its node (`workers`: every worker the router knows, their scales current: see
-    Planner.candidates). While `d` decodes, their steps run HostShare.factor(DECODE) times
-    slower than alone, against what they run now (alone, or beside a prefill: `shared_slowdown`;
-    1 where workers share little, as on separate GPUs), for as long as `d` decodes: all of a
-    request's output, where a peer's short prefill slows a few steps. 0 when `d` decodes
-    already, or will once a local prefill there is done (its peers' steps carry the share then,
-    or will whatever is placed now), or its node is unknown."""
+    Candidates.candidates, router/candidates.py). While `d` decodes, their steps run
+    HostShare.factor(DECODE) times slower than alone, against what they run now (alone, or beside
+    a prefill: `shared_slowdown`; 1 where workers share little, as on separate GPUs), for as long
+    as `d` decodes: all of a request's output, where a peer's short prefill slows a few steps. 0
+    when `d` decodes already, or will once a local prefill there is done (its peers' steps carry
+    the share then, or will whatever is placed now), or its node is unknown."""
     if d.batch or d.local_prefills or not d.info.node_ip:
         return 0.0
     total = 0.0

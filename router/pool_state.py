@@ -73,7 +73,7 @@ class WorkerState(WorkerBooks):
         self.model.chunk_floor_s = load.chunk_floor_s
         self.model.hold_left_s = load.hold_left_s
         now = time.monotonic()
-        self._progress(load.prefills_left)
+        self.progress(load.prefills_left)
         self.measured.observe_steps(load.steps, now)
         if load.steps and self.model.settled:
             for s, alone in zip(load.steps, self.model.alone_s(load.steps), strict=True):

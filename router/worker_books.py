@@ -26,7 +26,9 @@ class _Prefill:
     pairs: float
     local: bool = False  # the request decodes here too
     itl_slo_s: float = float("inf")  # ... and its ITL SLO (inf: none, or it can no longer attain)
-    done: int = 0  # of its tokens, those the worker had computed at the latest poll (absorb)
+    # of its tokens, those the worker had computed at the latest poll (WorkerState.absorb,
+    # router/pool_state.py)
+    done: int = 0
     seen: bool = False  # a poll found it at the worker
 
     @property
@@ -158,7 +160,7 @@ class WorkerBooks:
     @property
     def queued_tokens(self) -> int:
         """The prompt tokens still to compute here: those placed, less what the worker had
-        computed of them at the latest poll (see absorb)."""
+        computed of them at the latest poll (WorkerState.absorb, router/pool_state.py)."""
         return sum(p.left for p in self._prefills.values())
 
     @property
@@ -172,7 +174,7 @@ class WorkerBooks:
             for p in self._prefills.values()
         ]
 
-    def _progress(self, left: Sequence[tuple[str, int]]) -> None:
+    def progress(self, left: Sequence[tuple[str, int]]) -> None:
         """How far the prefills placed here have come, from a poll's (request id, prompt tokens
         still to compute) of each request waiting or prefilling at the worker
         (WorkerLoad.prefills_left), read afresh at every poll (a preempted request starts over).

@@ -15,7 +15,7 @@ from engine.sampling_params import SamplingParams
 from router.core import RequestCore
 from router.core_types import Overloaded, RouterConfig
 from router.fake_backend import FakeBackend
-from router.placement_stream import KV_DUE_SHARE
+from router.placement_steps import KV_DUE_SHARE
 from router.request import ParsedRequest
 from router.vocab import FallbackReason, FinishReason, Frontend, Placement, RejectReason, RoutePath
 

@@ -21,7 +21,8 @@ from router.books import RequestBooks
 from router.core_types import Backend, CoreChunk, DecisionRecord, Summary
 from router.handoff import Handoff
 from router.handoff_model import HandoffHealth, TransferTimeModel
-from router.policy import Decision, PathPrediction, Planner, RequestShape
+from router.policy import Decision, Planner
+from router.predictions import PathPrediction, RequestShape
 from router.refusal_log import Said
 from router.request import ParsedRequest
 from router.stats import StatsSink
@@ -47,8 +48,9 @@ def _cached(req: ParsedRequest, chunk: TokenChunk, track: Tracker) -> int:
     return min(hit, len(req.prompt_token_ids))
 
 
-class PlacementStream:
-    """The steps of one placement. RequestCore (router/core.py) sets the parts they use."""
+class PlacementSteps:
+    """The steps of one placement: a mixin of RequestCore (router/core.py), never made alone;
+    RequestCore's __init__ sets the parts they use, declared here."""
 
     backend: Backend
     sink: StatsSink
