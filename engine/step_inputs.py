@@ -1,18 +1,8 @@
 """A step's inputs, prepared in preallocated buffers: O(scheduled requests) host work per step.
 
-Every per-step tensor the forward reads lives in one flat int64 staging buffer, carved into fixed
-regions (the decode part of each region always starts at offset 0, so a decode-only step's inputs
-sit at the same addresses from step to step):
-
-    ┌ input_ids [T] ┬ positions [T] ┬ slot_blocks [T] ┬ slot_offsets [T] ┬ kv_slots [2, T] ┬
-    ├ logit_rows [S] ┬ seq_info [S, 3] ┬ context_lens [S] int32 (S/2 int64 words) ┬
-    └ block_table [S, W] (last: a step copies only its first rows) ┘
-
-T is the most tokens a step may hold, S the most sequences, W the most blocks one sequence may
-hold. On CUDA the staging buffer is pinned host memory with a twin on the device, and one
-non-blocking copy per step moves the used prefix across (two host buffers alternate, so a step
-may be prepared while the previous copy is still in flight). On CPU the host buffer is the device
-buffer: nothing is copied at all.
+A step writes its tensors, decodes first, into the regions of the flat staging buffer drawn in
+engine/step_buffers.py, so a decode-only step's inputs sit at the same addresses from step to
+step; one copy moves them to the device (none on CPU).
 
 Block tables are kept per request in a persistent host table (one row per live request): a step
 appends only the blocks a request gained since its previous step, and a request's row is freed
@@ -24,13 +14,14 @@ over its scheduled requests, whatever their lengths.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, PrefillSegment
 from engine.outputs import ScheduledRequest, SchedulerOutput
+from engine.step_buffers import Regions, StepBuffers
 
 
 class StepBatch(NamedTuple):
@@ -45,33 +36,7 @@ class StepBatch(NamedTuple):
     padded_to: int | None = None  # rows in the buffers, padding included, when padded
 
 
-class _Regions(NamedTuple):
-    """Where each input lives: slices of the flat buffer, or the device tensors themselves."""
-
-    ids: Any
-    pos: Any
-    blocks: Any
-    offsets: Any
-    kv_slots: Any
-    logit_rows: Any
-    seq_info: Any
-    ctx: Any  # int64 words holding S int32 context lengths
-    table: Any
-
-
-def _regions(max_tokens: int, max_seqs: int, width: int) -> _Regions:
-    sizes = [max_tokens] * 4 + [
-        2 * max_tokens,
-        max_seqs,
-        3 * max_seqs,
-        (max_seqs + 1) // 2,
-        max_seqs * width,
-    ]
-    cuts = np.cumsum([0, *sizes]).tolist()
-    return _Regions(*(slice(a, b) for a, b in zip(cuts, cuts[1:])))
-
-
-class StepInputs:
+class StepInputs(StepBuffers):
     """The runner's preallocated step inputs and the per-request block tables behind them."""
 
     def __init__(
@@ -82,14 +47,10 @@ class StepInputs:
         max_seqs: int,
         max_blocks_per_seq: int,
     ) -> None:
-        self.device = device
         self.block_size = block_size
-        self.pinned = device.type == "cuda"
-        # Bumped whenever the buffers are reallocated: captured decode graphs read the old ones.
-        self.generation = 0
         # A KV block no request holds, where padded decode rows write (engine/cuda_graphs.py).
         self.scratch_block: int | None = None
-        self._allocate(max(1, max_tokens), max(1, max_seqs), max(1, max_blocks_per_seq))
+        super().__init__(device, max(1, max_tokens), max(1, max_seqs), max(1, max_blocks_per_seq))
         # Persistent per-request block tables: request id -> row, and blocks written per row.
         self._req_table = np.zeros((max(1, max_seqs), self.width), dtype=np.int64)
         self._rows: dict[str, int] = {}
@@ -102,63 +63,15 @@ class StepInputs:
 
     # -- buffers ------------------------------------------------------------------------------
     def _allocate(self, max_tokens: int, max_seqs: int, width: int) -> None:
-        self.generation += 1
-        self.max_tokens, self.max_seqs, self.width = max_tokens, max_seqs, width
-        self.regions = _regions(max_tokens, max_seqs, width)
-        n = self.regions.table.stop
-        count = 2 if self.pinned else 1
-        self._hosts = [
-            torch.zeros(n, dtype=torch.long, pin_memory=self.pinned) for _ in range(count)
-        ]
-        # On CUDA, one event per host buffer, recorded after its copy went out: a host buffer is
-        # written again only once its last copy has completed (a step that samples nothing does
-        # not synchronise on its own).
-        self._copied = [torch.cuda.Event() for _ in self._hosts] if self.pinned else []
-        rg = self.regions
-        self._host_regions = []
-        for host in self._hosts:
-            h = host.numpy()
-            self._host_regions.append(
-                _Regions(
-                    h[rg.ids],
-                    h[rg.pos],
-                    h[rg.blocks],
-                    h[rg.offsets],
-                    h[rg.kv_slots].reshape(2, max_tokens),
-                    h[rg.logit_rows],
-                    h[rg.seq_info].reshape(max_seqs, 3),
-                    h[rg.ctx].view(np.int32),
-                    h[rg.table].reshape(max_seqs, width),
-                )  # fmt: skip
-            )
-        self._dev = (
-            torch.zeros(n, dtype=torch.long, device=self.device) if self.pinned else self._hosts[0]
-        )
-        self._turn = 0
-        d = self._dev
-        self._dev_regions = _Regions(
-            d[rg.ids], d[rg.pos], d[rg.blocks], d[rg.offsets], d[rg.kv_slots].view(2, max_tokens),
-            d[rg.logit_rows], d[rg.seq_info].view(max_seqs, 3), d[rg.ctx].view(torch.int32),
-            d[rg.table].view(max_seqs, width),
-        )  # fmt: skip
+        super()._allocate(max_tokens, max_seqs, width)
         # The last step's views, reused while the step's shape stays (decode after decode):
         # making a view costs more than filling a decode step's inputs.
         self._view_key: tuple[int, ...] = ()
         self._view_val: tuple[torch.Tensor, ...] = ()
 
     def _ensure(self, tokens: int, seqs: int, width: int) -> None:
-        """Grow the staging buffers when a step outgrows them (an unchunked long prompt, a
-        sequence longer than the model's nominal context): rare, and never on a decode step
-        that fits the configured limits."""
-        if tokens <= self.max_tokens and seqs <= self.max_seqs and width <= self.width:
-            return
-
-        def grow(need: int, have: int) -> int:
-            return have if need <= have else max(need, 2 * have)
-
-        self._allocate(
-            grow(tokens, self.max_tokens), grow(seqs, self.max_seqs), grow(width, self.width)
-        )
+        super()._ensure(tokens, seqs, width)
+        # The persistent table is as wide as the buffers' block table.
         if self.width > self._req_table.shape[1]:
             grown = np.zeros((self._req_table.shape[0], self.width), dtype=np.int64)
             grown[:, : self._req_table.shape[1]] = self._req_table
@@ -237,10 +150,7 @@ class StepInputs:
         self._ensure(T, num_seqs, nb_max)
         rows = self._rows_for(order)  # may grow the persistent table: before any view of it
 
-        self._turn = (self._turn + 1) % len(self._hosts)
-        if self._copied:
-            self._copied[self._turn].synchronize()
-        h = self._host_regions[self._turn]
+        h = self._next_host()
         if len(self._arange) < num_seqs:
             self._arange = np.arange(2 * num_seqs, dtype=np.int64)
         iota = self._arange
@@ -298,7 +208,7 @@ class StepInputs:
         batch = self._views(order, samplers, nd, T, nb_dec, nb_max, chunk_q)
         return batch if pad_to is None else batch._replace(padded_to=pad_to)
 
-    def _pad(self, h: _Regions, start: int, stop: int) -> None:
+    def _pad(self, h: Regions, start: int, stop: int) -> None:
         """Decode rows [start, stop) of padding: token 0 at position 0, its K/V written to and
         read from the scratch block alone."""
         assert self.scratch_block is not None, "padding needs a scratch block"
@@ -324,9 +234,7 @@ class StepInputs:
         Their block table spans the buffer's whole width (a kernel reads a row's first blocks
         only, up to its context length)."""
         self._ensure(size, size, 1)
-        for event in self._copied:
-            event.synchronize()
-        for host in self._host_regions:
+        for host in self._all_hosts():
             self._pad(host, 0, size)
         self._copy_to_device(self.regions.table.start + size * self.width)
         d = self._dev_regions
@@ -345,12 +253,6 @@ class StepInputs:
             context_lens=d.ctx[:size],
         )
         return StepBatch(d.ids[:size], d.pos[:size], d.logit_rows[:size], md, [], [])
-
-    def _copy_to_device(self, used: int) -> None:
-        """The one host-to-device copy of the step (none on CPU)."""
-        if self.pinned:
-            self._dev[:used].copy_(self._hosts[self._turn][:used], non_blocking=True)
-            self._copied[self._turn].record()
 
     def _views(
         self,
