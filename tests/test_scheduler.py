@@ -306,7 +306,8 @@ def test_a_handoff_whose_kv_is_not_due_yet_leaves_the_chunks_whole(monkeypatch):
     """A reservation made while its prompt still waits on its prefill worker (the router's
     Placement.kv_due_in_s) shrinks no chunk here until its KV may land; from then on it does."""
     clock = [100.0]
-    monkeypatch.setattr("engine.scheduler.time.monotonic", lambda: clock[0])  # kv_handoff's too
+    # kv_due's clock, and kv_handoff's too
+    monkeypatch.setattr("engine.request_queues.time.monotonic", lambda: clock[0])
     kv = KVCacheManager(512, 4, True)
     s = Scheduler(SchedulerConfig(512, 8, True, step_target_s=0.1), kv)
     s.add_request(req("p", 1500, start=1000))
