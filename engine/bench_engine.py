@@ -9,6 +9,9 @@
 Requests: prompts of 128-512 random tokens, 128 output tokens each, greedy, EOS ignored. Every
 system produces token ids; the engine runs as the workers run it, without decoding text (the
 router detokenizes), unless `--detokenize` asks for text deltas too.
+
+Here are the command line, the rounds and the table; each system's timed run is
+engine/bench_systems.py's (bare_forward's replay, engine/bare_forward.py's).
 """
 
 from __future__ import annotations
@@ -17,22 +20,17 @@ import argparse
 import gc
 import os
 import statistics
-import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from engine.bare_forward import replay
+from engine.bench_systems import hf_continuous, hf_sequential, run_pdserve, timed
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.dtype_names import DTYPE_ALIASES, DTYPE_CHOICES, canonical_dtype
-from engine.llm_engine import LLMEngine
 from engine.loader import load_model
-from engine.model import PagedDecoderModel
-from engine.model_runner import StepShape
 from engine.provenance import provenance, write_json
 from engine.sampling_params import SamplingParams
 
@@ -141,16 +139,6 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[i
     ]
 
 
-def _timed(fn: Callable[[], int]) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    try:
-        tokens = fn()
-    except Exception as e:  # a system that can't run here is reported, not fatal
-        return {"error": f"{type(e).__name__}: {e}"}
-    secs = time.perf_counter() - t0
-    return {"output_tok_s": tokens / secs, "seconds": secs, "output_tokens": tokens}
-
-
 def prepare(args: argparse.Namespace) -> tuple[dict[str, Any], ModelConfig, Any]:
     """How the run was made (provenance, at its start), the model's config and the model,
     loaded; ValueError (naming the flag) for bad input, found before the benchmark runs."""
@@ -192,14 +180,14 @@ def run(args: argparse.Namespace, prepared: Any = None) -> int:
     systems: dict[str, dict[str, Any]] = {}
     runs: list[dict[str, dict[str, Any]]] = []  # per round: system -> result
     for _ in range(max(1, args.rounds)):
-        engine_run, steps, paged_model = _run_pdserve(cfg, loaded, prompts, params)
+        engine_run, steps, paged_model = run_pdserve(cfg, loaded, prompts, params)
         if "error" in engine_run:  # nothing to compare the others with
             raise RuntimeError(f"the engine failed: {engine_run['error']}")
         runs.append({"pdserve": engine_run})
         if args.penalties:
             penalized = replace(params, repetition_penalty=1.1, presence_penalty=0.5,
                                 frequency_penalty=0.5)  # fmt: skip
-            runs[-1]["pdserve_penalized"], _, unused = _run_pdserve(cfg, loaded, prompts, penalized)
+            runs[-1]["pdserve_penalized"], _, unused = run_pdserve(cfg, loaded, prompts, penalized)
             del unused
             if "error" in runs[-1]["pdserve_penalized"]:
                 raise RuntimeError(f"the penalized run failed: {runs[-1]['pdserve_penalized']}")
@@ -228,11 +216,11 @@ def run(args: argparse.Namespace, prepared: Any = None) -> int:
     systems.update(runs[order[(len(order) - 1) // 2]])
 
     if "hf_continuous" not in skip:
-        systems["hf_continuous"] = _timed(lambda: _hf_continuous(model, prompts, n_out))
+        systems["hf_continuous"] = timed(lambda: hf_continuous(model, prompts, n_out))
     if "hf_sequential" not in skip:
         k = args.hf_sequential_requests
         subset = prompts if not k else prompts[:: max(1, len(prompts) // k)][:k]
-        systems["hf_sequential"] = _timed(lambda: _hf_sequential(model, subset, n_out))
+        systems["hf_sequential"] = timed(lambda: hf_sequential(model, subset, n_out))
         systems["hf_sequential"]["requests"] = len(subset)
 
     result = {
@@ -250,63 +238,6 @@ def run(args: argparse.Namespace, prepared: Any = None) -> int:
     if args.json:
         write_json(args.json, result, made)
     return 0
-
-
-def _run_pdserve(
-    cfg: EngineConfig, loaded: Any, prompts: list[list[int]], params: SamplingParams
-) -> tuple[dict[str, Any], list[StepShape], PagedDecoderModel]:
-    """Time the engine on all requests at once; also return its step shapes for the replay."""
-    engine = LLMEngine(cfg, loaded)
-    engine.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    engine.runner.trace = []
-
-    def run_engine() -> int:
-        for p in prompts:
-            engine.add_request(p, params)
-        n = 0
-        with tqdm(total=len(prompts) * params.max_tokens, desc="pdserve", unit="tok") as bar:
-            while engine.has_unfinished_requests():
-                k = sum(len(o.new_token_ids) for o in engine.step())
-                n += k
-                bar.update(k)
-        return n
-
-    result = _timed(run_engine)
-    steps = engine.runner.trace
-    engine.runner.trace = None
-    result["steps"] = len(steps)
-    result["attention_backend"] = engine.runner.attention.name
-    graphs = engine.runner.graphs
-    result["decode_graphs"] = graphs.sizes if graphs is not None else None
-    result["graph_replays"] = sum(graphs.replays.values()) if graphs is not None else 0
-    result["preemptions"] = engine.scheduler.num_preemptions
-    return result, steps, engine.runner.model
-
-
-def _hf_sequential(model: Any, prompts: list[list[int]], n_out: int) -> int:
-    n = 0
-    with torch.no_grad():
-        for p in tqdm(prompts, desc="hf_sequential", unit="req"):
-            ids = torch.tensor([p])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=n_out,
-                min_new_tokens=n_out,
-                do_sample=False,
-            )
-            n += out.shape[1] - len(p)
-    return n
-
-
-def _hf_continuous(model: Any, prompts: list[list[int]], n_out: int) -> int:
-    if not hasattr(model, "generate_batch"):
-        raise RuntimeError("this transformers has no generate_batch")
-    from transformers import GenerationConfig
-
-    gc = GenerationConfig(max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False)
-    outs = model.generate_batch(prompts, generation_config=gc, progress_bar=True)
-    return sum(len(o.generated_tokens) for o in outs.values())
 
 
 def print_table(result: dict[str, Any]) -> None:
