@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.loadgen import RequestResult  # noqa: E402
-from bench.overload import Sample  # noqa: E402
+from bench.overload_books import Sample  # noqa: E402
 
 
 def itl_over_time(runs: dict[str, list[RequestResult]], long_from: int, out: Path) -> Path:

@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from bench import cli, loadgen, overload, slo, trace
+from bench import cli, loadgen, overload, overload_books, slo, trace
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from router.admission import TtftMargin
 from router.cluster import ClusterConfig
@@ -84,7 +84,7 @@ def test_three_times_capacity_is_shed_at_admission_and_every_request_is_accounte
             (OBJECTIVE.ttft_s, OBJECTIVE.itl_s), probe=probe(srv), every_s=1.0,
         )
     )  # fmt: skip
-    fig = overload.figures(run, OBJECTIVE)
+    fig = overload_books.figures(run, OBJECTIVE)
     ledger.add(sent=fig["sent"], completed=fig["completed"],
                failed=fig["sent"] - fig["completed"] - fig["lost"])  # fmt: skip
     out = {
@@ -96,7 +96,7 @@ def test_three_times_capacity_is_shed_at_admission_and_every_request_is_accounte
         "figures": fig,
         "max_pending": MAX_PENDING,
     }
-    print(overload.report(out))  # fmt: skip
+    print(overload_books.report(out))  # fmt: skip
 
     # Every request sent, and each ended one way, with its status: none lost.
     assert fig["sent"] == run.planned == len(reqs)
@@ -141,15 +141,15 @@ def test_every_ending_is_booked_once():
         _res("RESOURCE_EXHAUSTED", 0),  # no retry-after-ms: an error of its own
         _res("UNAVAILABLE", 0),
         _res("DEADLINE_EXCEEDED", 0),
-        _res(overload.LOST, 0),
+        _res(overload_books.LOST, 0),
     ]
-    assert [overload.outcome(r) for r in results] == [
+    assert [overload_books.outcome(r) for r in results] == [
         "completed", "failed", "rejected", "rejected_without_retry_after", "failed", "lost", "lost",
     ]  # fmt: skip
-    samples = [overload.Sample(0.0, {"router": 100}, 0, 0, None),
-               overload.Sample(1.0, {"router": 300, "decode-0": 50}, 2, 3, None),
-               overload.Sample(2.0, {"router": 200, "decode-0": 60}, 0, 0, None)]  # fmt: skip
-    fig = overload.figures(overload.Overload(results, samples, planned=7), OBJECTIVE)
+    samples = [overload_books.Sample(0.0, {"router": 100}, 0, 0, None),
+               overload_books.Sample(1.0, {"router": 300, "decode-0": 50}, 2, 3, None),
+               overload_books.Sample(2.0, {"router": 200, "decode-0": 60}, 0, 0, None)]  # fmt: skip
+    fig = overload_books.figures(overload_books.Overload(results, samples, planned=7), OBJECTIVE)
     assert fig["accounted"] and fig["sent"] == 7 and fig["accepted"] == 5
     assert (fig["completed"], fig["rejected"], fig["lost"], fig["failed"]) == (1, 1, 2, 2)
     assert fig["failed_by_status"] == {"UNAVAILABLE": 1} and fig["short"] == 1
