@@ -63,6 +63,8 @@ class StepInputs(StepBuffers):
 
     # -- buffers ------------------------------------------------------------------------------
     def _allocate(self, max_tokens: int, max_seqs: int, width: int) -> None:
+        # Runs from StepBuffers.__init__ too, before the block table and the rows exist: it
+        # touches only the buffers and the view cache.
         super()._allocate(max_tokens, max_seqs, width)
         # The last step's views, reused while the step's shape stays (decode after decode):
         # making a view costs more than filling a decode step's inputs.
