@@ -33,9 +33,8 @@ class RequestResult:
     status: str = "OK"  # a gRPC status code name
     error: str = ""  # the server's message where the status is not OK
     path: str = ""
-    cached_tokens: int = (
-        0  # prompt tokens found in the prefix cache of the worker that prefilled it
-    )
+    # Its prompt tokens found in the prefix cache of the worker that prefilled it.
+    cached_tokens: int = 0
     router_ttft_s: float | None = None
     retry_after_ms: int | None = None  # RESOURCE_EXHAUSTED: the server's hint, when it gave one
     reject_reason: str = ""  # RESOURCE_EXHAUSTED: pdserve-reject-reason

@@ -6,10 +6,10 @@ a seeded request gives the same n choices each time and n = 1 gives what it alwa
 choice is admitted, placed and metered as a request of its own; the answer goes out once all n
 are admitted, and a refusal or a failure of any is the answer's. Choice 0 goes first and the
 others once it has its first token: by then the prompt's KV is in the prefix cache of the worker
-that computed it and of the one that received it, so the others find it there, neither computed
-nor sent again (started together, n prefills of one prompt would run side by side and each
-handoff would move the whole prompt's KV). Closing the choices closes the
-reading of them, then every core stream, aborting each choice wherever it still runs.
+that computed it and of the one that received it, so the others find it there and compute and
+send only its last block (started together, each handoff would move the whole prompt's KV).
+Closing the choices closes the reading of them, then every core stream, aborting each choice
+wherever it still runs.
 
 With one choice its stream is read in the reader's own task, as a plain stream is; with more,
 each choice's next chunk is read by a task of its own (router/endings.py ends whichever task
