@@ -102,12 +102,12 @@ class StepBuffers:
             d[rg.table].view(max_seqs, width),
         )  # fmt: skip
 
-    def _ensure(self, tokens: int, seqs: int, width: int) -> None:
+    def _ensure(self, tokens: int, seqs: int, width: int) -> bool:
         """Grow the staging buffers when a step outgrows them (an unchunked long prompt, a
         sequence longer than the model's nominal context): rare, and never on a decode step
-        that fits the configured limits."""
+        that fits the configured limits. True where they grew."""
         if tokens <= self.max_tokens and seqs <= self.max_seqs and width <= self.width:
-            return
+            return False
 
         def grow(need: int, have: int) -> int:
             return have if need <= have else max(need, 2 * have)
@@ -115,6 +115,7 @@ class StepBuffers:
         self._allocate(
             grow(tokens, self.max_tokens), grow(seqs, self.max_seqs), grow(width, self.width)
         )
+        return True
 
     def _next_host(self) -> Regions:
         """The host buffer whose turn it is, once its last copy has completed."""

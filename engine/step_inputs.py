@@ -71,13 +71,15 @@ class StepInputs(StepBuffers):
         self._view_key: tuple[int, ...] = ()
         self._view_val: tuple[torch.Tensor, ...] = ()
 
-    def _ensure(self, tokens: int, seqs: int, width: int) -> None:
-        super()._ensure(tokens, seqs, width)
-        # The persistent table is as wide as the buffers' block table.
-        if self.width > self._req_table.shape[1]:
+    def _ensure(self, tokens: int, seqs: int, width: int) -> bool:
+        grew = super()._ensure(tokens, seqs, width)
+        # The persistent table is as wide as the buffers' block table (checked only on growth:
+        # _ensure runs every step).
+        if grew and self.width > self._req_table.shape[1]:
             grown = np.zeros((self._req_table.shape[0], self.width), dtype=np.int64)
             grown[:, : self._req_table.shape[1]] = self._req_table
             self._req_table = grown
+        return grew
 
     # -- per-request block tables -------------------------------------------------------------
     def release(self, request_id: str) -> None:
