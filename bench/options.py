@@ -16,6 +16,7 @@ from pdserve_client.argtypes import (
     address,
     auto_or,
     count,
+    flag_set,
     float_at_least,
     int_at_least,
     positive_float,
@@ -75,10 +76,9 @@ def unused_synthetic(args: argparse.Namespace) -> str | None:
         return None
     if args.trace == "synthetic":
         return None
-    name = next((k for k, default in SYNTHETIC.items() if getattr(args, k) != default), None)
-    if name is None:
+    flag = flag_set(args, SYNTHETIC)
+    if flag is None:
         return None
-    flag = "--" + name.replace("_", "-")
     return (
         f"{flag}: an option of the synthetic trace, so it needs --trace synthetic (or --overload)"
     )

@@ -43,7 +43,7 @@ from bench.loadgen import RequestResult
 from bench.overload_books import LOST, Overload, Sample, figures, outcome, report
 from bench.server import POLICIES, Deployment, ServerProcess
 from pdserve_client import ClientAuth
-from pdserve_client.argtypes import int_at_least, positive_float
+from pdserve_client.argtypes import flag_set, int_at_least, positive_float
 
 log = logging.getLogger("pdserve.bench")
 
@@ -79,10 +79,7 @@ DEFAULTS = {"capacity": None, "capacity_clients": 8, "capacity_duration": 40.0, 
 
 def given_alone(args: argparse.Namespace) -> str | None:
     """The flag of an overload option set without --overload (None: none is)."""
-    if args.overload is not None:
-        return None
-    name = next((k for k, default in DEFAULTS.items() if getattr(args, k) != default), None)
-    return None if name is None else "--" + name.replace("_", "-")
+    return None if args.overload is not None else flag_set(args, DEFAULTS)
 
 
 # -- what is sampled ----------------------------------------------------------------------------

@@ -143,3 +143,10 @@ def auto_or(parse: Callable[[str], float]) -> Callable[[str], float | str]:
             raise argparse.ArgumentTypeError(f"{exc} (or auto)") from None
 
     return auto_or_parse
+
+
+def flag_set(args: argparse.Namespace, defaults: dict[str, Any]) -> str | None:
+    """The flag (`--name`) of the first of `defaults`' options whose value in `args` is not
+    its default (None: each is); for options refused where they would go unused."""
+    name = next((k for k, default in defaults.items() if getattr(args, k) != default), None)
+    return None if name is None else "--" + name.replace("_", "-")
