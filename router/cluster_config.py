@@ -3,6 +3,7 @@ places their workers, where their KV transfer listens, and the time limits of th
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
@@ -93,15 +94,15 @@ class ClusterConfig:
         ints = {"num_prefill": 0, "num_decode": 0, "num_both": 0, "threads_per_worker": 1,
                 "max_workers": 1}  # fmt: skip
         for name, low in ints.items():
-            _check(self, name, (int,), integer(low))
+            _check(self, name, (numbers.Integral,), integer(low))
         positive = number(0, strict=True)  # 0 s: every such wait would end at once
         for name in ("kv_transfer_deadline_s", "prefill_timeout_s", "start_timeout_s",
                      "control_timeout_s", "pair_timeout_s"):  # fmt: skip
-            _check(self, name, (int, float), positive)
-        _check(self, "drain_timeout_s", (int, float), number(0))  # 0: no wait for requests
-        _check(self, "worker_hang_timeout_s", (int, float), off_or(number(HANG_MIN_S)))
+            _check(self, name, (numbers.Real,), positive)
+        _check(self, "drain_timeout_s", (numbers.Real,), number(0))  # 0: no wait for requests
+        _check(self, "worker_hang_timeout_s", (numbers.Real,), off_or(number(HANG_MIN_S)))
         if self.gpus_per_worker is not None:
-            _check(self, "gpus_per_worker", (int, float), number(0))
+            _check(self, "gpus_per_worker", (numbers.Real,), number(0))
             if self.gpus_per_worker > 1 and self.gpus_per_worker != int(self.gpus_per_worker):
                 raise ValueError(
                     "gpus_per_worker: Ray shares a GPU in fractions below 1; above 1 it must be "
@@ -145,8 +146,13 @@ class ClusterConfig:
 
 
 def _check(config: ClusterConfig, name: str, types: tuple[type, ...], parse: Parse) -> None:
-    """ValueError naming the field where its value is not of `types` or `parse` refuses it."""
+    """ValueError naming the field where its value is not of `types` or `parse` refuses it. A
+    number of another kind (numpy's int64, float32) is taken as Python's int or float."""
     value = getattr(config, name)
+    if isinstance(value, numbers.Real) and type(value) not in (int, float, bool):
+        if isinstance(value, types):
+            value = int(value) if isinstance(value, numbers.Integral) else float(value)
+            object.__setattr__(config, name, value)  # frozen: set once, while being built
     try:
         if isinstance(value, bool) or not isinstance(value, types):
             parse(None)  # refused: its message says what was expected

@@ -52,3 +52,20 @@ def test_the_zeros_that_mean_something_are_taken():
     assert c.worker_hang_timeout_s == 0 and c.drain_timeout_s == 0
     ClusterConfig(gpus_per_worker=0.25)
     ClusterConfig(gpus_per_worker=2)
+
+
+def test_numpy_numbers_are_taken_as_python_ones():
+    """A notebook's sizes often come from numpy: int64 counts and float32 times are taken, kept
+    as Python's int and float (Ray's resource requests and the checks above want those)."""
+    np = pytest.importorskip("numpy")
+    c = ClusterConfig(
+        num_decode=np.int64(2), num_prefill=np.int32(0), drain_timeout_s=np.float32(2.5)
+    )
+    assert (c.num_decode, c.num_prefill, c.drain_timeout_s) == (2, 0, 2.5)
+    assert type(c.num_decode) is int and type(c.drain_timeout_s) is float
+    with pytest.raises(
+        ValueError, match=r"^num_decode: must be an integer >= 0, got np.float64\(1.5\)"
+    ):
+        ClusterConfig(num_decode=np.float64(1.5))
+    with pytest.raises(ValueError, match=r"^num_prefill: must be an integer >= 0, got -1"):
+        ClusterConfig(num_prefill=np.int64(-1))
