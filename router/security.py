@@ -118,14 +118,16 @@ class TokenAuth(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
         method = details.method  # type: ignore[attr-defined]
-        if handler is None or method.startswith(OPEN_METHODS):
+        if method.startswith(OPEN_METHODS):
             return handler
         got = ""
         for key, value in details.invocation_metadata or ():  # type: ignore[attr-defined]
             if key == "authorization":
                 got = value if isinstance(value, str) else ""
         if bearer_matches(got, self._token):
-            return handler
+            return handler  # None, for a method this server lacks: UNIMPLEMENTED
+        # Refused before anything else, a method this server lacks too: without the token, a
+        # caller cannot tell which services are here (UNIMPLEMENTED would say which are not).
         return _refusal(handler)
 
 
@@ -149,8 +151,11 @@ async def _refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> Asy
     yield  # never reached: makes this an async generator, one shape of a streaming handler
 
 
-def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that refuses at once."""
+def _refusal(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that refuses at once. For a method that has
+    none, one that takes the call's messages as bytes, which it never reads."""
+    if handler is None:
+        return grpc.stream_stream_rpc_method_handler(_refuse_stream)
     kw = {
         "request_deserializer": handler.request_deserializer,
         "response_serializer": handler.response_serializer,

@@ -133,6 +133,17 @@ def test_a_bearer_token_is_checked_on_every_rpc_but_health(pki):
                 assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
             good = (("authorization", "Bearer s3cret-token"),)
             assert len(stub.Complete(REQ, timeout=5, metadata=good).token_ids) == 4
+            # A method the server lacks: without the token, refused as any other (which
+            # services are here is not told); with it, UNIMPLEMENTED.
+            for metadata, code in (((), grpc.StatusCode.UNAUTHENTICATED),
+                                   (good, grpc.StatusCode.UNIMPLEMENTED)):  # fmt: skip
+                for shape in (ch.unary_unary, ch.unary_stream, ch.stream_stream):
+                    call = shape("/pdserve.Nothing/Here")
+                    with pytest.raises(grpc.RpcError) as err:
+                        reply = call(iter([b"x"]) if shape == ch.stream_stream else b"x",
+                                     timeout=5, metadata=metadata)  # fmt: skip
+                        list(reply) if shape != ch.unary_unary else reply
+                    assert err.value.code() is code, (shape, err.value)
             lower = (("authorization", "bearer s3cret-token"),)  # the scheme in any case
             assert len(stub.Complete(REQ, timeout=5, metadata=lower).token_ids) == 4
             health = health_pb2_grpc.HealthStub(ch).Check(
