@@ -138,6 +138,7 @@ class ServeOptions:
                 auth_token_file=v["auth_token_file"],
             ),
             max_streams_per_client=v["max_streams_per_client"],
+            served_model_name=v["served_model_name"],
             max_tokens_limit=v["max_tokens_limit"],
         )
 

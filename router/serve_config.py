@@ -28,6 +28,12 @@ class ServeConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)  # both gRPC ports
     max_streams_per_client: int | None = None  # concurrent requests per client address
     max_tokens_limit: int | None = None  # the largest max_tokens a request may ask for
+    served_model_name: str | None = None  # the model's name in the APIs; None: cluster.model
+
+    @property
+    def model_name(self) -> str:
+        """The name the APIs give the model and check requests against."""
+        return self.served_model_name or self.cluster.model
 
     def check_hosts(self, ports_free: bool = True) -> None:
         """ValueError naming the option where `host` or `admin_host` is no address of this

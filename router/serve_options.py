@@ -47,6 +47,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 OPTIONS: tuple[Option, ...] = (
     # model and pools
     Option("model", text, "smollm2-135m", "built-in name, HF folder or .gguf"),
+    Option("served_model_name", optional(text), None,
+           "the model's name in the APIs (the HTTP `model` requests must give, as /v1/models "
+           "lists it; gRPC Info's model); default: --model as given"),
     Option("dtype", DTYPE_CHOICE, "auto",
            DTYPE_HELP + " (each worker resolves auto on its own device)"),
     Option("enforce_eager", flag, False, EAGER_HELP, boolean=True),

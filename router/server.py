@@ -137,7 +137,7 @@ class Server:
         )
         # One count of each client's requests over both front doors.
         self.clients = clients = ClientLimit(c.max_streams_per_client, self.core.sink)
-        servicer = GenerationServicer(self.core, tokenizer, limits, c.cluster.model, clients)
+        servicer = GenerationServicer(self.core, tokenizer, limits, c.model_name, clients)
         self._health = await add_services(self.grpc, servicer)
         self.port = listen(self.grpc, c.host, c.port, creds, "--port")
         await self.grpc.start()
@@ -156,7 +156,7 @@ class Server:
                 self.core,
                 tokenizer,
                 limits,
-                c.cluster.model,
+                c.model_name,
                 c.security.token(),
                 clients,
             )

@@ -866,3 +866,25 @@ def test_a_chat_can_go_on_from_the_assistants_message():
             assert err["param"] == "continue_final_message", err
     finally:
         s.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_served_model_name_is_the_one_both_apis_give_and_requests_must_name():
+    """--served-model-name: /v1/models lists it, answers carry it, a request naming it (or no
+    model) is served and one naming --model itself is a 404 naming the field; gRPC Info says it."""
+    s = server(served_model_name="my-model")
+    try:
+        with httpx.Client(timeout=30) as http:
+            listed = http.get(base(s) + "/v1/models").json()
+            assert [m["id"] for m in listed["data"]] == ["my-model"]
+            ok = http.post(base(s) + "/v1/completions", json={**BODY, "model": "my-model"})
+            assert ok.status_code == 200 and ok.json()["model"] == "my-model", ok.text
+            refused = http.post(base(s) + "/v1/completions", json=BODY)  # --model's own name
+            assert refused.status_code == 404, refused.text
+            error = refused.json()["error"]
+            assert error["param"] == "model" and "serves 'my-model'" in error["message"]
+        with grpc.insecure_channel(s.address) as ch:
+            info = pb_grpc.GenerationStub(ch).Info(pb.InfoRequest(), timeout=10)
+            assert info.model == "my-model"
+    finally:
+        s.close()

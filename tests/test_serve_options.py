@@ -351,3 +351,25 @@ def test_log_level_sets_what_the_server_logs(level, shown):
     )
     assert out.returncode == 0, out.stderr
     assert {w for w in ("INFO-LINE", "WARN-LINE") if w in out.stderr} == shown, out.stderr
+
+
+def test_a_model_folder_in_the_file_is_the_files_and_the_served_name_is_its_own(tmp_path):
+    """A relative `model` in the file is a folder (or .gguf file) beside the file, wherever serve
+    runs, as the file's other paths are; a built-in name stays a name. `served_model_name`, from
+    the file or a flag, is the name the APIs give; none: the model as resolved."""
+    conf = tmp_path / "etc"
+    conf.mkdir()
+    path = conf / "pdserve.yaml"
+    path.write_text("model: models/my-llama\nserved_model_name: llama-small\n")
+    config = effective_options.resolve(_parse(["serve", "--config", str(path)])).serve_config()
+    assert config.cluster.model == str(conf / "models" / "my-llama")
+    assert config.served_model_name == config.model_name == "llama-small"
+    flagged = _parse(["serve", "--config", str(path), "--served-model-name", "other"])
+    assert effective_options.resolve(flagged).serve_config().model_name == "other"
+    path.write_text("model: tiny-llama\n")
+    config = effective_options.resolve(_parse(["serve", "--config", str(path)])).serve_config()
+    assert config.cluster.model == config.model_name == "tiny-llama"
+    assert config.served_model_name is None
+    path.write_text("model: /abs/m.gguf\nserved_model_name: ''\n")
+    config = effective_options.resolve(_parse(["serve", "--config", str(path)])).serve_config()
+    assert config.cluster.model == config.model_name == "/abs/m.gguf"  # '' is none
