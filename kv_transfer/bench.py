@@ -204,7 +204,8 @@ def _raw_once(pg: Any, rank: int, data: torch.Tensor, barrier: Any) -> float:
 
 def run(config: TorchDistConfig) -> tuple[list[BenchRow], list[OverlapFigure]]:
     ctx = mp.get_context("spawn")
-    ctrl, results, barrier = ctx.Queue(), ctx.Queue(), ctx.Barrier(2)
+    # A peer that died breaks the barrier within its timeout rather than holding the other.
+    ctrl, results, barrier = ctx.Queue(), ctx.Queue(), ctx.Barrier(2, timeout=120)
     procs = [
         ctx.Process(target=_worker, args=(r, config, ctrl, barrier, results), daemon=True)
         for r in (0, 1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 import grpc
@@ -87,8 +88,8 @@ class AdminServicer(pb_grpc.AdminServicer):
             await context.abort(bad, f"decode: must be >= 0, got {decode}")
         if both is not None and both < 0:
             await context.abort(bad, f"workers: must be >= 0, got {both}")
-        if drain is not None and not drain >= 0:
-            await context.abort(bad, f"drain_timeout_s: must be >= 0, got {drain}")
+        if drain is not None and not 0 <= drain < math.inf:  # NaN and inf: no end to a drain
+            await context.abort(bad, f"drain_timeout_s: must be a finite number >= 0, got {drain}")
         sizes = {"prefill": prefill, "decode": decode, "workers": both}
         asked = ", ".join(f"{k} {v}" for k, v in sizes.items() if v is not None)
         asked += "" if drain is None else f" (drain {drain:g} s)"

@@ -52,7 +52,11 @@ async def choices(
     firsts = [asyncio.Event() for _ in range(n)]
     if order == "first":
         zero = asyncio.ensure_future(_choice(cluster, ids, path, n_out, t0, firsts[0]))
-        await firsts[0].wait()
+        first = asyncio.ensure_future(firsts[0].wait())
+        await asyncio.wait((zero, first), return_when=asyncio.FIRST_COMPLETED)
+        first.cancel()
+        if zero.done() and zero.exception() is not None:
+            raise zero.exception()  # type: ignore[misc]  # ended before its first token
         rest = [_choice(cluster, ids, path, n_out, t0, e) for e in firsts[1:]]
         times = await asyncio.gather(zero, *rest)
     else:

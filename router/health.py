@@ -51,14 +51,20 @@ class DrainingHealth(health_pb2_grpc.HealthServicer):
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(self, request: Any, context: Any) -> None:  # noqa: N802 (gRPC's name)
+        """Each change of the service's status, written outside the lock: a watcher that
+        reads nothing holds up its own stream, not `set()` or `end_watches()` (the drain)."""
         changed = self._changed[request.service]
         said = None
-        async with changed:
-            while True:
-                status = NOT_SERVING if self._ending else self._status.get(request.service, UNKNOWN)
-                if status != said:
-                    await context.write(health_pb2.HealthCheckResponse(status=status))
-                    said = status
-                if self._ending:
-                    return
-                await changed.wait()
+        while True:
+            status = self._watched(request.service)
+            if status != said:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                said = status
+            if self._ending:
+                return
+            async with changed:
+                while self._watched(request.service) == said and not self._ending:
+                    await changed.wait()
+
+    def _watched(self, service: str) -> Any:
+        return NOT_SERVING if self._ending else self._status.get(service, UNKNOWN)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 from router.pools import Pools
@@ -57,6 +58,10 @@ class Resizes:
         for role, n in want.items():
             if n is not None and n < 0:
                 raise ValueError(f"{FIELDS[role]}: must be >= 0")
+        if drain_timeout_s is not None and not 0 <= drain_timeout_s < math.inf:
+            raise ValueError(
+                f"drain_timeout_s: must be a finite number >= 0, got {drain_timeout_s}"
+            )
         self._check(want)  # a refused resize leaves the one going on alone
         self._queued += 1
         try:

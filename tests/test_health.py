@@ -57,3 +57,48 @@ def test_watches_end_at_shutdown_having_said_not_serving_and_hold_no_drain():
 
     for _ in range(5):
         asyncio.run(main())
+
+
+class _Stalled:
+    """A Watch call's context whose client reads nothing: its writes never complete."""
+
+    def __init__(self) -> None:
+        self.writes: list[int] = []
+
+    async def write(self, msg) -> None:
+        self.writes.append(msg.status)
+        if len(self.writes) > 1:
+            await asyncio.Event().wait()  # flow control: the client's window is full
+
+
+class _Reading:
+    def __init__(self) -> None:
+        self.writes: list[int] = []
+
+    async def write(self, msg) -> None:
+        self.writes.append(msg.status)
+
+
+@pytest.mark.timeout(60)
+def test_a_watcher_that_reads_nothing_holds_up_neither_a_change_nor_the_end_of_the_others():
+    """Status changes and the shutdown's end of the watches go on while one watcher's write
+    waits for its client: it holds up its own stream only."""
+
+    async def main() -> None:
+        health = DrainingHealth()
+        await health.set("", S.SERVING)
+        stalled, reading = _Stalled(), _Reading()
+        req = health_pb2.HealthCheckRequest()
+        stuck = asyncio.ensure_future(health.Watch(req, stalled))
+        other = asyncio.ensure_future(health.Watch(req, reading))
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(health.set("", S.NOT_SERVING), 2)  # the stalled one writes it
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(health.set("", S.SERVING), 2)
+        await asyncio.wait_for(health.end_watches(), 2)
+        await asyncio.wait_for(other, 2)
+        assert reading.writes == [S.SERVING, S.NOT_SERVING, S.SERVING, S.NOT_SERVING]
+        assert stalled.writes == [S.SERVING, S.NOT_SERVING] and not stuck.done()
+        stuck.cancel()
+
+    asyncio.run(main())

@@ -167,3 +167,27 @@ def test_choice_seeds_keep_choice_zero_and_differ_from_each_other():
     assert choice_seed(5, 0) == 5
     seeds = {choice_seed(5, i) for i in range(16)} | {choice_seed(6, i) for i in range(16)}
     assert len(seeds) == 32 and all(0 <= s < 2**64 for s in seeds)
+
+
+@pytest.mark.timeout(30)
+def test_the_choices_bench_reports_a_first_choice_that_fails_before_its_first_token():
+    """router/choices_bench.py, choice 0 first: a choice 0 that ends without a token (here a
+    worker lost before it) is the run's error, not a wait without end for its first token."""
+    from router.choices_bench import choices
+    from router.errors import WorkerLost
+    from router.vocab import RoutePath
+
+    class Lost:
+        async def kv_stats(self):
+            return {}
+
+        async def generate(self, ids, params, placement):
+            raise WorkerLost("decode-0", "gone")
+            yield  # an async generator, as Cluster.generate is
+
+    async def main() -> None:
+        run = choices(Lost(), [1, 2, 3], RoutePath.DISAGGREGATED, 3, 4, "first")  # type: ignore[arg-type]
+        with pytest.raises(WorkerLost):
+            await asyncio.wait_for(run, 10)
+
+    asyncio.run(main())

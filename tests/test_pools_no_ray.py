@@ -151,6 +151,9 @@ def test_a_resize_past_max_workers_is_refused_before_any_worker_starts(monkeypat
             pools.ops.call(Resizes(pools).scale(3, None, None), 10)  # 3 prefill + the 2 decode
         with pytest.raises(ValueError, match="100002 workers: at most 4"):
             pools.ops.call(Resizes(pools).scale(None, None, None, num_both=100000), 10)
+        for drain in (float("inf"), float("nan"), -1.0):  # a drain without end holds every resize
+            with pytest.raises(ValueError, match="^drain_timeout_s: must be a finite number >= 0"):
+                pools.ops.call(Resizes(pools).scale(None, 1, drain), 10)
         assert spawned == []
     finally:
         pools.ops.stop()

@@ -258,6 +258,9 @@ def test_bad_sizes_are_refused_naming_the_field(srv, caplog):
             (admin_pb2.ScaleRequest(decode=0), "decode"),
             (admin_pb2.ScaleRequest(prefill=-1), "prefill"),
             (admin_pb2.ScaleRequest(decode=1, drain_timeout_s=-1), "drain_timeout_s"),
+            # No end to a drain: it would hold every later resize.
+            (admin_pb2.ScaleRequest(decode=1, drain_timeout_s=float("inf")), "drain_timeout_s"),
+            (admin_pb2.ScaleRequest(decode=1, drain_timeout_s=float("nan")), "drain_timeout_s"),
         ):
             with pytest.raises(grpc.RpcError) as err:
                 stub.Scale(req, timeout=10)
