@@ -34,7 +34,9 @@ from router.vocab import FallbackReason, Placement, RoutePath
 from router.worker_calls import (
     GONE,
     UNAVAILABLE,
+    HangWatch,
     abort_soon,
+    hang_watch,
     lost,
     settle_abort,
     stream_of,
@@ -246,7 +248,7 @@ class Cluster:
                     gone or f"{placement.prefill_worker or 'no prefill worker'} is not in the pool"
                 )
                 self.handoffs.fallback(req, FallbackReason.NO_PREFILL_WORKER, why, 0.0, listener)
-            stream = stream_of(d.actor.generate, req)
+            stream = stream_of(d.actor.generate, req, watch=self._watch(d))
         finished = False
         try:
             async for chunk in stream:
@@ -270,6 +272,9 @@ class Cluster:
             d.active -= 1
             if not finished:
                 await settle_abort(self._abort(ids, p, d), self.closing, self.pools.ops.submit)
+
+    def _watch(self, d: WorkerHandle) -> HangWatch | None:
+        return hang_watch(self.pools, d, self.config.worker_hang_timeout_s)
 
     async def _abort(self, ids: list[str], p: WorkerHandle | None, d: WorkerHandle) -> None:
         """One try on each worker, at once; a worker unreachable for now gets the rest on the

@@ -32,6 +32,7 @@ from router.vocab import FallbackReason
 from router.worker_calls import (
     GONE,
     abort_soon,
+    hang_watch,
     lost,
     renew,
     settle_abort,
@@ -82,10 +83,11 @@ class Handoffs:
             raise WorkerLost(d.worker_id, why_gone(d))
         self._check_policy(fell)
         live = replace(req, request_id=ids[-1])  # after any reset on D, its new id
+        watch = hang_watch(self.pools, d, self.config.worker_hang_timeout_s)
         if handed is None:  # nothing reserved on D: it prefills the prompt as a new request
-            stream = stream_of(d.actor.generate, live)
+            stream = stream_of(d.actor.generate, live, watch=watch)
         else:  # D joins it with P's first token, or recomputes it in the blocks it reserved
-            stream = stream_of(d.actor.finish_handoff, live.request_id, *handed)
+            stream = stream_of(d.actor.finish_handoff, live.request_id, *handed, watch=watch)
         async for chunk in stream:
             if chunk.kv_recomputed and not fell:  # P's send ended well, D's receive did not
                 fallback(FallbackReason.TRANSFER_FAILED, f"the KV never reached {d.worker_id}")

@@ -6,9 +6,11 @@ back)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -102,11 +104,72 @@ async def abort_soon(
         return exc
 
 
-async def stream_of(method: Any, *args: Any) -> AsyncIterator[TokenChunk]:
-    """The chunks of a streaming call to a worker's actor, as they come."""
+# A stream silent this long (or half the hang timeout, if less) asks its worker for its load:
+# answered, the worker is stepping.
+PROBE_AFTER_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class HangWatch:
+    """A stream's watch on its worker `h`: silent (no chunk) for `probe_s`, it asks `h` for
+    its load, which a worker answers between two engine steps (worker_protocol/host.py). No
+    answer within `hang_s` either: `h` is hung, as the load poll's watchdog would find it
+    (router/load_poll.py), and it is stopped the same way (Pools.stop_hung: killed, replaced),
+    so the stream ends with its death. Without it a stream from a stopped process (SIGSTOP) or
+    a stuck engine waited without end where nothing polled (Cluster used from Python)."""
+
+    pools: Pools
+    h: WorkerHandle
+    hang_s: float
+
+    @property
+    def probe_s(self) -> float:
+        return min(PROBE_AFTER_S, self.hang_s / 2)
+
+
+def hang_watch(pools: Pools, h: WorkerHandle, hang_s: float) -> HangWatch | None:
+    """A stream's watch on `h` (none with the watchdog off: a hang timeout of 0)."""
+    return HangWatch(pools, h, hang_s) if hang_s > 0 else None
+
+
+async def stream_of(
+    method: Any, *args: Any, watch: HangWatch | None = None
+) -> AsyncIterator[TokenChunk]:
+    """The chunks of a streaming call to a worker's actor, as they come; with `watch`, a worker
+    found hung meanwhile is stopped (one task per stream: nothing more per chunk than a time)."""
     gen = method.options(num_returns="streaming").remote(*args)
-    async for ref in gen:
-        yield await ref
+    if watch is None:
+        async for ref in gen:
+            yield await ref
+        return
+    last = [time.monotonic()]  # the last chunk's time
+    watcher = asyncio.ensure_future(_watch(watch, last))
+    try:
+        async for ref in gen:
+            last[0] = time.monotonic()
+            yield await ref
+    finally:
+        watcher.cancel()
+
+
+async def _watch(watch: HangWatch, last: list[float]) -> None:
+    """Stop `watch.h` once its stream has been silent, and its load unanswered, for long."""
+    while True:
+        await asyncio.sleep(watch.probe_s)
+        if time.monotonic() - last[0] < watch.probe_s:
+            continue
+        try:
+            await within(_load(watch.h), watch.hang_s)
+        except TimeoutError:
+            if time.monotonic() - last[0] >= watch.hang_s:  # no chunk meanwhile either
+                watch.pools.stop_hung(watch.h, time.monotonic() - last[0])
+                return
+
+
+async def _load(h: WorkerHandle) -> None:
+    """A load call to `h`, its answer or failure alike (a failure is the stream's to say)."""
+    with contextlib.suppress(Exception):
+        await h.actor.load.remote()
 
 
 def why_gone(h: WorkerHandle) -> str:
