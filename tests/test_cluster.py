@@ -80,6 +80,14 @@ def leave_after(cluster, prompt, placement, n):
     return got
 
 
+def kv_block_bytes(model: str = "tiny-llama", block_size: int = BLOCK) -> int:
+    """One block's KV bytes for `model` (keys and values of every layer, float32), from its
+    config."""
+    cfg = loaded(model).hf_model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers * 2 * block_size * cfg.num_key_value_heads * head_dim * 4
+
+
 def assert_pools_full(cluster):
     loads = asyncio.run(cluster.load(10.0))
     # Every worker answered: one that did not would pass the checks below unseen.
@@ -146,10 +154,7 @@ def test_client_leaving_mid_stream_frees_everything(cluster, path):
 
 @pytest.mark.timeout(120)
 def test_prefix_cached_on_decode_worker_is_not_sent_again(cluster):
-    cfg = loaded("tiny-llama").hf_model.config
-    kv_heads = cfg.num_key_value_heads
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    block_bytes = cfg.num_hidden_layers * 2 * BLOCK * kv_heads * head_dim * 4
+    block_bytes = kv_block_bytes()
     base = random_prompts([24], seed=53)[0]
     longer = base + random_prompts([10], seed=54)[0]  # 34 tokens: 9 blocks, the first 6 cached
     where = {"prefill_worker": "prefill-0", "decode_worker": "decode-1"}
@@ -218,7 +223,15 @@ def test_logprobs_reach_the_client_on_both_paths(cluster):
             lps.extend(chunk.logprobs)
         return toks, lps
 
+    before, fell = received(cluster), list(cluster.fallbacks)
     (co_toks, co_lps), (dis_toks, dis_lps) = gather([collect(COLO), collect(DIS)])
+    after = received(cluster)
+    # The disaggregated one's KV travelled (one transfer completed, bytes moved, none failed)
+    # and it did not fall back to a local prefill.
+    assert sum(after[w][1] - before[w][1] for w in cluster.decode_ids) == 1
+    assert sum(after[w][0] - before[w][0] for w in after) > 0
+    assert sum(after[w][2] - before[w][2] for w in after) == 0
+    assert list(cluster.fallbacks) == fell
     assert co_toks == dis_toks and len(dis_lps) == len(dis_toks) == 6
     for a, b in zip(co_lps, dis_lps):
         assert a.token_id == b.token_id and len(b.top) == 2

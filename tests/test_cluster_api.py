@@ -89,8 +89,11 @@ def test_placement_takes_a_path_by_its_name():
 def test_a_request_after_shutdown_is_refused_naming_the_shutdown():
     c = Cluster(ClusterConfig(model="tiny-llama", num_prefill=0, num_decode=1, engine=ENGINE))
     prompt = random_prompts([5], seed=1)[0]
-    assert asyncio.run(_collect(c, prompt, Placement(path=RoutePath.COLOCATED)))
-    c.shutdown()
+    try:
+        assert asyncio.run(_collect(c, prompt, Placement(path=RoutePath.COLOCATED)))
+        assert_pools_full(c)  # the request before the shutdown left nothing held
+    finally:
+        c.shutdown()
     for path in (RoutePath.COLOCATED, RoutePath.DISAGGREGATED):
         with pytest.raises(NoWorkers, match="the cluster is shut down"):
             asyncio.run(_collect(c, prompt, Placement(path=path)))

@@ -263,6 +263,10 @@ def test_a_request_that_meets_a_worker_stopped_by_a_resize_resumes_rather_than_f
             with pytest.raises(WorkerLost):
                 asyncio.run(asyncio.wait_for(run(path, path.value), 30))
         assert not c.fallbacks  # the handoff's reserve_kv met it: lost, not a fallback there
+        # Neither request left anything held: on the prefill worker (decode-0's engine is
+        # stopped, its pool gone with it) nor in the router's counts of either worker.
+        wait_full(c.actor("prefill-0"))
+        assert c.pools.workers["prefill-0"].active == h.active == 0
     finally:
         c.shutdown()
 

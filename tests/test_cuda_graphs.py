@@ -68,6 +68,7 @@ def test_the_sdpa_backend_runs_eagerly(replayed):
     assert eng.runner.attention.name == "sdpa" and eng.runner.graphs is None
     (res,) = eng.generate(random_prompts([7], seed=2), SamplingParams(max_tokens=6, temperature=0))
     assert list(res.token_ids) == hf_greedy("tiny-llama", random_prompts([7], seed=2)[0], 6)
+    assert_pool_free(eng)
 
 
 def test_steps_streaming_kv_per_layer_run_eagerly(replayed):
@@ -84,6 +85,7 @@ def test_steps_streaming_kv_per_layer_run_eagerly(replayed):
         steps += 1
     assert steps == 5 and sum(graphs.replays.values()) == 0
     assert layers == list(range(eng.runner.model.num_layers)) * steps
+    assert_pool_free(eng)
 
 
 def test_mixed_steps_run_eagerly_and_eager_engines_capture_nothing(replayed):
@@ -101,6 +103,8 @@ def test_mixed_steps_run_eagerly_and_eager_engines_capture_nothing(replayed):
     assert [
         r.token_ids for r in plain.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
     ] == [r.token_ids for r in res]
+    assert_pool_free(eng)
+    assert_pool_free(plain)
 
 
 def test_reallocated_buffers_are_captured_again(replayed):
@@ -137,6 +141,7 @@ def test_a_hook_asked_for_only_where_wanted_leaves_the_other_steps_to_graphs(rep
     assert not eng.has_unfinished_requests()
     assert layers == list(range(eng.runner.model.num_layers)) * wanted.count(True)
     assert sum(graphs.replays.values()) == wanted.count(False)
+    assert_pool_free(eng)
 
 
 def test_a_dead_engine_with_graphs_frees_its_runner_without_a_collection(replayed):

@@ -15,6 +15,7 @@ from pdserve_proto import generation_pb2 as pb
 from pdserve_proto import generation_pb2_grpc as pb_grpc
 from tests.grpc_server import ServerThread, tiny_config
 from tests.helpers import hf_greedy, random_prompts
+from tests.test_cluster import kv_block_bytes
 from tests.test_router_grpc import assert_pools_full, received
 
 MODEL = "tiny-llama"
@@ -32,6 +33,14 @@ def srv():
     s = ServerThread(tiny_config(http_port=0, metrics_port=0))
     yield s
     s.close()
+
+
+@pytest.fixture(autouse=True)
+def pools_full_after_each_test(srv):
+    """After each test every live worker's pool is full and idle, and the router's books are
+    empty."""
+    yield
+    assert_pools_full(srv, within_s=5)
 
 
 @pytest.fixture(scope="module")
@@ -197,14 +206,20 @@ def test_the_choices_bench_measures_both_orders_on_the_servers_workers(srv):
 
     together, first = random_prompts([41, 41], seed=9)
     cluster = srv.server.cluster
+    block = kv_block_bytes("tiny-llama", 4)  # one block of 4 tokens, from the model's config
+    assert block > 0
+    before, fell = received(srv), list(cluster.fallbacks)
     got = {
         order: srv.run(choices(cluster, ids, RoutePath.DISAGGREGATED, 3, 4, order))
         for order, ids in (("together", together), ("first", first))
     }
     assert got["together"]["all_done_s"] >= got["together"]["all_first_token_s"] > 0
-    block = got["together"]["kv_bytes"] // 3 // 11  # 11 blocks of 4 tokens a prompt
-    assert got["together"]["kv_bytes"] == 3 * 11 * block
+    assert got["together"]["kv_bytes"] == 3 * 11 * block  # 11 blocks of 4 tokens a prompt
     assert got["first"]["kv_bytes"] == (11 + 2) * block
+    # All six choices were handed off: six transfers completed, none fell back.
+    nbytes, ok = received(srv)
+    assert ok - before[1] == 6 and nbytes - before[0] == (3 * 11 + 11 + 2) * block
+    assert list(cluster.fallbacks) == fell
     assert_pools_full(srv, within_s=2.0)
 
 

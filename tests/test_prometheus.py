@@ -27,6 +27,7 @@ from tests.grpc_server import ServerThread
 from tests.helpers import random_prompts
 from tests.prometheus_server import DEPLOY, api, rules, tool
 from tests.prometheus_server import prometheus as run_prometheus
+from tests.test_router_grpc import assert_pools_full
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 4
@@ -57,6 +58,16 @@ def srv():
     s = ServerThread(config)
     yield s
     s.close()
+
+
+@pytest.fixture(autouse=True)
+def pools_full_after_each_test(request):
+    """After each test that ran on the module's server, every live worker's pool is full and
+    idle, and the router's books are empty (a test without the server does not start one)."""
+    srv = request.getfixturevalue("srv") if "srv" in request.fixturenames else None
+    yield
+    if srv is not None:
+        assert_pools_full(srv, within_s=5)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from router.cluster import ClusterConfig
 from router.serve_config import ServeConfig
 from tests.grpc_server import ServerThread
 from tests.helpers import hf_greedy, random_prompts
+from tests.test_router_grpc import assert_pools_full
 
 MODEL = "tiny-llama"
 MAX_NEW = 40
@@ -45,6 +46,14 @@ def srv():
     s = ServerThread(config)
     yield s
     s.close()
+
+
+@pytest.fixture(autouse=True)
+def pools_full_after_each_test(srv):
+    """After each test every live worker's pool is full and idle, and the router's books are
+    empty."""
+    yield
+    assert_pools_full(srv, within_s=5)
 
 
 class Load:
@@ -151,15 +160,9 @@ def test_scale_up_and_down_under_load_fails_no_request(srv):
         assert final.kv_fallback == "", final
     survivors = {*cluster.prefill_ids, *cluster.decode_ids}
     assert {f.decode_worker for _, _, f in load.done[mark:]} <= survivors
-    # Nothing left behind on the survivors; the router's books are empty.
-    deadline = time.monotonic() + 10
-    while True:
-        loads = srv.run(cluster.load())
-        if all(ld.num_free_blocks == ld.num_blocks and not ld.running for ld in loads):
-            break
-        assert time.monotonic() < deadline, loads
-        time.sleep(0.1)
-    assert srv.server.core.pending == srv.server.core.active == 0
+    # Nothing left behind on the survivors (no block, hold, wait for KV or open transfer); the
+    # router's books are empty.
+    assert_pools_full(srv, within_s=10)
 
 
 @pytest.mark.timeout(300)

@@ -14,6 +14,7 @@ from pdserve_proto import generation_pb2_grpc as pb_grpc
 from router.cluster import ClusterConfig
 from tests.grpc_server import TINY_ENGINE, decoding, tiny_server
 from tests.helpers import hf_greedy, random_prompts
+from tests.test_router_grpc import assert_pools_full
 
 MODEL = "tiny-llama"
 MAX_NEW = 600
@@ -25,6 +26,14 @@ def srv():
     s = tiny_server(ClusterConfig(model=MODEL, num_prefill=1, num_decode=3, engine=TINY_ENGINE))
     yield s
     s.close()
+
+
+@pytest.fixture(autouse=True)
+def pools_full_after_each_test(srv):
+    """After each test every live worker's pool is full and idle, and the router's books are
+    empty."""
+    yield
+    assert_pools_full(srv, within_s=5)
 
 
 @pytest.mark.timeout(120)
@@ -60,20 +69,14 @@ def test_a_dead_decode_worker_s_request_resumes_on_another_token_for_token(srv, 
     assert final is not None and final.usage.completion_tokens == MAX_NEW
     assert killed in cluster.dead
     assert final.decode_worker != killed  # the survivor finished it
-    # The survivor's pool is full again; the router's books are empty.
-    deadline = time.monotonic() + 5
-    while True:
-        loads = srv.run(cluster.load())
-        if all(ld.num_free_blocks == ld.num_blocks and not ld.running for ld in loads):
-            break
-        assert time.monotonic() < deadline, loads
-        time.sleep(0.05)
-    assert srv.server.core.pending == srv.server.core.active == 0
     # A new actor under the dead worker's id takes load again, and the metrics say so.
     deadline = time.monotonic() + 60
     while killed not in cluster.decode_ids:
         assert time.monotonic() < deadline, f"{killed} was not replaced within 60 s"
         time.sleep(0.1)
+    # The survivors' pools are full again (nothing held, waiting for KV or in transfer); the
+    # router's books are empty.
+    assert_pools_full(srv, within_s=5)
     assert cluster.worker_info(killed).incarnation >= 1
     srv.run(srv.server.core.refresh())
     assert metric("pdserve_worker_restarts_total", {"role": "decode"}) == restarts + 1
@@ -109,9 +112,17 @@ def handed_off_and_resumed(srv, rid: str, prompt: list[int], sampling: pb.Sampli
     on another (checked): its tokens. Waits for the killed worker's replacement."""
     cluster = srv.server.cluster
     resumed = srv.server.core.resumed
+    before = srv.run(cluster.kv_stats())
     got, final, killed = stream(srv, rid, prompt, sampling, pb.PATH_DISAGGREGATED, kill=True)
     # Handed off first, and again once resumed (the path asked), on the prefill worker.
     assert final.path == pb.PATH_DISAGGREGATED and final.prefill_worker and final.resumed == 1
+    # The resumed handoff moved its KV to the decode worker that finished it (a transfer
+    # completed, bytes received), and nothing fell back to a local prefill.
+    assert final.kv_fallback == "", final.kv_fallback
+    after = srv.run(cluster.kv_stats())[final.decode_worker]
+    was = before.get(final.decode_worker)
+    assert after.ok > (was.ok if was else 0), (was, after)
+    assert after.bytes_received > (was.bytes_received if was else 0), (was, after)
     assert killed in cluster.dead and final.decode_worker != killed
     assert srv.server.core.resumed == resumed + 1
     deadline = time.monotonic() + 60  # the module's workers as they were, for the next test

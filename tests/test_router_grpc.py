@@ -44,6 +44,14 @@ def srv():
     s.close()
 
 
+@pytest.fixture(autouse=True)
+def pools_full_after_each_test(srv):
+    """After each test every live worker's pool is full and idle, and the router's books are
+    empty."""
+    yield
+    assert_pools_full(srv, within_s=5)
+
+
 @pytest.fixture(scope="module")
 def stub(srv):
     with grpc.insecure_channel(srv.address) as channel:
@@ -137,8 +145,13 @@ def test_a_handoff_reports_its_prefill_worker_s_prefix_cache_hit(srv, stub):
     toks, colocated = unary_tokens(stub, replace_path(greedy(prompt), pb.PATH_COLOCATED))
     assert toks == want and colocated.usage.cached_prompt_tokens == 0
     req = replace_path(greedy(prompt), pb.PATH_DISAGGREGATED)
+    # Each handoff completes a transfer that moves KV bytes, and neither falls back.
+    before = received(srv)
     first_toks, first = unary_tokens(stub, req)
+    assert_handed_off(srv, before, [first])
+    before = received(srv)
     again_toks, again = unary_tokens(stub, req)
+    assert_handed_off(srv, before, [again])
     assert first_toks == again_toks == want
     assert first.path == again.path == pb.PATH_DISAGGREGATED and not again.kv_fallback
     assert (first.usage.cached_prompt_tokens, again.usage.cached_prompt_tokens) == (0, 60)

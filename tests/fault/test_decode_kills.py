@@ -19,6 +19,7 @@ from router.cluster import ClusterConfig
 from router.serve_config import ServeConfig
 from tests.grpc_server import ServerThread
 from tests.helpers import hf_greedy, random_prompts
+from tests.test_router_grpc import assert_pools_full
 from worker_protocol.messages import WorkerRole
 
 MODEL = "tiny-llama"
@@ -95,33 +96,38 @@ def test_ten_decode_worker_kills_under_load_lose_nothing(ledger):
     cluster = srv.server.cluster
     resumed0 = srv.server.core.resumed
     try:
-        for t in threads:
-            t.start()
-        for _ in range(KILLS):
-            deadline = time.monotonic() + 30
-            while (victim := holder(srv)) is None:  # strike a worker that holds a stream
-                assert time.monotonic() < deadline, "no stream to strike"
-                time.sleep(0.01)
-            incarnation = cluster.pools.workers[victim].incarnation
-            os.kill(cluster.worker_info(victim).pid, signal.SIGKILL)
-            # The next kill waits until the router has seen this one and it was replaced (a
-            # stream outlives at most two dead workers: strikes in a row could kill a third).
-            deadline = time.monotonic() + 180
-            while unseen(srv, victim, incarnation) or len(cluster.decode_ids) < 3:
-                assert time.monotonic() < deadline, f"{victim} was not replaced: {pools(srv)}"
-                time.sleep(0.05)
-        deadline = time.monotonic() + 120
-        while len(cluster.decode_ids) < 3:  # every one replaced in the end
-            assert time.monotonic() < deadline, f"not every one was replaced: {pools(srv)}"
-            time.sleep(0.1)
+        try:
+            for t in threads:
+                t.start()
+            for _ in range(KILLS):
+                deadline = time.monotonic() + 30
+                while (victim := holder(srv)) is None:  # strike a worker that holds a stream
+                    assert time.monotonic() < deadline, "no stream to strike"
+                    time.sleep(0.01)
+                incarnation = cluster.pools.workers[victim].incarnation
+                os.kill(cluster.worker_info(victim).pid, signal.SIGKILL)
+                # The next kill waits until the router has seen this one and it was replaced (a
+                # stream outlives at most two dead workers: strikes in a row could kill a third).
+                deadline = time.monotonic() + 180
+                while unseen(srv, victim, incarnation) or len(cluster.decode_ids) < 3:
+                    assert time.monotonic() < deadline, f"{victim} was not replaced: {pools(srv)}"
+                    time.sleep(0.05)
+            deadline = time.monotonic() + 120
+            while len(cluster.decode_ids) < 3:  # every one replaced in the end
+                assert time.monotonic() < deadline, f"not every one was replaced: {pools(srv)}"
+                time.sleep(0.1)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(150)
+            lost = sent[0] - len(done) - len(failed)
+            ledger.add(injected=KILLS, sent=sent[0], completed=len(done), failed=len(failed))
+            resumed = srv.server.core.resumed - resumed0
+            restarts = cluster.restarts[WorkerRole.DECODE]
+        # Every block the killed and surviving workers allocated is free again, and nothing is
+        # left waiting for KV or holding a transfer open.
+        assert_pools_full(srv, within_s=15)
     finally:
-        stop.set()
-        for t in threads:
-            t.join(150)
-        lost = sent[0] - len(done) - len(failed)
-        ledger.add(injected=KILLS, sent=sent[0], completed=len(done), failed=len(failed))
-        resumed = srv.server.core.resumed - resumed0
-        restarts = cluster.restarts[WorkerRole.DECODE]
         srv.close()
     assert not failed, failed
     assert lost == 0

@@ -18,6 +18,7 @@ from pdserve_proto import generation_pb2_grpc as pb_grpc
 from router.cluster import ClusterConfig
 from tests.grpc_server import TINY_ENGINE, decoding, tiny_server
 from tests.helpers import hf_greedy, random_prompts
+from tests.test_router_grpc import assert_pools_full
 
 MODEL = "tiny-llama"
 MAX_NEW = 400
@@ -48,20 +49,6 @@ def replaced(srv, worker: str) -> None:
         assert time.monotonic() < deadline, f"{worker} was not replaced within 90 s"
         time.sleep(0.1)
     assert cluster.worker_info(worker).incarnation == 1
-
-
-def pools_full(srv) -> None:
-    cluster = srv.server.cluster
-    deadline = time.monotonic() + 10
-    while True:
-        loads = srv.run(cluster.load())
-        if len(loads) == 3 and all(
-            ld.num_free_blocks == ld.num_blocks and not ld.running and not ld.waiting_for_kv
-            for ld in loads
-        ):
-            return
-        assert time.monotonic() < deadline, loads
-        time.sleep(0.1)
 
 
 def end(pid: int) -> None:
@@ -128,7 +115,8 @@ def test_a_hung_decode_worker_is_stopped_and_replaced_and_its_stream_resumes(srv
         assert metric("pdserve_worker_failures_total", labels) == 1
         assert metric("pdserve_worker_hangs_total", {"worker": other, "role": "decode"}) == 0
         assert metric("pdserve_requests_resumed_total") == resumed + 1
-        pools_full(srv)
+        assert len(cluster.pools.live()) == 3  # the replacement among them
+        assert_pools_full(srv, within_s=10)
     finally:
         if pid:
             end(pid)
@@ -165,6 +153,7 @@ def test_a_hung_prefill_worker_is_stopped_and_its_handoff_prefilled_on_its_decod
         labels = {"worker": victim, "role": "prefill"}
         assert metric("pdserve_worker_hangs_total", labels) == 1
         assert metric("pdserve_local_prefill_fallbacks_total", {"reason": "prefill_failed"}) == 1
-        pools_full(srv)
+        assert len(cluster.pools.live()) == 3  # the replacement among them
+        assert_pools_full(srv, within_s=10)
     finally:
         end(pid)
