@@ -84,6 +84,7 @@ class LoadPoll:
                 if isinstance(answer, WorkerLoad):
                     self._since.pop(h, None)
             if isinstance(answer, WorkerLoad):
+                h.answered_at = now  # a stream's own watch need not ask it (HangWatch)
                 out.loads.append(answer)
             elif not isinstance(answer, UNAVAILABLE):
                 out.failed.append((h, answer))

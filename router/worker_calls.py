@@ -153,23 +153,28 @@ async def stream_of(
 
 
 async def _watch(watch: HangWatch, last: list[float]) -> None:
-    """Stop `watch.h` once its stream has been silent, and its load unanswered, for long."""
+    """Stop `watch.h` once its stream has been silent, and its load unanswered, for long. A
+    load the router's poll got from it meanwhile is an answer too: a polled worker is not
+    asked again (one call per stream and `probe_s` where nothing polls)."""
+    h = watch.h
     while True:
         await asyncio.sleep(watch.probe_s)
-        if time.monotonic() - last[0] < watch.probe_s:
+        if time.monotonic() - max(last[0], h.answered_at) < watch.probe_s:
             continue
         try:
-            await within(_load(watch.h), watch.hang_s)
+            await within(_load(h), watch.hang_s)
         except TimeoutError:
-            if time.monotonic() - last[0] >= watch.hang_s:  # no chunk meanwhile either
-                watch.pools.stop_hung(watch.h, time.monotonic() - last[0])
+            silent = time.monotonic() - max(last[0], h.answered_at)
+            if silent >= watch.hang_s:  # no chunk meanwhile, nor a poll's answer
+                watch.pools.stop_hung(h, silent)
                 return
 
 
 async def _load(h: WorkerHandle) -> None:
-    """A load call to `h`, its answer or failure alike (a failure is the stream's to say)."""
+    """A load call to `h`; its answer's time kept (a failure is the stream's to say)."""
     with contextlib.suppress(Exception):
         await h.actor.load.remote()
+        h.answered_at = time.monotonic()
 
 
 def why_gone(h: WorkerHandle) -> str:

@@ -1,0 +1,83 @@
+"""A stream's own watch on its worker (router/worker_calls.py, HangWatch), on stand-ins: a
+worker that answers load calls is never taken for hung however long its stream is silent; one
+that answers nothing is stopped once silent for the hang timeout; and a worker the router's poll
+hears from is not asked again."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from router.worker_calls import HangWatch, _watch
+
+HANG_S = 0.4  # probe_s: 0.2
+
+
+class Worker:
+    """A handle stand-in whose actor's load call answers after `answer_s` (None: never)."""
+
+    def __init__(self, answer_s: float | None) -> None:
+        self.answered_at = 0.0
+        self.calls = 0
+        self.answer_s = answer_s
+        self.actor = SimpleNamespace(load=SimpleNamespace(remote=self._load))
+
+    async def _load(self) -> None:
+        self.calls += 1
+        if self.answer_s is None:
+            await asyncio.Event().wait()
+        await asyncio.sleep(self.answer_s)
+
+
+class Pools:
+    def __init__(self) -> None:
+        self.stopped: list[tuple[Worker, float]] = []
+
+    def stop_hung(self, h: Worker, silent_s: float) -> None:
+        self.stopped.append((h, silent_s))
+
+
+def watch_for(seconds: float, w: Worker, polled: bool = False) -> Pools:
+    """Run the watch of a stream silent from the start for `seconds`; with `polled`, the
+    router's poll hears from the worker every 0.05 s meanwhile."""
+    pools = Pools()
+
+    async def main() -> None:
+        watcher = asyncio.ensure_future(_watch(HangWatch(pools, w, HANG_S), [time.monotonic()]))  # type: ignore[arg-type]
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not watcher.done():
+            if polled:
+                w.answered_at = time.monotonic()
+            await asyncio.sleep(0.05)
+        watcher.cancel()
+
+    asyncio.run(main())
+    return pools
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_that_answers_its_load_is_never_taken_for_hung():
+    w = Worker(answer_s=0.01)
+    assert watch_for(2.0, w).stopped == []
+    assert 3 <= w.calls <= 12, w.calls  # asked about once per probe_s of silence
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_that_answers_nothing_is_stopped_once_silent_for_the_hang_timeout():
+    w = Worker(answer_s=None)
+    t0 = time.monotonic()
+    stopped = watch_for(5.0, w).stopped
+    assert [h for h, _ in stopped] == [w], stopped
+    silent = stopped[0][1]
+    assert HANG_S <= silent <= time.monotonic() - t0, silent
+    assert w.calls == 1  # one call, unanswered through the hang timeout
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_the_routers_poll_hears_from_is_not_asked_again():
+    w = Worker(answer_s=None)  # it would be taken for hung if asked
+    assert watch_for(2.0, w, polled=True).stopped == []
+    assert w.calls == 0
