@@ -34,7 +34,6 @@ from router.vocab import FallbackReason, Placement, RoutePath
 from router.worker_calls import (
     GONE,
     UNAVAILABLE,
-    HangWatch,
     abort_soon,
     hang_watch,
     lost,
@@ -248,7 +247,8 @@ class Cluster:
                     gone or f"{placement.prefill_worker or 'no prefill worker'} is not in the pool"
                 )
                 self.handoffs.fallback(req, FallbackReason.NO_PREFILL_WORKER, why, 0.0, listener)
-            stream = stream_of(d.actor.generate, req, watch=self._watch(d))
+            watch = hang_watch(self.pools, d, self.config.worker_hang_timeout_s)
+            stream = stream_of(d.actor.generate, req, watch=watch)
         finished = False
         try:
             async for chunk in stream:
@@ -269,12 +269,10 @@ class Cluster:
             )
             raise WorkerLost(d.worker_id, why) from exc
         finally:
+            await stream.aclose()  # its hang watch ends with it
             d.active -= 1
             if not finished:
                 await settle_abort(self._abort(ids, p, d), self.closing, self.pools.ops.submit)
-
-    def _watch(self, d: WorkerHandle) -> HangWatch | None:
-        return hang_watch(self.pools, d, self.config.worker_hang_timeout_s)
 
     async def _abort(self, ids: list[str], p: WorkerHandle | None, d: WorkerHandle) -> None:
         """One try on each worker, at once; a worker unreachable for now gets the rest on the

@@ -15,10 +15,11 @@ hung, or stopped by a resize) while P prefills, the request resumes elsewhere at
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import replace
 from typing import TypeVar
 
@@ -67,7 +68,7 @@ class Handoffs:
         listener: HandoffListener,
         kv_due_in_s: float,
         ids: list[str],
-    ) -> AsyncIterator[TokenChunk]:
+    ) -> AsyncGenerator[TokenChunk, None]:
         t0 = time.monotonic()
         fell: list[tuple[FallbackReason, str]] = []
 
@@ -88,11 +89,12 @@ class Handoffs:
             stream = stream_of(d.actor.generate, live, watch=watch)
         else:  # D joins it with P's first token, or recomputes it in the blocks it reserved
             stream = stream_of(d.actor.finish_handoff, live.request_id, *handed, watch=watch)
-        async for chunk in stream:
-            if chunk.kv_recomputed and not fell:  # P's send ended well, D's receive did not
-                fallback(FallbackReason.TRANSFER_FAILED, f"the KV never reached {d.worker_id}")
-                self._check_policy(fell)
-            yield chunk
+        async with contextlib.aclosing(stream):  # its hang watch ends with it
+            async for chunk in stream:
+                if chunk.kv_recomputed and not fell:  # P's send ended well, D's receive did not
+                    fallback(FallbackReason.TRANSFER_FAILED, f"the KV never reached {d.worker_id}")
+                    self._check_policy(fell)
+                yield chunk
 
     def _check_policy(self, fell: list[tuple[FallbackReason, str]]) -> None:
         """Under --kv-failure-policy fail, a fallback ends the request (generate's cleanup then

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,7 +134,7 @@ def hang_watch(pools: Pools, h: WorkerHandle, hang_s: float) -> HangWatch | None
 
 async def stream_of(
     method: Any, *args: Any, watch: HangWatch | None = None
-) -> AsyncIterator[TokenChunk]:
+) -> AsyncGenerator[TokenChunk, None]:
     """The chunks of a streaming call to a worker's actor, as they come; with `watch`, a worker
     found hung meanwhile is stopped (one task per stream: nothing more per chunk than a time)."""
     gen = method.options(num_returns="streaming").remote(*args)
@@ -153,27 +153,33 @@ async def stream_of(
 
 
 async def _watch(watch: HangWatch, last: list[float]) -> None:
-    """Stop `watch.h` once its stream has been silent, and its load unanswered, for long. A
+    """Stop `watch.h` once its stream has been silent, and its pings unanswered, for long. A
     load the router's poll got from it meanwhile is an answer too: a polled worker is not
-    asked again (one call per stream and `probe_s` where nothing polls)."""
+    asked again (one call per stream and `probe_s` where nothing polls). A ping that fails is
+    no hang of this watch's to find: the stream says what became of the worker."""
     h = watch.h
-    while True:
+    while h.up:
         await asyncio.sleep(watch.probe_s)
         if time.monotonic() - max(last[0], h.answered_at) < watch.probe_s:
             continue
+        ref: Any = h.actor.ping.remote()
         try:
-            await within(_load(h), watch.hang_s)
+            await within(_answer(h, ref), watch.hang_s)
         except TimeoutError:
+            # This loop may itself have stalled (a caller's blocking work): an answer that
+            # came meanwhile counts.
+            if ray.wait([ref], timeout=0)[0]:
+                h.answered_at = time.monotonic()
+                continue
             silent = time.monotonic() - max(last[0], h.answered_at)
             if silent >= watch.hang_s:  # no chunk meanwhile, nor a poll's answer
                 watch.pools.stop_hung(h, silent)
                 return
 
 
-async def _load(h: WorkerHandle) -> None:
-    """A load call to `h`; its answer's time kept (a failure is the stream's to say)."""
+async def _answer(h: WorkerHandle, ref: Any) -> None:
     with contextlib.suppress(Exception):
-        await h.actor.load.remote()
+        await ref
         h.answered_at = time.monotonic()
 
 

@@ -11,21 +11,23 @@ from types import SimpleNamespace
 
 import pytest
 
+from router import worker_calls
 from router.worker_calls import HangWatch, _watch
 
 HANG_S = 0.4  # probe_s: 0.2
 
 
 class Worker:
-    """A handle stand-in whose actor's load call answers after `answer_s` (None: never)."""
+    """A handle stand-in whose actor's ping answers after `answer_s` (None: never)."""
 
     def __init__(self, answer_s: float | None) -> None:
         self.answered_at = 0.0
         self.calls = 0
         self.answer_s = answer_s
-        self.actor = SimpleNamespace(load=SimpleNamespace(remote=self._load))
+        self.up = True
+        self.actor = SimpleNamespace(ping=SimpleNamespace(remote=self._ping))
 
-    async def _load(self) -> None:
+    async def _ping(self) -> None:
         self.calls += 1
         if self.answer_s is None:
             await asyncio.Event().wait()
@@ -38,6 +40,12 @@ class Pools:
 
     def stop_hung(self, h: Worker, silent_s: float) -> None:
         self.stopped.append((h, silent_s))
+
+
+@pytest.fixture(autouse=True)
+def no_ray(monkeypatch):
+    """The stand-ins' answers are coroutines, not Ray's refs: none is ready unless awaited."""
+    monkeypatch.setattr(worker_calls.ray, "wait", lambda refs, timeout: ([], refs))
 
 
 def watch_for(seconds: float, w: Worker, polled: bool = False) -> Pools:
@@ -63,6 +71,8 @@ def test_a_worker_that_answers_its_load_is_never_taken_for_hung():
     w = Worker(answer_s=0.01)
     assert watch_for(2.0, w).stopped == []
     assert 3 <= w.calls <= 12, w.calls  # asked about once per probe_s of silence
+    w.up, asked = False, w.calls  # gone (dead, stopped): its stream says so; the watch ends
+    assert watch_for(1.0, w).stopped == [] and w.calls == asked
 
 
 @pytest.mark.timeout(30)

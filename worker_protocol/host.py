@@ -175,6 +175,12 @@ class EngineHost:
         """KV transfers still tracked for this worker; a transfer side overrides it."""
         return 0
 
+    async def ping(self) -> None:
+        """Answered between two engine steps, as `load` is, but with nothing taken: a stream's
+        hang watch asks it (router/worker_calls.py), and `load` drains the step stats that
+        only the router's poll may take."""
+        await self.aeng.call(lambda e: None)
+
     async def load(self) -> WorkerLoad:
         load = await self.aeng.call(lambda e: engine_load(e, self.worker_id, self.role))
         return replace(
