@@ -60,7 +60,7 @@ class DrainingHealth(health_pb2_grpc.HealthServicer):
             if status != said:
                 await context.write(health_pb2.HealthCheckResponse(status=status))
                 said = status
-            if self._ending:
+            if self._ending and said == NOT_SERVING:  # ending came while it wrote: say so
                 return
             async with changed:
                 while self._watched(request.service) == said and not self._ending:

@@ -102,3 +102,32 @@ def test_a_watcher_that_reads_nothing_holds_up_neither_a_change_nor_the_end_of_t
         stuck.cancel()
 
     asyncio.run(main())
+
+
+class _Slow:
+    """A watcher's context whose writes take a while (a slow client): the end comes mid-write."""
+
+    def __init__(self) -> None:
+        self.writes: list[int] = []
+
+    async def write(self, msg) -> None:
+        self.writes.append(msg.status)
+        await asyncio.sleep(0.2)
+
+
+@pytest.mark.timeout(30)
+def test_a_watch_the_end_finds_mid_write_still_says_not_serving_before_it_ends():
+    async def main() -> None:
+        health = DrainingHealth()
+        await health.set("", S.NOT_SERVING)
+        slow = _Slow()
+        watch = asyncio.ensure_future(health.Watch(health_pb2.HealthCheckRequest(), slow))
+        await asyncio.sleep(0.05)
+        await health.set("", S.SERVING)
+        await asyncio.sleep(0.25)  # its SERVING write under way
+        await health.set("", S.NOT_SERVING)
+        await health.end_watches()
+        await asyncio.wait_for(watch, 5)
+        assert slow.writes == [S.NOT_SERVING, S.SERVING, S.NOT_SERVING], slow.writes
+
+    asyncio.run(main())
