@@ -104,14 +104,12 @@ def read_file(path: Path) -> dict[str, Any]:
             raise OptionError(f"{where}: {name}: {exc}") from None
         if option.is_path and out[name] is not None and not out[name].is_absolute():
             out[name] = path.absolute().parent / out[name]  # wherever serve runs
-        elif name == "model":
-            out[name] = _model(out[name], path)
     return out
 
 
-def _model(model: str, config: Path) -> str:
-    """`model` as the file gives it: a relative folder or .gguf file is the file's folder's, as
-    the other paths are; a built-in name is itself."""
+def model_beside(model: str, config: Path) -> str:
+    """`model` as a file gives it: a relative folder or .gguf file is the file's folder's, as
+    the file's other paths are; a built-in name is itself."""
     from engine.loader import BUILTIN_MODELS  # torch's and transformers' imports: only here
 
     if model in BUILTIN_MODELS:

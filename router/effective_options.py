@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from router.config_file import read_file
+from router.config_file import model_beside, read_file
 from router.option_values import OptionError
 from router.serve_options import HOLD_SHARE, OPTIONS
 
@@ -148,6 +148,11 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
     values = {o.name: o.default for o in OPTIONS}
     if args.config is not None:
         values.update(read_file(args.config))
+        if not hasattr(args, "model"):  # the file's model, where no flag gives one
+            written = values["model"]
+            values["model"] = model_beside(written, args.config)
+            if values["model"] != written and values["served_model_name"] is None:
+                values["served_model_name"] = written  # served as the file names it
     values.update({o.name: getattr(args, o.name) for o in OPTIONS if hasattr(args, o.name)})
     if values["decode"] + values["workers"] < 1:
         raise OptionError(

@@ -356,7 +356,7 @@ def test_log_level_sets_what_the_server_logs(level, shown):
 def test_a_model_folder_in_the_file_is_the_files_and_the_served_name_is_its_own(tmp_path):
     """A relative `model` in the file is a folder (or .gguf file) beside the file, wherever serve
     runs, as the file's other paths are; a built-in name stays a name. `served_model_name`, from
-    the file or a flag, is the name the APIs give; none: the model as resolved."""
+    the file or a flag, is the name the APIs give; none: the model as the file names it."""
     conf = tmp_path / "etc"
     conf.mkdir()
     path = conf / "pdserve.yaml"
@@ -366,6 +366,12 @@ def test_a_model_folder_in_the_file_is_the_files_and_the_served_name_is_its_own(
     assert config.served_model_name == config.model_name == "llama-small"
     flagged = _parse(["serve", "--config", str(path), "--served-model-name", "other"])
     assert effective_options.resolve(flagged).serve_config().model_name == "other"
+    path.write_text("model: models/my-llama\n")  # no name: served as the file names it
+    config = effective_options.resolve(_parse(["serve", "--config", str(path)])).serve_config()
+    assert config.cluster.model == str(conf / "models" / "my-llama")
+    assert config.model_name == "models/my-llama"
+    flagged = _parse(["serve", "--config", str(path), "--model", "tiny-qwen2"])  # a flag's own
+    assert effective_options.resolve(flagged).serve_config().model_name == "tiny-qwen2"
     path.write_text("model: tiny-llama\n")
     config = effective_options.resolve(_parse(["serve", "--config", str(path)])).serve_config()
     assert config.cluster.model == config.model_name == "tiny-llama"
