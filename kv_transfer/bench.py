@@ -19,6 +19,7 @@ what it costs (on/off) side by side.
 from __future__ import annotations
 
 import argparse
+import queue
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
@@ -213,7 +214,7 @@ def run(config: TorchDistConfig) -> tuple[list[BenchRow], list[OverlapFigure]]:
     for p in procs:
         p.start()
     try:
-        rows, figs, failed = results.get(timeout=300)
+        rows, figs, failed = _result(results, procs, 300.0)
     finally:
         for p in procs:
             p.join(30)
@@ -222,6 +223,21 @@ def run(config: TorchDistConfig) -> tuple[list[BenchRow], list[OverlapFigure]]:
     if failed:
         raise RuntimeError(f"{failed} transfers failed during the bench")
     return rows, figs
+
+
+def _result(results: Any, procs: list[Any], timeout_s: float) -> Any:
+    """Rank 0's figures, or an error as soon as a process has failed (its peer's barrier then
+    breaks too) or `timeout_s` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"a bench process exited with {failed[0]}") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no figures within {timeout_s:.0f} s") from None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -53,12 +53,15 @@ async def choices(
     if order == "first":
         zero = asyncio.ensure_future(_choice(cluster, ids, path, n_out, t0, firsts[0]))
         first = asyncio.ensure_future(firsts[0].wait())
-        await asyncio.wait((zero, first), return_when=asyncio.FIRST_COMPLETED)
-        first.cancel()
-        if zero.done() and zero.exception() is not None:
-            raise zero.exception()  # type: ignore[misc]  # ended before its first token
-        rest = [_choice(cluster, ids, path, n_out, t0, e) for e in firsts[1:]]
-        times = await asyncio.gather(zero, *rest)
+        try:
+            await asyncio.wait((zero, first), return_when=asyncio.FIRST_COMPLETED)
+            if zero.done():
+                await zero  # raises where it ended before its first token
+            rest = [_choice(cluster, ids, path, n_out, t0, e) for e in firsts[1:]]
+            times = await asyncio.gather(zero, *rest)
+        finally:
+            first.cancel()
+            zero.cancel()  # a no-op once it is done
     else:
         times = await asyncio.gather(*(_choice(cluster, ids, path, n_out, t0, e) for e in firsts))
     return {
