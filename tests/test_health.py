@@ -131,3 +131,38 @@ def test_a_watch_the_end_finds_mid_write_still_says_not_serving_before_it_ends()
         assert slow.writes == [S.NOT_SERVING, S.SERVING, S.NOT_SERVING], slow.writes
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_watches_of_names_never_set_keep_nothing_and_a_later_status_reaches_them():
+    """The health service is open (no token): a Watch of any name, however many, leaves
+    nothing behind once it ends; one of a name set later gets its status then."""
+
+    async def main() -> None:
+        health = DrainingHealth()
+        await health.set("", S.SERVING)
+        sizes = {k: len(v) for k, v in vars(health).items() if hasattr(v, "__len__")}
+        watches = [
+            asyncio.ensure_future(
+                health.Watch(health_pb2.HealthCheckRequest(service=f"no-{i}"), _Reading())
+            )
+            for i in range(200)
+        ]
+        later = _Reading()
+        watch = asyncio.ensure_future(
+            health.Watch(health_pb2.HealthCheckRequest(service="later"), later)
+        )
+        await asyncio.sleep(0.05)
+        for w in watches:
+            w.cancel()
+        await asyncio.gather(*watches, return_exceptions=True)
+        await health.set("later", S.SERVING)
+        await asyncio.sleep(0.05)
+        assert later.writes == [S.SERVICE_UNKNOWN, S.SERVING]
+        await health.end_watches()
+        await asyncio.wait_for(watch, 5)
+        await health.set("", S.NOT_SERVING)
+        after = {k: len(v) for k, v in vars(health).items() if hasattr(v, "__len__")}
+        assert after == {**sizes, "_status": 2}, (sizes, after)  # "" and "later" only
+
+    asyncio.run(main())
