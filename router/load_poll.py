@@ -26,9 +26,10 @@ from typing import Any
 
 import ray
 
+from router.cost_model import StepTimeModel
 from router.worker_calls import UNAVAILABLE
 from router.workers import WorkerHandle
-from worker_protocol.messages import WorkerLoad
+from worker_protocol.messages import WorkerInfo, WorkerLoad
 
 
 @dataclass(slots=True)
@@ -125,3 +126,22 @@ def _answers(refs: list[Any], waits: list[float]) -> list[Any]:
         except Exception as exc:  # the worker's error, or Ray's about the worker
             out.append(exc)
     return out
+
+
+def slow_step_warning(infos: Sequence[WorkerInfo], hang_timeout_s: float) -> str | None:
+    """What to say at start where a worker's full step (a prompt chunk of its whole token
+    budget), as its step-time model predicts it before any serving step, would take half the
+    hang timeout or more: a step answers no load, so one that long could be taken for a hang
+    (a large model on CPU). None: no such worker, or the watchdog is off."""
+    if hang_timeout_s <= 0 or not infos:
+        return None
+    slowest = max(infos, key=lambda i: StepTimeModel(i).prefill_s(i.max_num_batched_tokens))
+    step_s = StepTimeModel(slowest).prefill_s(slowest.max_num_batched_tokens)
+    if step_s < hang_timeout_s / 2:
+        return None
+    return (
+        f"{slowest.worker_id}: a step of {slowest.max_num_batched_tokens} prompt tokens is "
+        f"predicted at {step_s:.0f} s, against a hang timeout of {hang_timeout_s:g} s "
+        "(a worker answers no load during a step): raise --worker-hang-timeout, or lower "
+        "--max-num-batched-tokens"
+    )

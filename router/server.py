@@ -26,6 +26,7 @@ from router.core_types import Backend
 from router.grpc_ports import door_options, listen, transport
 from router.http_api import HttpApi
 from router.http_server import HttpServer
+from router.load_poll import slow_step_warning
 from router.metrics import Metrics
 from router.ray_runtime import init_ray
 from router.request import ModelLimits
@@ -126,6 +127,9 @@ class Server:
                 limits.max_model_len,
             )
 
+        slow = slow_step_warning(infos, c.cluster.worker_hang_timeout_s)
+        if slow is not None:
+            log.warning("%s", slow)
         self.core = core = RequestCore(backend, infos, c.router, tokenizer, metrics)
         metrics.pending.set_function(lambda: core.pending)  # read at each scrape
         metrics.active.set_function(lambda: core.active)

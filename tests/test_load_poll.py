@@ -154,3 +154,29 @@ def test_overlapping_polls_each_take_what_they_waited_for(workers):
     for out in asyncio.run(three()):  # each waited for the calls the first sent
         assert ids(out.loads) == ["decode-0", "decode-1"] and not out.failed and not out.hung
     assert calls(workers[1]) - before == 1  # one call, three polls
+
+
+def test_a_worker_whose_full_step_may_pass_half_the_hang_timeout_is_named_at_start():
+    """A step answers no load: where a worker's full step (its whole token budget of prompt) is
+    predicted at half the hang timeout or more (a large model on a CPU), the start says so and
+    which options change it; not otherwise, nor with the watchdog off."""
+    from dataclasses import replace
+
+    from engine.device_rate import DeviceRate
+    from router.fake_backend import fake_info
+    from router.load_poll import slow_step_warning
+
+    fast = fake_info("decode-0", WorkerRole.DECODE)  # 1e11 FLOP/s: well under a second
+    slow = replace(
+        fake_info("decode-1", WorkerRole.DECODE, max_model_len=8192),
+        num_params=7_000_000_000,
+        weight_bytes=14_000_000_000,
+        max_num_batched_tokens=8192,
+    )
+    assert slow_step_warning([fast], 60.0) is None
+    said = slow_step_warning([fast, slow], 60.0)
+    assert said is not None and said.startswith("decode-1: a step of 8192 prompt tokens"), said
+    assert "--worker-hang-timeout" in said and "--max-num-batched-tokens" in said, said
+    assert slow_step_warning([fast, slow], 0) is None  # no watchdog, nothing to say
+    quick = replace(slow, rate=DeviceRate(flops_per_s=1e15, bytes_per_s=3e12))  # a GPU's rate
+    assert slow_step_warning([quick], 60.0) is None
