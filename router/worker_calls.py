@@ -104,15 +104,15 @@ async def abort_soon(
         return exc
 
 
-# A stream silent this long (or half the hang timeout, if less) asks its worker for its load:
-# answered, the worker is stepping.
+# A stream silent this long (or half the hang timeout, if less) pings its worker: answered, the
+# worker is stepping.
 PROBE_AFTER_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
 class HangWatch:
-    """A stream's watch on its worker `h`: silent (no chunk) for `probe_s`, it asks `h` for
-    its load, which a worker answers between two engine steps (worker_protocol/host.py). No
+    """A stream's watch on its worker `h`: silent (no chunk) for `probe_s`, it pings `h`,
+    which a worker answers between two engine steps (worker_protocol/host.py), as a load. No
     answer within `hang_s` either: `h` is hung, as the load poll's watchdog would find it
     (router/load_poll.py), and it is stopped the same way (Pools.stop_hung: killed, replaced),
     so the stream ends with its death. Without it a stream from a stopped process (SIGSTOP) or

@@ -95,7 +95,7 @@ class WorkerHandle:
     active: int = 0  # requests using it now (as prefill or decode worker)
     started_at: float = field(default_factory=time.monotonic)
     error: str = ""  # why it died or could not start
-    answered_at: float = 0.0  # when it last answered a load call (time.monotonic)
+    answered_at: float = 0.0  # when it last answered a load call or a ping (time.monotonic)
 
     @property
     def ready(self) -> bool:
