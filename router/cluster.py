@@ -23,7 +23,7 @@ from engine.async_engine import EngineDeadError
 from engine.sampling_params import SamplingParams
 from kv_transfer import TransferStats
 from router.cluster_config import ClusterConfig
-from router.core_types import HandoffListener, NoWorkers
+from router.core_types import HandoffListener, NoWorkers, NullListener
 from router.errors import WorkerLost
 from router.handoffs import Handoffs
 from router.load_poll import LoadPoll
@@ -43,7 +43,6 @@ from router.worker_calls import (
 )
 from router.workers import WorkerHandle, WorkerStatus, within
 from worker_protocol.messages import (
-    PrefillResult,
     TokenChunk,
     WorkerInfo,
     WorkerLoad,
@@ -53,17 +52,6 @@ from worker_protocol.messages import (
 
 log = logging.getLogger("pdserve.cluster")
 SILENT_S = 10.0  # see Cluster.silent
-
-
-class _NullListener:
-    def prefilled(self, result: PrefillResult) -> None:
-        pass
-
-    def fell_back(self, reason: FallbackReason, detail: str, wasted_s: float) -> None:
-        pass
-
-    def replanned(self, dead: str, to: str, detail: str, wasted_s: float) -> None:
-        pass
 
 
 class Cluster:
@@ -216,7 +204,7 @@ class Cluster:
             rid, tuple(int(t) for t in prompt_token_ids), params, placement.prefill_hold_s
         )
         d = self._decode_handle(placement.decode_worker)
-        listener = on_prefill or _NullListener()
+        listener = on_prefill or NullListener()
         disaggregated = placement.path is RoutePath.DISAGGREGATED
         p = self._prefill_handle(placement.prefill_worker, d) if disaggregated else None
         # Counted first, then checked: a resize that marks a worker DRAINING after the check

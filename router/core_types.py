@@ -34,6 +34,19 @@ class HandoffListener(Protocol):
         same decode worker; `wasted_s` went before it knew."""
 
 
+class NullListener:
+    """A listener that is told nothing (Cluster.generate's, where its caller gives none)."""
+
+    def prefilled(self, result: PrefillResult) -> None:
+        pass
+
+    def fell_back(self, reason: FallbackReason, detail: str, wasted_s: float) -> None:
+        pass
+
+    def replanned(self, dead: str, to: str, detail: str, wasted_s: float) -> None:
+        pass
+
+
 class Backend(Protocol):
     """The pools as the core drives them (router.cluster.Cluster, or a fake)."""
 
