@@ -53,15 +53,18 @@ async def choices(
     if order == "first":
         zero = asyncio.ensure_future(_choice(cluster, ids, path, n_out, t0, firsts[0]))
         first = asyncio.ensure_future(firsts[0].wait())
+        rest: list[asyncio.Future[tuple[float, float]]] = []
         try:
             await asyncio.wait((zero, first), return_when=asyncio.FIRST_COMPLETED)
             if zero.done():
                 await zero  # raises where it ended before its first token
-            rest = [_choice(cluster, ids, path, n_out, t0, e) for e in firsts[1:]]
+            rest = [asyncio.ensure_future(_choice(cluster, ids, path, n_out, t0, e))
+                    for e in firsts[1:]]  # fmt: skip
             times = await asyncio.gather(zero, *rest)
         finally:
+            for t in [zero, *rest]:
+                t.cancel()  # a no-op once it is done
             first.cancel()
-            zero.cancel()  # a no-op once it is done
     else:
         times = await asyncio.gather(*(_choice(cluster, ids, path, n_out, t0, e) for e in firsts))
     return {

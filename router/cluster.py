@@ -257,10 +257,12 @@ class Cluster:
             )
             raise WorkerLost(d.worker_id, why) from exc
         finally:
-            await stream.aclose()  # its hang watch ends with it
-            d.active -= 1
-            if not finished:
-                await settle_abort(self._abort(ids, p, d), self.closing, self.pools.ops.submit)
+            try:
+                await stream.aclose()  # its hang watch ends with it
+            finally:
+                d.active -= 1
+                if not finished:
+                    await settle_abort(self._abort(ids, p, d), self.closing, self.pools.ops.submit)
 
     async def _abort(self, ids: list[str], p: WorkerHandle | None, d: WorkerHandle) -> None:
         """One try on each worker, at once; a worker unreachable for now gets the rest on the

@@ -147,8 +147,9 @@ def resolve(args: argparse.Namespace) -> ServeOptions:
     """Defaults, then the file, then the flags given: every option's effective value."""
     values = {o.name: o.default for o in OPTIONS}
     if args.config is not None:
-        values.update(read_file(args.config))
-        if not hasattr(args, "model"):  # the file's model, where no flag gives one
+        given = read_file(args.config)
+        values.update(given)
+        if "model" in given and not hasattr(args, "model"):  # the file's, where no flag's
             written = values["model"]
             values["model"] = model_beside(written, args.config)
             if values["model"] != written and values["served_model_name"] is None:

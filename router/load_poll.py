@@ -135,8 +135,10 @@ def slow_step_warning(infos: Sequence[WorkerInfo], hang_timeout_s: float) -> str
     (a large model on CPU). None: no such worker, or the watchdog is off."""
     if hang_timeout_s <= 0 or not infos:
         return None
-    slowest = max(infos, key=lambda i: StepTimeModel(i).prefill_s(i.max_num_batched_tokens))
-    step_s = StepTimeModel(slowest).prefill_s(slowest.max_num_batched_tokens)
+    step_s, slowest = max(
+        ((StepTimeModel(i).prefill_s(i.max_num_batched_tokens), i) for i in infos),
+        key=lambda pair: pair[0],
+    )
     if step_s < hang_timeout_s / 2:
         return None
     return (

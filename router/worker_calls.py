@@ -155,26 +155,30 @@ async def stream_of(
 async def _watch(watch: HangWatch, last: list[float]) -> None:
     """Stop `watch.h` once its stream has been silent, and its pings unanswered, for long. A
     load the router's poll got from it meanwhile is an answer too: a polled worker is not
-    asked again (one call per stream and `probe_s` where nothing polls). A ping that fails is
-    no hang of this watch's to find: the stream says what became of the worker."""
+    asked again (one ping per stream and `probe_s` where nothing polls). A ping that fails is
+    no answer (Ray's ActorUnavailableError again and again, as the poll counts it); one that
+    says the worker died leaves the rest to the stream, which fails with it."""
     h = watch.h
-    while h.up:
-        await asyncio.sleep(watch.probe_s)
-        if time.monotonic() - max(last[0], h.answered_at) < watch.probe_s:
-            continue
-        ref: Any = h.actor.ping.remote()
-        try:
-            await within(_answer(h, ref), watch.hang_s)
-        except TimeoutError:
-            # This loop may itself have stalled (a caller's blocking work): an answer that
-            # came meanwhile counts.
-            if ray.wait([ref], timeout=0)[0]:
-                h.answered_at = time.monotonic()
+    try:
+        while h.up:
+            await asyncio.sleep(watch.probe_s)
+            if time.monotonic() - max(last[0], h.answered_at) < watch.probe_s:
                 continue
+            ref: Any = h.actor.ping.remote()
+            with contextlib.suppress(TimeoutError):
+                await within(_answer(h, ref), watch.hang_s)
+            # This loop may itself have stalled (a caller's blocking work): an answer that came
+            # meanwhile counts.
+            if ray.wait([ref], timeout=0)[0]:
+                with contextlib.suppress(Exception):
+                    ray.get(ref, timeout=0)
+                    h.answered_at = time.monotonic()
             silent = time.monotonic() - max(last[0], h.answered_at)
-            if silent >= watch.hang_s:  # no chunk meanwhile, nor a poll's answer
+            if silent >= watch.hang_s:  # no chunk, nor an answer to a ping or a poll
                 watch.pools.stop_hung(h, silent)
                 return
+    except Exception:  # the watch's own failure (Ray shut down under it): said, not raised
+        log.exception("the hang watch on %s stopped", h.worker_id)
 
 
 async def _answer(h: WorkerHandle, ref: Any) -> None:

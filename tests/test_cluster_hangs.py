@@ -1,6 +1,6 @@
 """A stream from a worker that hangs mid-stream (its process stopped: SIGSTOP), through Cluster
 as a Python program uses it, with no server and so no load poll: the stream's own watch finds
-the worker hung (silent, then no answer to a load call within the hang timeout) and stops it
+the worker hung (silent, then no answer to a ping within the hang timeout) and stops it
 (killed, then replaced, as the watchdog would); the stream ends with WorkerLost, on either
 path."""
 
