@@ -165,10 +165,10 @@ async def _watch(watch: HangWatch, last: list[float]) -> None:
             if time.monotonic() - max(last[0], h.answered_at) < watch.probe_s:
                 continue
             ref: Any = h.actor.ping.remote()
-            with contextlib.suppress(TimeoutError):
-                await within(_answer(h, ref), watch.hang_s)
-            # This loop may itself have stalled (a caller's blocking work): an answer that came
-            # meanwhile counts.
+            with contextlib.suppress(Exception):  # the wait's end, or the ping's own failure
+                await within(ref, watch.hang_s)
+            # Answered: the ping's result, read here alone (an answer that came while this loop
+            # stalled, a caller's blocking work, counts too).
             if ray.wait([ref], timeout=0)[0]:
                 with contextlib.suppress(Exception):
                     ray.get(ref, timeout=0)
@@ -179,12 +179,6 @@ async def _watch(watch: HangWatch, last: list[float]) -> None:
                 return
     except Exception:  # the watch's own failure (Ray shut down under it): said, not raised
         log.exception("the hang watch on %s stopped", h.worker_id)
-
-
-async def _answer(h: WorkerHandle, ref: Any) -> None:
-    with contextlib.suppress(Exception):
-        await ref
-        h.answered_at = time.monotonic()
 
 
 def why_gone(h: WorkerHandle) -> str:

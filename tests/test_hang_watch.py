@@ -27,7 +27,9 @@ class Worker:
         self.calls = 0
         self.answer_s = answer_s
         self.up = True
-        self.actor = SimpleNamespace(ping=SimpleNamespace(remote=self._ping))
+        self.actor = SimpleNamespace(
+            ping=SimpleNamespace(remote=lambda: asyncio.ensure_future(self._ping()))
+        )
 
     async def _ping(self) -> None:
         self.calls += 1
@@ -46,10 +48,19 @@ class Pools:
         self.stopped.append((h, silent_s))
 
 
+def _get(ref: asyncio.Task, timeout: float) -> None:
+    if ref.cancelled():  # its wait ran out: no answer
+        raise RuntimeError("not answered")
+    return ref.result()
+
+
 @pytest.fixture(autouse=True)
 def no_ray(monkeypatch):
-    """The stand-ins' answers are coroutines, not Ray's refs: none is ready unless awaited."""
-    monkeypatch.setattr(worker_calls.ray, "wait", lambda refs, timeout: ([], refs))
+    """The stand-ins' pings are tasks, not Ray's refs: ready once done, answered unless
+    cancelled (its wait ran out) or failed."""
+    ready = lambda refs, timeout: ([r for r in refs if r.done()], [r for r in refs if not r.done()])  # noqa: E731
+    monkeypatch.setattr(worker_calls.ray, "wait", ready)
+    monkeypatch.setattr(worker_calls.ray, "get", _get)
 
 
 def watch_for(seconds: float, w: Worker, polled: bool = False) -> Pools:
