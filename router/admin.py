@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 
 import grpc
@@ -20,7 +19,7 @@ import grpc
 from pdserve_proto import admin_pb2 as pb
 from pdserve_proto import admin_pb2_grpc as pb_grpc
 from router.cluster import Cluster
-from router.resize import ResizeReplaced
+from router.resize import ResizeReplaced, drain_refusal
 from router.workers import WorkerHandle
 from worker_protocol.messages import WorkerRole
 
@@ -88,8 +87,9 @@ class AdminServicer(pb_grpc.AdminServicer):
             await context.abort(bad, f"decode: must be >= 0, got {decode}")
         if both is not None and both < 0:
             await context.abort(bad, f"workers: must be >= 0, got {both}")
-        if drain is not None and not 0 <= drain < math.inf:  # NaN and inf: no end to a drain
-            await context.abort(bad, f"drain_timeout_s: must be a finite number >= 0, got {drain}")
+        bad_drain = drain_refusal(drain)
+        if bad_drain is not None:
+            await context.abort(bad, bad_drain)
         sizes = {"prefill": prefill, "decode": decode, "workers": both}
         asked = ", ".join(f"{k} {v}" for k, v in sizes.items() if v is not None)
         asked += "" if drain is None else f" (drain {drain:g} s)"

@@ -34,6 +34,14 @@ class ResizeReplaced(RuntimeError):
     """A later resize replaced this one while the workers it added waited for a node with room."""
 
 
+def drain_refusal(drain_timeout_s: float | None) -> str | None:
+    """Why a resize's drain timeout is refused (None: taken): inf and NaN would drain without
+    end, and hold every later resize."""
+    if drain_timeout_s is None or 0 <= drain_timeout_s < math.inf:
+        return None
+    return f"drain_timeout_s: must be a finite number >= 0, got {drain_timeout_s}"
+
+
 class Resizes:
     def __init__(self, pools: Pools) -> None:
         self.pools = pools
@@ -58,10 +66,9 @@ class Resizes:
         for role, n in want.items():
             if n is not None and n < 0:
                 raise ValueError(f"{FIELDS[role]}: must be >= 0")
-        if drain_timeout_s is not None and not 0 <= drain_timeout_s < math.inf:
-            raise ValueError(
-                f"drain_timeout_s: must be a finite number >= 0, got {drain_timeout_s}"
-            )
+        bad_drain = drain_refusal(drain_timeout_s)
+        if bad_drain is not None:
+            raise ValueError(bad_drain)
         self._check(want)  # a refused resize leaves the one going on alone
         self._queued += 1
         try:
