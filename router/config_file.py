@@ -102,8 +102,8 @@ def read_file(path: Path) -> dict[str, Any]:
             out[name] = option.parse(value)
         except ValueError as exc:
             raise OptionError(f"{where}: {name}: {exc}") from None
-        if option.is_path and out[name] is not None and not out[name].is_absolute():
-            out[name] = path.absolute().parent / out[name]  # wherever serve runs
+        if option.is_path and out[name] is not None:
+            out[name] = _beside(out[name], path)  # wherever serve runs
     return out
 
 
@@ -112,7 +112,9 @@ def model_beside(model: str, config: Path) -> str:
     the file's other paths are; a built-in name is itself."""
     from engine.loader import BUILTIN_MODELS  # torch's and transformers' imports: only here
 
-    if model in BUILTIN_MODELS:
-        return model
-    where = Path(model).expanduser()
-    return str(where if where.is_absolute() else config.absolute().parent / where)
+    return model if model in BUILTIN_MODELS else str(_beside(Path(model).expanduser(), config))
+
+
+def _beside(path: Path, config: Path) -> Path:
+    """A relative path in the file, as the file's folder's."""
+    return path if path.is_absolute() else config.absolute().parent / path
