@@ -5,6 +5,8 @@ stream cancelled mid-write left its call open, and the server's drain waited for
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 import pytest
@@ -59,24 +61,27 @@ def test_watches_end_at_shutdown_having_said_not_serving_and_hold_no_drain():
         asyncio.run(main())
 
 
-class _Stalled:
-    """A Watch call's context whose client reads nothing: its writes never complete."""
+class _Context:
+    """A Watch call's context: each write kept, then `pause(n)` awaited after the n-th, as the
+    client reads it (none: at once)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pause: Callable[[int], Awaitable[Any]] | None = None) -> None:
         self.writes: list[int] = []
+        self._pause = pause
 
     async def write(self, msg) -> None:
         self.writes.append(msg.status)
-        if len(self.writes) > 1:
-            await asyncio.Event().wait()  # flow control: the client's window is full
+        if self._pause is not None:
+            await self._pause(len(self.writes))
 
 
-class _Reading:
-    def __init__(self) -> None:
-        self.writes: list[int] = []
+def _reading() -> _Context:
+    return _Context()
 
-    async def write(self, msg) -> None:
-        self.writes.append(msg.status)
+
+def _stalled() -> _Context:
+    """A client that reads the first write and then nothing: its writes never complete."""
+    return _Context(lambda n: asyncio.sleep(0) if n == 1 else asyncio.Event().wait())
 
 
 @pytest.mark.timeout(60)
@@ -87,7 +92,7 @@ def test_a_watcher_that_reads_nothing_holds_up_neither_a_change_nor_the_end_of_t
     async def main() -> None:
         health = DrainingHealth()
         await health.set("", S.SERVING)
-        stalled, reading = _Stalled(), _Reading()
+        stalled, reading = _stalled(), _reading()
         req = health_pb2.HealthCheckRequest()
         stuck = asyncio.ensure_future(health.Watch(req, stalled))
         other = asyncio.ensure_future(health.Watch(req, reading))
@@ -104,15 +109,9 @@ def test_a_watcher_that_reads_nothing_holds_up_neither_a_change_nor_the_end_of_t
     asyncio.run(main())
 
 
-class _Slow:
-    """A watcher's context whose writes take a while (a slow client): the end comes mid-write."""
-
-    def __init__(self) -> None:
-        self.writes: list[int] = []
-
-    async def write(self, msg) -> None:
-        self.writes.append(msg.status)
-        await asyncio.sleep(0.2)
+def _slow() -> _Context:
+    """A slow client: each write takes a while (the end comes mid-write)."""
+    return _Context(lambda n: asyncio.sleep(0.2))
 
 
 @pytest.mark.timeout(30)
@@ -120,7 +119,7 @@ def test_a_watch_the_end_finds_mid_write_still_says_not_serving_before_it_ends()
     async def main() -> None:
         health = DrainingHealth()
         await health.set("", S.NOT_SERVING)
-        slow = _Slow()
+        slow = _slow()
         watch = asyncio.ensure_future(health.Watch(health_pb2.HealthCheckRequest(), slow))
         await asyncio.sleep(0.05)
         await health.set("", S.SERVING)
@@ -144,11 +143,11 @@ def test_watches_of_names_never_set_keep_nothing_and_a_later_status_reaches_them
         sizes = {k: len(v) for k, v in vars(health).items() if hasattr(v, "__len__")}
         watches = [
             asyncio.ensure_future(
-                health.Watch(health_pb2.HealthCheckRequest(service=f"no-{i}"), _Reading())
+                health.Watch(health_pb2.HealthCheckRequest(service=f"no-{i}"), _reading())
             )
             for i in range(200)
         ]
-        later = _Reading()
+        later = _reading()
         watch = asyncio.ensure_future(
             health.Watch(health_pb2.HealthCheckRequest(service="later"), later)
         )
