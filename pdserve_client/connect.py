@@ -13,6 +13,15 @@ from pathlib import Path
 
 import grpc
 
+# A call that waits for its server (wait_for_ready: `pdserve complete --wait`) tries to connect
+# again at least once a second, so it starts within a second of a server that comes up while it
+# waits: gRPC's own waits between tries start at 1 s and grow 1.6 times each try, to 2 minutes
+# (a server up after 30 s was answered 15 s later).
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
 
 class ClientAuthError(ValueError):
     """A TLS or token file that cannot be used; the message names the option."""
@@ -84,16 +93,18 @@ class ClientAuth:
             return None
         return grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
 
-    def channel(self, address: str) -> grpc.Channel:
+    def channel(self, address: str, options: list[tuple[str, int]] | None = None) -> grpc.Channel:
         creds = self._credentials()
+        options = [*RECONNECT_OPTIONS, *(options or [])]
         if creds is None:
-            return grpc.insecure_channel(address)
-        return grpc.secure_channel(address, creds)
+            return grpc.insecure_channel(address, options=options)
+        return grpc.secure_channel(address, creds, options=options)
 
     def aio_channel(
         self, address: str, options: list[tuple[str, int]] | None = None
     ) -> grpc.aio.Channel:
         creds = self._credentials()
+        options = [*RECONNECT_OPTIONS, *(options or [])]
         if creds is None:
             return grpc.aio.insecure_channel(address, options=options)
         return grpc.aio.secure_channel(address, creds, options=options)

@@ -1,7 +1,11 @@
 """`pdserve generate` in-process: output on success, one-line errors with exit status 2."""
 
 import argparse
+import contextlib
 import re
+import socket
+import threading
+import time
 
 import pytest
 
@@ -259,6 +263,35 @@ def test_complete_says_no_server_only_where_none_answered(capsys):
     assert not _unreached("a worker failed: decode-0: its engine stopped")
     # A server's answer quoting a worker's connection error is still the server's.
     assert not _unreached("request failed: a worker failed: gloo: Connection refused")
+
+
+def test_complete_wait_tries_the_server_again_at_least_once_a_second(capsys):
+    """`complete --wait` before its server is up tries to connect again at least once a second
+    (here to a port whose listener closes each connection at once), so it starts within a
+    second of the server: gRPC's own waits between tries grow to minutes (1 s, 1.6 s, 2.6 s, ...:
+    a server up after 30 s was answered 15 s later)."""
+    tried: list[float] = []
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    stop = threading.Event()
+
+    def refuse() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                listener.accept()[0].close()
+                tried.append(time.monotonic())
+
+    t = threading.Thread(target=refuse)
+    t.start()
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        assert run(["complete", "--address", address, "--wait", "--timeout", "4", "hi"]) == 1
+    finally:
+        stop.set()
+        t.join(5)
+        listener.close()
+    assert "within --timeout 4 s (waiting for a server to come up there" in capsys.readouterr().err
+    assert len(tried) >= 5, tried  # gRPC's own: 3 (at 0, about 1 and 2.6 s)
 
 
 def test_status_at_a_port_that_is_not_prometheus_is_one_line(capsys):

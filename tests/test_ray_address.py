@@ -72,3 +72,44 @@ def test_a_private_runtime_that_fails_to_start_is_one_error(monkeypatch):
     with pytest.raises(RayUnavailable, match="could not start a private Ray runtime: The cur"):
         ray_runtime.init_ray(ray_runtime.LOCAL)
     assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before
+
+
+class _Node:
+    """A stand-in for Ray's node object: what its shutdown calls, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bool]] = []
+        self.all_processes: dict = {}
+
+    def _kill_process_type(self, process_type, allow_graceful=False, check_alive=True, wait=False):
+        self.calls.append((process_type, allow_graceful))
+
+    def kill_all_processes(self, check_alive=True, allow_graceful=False, wait=False):
+        self.calls.append(("all", allow_graceful))
+
+
+def test_a_private_runtime_s_shutdown_ends_the_raylet_first_and_gives_no_process_a_grace(
+    monkeypatch,
+):
+    """Its processes start with SIGTERM blocked, so the second Ray's shutdown waits after each
+    SIGTERM would only be lost: the raylet ends first, its agents are waited for (they tell
+    the GCS of its end), then the rest, each with SIGKILL at once."""
+    import psutil
+
+    from router import ray_runtime
+
+    waited: list[float] = []
+    monkeypatch.setattr(psutil, "wait_procs", lambda procs, timeout: waited.append(timeout))
+    node = _Node()
+    ray_runtime._without_grace(node)
+    node.kill_all_processes(check_alive=False, allow_graceful=True, wait=False)  # as Ray calls it
+    assert node.calls == [("raylet", False), ("all", False)]
+    assert waited == [ray_runtime.AGENTS_EXIT_S]
+
+
+def test_a_node_without_the_methods_keeps_ray_s_own_shutdown():
+    from router import ray_runtime
+
+    node = object()
+    ray_runtime._without_grace(node)  # nothing to change, nothing raised
+    ray_runtime._without_grace(None)

@@ -16,6 +16,7 @@ import time
 import grpc
 import pytest
 
+from pdserve_client.connect import ClientAuth
 from pdserve_proto import generation_pb2 as pb
 from pdserve_proto import generation_pb2_grpc as pb_grpc
 from tests.helpers import save_gpt2_with_tokenizer
@@ -38,6 +39,19 @@ def start_serve(log_path, port: int, *flags: str) -> subprocess.Popen:
              str(port), "--metrics-port", "-1", "--kv-cache-gib", "0.05", *flags],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )  # fmt: skip
+
+
+def assert_group_ends(pgid: int, within_s: float) -> None:
+    """Every process of a stopped server's group ends within `within_s`: its private Ray
+    runtime's, the raylet's agents and the workers among them."""
+    deadline = time.monotonic() + within_s
+    with pytest.raises(ProcessLookupError):
+        while time.monotonic() < deadline:
+            os.killpg(pgid, 0)
+            time.sleep(0.2)
+        left = subprocess.run(["ps", "-o", "pid=,args=", "-g", str(pgid)], capture_output=True,
+                              text=True).stdout  # fmt: skip
+        raise AssertionError(f"left running after {within_s} s:\n{left}")
 
 
 @pytest.mark.timeout(240)
@@ -97,6 +111,7 @@ def test_serve_answers_complete_and_drains_on_sigterm(tmp_path):
         t0 = time.monotonic()
         assert server.wait(60) == 0
         assert time.monotonic() - t0 < 30  # the Watch stream held it to the drain timeout
+        assert_group_ends(server.pid, within_s=10)
         w.join(10)
         assert heard[0] == health_pb2.HealthCheckResponse.SERVING, heard
         assert heard[-1] == health_pb2.HealthCheckResponse.NOT_SERVING, heard
@@ -189,7 +204,7 @@ class StuckStreams:
         self.started = {k: threading.Event() for k in self.got}
         self.stopped: list[int] = []
         self.threads = [threading.Thread(target=f) for f in (self._grpc, self._http)]
-        with grpc.insecure_channel(f"127.0.0.1:{admin}") as channel:
+        with ClientAuth().channel(f"127.0.0.1:{admin}") as channel:  # tries once a second
             listing = admin_pb2_grpc.AdminStub(channel).ListWorkers(
                 admin_pb2.ListWorkersRequest(), timeout=150, wait_for_ready=True
             )
@@ -335,11 +350,7 @@ def test_sigint_during_the_start_stops_it_at_once(tmp_path):
         out = log_path.read_text()
         assert "interrupted during the start" in out and out.rstrip().endswith("stopped"), out
         assert "Traceback" not in out, out
-        deadline = time.monotonic() + 30  # the private runtime's last processes ending
-        with pytest.raises(ProcessLookupError):  # its session: Ray's processes, the workers'
-            while time.monotonic() < deadline:
-                os.killpg(server.pid, 0)
-                time.sleep(0.2)
+        assert_group_ends(server.pid, within_s=30)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGKILL)
