@@ -162,7 +162,7 @@ class ServerProcess:
             if time.monotonic() > deadline:
                 raise BenchError(f"pdserve serve not listening in {timeout_s:.0f} s; its log: "
                                  f"{self.log_path}")  # fmt: skip
-            time.sleep(0.5)
+            time.sleep(0.05)
         with grpc.insecure_channel(self.address) as channel:
             stub = pb_grpc.GenerationStub(channel)
             while True:

@@ -185,6 +185,12 @@ def _serve(args: argparse.Namespace, _extra: list[str]) -> int:
         asyncio.run(serve(config))
     except (ModelNotFoundError, OSError, RayUnavailable, PoolsUnavailable) as exc:
         return _error(exc)
+    finally:
+        # Here rather than at exit, where Ray's own hook first waits half a second for its
+        # workers' log lines to print (none come: serve does not take them).
+        ray = sys.modules.get("ray")  # not imported where the start stopped before Ray
+        if ray is not None:
+            ray.shutdown()
     return 0
 
 

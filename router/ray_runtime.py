@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +147,7 @@ def _without_grace(node: Any) -> None:
         agents = _children(node, ray_constants.PROCESS_TYPE_RAYLET)
         kill_type(ray_constants.PROCESS_TYPE_RAYLET, allow_graceful=False, check_alive=False,
                   wait=bool(kwargs.get("wait")))  # fmt: skip
-        psutil.wait_procs(agents, timeout=AGENTS_EXIT_S)
+        _wait_ended(agents, AGENTS_EXIT_S)
         kwargs["allow_graceful"] = False
         return kill_all(*args, **kwargs)
 
@@ -160,3 +161,18 @@ def _children(node: Any, process_type: str) -> list[psutil.Process]:
         return psutil.Process(info.process.pid).children()
     except Exception:
         return []
+
+
+def _wait_ended(procs: list[psutil.Process], timeout_s: float) -> None:
+    """Until every one of `procs` has exited (a zombie has: its parent is gone, and it waits
+    only for the init process to reap it), or `timeout_s` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while any(map(_running, procs)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

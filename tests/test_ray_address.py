@@ -94,12 +94,12 @@ def test_a_private_runtime_s_shutdown_ends_the_raylet_first_and_gives_no_process
     """Its processes start with SIGTERM blocked, so the second Ray's shutdown waits after each
     SIGTERM would only be lost: the raylet ends first, its agents are waited for (they tell
     the GCS of its end), then the rest, each with SIGKILL at once."""
-    import psutil
-
     from router import ray_runtime
 
     waited: list[float] = []
-    monkeypatch.setattr(psutil, "wait_procs", lambda procs, timeout: waited.append(timeout))
+    monkeypatch.setattr(
+        ray_runtime, "_wait_ended", lambda procs, timeout_s: waited.append(timeout_s)
+    )
     node = _Node()
     ray_runtime._without_grace(node)
     node.kill_all_processes(check_alive=False, allow_graceful=True, wait=False)  # as Ray calls it
@@ -113,3 +113,29 @@ def test_a_node_without_the_methods_keeps_ray_s_own_shutdown():
     node = object()
     ray_runtime._without_grace(node)  # nothing to change, nothing raised
     ray_runtime._without_grace(None)
+
+
+def test_a_process_that_exited_is_not_waited_for_though_not_yet_reaped():
+    """A zombie (exited, its parent not yet told) has ended; a running process is waited for
+    until the timeout."""
+    import psutil
+
+    from router.ray_runtime import _wait_ended
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 30
+        while psutil.Process(ended.pid).status() != psutil.STATUS_ZOMBIE:  # not reaped: ours
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        _wait_ended([psutil.Process(ended.pid)], 10)
+        assert time.monotonic() - t0 < 5
+        t0 = time.monotonic()
+        _wait_ended([psutil.Process(ended.pid), psutil.Process(running.pid)], 0.3)
+        assert time.monotonic() - t0 >= 0.3
+    finally:
+        running.kill()
+        running.wait(10)
+        ended.wait(10)
