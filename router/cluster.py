@@ -27,7 +27,7 @@ from router.core_types import HandoffListener, NoWorkers, NullListener
 from router.errors import WorkerLost
 from router.handoffs import Handoffs
 from router.load_poll import LoadPoll
-from router.pools import Pools
+from router.pools import ENGINES_STOP_S, Pools
 from router.ray_runtime import init_ray
 from router.resize import Resizes
 from router.vocab import FallbackReason, Placement, RoutePath
@@ -319,5 +319,5 @@ class Cluster:
             self.resizes.scale(num_prefill, num_decode, drain_timeout_s, num_both)
         )
 
-    def shutdown(self) -> None:
-        self.pools.shutdown()
+    def shutdown(self, engines_wait_s: float = ENGINES_STOP_S) -> None:
+        self.pools.shutdown(engines_wait_s)

@@ -34,6 +34,7 @@ from worker_protocol.messages import WorkerInfo, WorkerRole
 log = logging.getLogger("pdserve.pools")
 Counts = dict[WorkerRole, int]
 HUNG = "hung"  # the error of a worker stopped for giving no load (stop_hung)
+ENGINES_STOP_S = 10.0  # for every engine to stop at shutdown, all together
 
 
 class PoolsUnavailable(RuntimeError):
@@ -256,19 +257,19 @@ class Pools(WorkerStarts):
         """shutdown() was called: the pools take no request again."""
         return self._closing
 
-    def shutdown(self) -> None:
+    def shutdown(self, engines_wait_s: float = ENGINES_STOP_S) -> None:
+        """Every engine asked to stop at once, `engines_wait_s` for all (a hung worker costs
+        one wait, not one each; 0: none is asked); the actors are killed after either way."""
         self._closing = True
         handles = self.handles()
-        # Every engine asked to stop at once, 10 s for all (a hung worker costs one wait, not
-        # one each); the actors are killed after either way.
         refs: list[Any] = []
         for h in handles:
-            if h.info is not None and h.up:
+            if engines_wait_s > 0 and h.info is not None and h.up:
                 with contextlib.suppress(Exception):  # already gone: killed below
                     refs.append(h.actor.shutdown.remote())
         if refs:
             with contextlib.suppress(Exception):
-                ray.wait(refs, num_returns=len(refs), timeout=10)
+                ray.wait(refs, num_returns=len(refs), timeout=engines_wait_s)
         for h in handles:
             self._stop_actor(h, WorkerStatus.STOPPED)
         self.ops.stop()

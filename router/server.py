@@ -28,6 +28,7 @@ from router.http_api import HttpApi
 from router.http_server import HttpServer
 from router.load_poll import slow_step_warning
 from router.metrics import Metrics
+from router.pools import ENGINES_STOP_S
 from router.ray_runtime import init_ray
 from router.request import ModelLimits
 from router.serve_config import ServeConfig, model_tokenizer
@@ -241,7 +242,11 @@ class Server:
         if self.core is not None:
             await self.core.stop()
         if self.cluster is not None:
-            await asyncio.to_thread(self.cluster.shutdown)
+            engines_wait_s = ENGINES_STOP_S
+            if self._hurried:  # interrupted again: no worker holds the exit
+                log.info("interrupted again: the workers stop without their engines' own stop")
+                engines_wait_s = 0.0
+            await asyncio.to_thread(self.cluster.shutdown, engines_wait_s)
             self.cluster = None
         if self.metrics is not None:
             self.metrics.close()

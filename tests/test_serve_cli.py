@@ -322,6 +322,8 @@ def test_a_second_interrupt_while_draining_ends_the_requests_in_flight_at_once(t
         assert "a second signal within 1 s of the first: draining still" in (
             run.log_path.read_text()
         )
+        # Its stopped workers' engines, which cannot answer, were not waited for (10 s).
+        assert "the workers stop without their engines' own stop" in run.log_path.read_text()
         run.assert_clean_log()
     finally:
         run.close()
