@@ -14,9 +14,10 @@ from pathlib import Path
 import grpc
 
 # A call that waits for its server (wait_for_ready: `pdserve complete --wait`) tries to connect
-# again at least once a second, so it starts within a second of a server that comes up while it
-# waits: gRPC's own waits between tries start at 1 s and grow 1.6 times each try, to 2 minutes
-# (a server up after 30 s was answered 15 s later).
+# again about once a second (at most 1 s between tries, less or more by gRPC's 20% jitter), so it
+# starts about a second at most after a server that comes up while it waits: gRPC's own waits
+# between tries start at 1 s and grow 1.6 times each try, to 2 minutes (a server up after 30 s
+# was answered 15 s later). A caller's own values for these keys come first, and are taken.
 RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 1000),
@@ -95,7 +96,7 @@ class ClientAuth:
 
     def channel(self, address: str, options: list[tuple[str, int]] | None = None) -> grpc.Channel:
         creds = self._credentials()
-        options = [*RECONNECT_OPTIONS, *(options or [])]
+        options = [*(options or []), *RECONNECT_OPTIONS]  # gRPC takes a key's first value
         if creds is None:
             return grpc.insecure_channel(address, options=options)
         return grpc.secure_channel(address, creds, options=options)
@@ -104,7 +105,7 @@ class ClientAuth:
         self, address: str, options: list[tuple[str, int]] | None = None
     ) -> grpc.aio.Channel:
         creds = self._credentials()
-        options = [*RECONNECT_OPTIONS, *(options or [])]
+        options = [*(options or []), *RECONNECT_OPTIONS]  # gRPC takes a key's first value
         if creds is None:
             return grpc.aio.insecure_channel(address, options=options)
         return grpc.aio.secure_channel(address, creds, options=options)

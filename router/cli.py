@@ -186,11 +186,11 @@ def _serve(args: argparse.Namespace, _extra: list[str]) -> int:
     except (ModelNotFoundError, OSError, RayUnavailable, PoolsUnavailable) as exc:
         return _error(exc)
     finally:
+        import ray  # imported with router.pools above
+
         # Here rather than at exit, where Ray's own hook first waits half a second for its
         # workers' log lines to print (none come: serve does not take them).
-        ray = sys.modules.get("ray")  # not imported where the start stopped before Ray
-        if ray is not None:
-            ray.shutdown()
+        ray.shutdown()
     return 0
 
 

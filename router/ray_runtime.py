@@ -59,7 +59,7 @@ def running_runtime(timeout_s: float = 1.0) -> str | None:
         return None  # a stale record: that runtime is gone
 
 
-AGENTS_EXIT_S = 5.0  # for the raylet's agents to end after it, at a private runtime's shutdown
+AGENTS_EXIT_S = 5.0  # for what the raylet started to end after it, at a private runtime's end
 REACH_TIMEOUT_S = 5.0  # for a cluster's address to accept a connection
 
 
@@ -133,23 +133,26 @@ def init_ray(address: str | None) -> str:
 def _without_grace(node: Any) -> None:
     """Have ray.shutdown() end the private runtime's processes with SIGKILL at once. Its
     default sends each a SIGTERM and waits a second before the SIGKILL; with SIGTERM blocked in
-    them (init_ray) that second was never used, and cost the exit one second per process
-    (seven in all). The raylet's agents still get the GCS they tell of its end before they
-    exit (without one they would wait a minute for it): the raylet ends first, and the rest
-    once its agents have, or AGENTS_EXIT_S has passed. A Ray whose node differs keeps its own
-    way."""
+    them (init_ray) that second was never used, and cost the exit one second per process (five
+    on this machine). The raylet's agents still get the GCS they tell of its end before they
+    exit (killed with the GCS, they waited a minute for it, orphaned): the raylet ends first,
+    then the processes it started are waited for (AGENTS_EXIT_S at most), then the rest end.
+    A Ray whose node differs keeps its own way, as does one whose calls here fail."""
     kill_all = getattr(node, "kill_all_processes", None)
     kill_type = getattr(node, "_kill_process_type", None)
     if kill_all is None or kill_type is None:
         return
 
     def at_once(*args: Any, **kwargs: Any) -> Any:
-        agents = _children(node, ray_constants.PROCESS_TYPE_RAYLET)
-        kill_type(ray_constants.PROCESS_TYPE_RAYLET, allow_graceful=False, check_alive=False,
-                  wait=bool(kwargs.get("wait")))  # fmt: skip
-        _wait_ended(agents, AGENTS_EXIT_S)
-        kwargs["allow_graceful"] = False
-        return kill_all(*args, **kwargs)
+        try:
+            started = _children(node, ray_constants.PROCESS_TYPE_RAYLET)
+            kill_type(ray_constants.PROCESS_TYPE_RAYLET, allow_graceful=False,
+                      check_alive=False, wait=bool(kwargs.get("wait")))  # fmt: skip
+            _wait_ended(started, AGENTS_EXIT_S)
+        except Exception:
+            log.debug("a private Ray's shutdown at once failed: Ray's own", exc_info=True)
+            return kill_all(*args, **kwargs)
+        return kill_all(*args, **{**kwargs, "allow_graceful": False})
 
     node.kill_all_processes = at_once
 

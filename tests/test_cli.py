@@ -265,11 +265,11 @@ def test_complete_says_no_server_only_where_none_answered(capsys):
     assert not _unreached("request failed: a worker failed: gloo: Connection refused")
 
 
-def test_complete_wait_tries_the_server_again_at_least_once_a_second(capsys):
-    """`complete --wait` before its server is up tries to connect again at least once a second
-    (here to a port whose listener closes each connection at once), so it starts within a
-    second of the server: gRPC's own waits between tries grow to minutes (1 s, 1.6 s, 2.6 s, ...:
-    a server up after 30 s was answered 15 s later)."""
+def test_complete_wait_tries_the_server_again_about_once_a_second(capsys):
+    """`complete --wait` before its server is up tries to connect again about once a second
+    (here to a port whose listener closes each connection at once), so it starts about a
+    second at most after the server: gRPC's own waits between tries grow to minutes (1 s,
+    1.6 s, 2.6 s, ...: a server up after 30 s was answered 15 s later)."""
     tried: list[float] = []
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(0.1)

@@ -107,6 +107,19 @@ def test_a_private_runtime_s_shutdown_ends_the_raylet_first_and_gives_no_process
     assert waited == [ray_runtime.AGENTS_EXIT_S]
 
 
+def test_a_node_whose_calls_fail_is_shut_down_ray_s_own_way():
+    from router import ray_runtime
+
+    class Changed(_Node):
+        def _kill_process_type(self, process_type, **kwargs):
+            raise TypeError("an argument this Ray does not take")
+
+    node = Changed()
+    ray_runtime._without_grace(node)
+    node.kill_all_processes(check_alive=False, allow_graceful=True, wait=False)
+    assert node.calls == [("all", True)]
+
+
 def test_a_node_without_the_methods_keeps_ray_s_own_shutdown():
     from router import ray_runtime
 
@@ -139,3 +152,16 @@ def test_a_process_that_exited_is_not_waited_for_though_not_yet_reaped():
         running.kill()
         running.wait(10)
         ended.wait(10)
+
+
+def test_the_ray_installed_has_the_node_methods_a_private_runtime_s_shutdown_calls():
+    """What _without_grace calls on Ray's node, by the keywords it passes (a Ray whose node
+    differs would shut down its own, slower way, which this says)."""
+    import inspect
+
+    from ray._private.node import Node
+
+    kill_all = inspect.signature(Node.kill_all_processes).parameters
+    kill_type = inspect.signature(Node._kill_process_type).parameters
+    assert {"check_alive", "allow_graceful", "wait"} <= set(kill_all)
+    assert {"process_type", "allow_graceful", "check_alive", "wait"} <= set(kill_type)

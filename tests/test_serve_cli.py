@@ -204,7 +204,7 @@ class StuckStreams:
         self.started = {k: threading.Event() for k in self.got}
         self.stopped: list[int] = []
         self.threads = [threading.Thread(target=f) for f in (self._grpc, self._http)]
-        with ClientAuth().channel(f"127.0.0.1:{admin}") as channel:  # tries once a second
+        with ClientAuth().channel(f"127.0.0.1:{admin}") as channel:  # tries about once a second
             listing = admin_pb2_grpc.AdminStub(channel).ListWorkers(
                 admin_pb2.ListWorkersRequest(), timeout=150, wait_for_ready=True
             )
