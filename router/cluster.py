@@ -52,6 +52,7 @@ from worker_protocol.messages import (
 
 log = logging.getLogger("pdserve.cluster")
 SILENT_S = 10.0  # see Cluster.silent
+STOP_SILENT_S = 2.0  # see Cluster.shutdown
 
 
 class Cluster:
@@ -320,4 +321,11 @@ class Cluster:
         )
 
     def shutdown(self, engines_wait_s: float = ENGINES_STOP_S) -> None:
-        self.pools.shutdown(engines_wait_s)
+        """Stop every worker (Pools.shutdown), those whose load calls have given no load for
+        STOP_SILENT_S without waiting for their engines (a stopped or stuck one would hold the
+        stop for all of `engines_wait_s`)."""
+        silent = self._poll.silent(STOP_SILENT_S)
+        if silent and engines_wait_s > 0:
+            log.info("%s gave no load for %g s or more: stopped without their engines' own stop",
+                     ", ".join(sorted(silent)), STOP_SILENT_S)  # fmt: skip
+        self.pools.shutdown(engines_wait_s, silent)

@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+from collections.abc import Collection
 from typing import Any
 
 import ray
@@ -257,14 +258,17 @@ class Pools(WorkerStarts):
         """shutdown() was called: the pools take no request again."""
         return self._closing
 
-    def shutdown(self, engines_wait_s: float = ENGINES_STOP_S) -> None:
+    def shutdown(
+        self, engines_wait_s: float = ENGINES_STOP_S, silent: Collection[str] = ()
+    ) -> None:
         """Every engine asked to stop at once, `engines_wait_s` for all (a hung worker costs
-        one wait, not one each; 0: none is asked); the actors are killed after either way."""
+        one wait, not one each; 0: none is asked), but those of the `silent` workers; the actors
+        are killed after either way."""
         self._closing = True
         handles = self.handles()
         refs: list[Any] = []
         for h in handles:
-            if engines_wait_s > 0 and h.info is not None and h.up:
+            if engines_wait_s > 0 and h.info is not None and h.up and h.worker_id not in silent:
                 with contextlib.suppress(Exception):  # already gone: killed below
                     refs.append(h.actor.shutdown.remote())
         if refs:

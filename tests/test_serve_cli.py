@@ -291,6 +291,10 @@ def test_requests_left_at_the_drain_timeout_end_with_a_clear_error_on_both_doors
         assert "drain timeout (3 s) passed: ended the 2 requests still in flight" in (
             run.log_path.read_text()
         )
+        # Its stopped workers, which answer no load call, were not waited for (10 s).
+        assert "decode-0, prefill-0 gave no load for 2 s or more: stopped without their " in (
+            run.log_path.read_text()
+        )
         run.assert_clean_log()
     finally:
         run.close()
