@@ -19,7 +19,7 @@ import grpc
 from pdserve_proto import admin_pb2 as pb
 from pdserve_proto import admin_pb2_grpc as pb_grpc
 from router.cluster import Cluster
-from router.resize import ResizeReplaced, drain_refusal
+from router.resize import FIELDS, ResizeReplaced, field_refusal
 from router.workers import WorkerHandle
 from worker_protocol.messages import WorkerRole
 
@@ -81,17 +81,11 @@ class AdminServicer(pb_grpc.AdminServicer):
         both = request.workers if request.HasField("workers") else None
         drain = request.drain_timeout_s if request.HasField("drain_timeout_s") else None
         bad = grpc.StatusCode.INVALID_ARGUMENT
-        if prefill is not None and prefill < 0:
-            await context.abort(bad, f"prefill: must be >= 0, got {prefill}")
-        if decode is not None and decode < 0:
-            await context.abort(bad, f"decode: must be >= 0, got {decode}")
-        if both is not None and both < 0:
-            await context.abort(bad, f"workers: must be >= 0, got {both}")
-        bad_drain = drain_refusal(drain)
-        if bad_drain is not None:
-            await context.abort(bad, bad_drain)
-        sizes = {"prefill": prefill, "decode": decode, "workers": both}
-        asked = ", ".join(f"{k} {v}" for k, v in sizes.items() if v is not None)
+        sizes = {WorkerRole.PREFILL: prefill, WorkerRole.DECODE: decode, WorkerRole.BOTH: both}
+        refused = field_refusal(sizes, drain)  # before the log and the outcome: not a resize
+        if refused is not None:
+            await context.abort(bad, refused)
+        asked = ", ".join(f"{FIELDS[r]} {n}" for r, n in sizes.items() if n is not None)
         asked += "" if drain is None else f" (drain {drain:g} s)"
         log.info("scale asked: %s", asked)
         # A task of its own: the resize goes on, and its outcome is logged, when the caller

@@ -34,9 +34,13 @@ class ResizeReplaced(RuntimeError):
     """A later resize replaced this one while the workers it added waited for a node with room."""
 
 
-def drain_refusal(drain_timeout_s: float | None) -> str | None:
-    """Why a resize's drain timeout is refused (None: taken): inf and NaN would drain without
-    end, and hold every later resize."""
+def field_refusal(sizes: dict[WorkerRole, int | None], drain_timeout_s: float | None) -> str | None:
+    """Why a resize's own fields are refused, naming the field (None: taken): a size below 0;
+    a drain timeout below 0, inf or NaN (no end to the drain, which would hold every later
+    resize)."""
+    for role, n in sizes.items():
+        if n is not None and n < 0:
+            return f"{FIELDS[role]}: must be >= 0, got {n}"
     if drain_timeout_s is None or 0 <= drain_timeout_s < math.inf:
         return None
     return f"drain_timeout_s: must be a finite number >= 0, got {drain_timeout_s}"
@@ -63,12 +67,9 @@ class Resizes:
             WorkerRole.DECODE: num_decode,
             WorkerRole.BOTH: num_both,
         }
-        for role, n in want.items():
-            if n is not None and n < 0:
-                raise ValueError(f"{FIELDS[role]}: must be >= 0")
-        bad_drain = drain_refusal(drain_timeout_s)
-        if bad_drain is not None:
-            raise ValueError(bad_drain)
+        refused = field_refusal(want, drain_timeout_s)
+        if refused is not None:
+            raise ValueError(refused)
         self._check(want)  # a refused resize leaves the one going on alone
         self._queued += 1
         try:
