@@ -11,6 +11,7 @@ touched; one whose D dies, stops, or cannot be reached resumes elsewhere (Worker
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections import deque
@@ -53,6 +54,7 @@ from worker_protocol.messages import (
 log = logging.getLogger("pdserve.cluster")
 SILENT_S = 10.0  # see Cluster.silent
 STOP_SILENT_S = 2.0  # see Cluster.shutdown
+STOP_PROBE_S = 1.0  # see Cluster.shutdown
 
 
 class Cluster:
@@ -321,11 +323,16 @@ class Cluster:
         )
 
     def shutdown(self, engines_wait_s: float = ENGINES_STOP_S) -> None:
-        """Stop every worker (Pools.shutdown), those whose load calls have given no load for
-        STOP_SILENT_S without waiting for their engines (a stopped or stuck one would hold the
-        stop for all of `engines_wait_s`)."""
-        silent = self._poll.silent(STOP_SILENT_S)
-        if silent and engines_wait_s > 0:
-            log.info("%s gave no load for %g s or more: stopped without their engines' own stop",
-                     ", ".join(sorted(silent)), STOP_SILENT_S)  # fmt: skip
+        """Stop every worker (Pools.shutdown), those that give no load (silent for STOP_SILENT_S
+        already, or no answer within STOP_PROBE_S now) without waiting for their engines: a
+        stopped or stuck one would hold the stop for all of `engines_wait_s`."""
+        silent: set[str] = set()
+        if engines_wait_s > 0:
+            silent = self._poll.silent(STOP_SILENT_S)
+            with contextlib.suppress(Exception):  # no probe: the engines' wait bounds the stop
+                asked = [h for h in self.pools.live() if h.worker_id not in silent]
+                silent |= self._poll.unanswering(asked, STOP_PROBE_S)
+        if silent:
+            log.info("%s gave no load within %g s of the stop: stopped without their engines' "
+                     "own stop", ", ".join(sorted(silent)), STOP_PROBE_S)  # fmt: skip
         self.pools.shutdown(engines_wait_s, silent)

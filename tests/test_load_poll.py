@@ -156,6 +156,25 @@ def test_overlapping_polls_each_take_what_they_waited_for(workers):
     assert calls(workers[1]) - before == 1  # one call, three polls
 
 
+@pytest.mark.timeout(60)
+def test_the_stop_probe_names_the_worker_that_gives_no_load_within_its_wait(workers):
+    """Cluster.shutdown's probe: a worker that answers within the wait is not named, one that
+    does not (slow, stopped) or fails is, however the poll's books stood before (no poll may
+    have run since the worker stopped)."""
+    fast, slow = workers
+    poll = LoadPoll(hang_timeout_s=30.0)
+    asyncio.run(poll.poll(workers, wait_s=5.0))  # both answered: neither silent nor polled
+    assert poll.unanswering(workers, 5.0) == set()
+    ray.get(slow.actor.set.remote(5.0), timeout=10)
+    t0 = time.monotonic()
+    assert poll.unanswering(workers, 1.0) == {"decode-1"}
+    assert time.monotonic() - t0 < 3.0  # the wait, not the slow answer
+    assert poll.unanswering([fast], 1.0) == set()
+    assert poll.unanswering(workers, 20.0) == set()  # the slow call's answer, taken
+    ray.get(slow.actor.set.remote(0.0, True), timeout=10)  # its next call fails
+    assert poll.unanswering(workers, 5.0) == {"decode-1"}
+
+
 def test_a_worker_whose_full_step_may_pass_half_the_hang_timeout_is_named_at_start():
     """A step answers no load: where a worker's full step (its whole token budget of prompt) is
     predicted at half the hang timeout or more (a large model on a CPU), the start says so and
