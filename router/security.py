@@ -14,6 +14,7 @@ import hmac
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import grpc
 from pdserve_client.connect import read_credential, read_token
 
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # prefixes of methods that need no token
+EXPIRY_WARNING_DAYS = 14  # a server certificate that expires sooner is named at start
 
 
 class SecurityError(ValueError):
@@ -79,6 +81,38 @@ class SecurityConfig:
                     f"({exc.reason or exc})"
                 ) from None
 
+    def date_warnings(self, now: datetime | None = None) -> list[str]:
+        """What the certificates' dates say, a line each: one of the server's chain (tls_cert)
+        or of the client CAs expired or not yet valid, or the server's own certificate expiring
+        within EXPIRY_WARNING_DAYS. gRPC serves such a chain without a word, and its TLS clients
+        then refuse every connection."""
+        from cryptography import x509
+
+        now = now or datetime.now(UTC)
+        out: list[str] = []
+        for key, path in (("tls_cert", self.tls_cert), ("tls_client_ca", self.tls_client_ca)):
+            if path is None:
+                continue
+            try:
+                certs = x509.load_pem_x509_certificates(_read(path, _named(key)))
+            except ValueError:
+                continue  # check() says what is wrong with the file
+            for i, cert in enumerate(certs):
+                what = f"{_named(key)}: {path}: {cert.subject.rfc4514_string() or 'certificate'}"
+                after, before = cert.not_valid_after_utc, cert.not_valid_before_utc
+                refused = (
+                    "TLS clients refuse it" if key == "tls_cert"
+                    else "the server refuses the client certificates it signed"
+                )  # fmt: skip
+                if now > after:
+                    out.append(f"{what} expired on {_day(after)}: {refused}")
+                elif now < before:
+                    out.append(f"{what} is not valid before {_day(before)}: {refused} until then")
+                elif key == "tls_cert" and i == 0 and after - now < timedelta(EXPIRY_WARNING_DAYS):
+                    days = (after - now).days
+                    out.append(f"{what} expires on {_day(after)}, in {days} day(s)")
+        return out
+
     def server_credentials(self) -> grpc.ServerCredentials | None:
         """TLS credentials for the gRPC ports; None for plaintext."""
         if self.tls_cert is None or self.tls_key is None:
@@ -99,6 +133,10 @@ class SecurityConfig:
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         token = self.token()
         return [] if token is None else [TokenAuth(token)]
+
+
+def _day(when: datetime) -> str:
+    return when.strftime("%Y-%m-%d %H:%M UTC")
 
 
 Behavior = Callable[..., Any]

@@ -80,6 +80,8 @@ class Server:
         # TLS and token files are read first: a bad one stops the start before any worker.
         creds = c.security.server_credentials()
         interceptors = c.security.interceptors()
+        for line in c.security.date_warnings():
+            log.warning("%s", line)
         # Kept with the endpoint off too: the core reports to it, and its refusal lines are
         # the log's (router/refusal_log.py). Served before the workers start (minutes on a
         # cluster whose nodes are still booting): Prometheus sees the router up meanwhile (no

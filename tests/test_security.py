@@ -291,3 +291,59 @@ def test_the_admin_port_binds_its_own_host_this_machine_unless_told():
             assert err.value.code() is grpc.StatusCode.UNAVAILABLE
     finally:
         s.close()
+
+
+@pytest.mark.timeout(120)
+def test_certificates_out_of_date_or_about_to_expire_are_named_at_start(tmp_path, caplog):
+    """gRPC serves an expired certificate without a word, and every TLS client then refuses
+    it: the start says so, naming the option, the file, the subject and the date; one that
+    expires within EXPIRY_WARNING_DAYS is named too; a fresh chain and CA say nothing."""
+    import logging
+    from datetime import UTC, datetime, timedelta
+
+    from cryptography import x509
+
+    from router.security import EXPIRY_WARNING_DAYS
+
+    now = datetime.now(UTC)
+    ca = trustme.CA()
+    files = {}
+    for name, kw in (("fresh", {}), ("expired", {"not_after": now - timedelta(days=3)}),
+                     ("soon", {"not_after": now + timedelta(days=EXPIRY_WARNING_DAYS - 2)}),
+                     ("later", {"not_before": now + timedelta(days=2)})):  # fmt: skip
+        leaf = ca.issue_cert("127.0.0.1", common_name=f"{name}.example", **kw)
+        files[name] = (tmp_path / f"{name}.pem", tmp_path / f"{name}.key")
+        leaf.cert_chain_pems[0].write_to_path(str(files[name][0]))
+        leaf.private_key_pem.write_to_path(str(files[name][1]))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+
+    def said(name: str) -> list[str]:
+        cert, key = files[name]
+        return SecurityConfig(tls_cert=cert, tls_key=key, tls_client_ca=tmp_path / "ca.pem"
+                              ).date_warnings()  # fmt: skip
+
+    assert said("fresh") == []
+    day = (now - timedelta(days=3)).strftime("%Y-%m-%d")
+    [expired] = said("expired")
+    assert expired.startswith(f"tls_cert (--tls-cert): {files['expired'][0]}: CN=expired.example")
+    assert f"expired on {day} " in expired and expired.endswith(": TLS clients refuse it")
+    [soon] = said("soon")  # 12 days less the moments since: 11 whole days
+    assert f"in {EXPIRY_WARNING_DAYS - 3} day(s)" in soon and "CN=soon.example" in soon, soon
+    [later] = said("later")
+    assert "is not valid before" in later and later.endswith("until then"), later
+    # The client CA, checked as well (trustme's are valid from 2000 to 3000).
+    late = SecurityConfig(tls_cert=files["fresh"][0], tls_key=files["fresh"][1],
+                          tls_client_ca=tmp_path / "ca.pem"
+                          ).date_warnings(datetime(3001, 1, 1, tzinfo=UTC))  # fmt: skip
+    subject = x509.load_pem_x509_certificate(ca.cert_pem.bytes()).subject.rfc4514_string()
+    assert late[-1] == (f"tls_client_ca (--tls-client-ca): {tmp_path / 'ca.pem'}: {subject} "
+                        "expired on 3000-01-01 00:00 UTC: the server refuses the client "
+                        "certificates it signed")  # fmt: skip
+    # A server started on the expired one logs the same line, and starts all the same.
+    caplog.set_level(logging.WARNING, logger="pdserve.server")
+    cert, key = files["expired"]
+    s = server(SecurityConfig(tls_cert=cert, tls_key=key))
+    try:
+        assert any(r.getMessage() == expired for r in caplog.records), caplog.text
+    finally:
+        s.close()
