@@ -54,7 +54,7 @@ from worker_protocol.messages import (
 log = logging.getLogger("pdserve.cluster")
 SILENT_S = 10.0  # see Cluster.silent
 STOP_SILENT_S = 2.0  # see Cluster.shutdown
-STOP_PROBE_S = 1.0  # see Cluster.shutdown
+STOP_PROBE_S = 2.0  # see Cluster.shutdown
 
 
 class Cluster:

@@ -4,8 +4,9 @@ from the main thread with the blocking client."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -89,3 +90,34 @@ def decoding(srv: ServerThread, rid: str) -> str | None:
         return None
 
     return srv.run(find())
+
+
+@contextlib.contextmanager
+def paced_steps(actors: list[Any], seconds: float) -> Iterator[None]:
+    """Within the block, every engine step of the workers behind `actors` waits `seconds`
+    first: a stream that a test acts on mid-way lasts long enough for the act however fast the
+    host (600 tokens of a tiny model take about a second). Workers still alive after it are as
+    they were; a dead one needs nothing."""
+    import ray
+
+    def pace(worker: Any, seconds: float) -> None:  # in the actor (a closure: sent by value)
+        import time
+
+        engine = worker.engine
+        engine.__dict__.pop("step", None)  # the class's own step again
+        if seconds > 0:
+            step = engine.step
+
+            def paced(*args: Any, **kwargs: Any) -> Any:
+                time.sleep(seconds)
+                return step(*args, **kwargs)
+
+            engine.step = paced
+
+    ray.get([a.__ray_call__.remote(pace, seconds) for a in actors], timeout=30)
+    try:
+        yield
+    finally:
+        for a in actors:
+            with contextlib.suppress(ray.exceptions.RayActorError):
+                ray.get(a.__ray_call__.remote(pace, 0.0), timeout=30)

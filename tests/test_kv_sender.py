@@ -50,7 +50,7 @@ def test_a_first_token_does_not_wait_for_the_step_that_runs_after_it():
         a, took, b = asyncio.run(asyncio.wait_for(main(), 60))
         assert a.first_token == hf_greedy("tiny-llama", short, 1)[0]
         assert b.first_token == hf_greedy("tiny-llama", long, 1)[0]
-        assert took < 1.6 * STEP_S, f"{took:.2f} s: it waited for the step after its own"
+        assert took < 1.9 * STEP_S, f"{took:.2f} s: it waited for the step after its own"
         deadline = time.monotonic() + 10
         while not eng.kv.pool.all_free() and time.monotonic() < deadline:
             time.sleep(0.05)

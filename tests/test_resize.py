@@ -19,7 +19,7 @@ from pdserve_proto import generation_pb2 as pb
 from pdserve_proto import generation_pb2_grpc as pb_grpc
 from router.cluster import ClusterConfig
 from router.serve_config import ServeConfig
-from tests.grpc_server import ServerThread
+from tests.grpc_server import ServerThread, paced_steps
 from tests.helpers import hf_greedy, random_prompts
 from tests.test_router_grpc import assert_pools_full
 
@@ -173,7 +173,7 @@ def test_requests_left_on_a_removed_worker_after_its_drain_resume_elsewhere(srv)
         admin_pb2_grpc.AdminStub(ch).Scale(admin_pb2.ScaleRequest(decode=2), timeout=200)
     assert len(cluster.decode_ids) == 2
     prompts = random_prompts([19, 26], seed=133)
-    long_new = 600  # long enough to outlive a 0.5 s drain
+    long_new = 600  # paced below: 3 s at least, six times the drain
     wants = [hf_greedy(MODEL, p, long_new) for p in prompts]
     assert [len(w) for w in wants] == [long_new] * 2  # no EOS on the way
     got: list[list[int]] = [[], []]
@@ -196,21 +196,22 @@ def test_requests_left_on_a_removed_worker_after_its_drain_resume_elsewhere(srv)
             errors.append(f"{exc.code().name}: {exc.details()}")
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while min(len(g) for g in got) < 5:  # both are decoding, one on each worker
-        assert time.monotonic() < deadline and not errors, errors
-        time.sleep(0.05)
-    on = {w: cluster.pools.workers[w].active for w in cluster.decode_ids}
-    assert sorted(on.values()) == [1, 1], on  # one on each decode worker
-    resumed_before = srv.server.core.resumed
-    with grpc.insecure_channel(admin) as ch:
-        admin_pb2_grpc.AdminStub(ch).Scale(
-            admin_pb2.ScaleRequest(decode=1, drain_timeout_s=0.5), timeout=200
-        )
-    for t in threads:
-        t.join(120)
+    with paced_steps([cluster.actor(w) for w in cluster.decode_ids], 0.005):
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while min(len(g) for g in got) < 5:  # both are decoding, one on each worker
+            assert time.monotonic() < deadline and not errors, errors
+            time.sleep(0.05)
+        on = {w: cluster.pools.workers[w].active for w in cluster.decode_ids}
+        assert sorted(on.values()) == [1, 1], on  # one on each decode worker
+        resumed_before = srv.server.core.resumed
+        with grpc.insecure_channel(admin) as ch:
+            admin_pb2_grpc.AdminStub(ch).Scale(
+                admin_pb2.ScaleRequest(decode=1, drain_timeout_s=0.5), timeout=200
+            )
+        for t in threads:
+            t.join(120)
     assert not errors, errors
     assert got == wants
     (survivor,) = cluster.decode_ids

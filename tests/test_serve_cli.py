@@ -292,7 +292,7 @@ def test_requests_left_at_the_drain_timeout_end_with_a_clear_error_on_both_doors
             run.log_path.read_text()
         )
         # Its stopped workers, which answer no load call, were not waited for (10 s).
-        assert "decode-0, prefill-0 gave no load within 1 s of the stop: stopped without" in (
+        assert "decode-0, prefill-0 gave no load within 2 s of the stop: stopped without" in (
             run.log_path.read_text()
         )
         run.assert_clean_log()
@@ -310,7 +310,10 @@ def test_a_second_interrupt_while_draining_ends_the_requests_in_flight_at_once(t
     try:
         run.stream_then_stop_the_workers()
         run.server.send_signal(signal.SIGINT)
-        time.sleep(0.1)
+        deadline = time.monotonic() + 30  # taken (not merged with the next by the kernel)
+        while "shutting down: draining" not in run.log_path.read_text():
+            assert time.monotonic() < deadline, run.log_path.read_text()[-3000:]
+            time.sleep(0.01)
         run.server.send_signal(signal.SIGINT)
         time.sleep(2)
         assert run.server.poll() is None and not run.ended, (run.ended, run.got)  # draining
