@@ -184,13 +184,6 @@ def run(args: argparse.Namespace, prepared: Any = None) -> int:
         if "error" in engine_run:  # nothing to compare the others with
             raise RuntimeError(f"the engine failed: {engine_run['error']}")
         runs.append({"pdserve": engine_run})
-        if args.penalties:
-            penalized = replace(params, repetition_penalty=1.1, presence_penalty=0.5,
-                                frequency_penalty=0.5)  # fmt: skip
-            runs[-1]["pdserve_penalized"], _, unused = run_pdserve(cfg, loaded, prompts, penalized)
-            del unused
-            if "error" in runs[-1]["pdserve_penalized"]:
-                raise RuntimeError(f"the penalized run failed: {runs[-1]['pdserve_penalized']}")
         if "bare_forward" not in skip and steps:
             secs = replay(paged_model, steps)
             toks = engine_run.get("output_tokens", 0)
@@ -200,9 +193,15 @@ def run(args: argparse.Namespace, prepared: Any = None) -> int:
                 "output_tokens": toks,
             }
         del paged_model
-        gc.collect()  # the last round's engine and KV cache, whatever cycle may still hold them
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # so that the next round's cache is sized as this one's
+        _free_caches()
+        if args.penalties:  # after the first engine's cache is freed: sized as that one was
+            penalized = replace(params, repetition_penalty=1.1, presence_penalty=0.5,
+                                frequency_penalty=0.5)  # fmt: skip
+            runs[-1]["pdserve_penalized"], _, unused = run_pdserve(cfg, loaded, prompts, penalized)
+            del unused
+            _free_caches()
+            if "error" in runs[-1]["pdserve_penalized"]:
+                raise RuntimeError(f"the penalized run failed: {runs[-1]['pdserve_penalized']}")
     rounds = [{name: r["output_tok_s"] for name, r in run.items()} for run in runs]
     for r in rounds:
         if "bare_forward" in r:
@@ -268,6 +267,14 @@ def print_table(result: dict[str, Any]) -> None:
         each = ", ".join(f"{x:.3f}" for x in penalized)
         print(f"pdserve_penalized / pdserve per round: {each}; median "
               f"{statistics.median_low(penalized):.3f}x")  # fmt: skip
+
+
+def _free_caches() -> None:
+    """The last engine's KV cache given back, whatever cycle may still hold it, so that the next
+    engine's cache (sized from the free memory on a GPU) is sized as that one's was."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -144,6 +144,8 @@ class ModelRunner:
                 asked = f"cache.num_blocks {cc.num_blocks}"
             elif self.device.type == "cuda":
                 asked = f"cache.gpu_memory_fraction {cc.gpu_memory_fraction:g} of the free memory"
+                if cc.gpu_share < 1:
+                    asked += f" within a {cc.gpu_share:g} share of the GPU"
             else:
                 asked = f"cache.cpu_kv_cache_gib {cc.cpu_kv_cache_gib:g}"
             size = num_blocks * self.spec.bytes_per_block / (1 << 30)
@@ -158,8 +160,18 @@ class ModelRunner:
         if cc.num_blocks is not None:
             return cc.num_blocks
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return self.spec.num_blocks_for_bytes(free * cc.gpu_memory_fraction)
+            free, total = torch.cuda.mem_get_info(self.device)
+            held = torch.cuda.memory_reserved(self.device)
+            budget = cc.kv_budget_bytes(free, total, held)
+            if budget < self.spec.bytes_per_block:
+                gib = 1 << 30
+                raise KVCacheAllocationError(
+                    f"no room for a KV cache on {self.device}: {free / gib:.1f} GiB free, this "
+                    f"worker holds {held / gib:.1f} GiB (its weights) of its {cc.gpu_share:g} "
+                    f"share of {total / gib:.1f} GiB; give it more of the GPU "
+                    "(--gpus-per-worker) or a smaller model"
+                )
+            return self.spec.num_blocks_for_bytes(budget)
         return self.spec.num_blocks_for_bytes(cc.cpu_kv_cache_gib * (1 << 30))
 
     def _generator(self, s: ScheduledRequest) -> torch.Generator | None:

@@ -134,4 +134,5 @@ class StepBuffers:
         """The one host-to-device copy of the step (none on CPU)."""
         if self.pinned:
             self._dev[:used].copy_(self._hosts[self._turn][:used], non_blocking=True)
-            self._copied[self._turn].record()
+            # On the stream the copy went to (its device's, which need not be the current one).
+            self._copied[self._turn].record(torch.cuda.current_stream(self._dev.device))

@@ -118,6 +118,8 @@ class ClusterConfig:
         if gpus is None:  # the cluster's, not this machine's: the router may run on a CPU node
             gpus = 1 if cluster_gpus > 0 else 0
         engine = replace(self.engine, model=replace(self.engine.model, model=self.model))
+        if 0 < gpus < 1:  # workers share a GPU: each sizes its KV cache within its share
+            engine = replace(engine, cache=replace(engine.cache, gpu_share=gpus))
         spec = WorkerSpec(
             engine=engine,
             num_threads=self.threads_per_worker,

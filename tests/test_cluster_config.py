@@ -69,3 +69,32 @@ def test_numpy_numbers_are_taken_as_python_ones():
         ClusterConfig(num_decode=np.float64(1.5))
     with pytest.raises(ValueError, match=r"^num_prefill: must be an integer >= 0, got -1"):
         ClusterConfig(num_prefill=np.int64(-1))
+
+
+def test_workers_sharing_a_gpu_size_their_kv_caches_within_their_share():
+    """Two workers on one 80 GiB GPU (--gpus-per-worker 0.5), 10 GiB of weights each, size their
+    KV caches at the same time or one after the other: together they fit the device, each gets
+    about the same, and neither gets most of it. A whole GPU each keeps the fraction of the free
+    memory."""
+    from engine.config import CacheConfig
+
+    gib = 1 << 30
+    shares = {g: ClusterConfig(gpus_per_worker=g).pool_config().spec.engine.cache.gpu_share
+              for g in (None, 0.5, 1, 2)}  # fmt: skip
+    assert shares == {None: 1.0, 0.5: 0.5, 1: 1.0, 2: 1.0}
+    cache = CacheConfig(gpu_share=0.5)  # gpu_memory_fraction 0.8
+    total, weights = 80 * gib, 10 * gib
+    # Both read the free memory after both loaded their weights, before either allocates.
+    together = cache.kv_budget_bytes(total - 2 * weights, total, weights)
+    assert together == (40 - 10) * gib * 0.8
+    assert 2 * (weights + together) <= total
+    # One after the other: the second sees the first's cache gone from the free memory.
+    first = cache.kv_budget_bytes(total - weights, total, weights)
+    second = cache.kv_budget_bytes(total - 2 * weights - int(first), total, weights)
+    assert first == second == together
+    # Alone on its GPU: 0.8 of what is free, as before.
+    assert CacheConfig().kv_budget_bytes(70 * gib, total, weights) == 70 * gib * 0.8
+    # Weights that fill the share leave nothing (the engine says so, naming --gpus-per-worker).
+    assert cache.kv_budget_bytes(30 * gib, total, 41 * gib) == 0
+    with pytest.raises(ValueError, match=r"gpu_share must be in \(0, 1\], got 0"):
+        CacheConfig(gpu_share=0)

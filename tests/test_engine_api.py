@@ -123,7 +123,8 @@ def test_a_kv_cache_too_large_for_the_device_names_the_setting(monkeypatch):
     import engine.model_runner
 
     with pytest.raises(KVCacheAllocationError) as info:
-        LLMEngine(EngineConfig(model=ModelConfig(model="tiny-llama"),
+        # On a CPU, where the setting applies (gpu-check.sh runs this file with CUDA present).
+        LLMEngine(EngineConfig(model=ModelConfig(model="tiny-llama", device="cpu"),
                                cache=CacheConfig(cpu_kv_cache_gib=100_000)))  # fmt: skip
     said = str(info.value)
     assert said.startswith("the KV cache does not fit on cpu: ") and "100000.0 GiB" in said

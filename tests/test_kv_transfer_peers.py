@@ -132,7 +132,7 @@ def test_cuda_cache_over_gloo_on_one_device():
     )
     kp.pair_up(p, "P", d, "D")
     try:
-        assert p._pairs["D"].lanes.backend == d._pairs["P"].lanes.backend == "gloo"
+        assert p._pair("D").lanes.backend == d._pair("P").lanes.backend == "gloo"
         assert p._device_id == d._device_id and p._device_id.startswith("cuda/")
         assert len(p._device_id) > len("cuda/")  # the GPU's UUID
         _cuda_roundtrip(p, d, "cuda:0", "cuda:0")
@@ -152,7 +152,7 @@ def test_nccl_across_two_devices():
     )
     kp.pair_up(p, "P", d, "D")
     try:
-        assert p._pairs["D"].lanes.backend == d._pairs["P"].lanes.backend == "nccl"
+        assert p._pair("D").lanes.backend == d._pair("P").lanes.backend == "nccl"
         _cuda_roundtrip(p, d, "cuda:0", "cuda:1")
     finally:
         p.close()
