@@ -150,3 +150,23 @@ def test_a_step_that_only_prefills_returns_with_its_kernels_done(monkeypatch):
     out = runner.execute(so)
     assert out.request_ids == ()  # nothing sampled
     assert torch.cuda.current_stream().query()  # and nothing left running
+
+
+def test_a_worker_sharing_its_gpu_sizes_its_kv_cache_within_its_share():
+    """With gpu_share 0.5 (--gpus-per-worker 0.5) the KV cache takes no more than 0.8 of half
+    the device less what the process holds; alone (1.0), 0.8 of what is free."""
+    free, total = torch.cuda.mem_get_info()
+    shared = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model="tiny-llama", device="cuda"),
+            cache=CacheConfig(gpu_share=0.5),
+        ),
+        loaded("tiny-llama"),
+    )
+    kv = shared.runner.num_blocks * shared.runner.spec.bytes_per_block
+    assert kv <= 0.5 * total * 0.8, (kv, total)
+    # A tiny model holds little of its share: about all of it (or of what was free) is KV.
+    assert kv >= min(free, 0.5 * total) * 0.8 - 2 * (1 << 30), (kv, free, total)
+    del shared
+    gc.collect()
+    torch.cuda.empty_cache()
