@@ -162,21 +162,29 @@ class HttpApi:
     ) -> JSONResponse | StreamingResponse:
         arrived = time.monotonic()
         self._check_model(body.model)
-        renames: dict[str, str] = {}
+        names: dict[str, str] = {}  # the core's field names as this request spells them
         try:
-            fields, renames = request_fields(body)
-            req = await check_request_async(fields, self.tokenizer, self.limits)
-            self._check_choices(body.n)
+            batch, renames = request_fields(body)
+            reqs = []
+            for k, fields in enumerate(batch):  # a batch's errors name the prompt: prompt[k]
+                names = renames if len(batch) == 1 else {
+                    **renames, "prompt": f"prompt[{k}]", "prompt_token_ids": f"prompt[{k}]"
+                }  # fmt: skip
+                reqs.append(await check_request_async(fields, self.tokenizer, self.limits))
+            names = renames
+            total = len(reqs) * body.n
+            self._check_choices(body.n, len(reqs))
             host = client_host(request.client.host if request.client else "")
-            release = self.clients.take(host, Frontend.HTTP, body.n)
-            if body.n > 1:  # room for all of them, or none is admitted (nor runs for nothing)
+            release = self.clients.take(host, Frontend.HTTP, total)
+            if total > 1:  # room for all of them, or none is admitted (nor runs for nothing)
                 try:
-                    self.core.room_for(body.n, Frontend.HTTP)
+                    self.core.room_for(total, Frontend.HTTP)
                 except Overloaded:
                     release()
                     raise
         except (InvalidRequestError, Overloaded) as exc:
-            raise from_core(exc, renames) from None
+            raise from_core(exc, names) from None
+        req = reqs[0]
         call = Call(
             req,
             arrived,
@@ -184,11 +192,16 @@ class HttpApi:
             body.stream,
             bool(body.stream_options and body.stream_options.include_usage),
             int(time.time()),
+            tuple(reqs),
+            body.n,
         )
         # Admission and placement happen at the first chunk (of every choice): a refusal is
         # still an HTTP status, so a stream's headers go out with its first tokens. A whole
         # answer is collected under the same watch for a closed connection.
-        choices = Choices([self.core.generate(r, arrived) for r in choice_requests(req, body.n)])
+        choices = Choices(
+            [self.core.generate(r, arrived) for q in reqs for r in choice_requests(q, body.n)],
+            body.n,
+        )
         work = choices.firsts() if call.stream else choices.answers()
         try:
             got = await until_disconnected(request.receive, work)
@@ -206,15 +219,18 @@ class HttpApi:
         headers = {"Cache-Control": "no-cache", "X-Request-Id": req.request_id}
         return EventStream(self._events(call, choices.merged(got)), choices, release, headers)
 
-    def _check_choices(self, n: int) -> None:
-        """InvalidRequestError naming n where its choices could never all be admitted."""
+    def _check_choices(self, n: int, prompts: int = 1) -> None:
+        """InvalidRequestError naming n (or the prompt, for a batch of prompts) where the
+        choices could never all be admitted."""
+        total = n * prompts
         for limit, flag, what in (
             (self.clients.limit, "--max-streams-per-client", "run per client"),
             (self.core.config.max_pending, "--max-pending", "wait for a first token at once"),
         ):
-            if limit is not None and n > limit:
-                why = f"{n} choices, each a request: at most {limit} {what}"
-                raise InvalidRequestError("n", f"{why} ({flag})")
+            if limit is not None and total > limit:
+                many = f"{prompts} prompts of {n} choices" if prompts > 1 else f"{n} choices"
+                why = f"{many}, each choice a request: at most {limit} {what}"
+                raise InvalidRequestError("n" if prompts == 1 else "prompt", f"{why} ({flag})")
 
     async def _events(
         self, call: Call, chunks: AsyncGenerator[tuple[int, CoreChunk], None]
@@ -248,7 +264,7 @@ class HttpApi:
         they carry logprobs."""
         events = []
         if i not in offsets:
-            offsets[i] = self.shapes.offsets(call)
+            offsets[i] = self.shapes.offsets(call, i)
             if call.chat:
                 delta = {"role": "assistant", "content": ""}
                 opening = {"delta": delta, "logprobs": None, "finish_reason": None}

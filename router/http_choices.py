@@ -8,6 +8,8 @@ are admitted, and a refusal or a failure of any is the answer's. Choice 0 goes f
 others once it has its first token: by then the prompt's KV is in the prefix cache of the worker
 that computed it and of the one that received it, so the others find it there and compute and
 send only its last block (started together, each handoff would move the whole prompt's KV).
+A completion's batch of prompts is n choices per prompt (stream k*n + j is prompt k's choice j):
+every prompt's choice 0 goes first, together, and the others once those have their first token.
 Closing the choices closes the reading of them, then every core stream, aborting each choice
 wherever it still runs.
 
@@ -65,20 +67,28 @@ async def together(aws: list[Awaitable[T]]) -> list[T]:
 
 
 class Choices:
-    """The core streams of one request's choices."""
+    """The core streams of one request's choices, `n` per prompt (a completion may carry several
+    prompts: stream i is choice i % n of prompt i // n)."""
 
-    def __init__(self, streams: list[AsyncGenerator[CoreChunk, None]]) -> None:
+    def __init__(
+        self, streams: list[AsyncGenerator[CoreChunk, None]], n: int | None = None
+    ) -> None:
         self.streams = streams
+        self.n = n or len(streams)  # None: one prompt's
         self._merged: AsyncGenerator[tuple[int, CoreChunk], None] | None = None
 
     async def firsts(self) -> list[CoreChunk]:
         """Every choice's first chunk: each admitted and placed (a refusal of any is raised);
-        choice 0's first, then the others' together."""
-        first = await anext(self.streams[0])
-        if len(self.streams) == 1:
-            return [first]
-        rest = await together([anext(s) for s in self.streams[1:]])  # type: ignore[arg-type]
-        return [first, *rest]
+        each prompt's choice 0 first (the prompts' together), then the others together."""
+        leads = range(0, len(self.streams), self.n)
+        if len(leads) == 1:
+            got = {0: await anext(self.streams[0])}
+        else:
+            got = dict(zip(leads, await together([anext(self.streams[i]) for i in leads])))
+        rest = [i for i in range(len(self.streams)) if i not in got]
+        if rest:
+            got.update(zip(rest, await together([anext(self.streams[i]) for i in rest])))
+        return [got[i] for i in range(len(self.streams))]
 
     async def answers(self) -> list[Answer]:
         firsts = await self.firsts()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -23,6 +24,7 @@ from router.vocab import Frontend, RoutePath
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the server's own)
 MAX_CHOICES = 16  # n: each choice is a request of its own (router/http_choices.py)
+MAX_PROMPTS = 256  # a completion's batch of prompts, each with its n choices
 
 
 # OpenAI's fields that pdserve does not implement, at the value that asks for nothing: clients
@@ -122,7 +124,8 @@ class _Sampling(_Body):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        description="one prompt: text, or token ids (a list of one is taken as that one)"
+        description="text or token ids, or a list of several (a batch: n choices each, the "
+        "choices of prompt k at indices k*n to k*n+n-1)"
     )
     logprobs: int | None = Field(None, description="top alternatives per token, 0 to 20")
     echo: bool = Field(False, description="only false")
@@ -208,9 +211,10 @@ class ChatCompletionRequest(_Sampling):
 
 def request_fields(
     body: CompletionRequest | ChatCompletionRequest,
-) -> tuple[RequestFields, dict[str, str]]:
-    """The body as the core's RequestFields, and the core's field names this API spells
-    otherwise for this request."""
+) -> tuple[list[RequestFields], dict[str, str]]:
+    """The body as the core's RequestFields, one per prompt (a completion's list of prompts:
+    `<id>-p<k>` the id of prompt k > 0), and the core's field names this API spells otherwise
+    for this request."""
     renames: dict[str, str] = {}
     prompt: str | None = None
     ids: list[int] | None = None
@@ -219,8 +223,10 @@ def request_fields(
     max_tokens = body.max_tokens
     default_max_tokens = DEFAULT_MAX_TOKENS
     chat_options: dict[str, Any] = {}
+    prompts: list[tuple[str | None, list[int] | None]] = []
     if isinstance(body, CompletionRequest):
-        prompt, ids = _one_prompt(body.prompt)
+        prompts = _prompts(body.prompt)
+        prompt, ids = prompts[0]
         if ids is not None:
             renames["prompt_token_ids"] = "prompt"
         logprobs = body.logprobs
@@ -266,7 +272,13 @@ def request_fields(
         slo_itl_ms=opts.slo.itl_ms if opts.slo else None,
         frontend=Frontend.HTTP,
     )
-    return fields, renames
+    if len(prompts) < 2:
+        return [fields], renames
+    rid = fields.request_id
+    return [
+        replace(fields, prompt=p, prompt_token_ids=ids, request_id=f"{rid}-p{k}" if k else rid)
+        for k, (p, ids) in enumerate(prompts)
+    ], renames
 
 
 def _token_biases(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -282,21 +294,21 @@ def _token_biases(bias: dict[str, float] | None) -> dict[int, float] | None:
     return {int(k): v for k, v in bias.items()}
 
 
-def _one_prompt(
+def _prompts(
     prompt: str | list[str] | list[int] | list[list[int]],
-) -> tuple[str | None, list[int] | None]:
+) -> list[tuple[str | None, list[int] | None]]:
+    """A completion's prompts, each its text or its token ids."""
     if isinstance(prompt, str):
-        return prompt, None
+        return [(prompt, None)]
     if not prompt:
         raise InvalidRequestError("prompt", "must not be empty")
-    if prompt and all(isinstance(p, int) for p in prompt):
-        return None, [int(p) for p in prompt]  # type: ignore[arg-type]
-    if len(prompt) != 1:
+    if all(isinstance(p, int) for p in prompt):
+        return [(None, [int(p) for p in prompt])]  # type: ignore[arg-type]
+    if len(prompt) > MAX_PROMPTS:
         raise InvalidRequestError(
-            "prompt", f"one prompt per request is supported, got {len(prompt)}"
+            "prompt", f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}"
         )
-    one = prompt[0]
-    return (one, None) if isinstance(one, str) else (None, list(one))  # type: ignore[arg-type]
+    return [(p, None) if isinstance(p, str) else (None, list(p)) for p in prompt]  # type: ignore[arg-type]
 
 
 def _text(content: str | list[TextPart]) -> str:

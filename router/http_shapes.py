@@ -25,6 +25,12 @@ class Call:
     stream: bool
     include_usage: bool
     created: int
+    # A completion's prompts (req the first), each with n choices: choice i is prompt i // n's.
+    prompts: tuple[ParsedRequest, ...] = ()
+    n: int = 1
+
+    def prompt(self, choice: int) -> ParsedRequest:
+        return self.prompts[choice // self.n] if self.prompts else self.req
 
 
 class Shapes:
@@ -70,7 +76,7 @@ class Shapes:
         vLLM's); `pdserve` says how the first was served."""
         choices = []
         for i, answer in enumerate(answers):
-            logprobs = self.logprobs(call, answer.logprobs, self.offsets(call))
+            logprobs = self.logprobs(call, answer.logprobs, self.offsets(call, i))
             if call.chat:
                 said: dict[str, Any] = {"message": {"role": "assistant", "content": answer.text}}
             else:
@@ -83,7 +89,7 @@ class Shapes:
             "created": call.created,
             "model": self.model,
             "choices": choices,
-            "usage": usage([a.final for a in answers]),
+            "usage": usage([a.final for a in answers], call.n),
             "pdserve": pdserve(answers[0].final),
         }
 
@@ -99,9 +105,9 @@ class Shapes:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
-    def offsets(self, call: Call) -> TextOffsets:
-        """A new answer's text offsets (completions' logprobs.text_offset)."""
-        return TextOffsets(self.token_bytes, call.req.prompt_token_ids)
+    def offsets(self, call: Call, choice: int = 0) -> TextOffsets:
+        """A new answer's text offsets (completions' logprobs.text_offset), after its prompt."""
+        return TextOffsets(self.token_bytes, call.prompt(choice).prompt_token_ids)
 
     def logprobs(
         self, call: Call, lps: tuple[TokenLogprobs, ...], offsets: TextOffsets
@@ -150,16 +156,17 @@ def finish(final: Summary | None) -> str | None:
     return FINISH[final.finish_reason]
 
 
-def usage(finals: list[Summary]) -> dict[str, Any]:
-    """A request's usage over its choices: the prompt once (its cache hits the first choice's),
-    the completion tokens of all."""
-    first = finals[0]
+def usage(finals: list[Summary], n: int = 1) -> dict[str, Any]:
+    """A request's usage over its choices, `n` per prompt: each prompt once (its cache hits
+    its first choice's), the completion tokens of all."""
+    firsts = finals[::n]
+    prompt = sum(s.prompt_tokens for s in firsts)
     completion = sum(s.completion_tokens for s in finals)
     return {
-        "prompt_tokens": first.prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": first.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": first.cached_prompt_tokens},
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(s.cached_prompt_tokens for s in firsts)},
     }
 
 

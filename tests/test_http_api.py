@@ -175,6 +175,41 @@ def test_n_choices_whole_and_streamed_are_seeded_apart_and_counted_together(srv,
 
 
 @pytest.mark.timeout(120)
+def test_a_batch_of_prompts_answers_each_with_its_n_choices_in_openais_order(srv, client):
+    """A completion's list of prompts (text or token ids), n choices each: choice k*n + j is
+    prompt k's, the answer it gets alone, whole and streamed, with its own logprobs offsets;
+    usage counts each prompt once and every choice's tokens."""
+    texts = ["The capital of France is", "Once upon a time"]
+    opts = {"max_tokens": MAX_NEW, "temperature": 0, "logprobs": 1,
+            "extra_body": {"ignore_eos": True}}  # fmt: skip
+    alone = [client.completions.create(model=MODEL, prompt=t, **opts) for t in texts]
+    got = client.completions.create(model=MODEL, prompt=texts, n=2, **opts)
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    for c in got.choices:
+        single = alone[c.index // 2].choices[0]
+        assert c.text == single.text and c.logprobs.text_offset == single.logprobs.text_offset
+    assert alone[0].choices[0].logprobs.text_offset != alone[1].choices[0].logprobs.text_offset
+    assert got.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert got.usage.completion_tokens == 4 * MAX_NEW
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model=MODEL, prompt=texts, n=2, stream=True, **opts):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {c.index: c.text for c in got.choices}
+    ids = random_prompts([9, 23, 14], seed=41)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=MAX_NEW,
+                                       temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    for c in by_ids.choices:  # each prompt's own greedy tokens
+        want = client.completions.create(
+            model=MODEL, prompt=ids[c.index], max_tokens=MAX_NEW, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert c.text == want.choices[0].text
+    assert len(by_ids.choices) == 3 and by_ids.usage.prompt_tokens == 9 + 23 + 14
+    assert_pools_full(srv, within_s=2.0)
+
+
+@pytest.mark.timeout(120)
 def test_n_greedy_choices_handed_off_move_the_prompts_kv_once(srv, client):
     """Each choice is a request of its own, handed off (each completes a transfer, none falls
     back), each greedy choice the answer to the prompt alone. Choice 0 goes first, so the others
@@ -299,6 +334,8 @@ def test_bad_requests_get_a_400_naming_the_parameter_and_the_server_keeps_servin
         ({"model": MODEL, "prompt": 7}, "prompt"),
         ({"model": MODEL, "prompt": "x", "echo": True}, "echo"),
         ({"model": MODEL, "prompt": [300]}, "prompt"),  # a token id outside the vocabulary
+        ({"model": MODEL, "prompt": [[5, 6], [300]]}, "prompt[1]"),  # a batch's second prompt
+        ({"model": MODEL, "prompt": ["x"] * 257}, "prompt"),  # past MAX_PROMPTS
     ]
     with httpx.Client(timeout=30) as http:
         for body, param in cases:

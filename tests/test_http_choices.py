@@ -80,6 +80,32 @@ def test_the_other_choices_start_once_choice_zero_has_its_first_token(stream):
     assert asyncio.run(main()) == ["start 0", "token 0", "start 1", "start 2"]
 
 
+def test_a_batch_starts_every_prompts_first_choice_together_then_the_others():
+    """Two prompts of two choices each (streams 0-1 the first's, 2-3 the second's): both
+    prompts' choice 0 start at once, the other choices once both have their first token."""
+
+    async def main():
+        seen: list[str] = []
+
+        async def run(i: int, delay: float):
+            seen.append(f"start {i}")
+            for k in range(2):
+                await asyncio.sleep(delay)
+                if k == 0:
+                    seen.append(f"token {i}")
+                yield CoreChunk(f"r{i}", (k,), str(k), final=object() if k == 1 else None)  # type: ignore[arg-type]
+
+        c = Choices([run(0, 0.05), run(1, 0.001), run(2, 0.05), run(3, 0.001)], n=2)
+        got = [(i, ch.text) async for i, ch in c.merged(await c.firsts())]
+        assert got[:4] == [(0, "0"), (1, "0"), (2, "0"), (3, "0")]
+        await c.aclose()
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen[:2] == ["start 0", "start 2"]
+    assert set(seen[2:4]) == {"token 0", "token 2"} and set(seen[4:6]) == {"start 1", "start 3"}
+
+
 def test_a_refusal_of_one_first_chunk_is_raised_and_the_others_are_closed():
     async def main():
         streams = [Stream(4, delay=0.05), Stream(4, fail_at=0), Stream(4, delay=0.05)]

@@ -815,7 +815,7 @@ def test_a_chat_messages_text_parts_are_joined_by_newlines():
 
     parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": parts}]})
-    assert request_fields(body)[0].messages == [ChatTurn("user", "hi\nthere")]
+    assert request_fields(body)[0][0].messages == [ChatTurn("user", "hi\nthere")]
 
 
 @pytest.mark.parametrize(
