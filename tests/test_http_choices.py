@@ -52,6 +52,18 @@ def test_chunks_come_with_their_index_up_to_every_final():
     assert [s.closed for s in streams] == [1, 1, 1]
 
 
+async def logged(seen: list[str], i: int, delay: float, chunks: int = 3):
+    """A choice's stream of `chunks` chunks, `delay` apart, that notes in `seen` when it starts
+    and when its first token comes."""
+    seen.append(f"start {i}")
+    for k in range(chunks):
+        await asyncio.sleep(delay)
+        if k == 0:
+            seen.append(f"token {i}")
+        final = object() if k == chunks - 1 else None
+        yield CoreChunk(f"r{i}", (k,), str(k), final=final)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_the_other_choices_start_once_choice_zero_has_its_first_token(stream):
     """Then its prompt's KV is in the prefix caches of the workers that computed and received
@@ -59,16 +71,7 @@ def test_the_other_choices_start_once_choice_zero_has_its_first_token(stream):
 
     async def main():
         seen: list[str] = []
-
-        async def run(i: int, delay: float):
-            seen.append(f"start {i}")
-            for k in range(3):
-                await asyncio.sleep(delay)
-                if k == 0:
-                    seen.append(f"token {i}")
-                yield CoreChunk(f"r{i}", (k,), str(k), final=object() if k == 2 else None)  # type: ignore[arg-type]
-
-        c = Choices([run(0, 0.05), run(1, 0.001), run(2, 0.001)])
+        c = Choices([logged(seen, 0, 0.05), logged(seen, 1, 0.001), logged(seen, 2, 0.001)])
         if stream:
             got = [(i, ch.text) async for i, ch in c.merged(await c.firsts())]
             assert got[:3] == [(0, "0"), (1, "0"), (2, "0")]
@@ -86,16 +89,7 @@ def test_a_batch_starts_every_prompts_first_choice_together_then_the_others():
 
     async def main():
         seen: list[str] = []
-
-        async def run(i: int, delay: float):
-            seen.append(f"start {i}")
-            for k in range(2):
-                await asyncio.sleep(delay)
-                if k == 0:
-                    seen.append(f"token {i}")
-                yield CoreChunk(f"r{i}", (k,), str(k), final=object() if k == 1 else None)  # type: ignore[arg-type]
-
-        c = Choices([run(0, 0.05), run(1, 0.001), run(2, 0.05), run(3, 0.001)], n=2)
+        c = Choices([logged(seen, i, delay) for i, delay in enumerate((0.05, 0.001) * 2)], n=2)
         got = [(i, ch.text) async for i, ch in c.merged(await c.firsts())]
         assert got[:4] == [(0, "0"), (1, "0"), (2, "0"), (3, "0")]
         await c.aclose()
