@@ -13,6 +13,7 @@ exactly one sending thread at one end and one receiving thread at the other.
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -107,27 +108,41 @@ def handshake(store: dist.Store, rank: int, layout: KVLayout, device_id: str) ->
     return remote_device
 
 
+MIG = "cuda-mig/"  # a MIG instance's identity: NCCL does not pair MIG instances
+
+
 def device_identity(device: torch.device) -> str:
     """Which GPU a cache lives on, the same in every process that sees that GPU whatever index
-    its CUDA_VISIBLE_DEVICES gives it there (its UUID); "" for a cache on CPU. MIG instances of
-    one GPU have UUIDs of their own, so they look like two GPUs here: where NCCL refuses such a
-    pair, set the backend to gloo."""
+    its CUDA_VISIBLE_DEVICES gives it there (its UUID); "" for a cache on CPU. A MIG instance
+    (a slice of a GPU) is marked so (MIG): NCCL does not support MIG, so its pairs use gloo."""
     if device.type != "cuda":
         return ""
-    return f"cuda/{torch.cuda.get_device_properties(device).uuid}"
+    props = torch.cuda.get_device_properties(device)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    return f"{MIG if is_mig(props.name, visible) else 'cuda/'}{props.uuid}"
+
+
+def is_mig(device_name: str, visible_devices: str) -> bool:
+    """Whether this process's GPU is a MIG instance: its name says so ("NVIDIA A100-SXM4-40GB
+    MIG 3g.20gb"), or CUDA_VISIBLE_DEVICES names one (MIG-<uuid>)."""
+    named = " MIG " in f" {device_name} "
+    return named or any(d.strip().startswith("MIG-") for d in visible_devices.split(","))
 
 
 def pair_backend(requested: str, local_id: str, remote_id: str) -> str:
     """One pair's backend, from both sides' device identities, so both sides choose alike.
 
-    auto: nccl between two different GPUs; gloo where either cache is on CPU, or where both are on
-    one GPU (workers given a fraction of a GPU each): NCCL refuses two ranks on one device, so
-    there the KV goes through host memory (staging.py). gloo: as asked. nccl: as asked between two
-    GPUs, refused (ValueError, at pairing) where it cannot work, rather than failing every
-    transfer."""
-    two_gpus = bool(local_id and remote_id and local_id != remote_id)
+    auto: nccl between two different GPUs; gloo where either cache is on CPU or on a MIG
+    instance, or where both are on one GPU (workers given a fraction of a GPU each): NCCL refuses
+    two ranks on one device, so there the KV goes through host memory (staging.py). gloo: as
+    asked. nccl: as asked between two GPUs, refused (ValueError, at pairing) where it cannot
+    work, rather than failing every transfer."""
+    mig = local_id.startswith(MIG) or remote_id.startswith(MIG)
+    two_gpus = bool(local_id and remote_id and local_id != remote_id) and not mig
     if requested == "nccl" and not two_gpus:
         where = "both caches are on one GPU" if local_id == remote_id else "a cache is on CPU"
+        if mig:
+            where = "a cache is on a MIG instance, which NCCL does not support"
         raise ValueError(f"the nccl backend needs the two caches on two GPUs, but {where}: "
                          "use auto or gloo")  # fmt: skip
     if requested != "auto":

@@ -16,7 +16,7 @@ from engine.kv_cache import KVCacheSpec
 from kv_transfer.base import FailureReason, TransferRequest, TransferStatus, send_all_layers
 from kv_transfer.fake import FakeHub
 from kv_transfer.layout import KVLayout, LayoutMismatchError, check_compatible
-from kv_transfer.rendezvous import choose_backend, device_identity, pair_backend
+from kv_transfer.rendezvous import choose_backend, device_identity, is_mig, pair_backend
 from kv_transfer.torch_dist import StalePairing, TorchDistConnector
 from tests import kv_peers as kp
 
@@ -354,6 +354,14 @@ def test_auto_backend_is_settled_per_pair_from_both_sides_devices():
         pair_backend("nccl", gpu_a, gpu_a)
     with pytest.raises(ValueError, match="a cache is on CPU"):
         pair_backend("nccl", gpu_a, "")
+    # MIG instances (slices of a GPU, each with its own UUID): NCCL does not support them.
+    mig_a, mig_b = "cuda-mig/MIG-aaaa", "cuda-mig/MIG-bbbb"
+    assert pair_backend("auto", mig_a, mig_b) == pair_backend("auto", gpu_a, mig_b) == "gloo"
+    with pytest.raises(ValueError, match="a cache is on a MIG instance, which NCCL does not"):
+        pair_backend("nccl", mig_a, mig_b)
+    assert is_mig("NVIDIA A100-SXM4-40GB MIG 3g.20gb", "")
+    assert is_mig("NVIDIA A100-SXM4-40GB", "MIG-2d5e2c8a-1b3f-5c3e-9f4e-0a1b2c3d4e5f")
+    assert not is_mig("NVIDIA H100 80GB HBM3", "0,1") and not is_mig("NVIDIA H100", "")
     assert device_identity(torch.device("cpu")) == ""
     assert choose_backend("auto", torch.device("cpu")) == "auto"
     with pytest.raises(ValueError, match="needs a CUDA cache"):
