@@ -112,8 +112,8 @@ class CacheConfig:
     num_blocks: int | None = None
     # Fraction of free device memory for the KV cache on CUDA.
     gpu_memory_fraction: float = 0.8
-    # The share of its GPU this engine's process may hold (a Ray worker's fraction of a GPU):
-    # see kv_budget_bytes.
+    # The fraction of its device this engine's process may hold (below 1 where processes share
+    # a GPU): see kv_budget_bytes.
     gpu_share: float = 1.0
     # KV cache size on CPU, in GiB, when num_blocks is not given.
     cpu_kv_cache_gib: float = 2.0
@@ -134,14 +134,19 @@ class CacheConfig:
             raise ValueError(f"gpu_share must be in (0, 1], got {self.gpu_share}")
 
     def kv_budget_bytes(self, free: int, total: int, held: int) -> float:
-        """The KV cache's bytes on a GPU with `free` of `total` bytes free, of which this process
-        holds `held` already (its weights): gpu_memory_fraction of what is free, and of no more
-        than its share of the device less what it holds. Workers that share a GPU and start
-        together each get their share, whichever reads the free memory first: the free memory
-        alone would give the first most of the device and the next what is left, or both
-        the same free memory, too much for the two."""
-        room = min(free, total * self.gpu_share - held)
-        return max(0.0, room) * self.gpu_memory_fraction
+        """The KV cache's bytes on a GPU with `free` of `total` bytes free, `held` of them by
+        this process already (its weights, what torch's allocator keeps): gpu_memory_fraction of
+        what is free; with a gpu_share below 1, no more than that fraction of its share of the
+        device less what it holds, which leaves the rest of the share (activations, graphs, the
+        CUDA context) whatever the weights take. Processes that share a GPU and start together
+        each get their share, whichever reads the free memory first: the free memory alone would
+        give the first most of the device and the next what is left, or both the same free
+        memory, too much for the two."""
+        f = self.gpu_memory_fraction
+        room = free * f
+        if self.gpu_share < 1:
+            room = min(room, f * self.gpu_share * total - held)
+        return max(0.0, room)
 
 
 # With a step target, the fewest prefill tokens a step next to decodes takes: every prompt

@@ -165,12 +165,17 @@ class ModelRunner:
             budget = cc.kv_budget_bytes(free, total, held)
             if budget < self.spec.bytes_per_block:
                 gib = 1 << 30
-                raise KVCacheAllocationError(
-                    f"no room for a KV cache on {self.device}: {free / gib:.1f} GiB free, this "
-                    f"worker holds {held / gib:.1f} GiB (its weights) of its {cc.gpu_share:g} "
-                    f"share of {total / gib:.1f} GiB; give it more of the GPU "
-                    "(--gpus-per-worker) or a smaller model"
-                )
+                said = f"no room for a KV cache on {self.device}: {free / gib:.1f} GiB free of "
+                if cc.gpu_share < 1:
+                    said += (
+                        f"{total / gib:.1f}, and this process holds {held / gib:.1f} GiB of "
+                        f"cache.gpu_memory_fraction {cc.gpu_memory_fraction:g} of its "
+                        f"cache.gpu_share {cc.gpu_share:g}: give it a larger share or a smaller "
+                        "model"
+                    )
+                else:
+                    said += f"{total / gib:.1f}: other processes hold the GPU"
+                raise KVCacheAllocationError(said)
             return self.spec.num_blocks_for_bytes(budget)
         return self.spec.num_blocks_for_bytes(cc.cpu_kv_cache_gib * (1 << 30))
 

@@ -11,7 +11,6 @@ touched; one whose D dies, stops, or cannot be reached resumes elsewhere (Worker
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 from collections import deque
@@ -329,9 +328,11 @@ class Cluster:
         silent: set[str] = set()
         if engines_wait_s > 0:
             silent = self._poll.silent(STOP_SILENT_S)
-            with contextlib.suppress(Exception):  # no probe: the engines' wait bounds the stop
+            try:
                 asked = [h for h in self.pools.live() if h.worker_id not in silent]
                 silent |= self._poll.unanswering(asked, STOP_PROBE_S)
+            except Exception as exc:  # no probe: the engines' own wait bounds the stop
+                log.debug("the stop's load probe failed: %s: %s", type(exc).__name__, exc)
         if silent:
             log.info("%s gave no load within %g s of the stop: stopped without their engines' "
                      "own stop", ", ".join(sorted(silent)), STOP_PROBE_S)  # fmt: skip

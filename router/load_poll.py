@@ -108,18 +108,23 @@ class LoadPoll:
         """Ids of `handles` that give no load within `wait_s`: their call in flight, or one
         sent now, has not come, or came as a failure. Blocks; for a caller with no poll
         running beside it (a stop, once the router's poller has ended)."""
+        handles = list(dict.fromkeys(handles))
         now = time.monotonic()
         for h in handles:
             if h not in self._calls:
                 self._calls[h] = h.actor.load.remote()
                 self._since.setdefault(h, now)
         answers = _answers([self._calls[h] for h in handles], [wait_s] * len(handles))
-        for h, answer in zip(handles, answers):
-            if answer is not _PENDING:  # taken: the next call is a new one
-                del self._calls[h]
-                self._slow.discard(h)
-                if isinstance(answer, WorkerLoad):
-                    self._since.pop(h, None)
+        now = time.monotonic()
+        for h, answer in zip(handles, answers):  # the books as a poll keeps them
+            if answer is _PENDING:
+                self._slow.add(h)  # waited for once
+                continue
+            del self._calls[h]  # taken: the next call is a new one
+            self._slow.discard(h)
+            if isinstance(answer, WorkerLoad):
+                self._since.pop(h, None)
+                h.answered_at = now
         return {h.worker_id for h, a in zip(handles, answers) if not isinstance(a, WorkerLoad)}
 
 

@@ -98,8 +98,12 @@ class SecurityConfig:
             except ValueError:
                 continue  # check() says what is wrong with the file
             for i, cert in enumerate(certs):
-                what = f"{_named(key)}: {path}: {cert.subject.rfc4514_string() or 'certificate'}"
-                after, before = cert.not_valid_after_utc, cert.not_valid_before_utc
+                try:  # parsed as read: a malformed name or date says nothing here
+                    subject = cert.subject.rfc4514_string() or "certificate"
+                    after, before = cert.not_valid_after_utc, cert.not_valid_before_utc
+                except ValueError:
+                    continue
+                what = f"{_named(key)}: {path}: {subject}"
                 refused = (
                     "TLS clients refuse it" if key == "tls_cert"
                     else "the server refuses the client certificates it signed"

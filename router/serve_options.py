@@ -78,7 +78,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("workers_resources", resources, {},
            "Ray resources each worker of --workers asks for"),
     Option("gpus_per_worker", optional(number(0)), None,
-           "GPUs per worker (default: 1 where CUDA is present, else 0; fractions share one)"),
+           "GPUs per worker (default: 1 where CUDA is present, else 0; fractions share one, "
+           "each worker's KV cache within its fraction of the GPU's memory)"),
     Option("kv_interface", optional(text), None,
            "network interface the KV transfer listens on (default: the address Ray knows the "
            "worker's node by)"),

@@ -119,5 +119,5 @@ def paced_steps(actors: list[Any], seconds: float) -> Iterator[None]:
         yield
     finally:
         for a in actors:
-            with contextlib.suppress(ray.exceptions.RayActorError):
+            with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 ray.get(a.__ray_call__.remote(pace, 0.0), timeout=30)

@@ -86,15 +86,15 @@ def test_workers_sharing_a_gpu_size_their_kv_caches_within_their_share():
     total, weights = 80 * gib, 10 * gib
     # Both read the free memory after both loaded their weights, before either allocates.
     together = cache.kv_budget_bytes(total - 2 * weights, total, weights)
-    assert together == (40 - 10) * gib * 0.8
-    assert 2 * (weights + together) <= total
+    assert together == (0.8 * 40 - 10) * gib  # 0.2 of the share (8 GiB) left to each
+    assert 2 * (weights + together) == 0.8 * total
     # One after the other: the second sees the first's cache gone from the free memory.
     first = cache.kv_budget_bytes(total - weights, total, weights)
     second = cache.kv_budget_bytes(total - 2 * weights - int(first), total, weights)
     assert first == second == together
     # Alone on its GPU: 0.8 of what is free, as before.
     assert CacheConfig().kv_budget_bytes(70 * gib, total, weights) == 70 * gib * 0.8
-    # Weights that fill the share leave nothing (the engine says so, naming --gpus-per-worker).
-    assert cache.kv_budget_bytes(30 * gib, total, 41 * gib) == 0
+    # Weights that fill 0.8 of the share leave nothing (the engine says so, naming gpu_share).
+    assert cache.kv_budget_bytes(30 * gib, total, 32 * gib) == 0
     with pytest.raises(ValueError, match=r"gpu_share must be in \(0, 1\], got 0"):
         CacheConfig(gpu_share=0)
