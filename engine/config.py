@@ -148,6 +148,25 @@ class CacheConfig:
             room = min(room, f * self.gpu_share * total - held)
         return max(0.0, room)
 
+    def kv_budget_said(self, free: int, total: int, held: int) -> str:
+        """How kv_budget_bytes came to its figure, the bound that set it and the settings that
+        move it, for an error that must say why the cache is that size."""
+        gib, f = 1 << 30, self.gpu_memory_fraction
+        share = f * self.gpu_share * total
+        if self.gpu_share < 1 and share - held < free * f:
+            return (
+                f"cache.gpu_memory_fraction {f:g} of this process's cache.gpu_share "
+                f"{self.gpu_share:g} of {total / gib:.1f} GiB is {share / gib:.1f} GiB, less the "
+                f"{held / gib:.1f} GiB it holds (its weights): a larger share or a smaller model "
+                "makes room"
+            )
+        others = max(0, total - free - held)
+        return (
+            f"cache.gpu_memory_fraction {f:g} of the {free / gib:.1f} GiB free of "
+            f"{total / gib:.1f} GiB (this process holds {held / gib:.1f} GiB, others "
+            f"{others / gib:.1f} GiB)"
+        )
+
 
 # With a step target, the fewest prefill tokens a step next to decodes takes: every prompt
 # advances, even where the decodes alone take longer than the target.

@@ -143,9 +143,7 @@ class ModelRunner:
             if cc.num_blocks is not None:
                 asked = f"cache.num_blocks {cc.num_blocks}"
             elif self.device.type == "cuda":
-                asked = f"cache.gpu_memory_fraction {cc.gpu_memory_fraction:g} of the free memory"
-                if cc.gpu_share < 1:
-                    asked += f" within a {cc.gpu_share:g} share of the GPU"
+                asked = cc.kv_budget_said(*self._gpu_memory())
             else:
                 asked = f"cache.cpu_kv_cache_gib {cc.cpu_kv_cache_gib:g}"
             size = num_blocks * self.spec.bytes_per_block / (1 << 30)
@@ -160,24 +158,18 @@ class ModelRunner:
         if cc.num_blocks is not None:
             return cc.num_blocks
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            held = torch.cuda.memory_reserved(self.device)
-            budget = cc.kv_budget_bytes(free, total, held)
+            memory = self._gpu_memory()
+            budget = cc.kv_budget_bytes(*memory)
             if budget < self.spec.bytes_per_block:
-                gib = 1 << 30
-                said = f"no room for a KV cache on {self.device}: {free / gib:.1f} GiB free of "
-                if cc.gpu_share < 1:
-                    said += (
-                        f"{total / gib:.1f}, and this process holds {held / gib:.1f} GiB of "
-                        f"cache.gpu_memory_fraction {cc.gpu_memory_fraction:g} of its "
-                        f"cache.gpu_share {cc.gpu_share:g}: give it a larger share or a smaller "
-                        "model"
-                    )
-                else:
-                    said += f"{total / gib:.1f}: other processes hold the GPU"
-                raise KVCacheAllocationError(said)
+                said = cc.kv_budget_said(*memory)
+                raise KVCacheAllocationError(f"no room for a KV cache on {self.device}: {said}")
             return self.spec.num_blocks_for_bytes(budget)
         return self.spec.num_blocks_for_bytes(cc.cpu_kv_cache_gib * (1 << 30))
+
+    def _gpu_memory(self) -> tuple[int, int, int]:
+        """The device's free and total bytes, and those this process's allocator holds."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        return free, total, torch.cuda.memory_reserved(self.device)
 
     def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
         """The generator of the request's next sample: seeded from its seed and that sample's

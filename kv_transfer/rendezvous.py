@@ -13,7 +13,6 @@ exactly one sending thread at one end and one receiving thread at the other.
 
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -118,15 +117,12 @@ def device_identity(device: torch.device) -> str:
     if device.type != "cuda":
         return ""
     props = torch.cuda.get_device_properties(device)
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    return f"{MIG if is_mig(props.name, visible) else 'cuda/'}{props.uuid}"
+    return f"{MIG if is_mig(props.name) else 'cuda/'}{props.uuid}"
 
 
-def is_mig(device_name: str, visible_devices: str) -> bool:
-    """Whether this process's GPU is a MIG instance: its name says so ("NVIDIA A100-SXM4-40GB
-    MIG 3g.20gb"), or CUDA_VISIBLE_DEVICES names one (MIG-<uuid>)."""
-    named = " MIG " in f" {device_name} "
-    return named or any(d.strip().startswith("MIG-") for d in visible_devices.split(","))
+def is_mig(device_name: str) -> bool:
+    """Whether a GPU is a MIG instance, as its name says ("NVIDIA A100-SXM4-40GB MIG 3g.20gb")."""
+    return " MIG " in f" {device_name} "
 
 
 def pair_backend(requested: str, local_id: str, remote_id: str) -> str:

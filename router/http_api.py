@@ -42,7 +42,15 @@ from router.http_guard import Guard, unauthorized
 from router.http_schema import ChatCompletionRequest, CompletionRequest, request_fields
 from router.http_shapes import Call, Shapes, sse, usage
 from router.http_stream import EventStream, close, until_disconnected
-from router.request import ModelLimits, check_request_async
+from router.request import (
+    TOKENIZE_INLINE_CHARS,
+    ModelLimits,
+    ParsedRequest,
+    RequestFields,
+    check_request,
+    check_request_async,
+    prompt_bytes,
+)
 from router.security import bearer_matches
 from router.vocab import Frontend
 
@@ -162,16 +170,13 @@ class HttpApi:
     ) -> JSONResponse | StreamingResponse:
         arrived = time.monotonic()
         self._check_model(body.model)
-        names: dict[str, str] = {}  # the core's field names as this request spells them
+        renames: dict[str, str] = {}  # the core's field names as this request spells them
         try:
             batch, renames = request_fields(body)
-            reqs = []
-            for k, fields in enumerate(batch):  # a batch's errors name the prompt: prompt[k]
-                names = renames if len(batch) == 1 else {
-                    **renames, "prompt": f"prompt[{k}]", "prompt_token_ids": f"prompt[{k}]"
-                }  # fmt: skip
-                reqs.append(await check_request_async(fields, self.tokenizer, self.limits))
-            names = renames
+            if len(batch) == 1:
+                reqs = [await check_request_async(batch[0], self.tokenizer, self.limits)]
+            else:
+                reqs = await self._check_batch(batch, renames)
             total = len(reqs) * body.n
             self._check_choices(body.n, len(reqs))
             host = client_host(request.client.host if request.client else "")
@@ -183,7 +188,7 @@ class HttpApi:
                     release()
                     raise
         except (InvalidRequestError, Overloaded) as exc:
-            raise from_core(exc, names) from None
+            raise from_core(exc, renames) from None
         req = reqs[0]
         call = Call(
             req,
@@ -219,6 +224,30 @@ class HttpApi:
         headers = {"Cache-Control": "no-cache", "X-Request-Id": req.request_id}
         return EventStream(self._events(call, choices.merged(got)), choices, release, headers)
 
+    async def _check_batch(
+        self, batch: list[RequestFields], renames: dict[str, str]
+    ) -> list[ParsedRequest]:
+        """Each prompt of a batch checked (an error names it: prompt[k]), on a thread where the
+        prompts together are large enough to hold up the event loop."""
+
+        def check_all() -> list[ParsedRequest]:
+            out = []
+            for k, fields in enumerate(batch):
+                try:
+                    out.append(check_request(fields, self.tokenizer, self.limits))
+                except InvalidRequestError as exc:
+                    named = {
+                        **renames,
+                        "prompt": f"prompt[{k}]",
+                        "prompt_token_ids": f"prompt[{k}]",
+                    }
+                    raise from_core(exc, named) from None
+            return out
+
+        if sum(prompt_bytes(f) for f in batch) > TOKENIZE_INLINE_CHARS:
+            return await asyncio.to_thread(check_all)
+        return check_all()
+
     def _check_choices(self, n: int, prompts: int = 1) -> None:
         """InvalidRequestError naming n (or the prompt, for a batch of prompts) where the
         choices could never all be admitted."""
@@ -250,7 +279,7 @@ class HttpApi:
                         finals[i] = chunk.final
             if call.include_usage:
                 summaries = [finals[i] for i in sorted(finals)]
-                yield sse(self.shapes.chunk(call, None, usage_=usage(summaries)))
+                yield sse(self.shapes.chunk(call, None, usage_=usage(summaries, call.n)))
             yield "data: [DONE]\n\n"
         except Exception as exc:  # a worker failed mid-answer: tell the client, then end
             yield sse(from_core(exc).body())

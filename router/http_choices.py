@@ -8,8 +8,9 @@ are admitted, and a refusal or a failure of any is the answer's. Choice 0 goes f
 others once it has its first token: by then the prompt's KV is in the prefix cache of the worker
 that computed it and of the one that received it, so the others find it there and compute and
 send only its last block (started together, each handoff would move the whole prompt's KV).
-A completion's batch of prompts is n choices per prompt (stream k*n + j is prompt k's choice j):
-every prompt's choice 0 goes first, together, and the others once those have their first token.
+A completion's batch of prompts is n choices per prompt (stream k*n + j is prompt k's choice j),
+the prompts side by side: each prompt's choice 0 goes first, and its others once it has its
+first token.
 Closing the choices closes the reading of them, then every core stream, aborting each choice
 wherever it still runs.
 
@@ -79,16 +80,11 @@ class Choices:
 
     async def firsts(self) -> list[CoreChunk]:
         """Every choice's first chunk: each admitted and placed (a refusal of any is raised);
-        each prompt's choice 0 first (the prompts' together), then the others together."""
-        leads = range(0, len(self.streams), self.n)
-        if len(leads) == 1:
-            got = {0: await anext(self.streams[0])}
-        else:
-            got = dict(zip(leads, await together([anext(self.streams[i]) for i in leads])))
-        rest = [i for i in range(len(self.streams)) if i not in got]
-        if rest:
-            got.update(zip(rest, await together([anext(self.streams[i]) for i in rest])))
-        return [got[i] for i in range(len(self.streams))]
+        each prompt's choice 0 first, then its others together (the prompts side by side)."""
+        prompts = [self.streams[k : k + self.n] for k in range(0, len(self.streams), self.n)]
+        if len(prompts) == 1:
+            return await _prompt_firsts(prompts[0])
+        return [c for got in await together([_prompt_firsts(p) for p in prompts]) for c in got]
 
     async def answers(self) -> list[Answer]:
         firsts = await self.firsts()
@@ -141,6 +137,15 @@ class Choices:
         failed = next((r for r in results if isinstance(r, BaseException)), None)
         if failed is not None:
             raise failed
+
+
+async def _prompt_firsts(streams: list[AsyncGenerator[CoreChunk, None]]) -> list[CoreChunk]:
+    """One prompt's choices' first chunks: choice 0's, then the others' together."""
+    first = await anext(streams[0])
+    if len(streams) == 1:
+        return [first]
+    rest = await together([anext(s) for s in streams[1:]])  # type: ignore[arg-type]
+    return [first, *rest]
 
 
 async def _from(

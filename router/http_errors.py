@@ -21,7 +21,9 @@ log = logging.getLogger("pdserve.http")
 # The core's names for fields this API spells differently.
 _PARAM = {"slo.ttft_ms": "pdserve.slo.ttft_ms", "slo.itl_ms": "pdserve.slo.itl_ms"}
 # Pydantic names the union member it tried ("prompt.str"); the client's field is enough.
-_PROMPT_SHAPE = "must be text, a list of token ids (integers), or a list holding one of either"
+_PROMPT_SHAPE = (
+    "must be text, a list of token ids (integers), or a list of either (a batch, all of one kind)"
+)
 _UNION_MEMBERS = {"str", "int", "list[str]", "list[int]", "list[list[int]]", "list[TextPart]"}
 
 

@@ -96,5 +96,16 @@ def test_workers_sharing_a_gpu_size_their_kv_caches_within_their_share():
     assert CacheConfig().kv_budget_bytes(70 * gib, total, weights) == 70 * gib * 0.8
     # Weights that fill 0.8 of the share leave nothing (the engine says so, naming gpu_share).
     assert cache.kv_budget_bytes(30 * gib, total, 32 * gib) == 0
+    assert cache.kv_budget_said(30 * gib, total, 33 * gib) == (
+        "cache.gpu_memory_fraction 0.8 of this process's cache.gpu_share 0.5 of 80.0 GiB is "
+        "32.0 GiB, less the 33.0 GiB it holds (its weights): a larger share or a smaller model "
+        "makes room"
+    )
+    # A neighbour over its share leaves less free than the share: the free memory is the bound.
+    assert cache.kv_budget_bytes(5 * gib, total, 10 * gib) == 4 * gib
+    assert cache.kv_budget_said(5 * gib, total, 10 * gib).startswith(
+        "cache.gpu_memory_fraction 0.8 of the 5.0 GiB free of 80.0 GiB (this process holds "
+        "10.0 GiB, others 65.0 GiB)"
+    )
     with pytest.raises(ValueError, match=r"gpu_share must be in \(0, 1\], got 0"):
         CacheConfig(gpu_share=0)

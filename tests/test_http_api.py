@@ -171,6 +171,7 @@ def test_n_choices_whole_and_streamed_are_seeded_apart_and_counted_together(srv,
             streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
     assert streamed == {c.index: c.message.content for c in whole.choices}
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 2 * MAX_NEW
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens  # the prompt once
     assert_pools_full(srv, within_s=2.0)
 
 
@@ -192,10 +193,17 @@ def test_a_batch_of_prompts_answers_each_with_its_n_choices_in_openais_order(srv
     assert got.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
     assert got.usage.completion_tokens == 4 * MAX_NEW
     streamed: dict[int, str] = {}
-    for chunk in client.completions.create(model=MODEL, prompt=texts, n=2, stream=True, **opts):
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=texts, n=2, stream=True, stream_options={"include_usage": True},
+            **opts,
+        )
+    )  # fmt: skip
+    for chunk in chunks:
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + c.text
     assert streamed == {c.index: c.text for c in got.choices}
+    assert chunks[-1].usage.prompt_tokens == got.usage.prompt_tokens  # each prompt once
     ids = random_prompts([9, 23, 14], seed=41)
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=MAX_NEW,
                                        temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
