@@ -102,8 +102,10 @@ def answer_ok(test: str, resp: httpx.Response, what: str) -> None:
     else:
         body = resp.json()
         if body.get("object") in ("text_completion", "chat.completion"):
-            assert 1 <= body["usage"]["completion_tokens"] <= MAX_NEW, body
-            assert body["choices"][0]["finish_reason"] in ("stop", "length"), body
+            # MAX_NEW (--max-tokens-limit) each: a batch of prompts, or n, has several choices
+            choices = body["choices"]
+            assert 1 <= body["usage"]["completion_tokens"] <= MAX_NEW * len(choices), body
+            assert all(c["finish_reason"] in ("stop", "length") for c in choices), body
         else:  # the model list or the health answer
             assert body.get("object") == "list" or body == {"status": "ok"}, body
 
