@@ -236,11 +236,10 @@ class HttpApi:
                 try:
                     out.append(check_request(fields, self.tokenizer, self.limits))
                 except InvalidRequestError as exc:
-                    named = {
-                        **renames,
-                        "prompt": f"prompt[{k}]",
-                        "prompt_token_ids": f"prompt[{k}]",
-                    }
+                    at = f"prompt[{k}]"
+                    if exc.field not in ("prompt", "prompt_token_ids"):  # max_tokens, ...
+                        exc = InvalidRequestError(exc.field, f"{exc.message} ({at})")
+                    named = {**renames, "prompt": at, "prompt_token_ids": at}
                     raise from_core(exc, named) from None
             return out
 

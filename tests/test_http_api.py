@@ -344,6 +344,8 @@ def test_bad_requests_get_a_400_naming_the_parameter_and_the_server_keeps_servin
         ({"model": MODEL, "prompt": [300]}, "prompt"),  # a token id outside the vocabulary
         ({"model": MODEL, "prompt": [[5, 6], [300]]}, "prompt[1]"),  # a batch's second prompt
         ({"model": MODEL, "prompt": ["x"] * 257}, "prompt"),  # past MAX_PROMPTS
+        # A batch's prompt too long for max_tokens: the field, and which prompt.
+        ({"model": MODEL, "prompt": [[5], [5] * 100], "max_tokens": 1000}, "max_tokens"),
     ]
     with httpx.Client(timeout=30) as http:
         for body, param in cases:
@@ -351,6 +353,8 @@ def test_bad_requests_get_a_400_naming_the_parameter_and_the_server_keeps_servin
             assert resp.status_code == 400, (body, resp.text)
             err = resp.json()["error"]
             assert err["param"] == param and param in err["message"], (body, err)
+            if param == "max_tokens" and isinstance(body["prompt"][0], list):  # a batch's
+                assert err["message"].endswith("(prompt[1])"), err
             assert err["type"] == "invalid_request_error"
         resp = http.post(
             base + "/v1/completions",
