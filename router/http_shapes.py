@@ -73,7 +73,8 @@ class Shapes:
 
     def whole(self, call: Call, answers: list[Answer]) -> dict[str, Any]:
         """The whole answer: a choice per answer, each with what stopped it (stop_reason, as
-        vLLM's); `pdserve` says how the first was served."""
+        vLLM's) and how it was served (`pdserve`, as a stream's last chunk of it says); the
+        answer's own `pdserve` says how the first was served."""
         choices = []
         for i, answer in enumerate(answers):
             logprobs = self.logprobs(call, answer.logprobs, self.offsets(call, i))
@@ -82,7 +83,8 @@ class Shapes:
             else:
                 said = {"text": answer.text}
             end = {"finish_reason": finish(answer.final), "stop_reason": answer.final.stop_reason}
-            choices.append({"index": i, **said, "logprobs": logprobs, **end})
+            served = {"pdserve": pdserve(answer.final)}
+            choices.append({"index": i, **said, "logprobs": logprobs, **end, **served})
         return {
             "id": response_id(call),
             "object": "chat.completion" if call.chat else "text_completion",

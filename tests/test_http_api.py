@@ -186,6 +186,9 @@ def test_a_batch_of_prompts_answers_each_with_its_n_choices_in_openais_order(srv
     alone = [client.completions.create(model=MODEL, prompt=t, **opts) for t in texts]
     got = client.completions.create(model=MODEL, prompt=texts, n=2, **opts)
     assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    # How each choice was served, each its own request (the answer's own object: choice 0's).
+    assert all(c.model_extra["pdserve"]["decode_worker"] for c in got.choices)
+    assert got.model_extra["pdserve"] == got.choices[0].model_extra["pdserve"]
     for c in got.choices:
         single = alone[c.index // 2].choices[0]
         assert c.text == single.text and c.logprobs.text_offset == single.logprobs.text_offset
