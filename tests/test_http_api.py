@@ -220,6 +220,30 @@ def test_a_batch_of_prompts_answers_each_with_its_n_choices_in_openais_order(srv
     assert_pools_full(srv, within_s=2.0)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("inline_chars", [0, 1 << 30], ids=["large", "small"])
+def test_a_large_batch_is_checked_off_the_event_loop(srv, client, monkeypatch, inline_chars):
+    """A batch whose prompts together pass TOKENIZE_INLINE_CHARS is tokenized on a thread, so
+    the loop keeps serving; a small one on the loop (a thread's hop costs more than it)."""
+    import threading
+
+    import router.http_api
+
+    threads: list[int] = []
+    check = router.http_api.check_request
+
+    def noted(*args, **kwargs):
+        threads.append(threading.get_ident())
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(router.http_api, "check_request", noted)
+    monkeypatch.setattr(router.http_api, "TOKENIZE_INLINE_CHARS", inline_chars)
+    got = client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=2, temperature=0)
+    assert len(got.choices) == 2 and len(threads) == 2
+    loop = srv._thread.ident
+    assert all((t != loop) is (inline_chars == 0) for t in threads), (threads, loop)
+
+
 @pytest.mark.timeout(120)
 def test_n_greedy_choices_handed_off_move_the_prompts_kv_once(srv, client):
     """Each choice is a request of its own, handed off (each completes a transfer, none falls
