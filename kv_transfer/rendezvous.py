@@ -136,9 +136,10 @@ def pair_backend(requested: str, local_id: str, remote_id: str) -> str:
     mig = local_id.startswith(MIG) or remote_id.startswith(MIG)
     two_gpus = bool(local_id and remote_id and local_id != remote_id) and not mig
     if requested == "nccl" and not two_gpus:
-        where = "both caches are on one GPU" if local_id == remote_id else "a cache is on CPU"
         if mig:
             where = "a cache is on a MIG instance, which NCCL does not support"
+        else:
+            where = "both caches are on one GPU" if local_id == remote_id else "a cache is on CPU"
         raise ValueError(f"the nccl backend needs the two caches on two GPUs, but {where}: "
                          "use auto or gloo")  # fmt: skip
     if requested != "auto":

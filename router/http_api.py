@@ -43,13 +43,12 @@ from router.http_schema import ChatCompletionRequest, CompletionRequest, request
 from router.http_shapes import Call, Shapes, sse, usage
 from router.http_stream import EventStream, close, until_disconnected
 from router.request import (
-    TOKENIZE_INLINE_CHARS,
     ModelLimits,
     ParsedRequest,
     RequestFields,
     check_request,
     check_request_async,
-    prompt_bytes,
+    off_loop_if_large,
 )
 from router.security import bearer_matches
 from router.vocab import Frontend
@@ -189,16 +188,14 @@ class HttpApi:
                     raise
         except (InvalidRequestError, Overloaded) as exc:
             raise from_core(exc, renames) from None
-        req = reqs[0]
         call = Call(
-            req,
+            tuple(reqs),
+            body.n,
             arrived,
             chat,
             body.stream,
             bool(body.stream_options and body.stream_options.include_usage),
             int(time.time()),
-            tuple(reqs),
-            body.n,
         )
         # Admission and placement happen at the first chunk (of every choice): a refusal is
         # still an HTTP status, so a stream's headers go out with its first tokens. A whole
@@ -221,7 +218,7 @@ class HttpApi:
             return JSONResponse({}, status_code=499)
         if not call.stream:
             return JSONResponse(self.shapes.whole(call, got))
-        headers = {"Cache-Control": "no-cache", "X-Request-Id": req.request_id}
+        headers = {"Cache-Control": "no-cache", "X-Request-Id": call.req.request_id}
         return EventStream(self._events(call, choices.merged(got)), choices, release, headers)
 
     async def _check_batch(
@@ -243,9 +240,7 @@ class HttpApi:
                     raise from_core(exc, named) from None
             return out
 
-        if sum(prompt_bytes(f) for f in batch) > TOKENIZE_INLINE_CHARS:
-            return await asyncio.to_thread(check_all)
-        return check_all()
+        return await off_loop_if_large(batch, check_all)
 
     def _check_choices(self, n: int, prompts: int = 1) -> None:
         """InvalidRequestError naming n (or the prompt, for a batch of prompts) where the

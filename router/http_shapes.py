@@ -19,18 +19,23 @@ from router.vocab import FinishReason
 class Call:
     """One request as this module runs it."""
 
-    req: ParsedRequest
+    # Its prompts (a completion may carry several), each with n choices: choice i is prompt
+    # i // n's.
+    prompts: tuple[ParsedRequest, ...]
+    n: int
     arrived: float
     chat: bool
     stream: bool
     include_usage: bool
     created: int
-    # A completion's prompts (req the first), each with n choices: choice i is prompt i // n's.
-    prompts: tuple[ParsedRequest, ...] = ()
-    n: int = 1
+
+    @property
+    def req(self) -> ParsedRequest:
+        """The first prompt's request: its id, sampling and limits are the answer's."""
+        return self.prompts[0]
 
     def prompt(self, choice: int) -> ParsedRequest:
-        return self.prompts[choice // self.n] if self.prompts else self.req
+        return self.prompts[choice // self.n]
 
 
 class Shapes:

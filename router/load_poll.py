@@ -62,32 +62,17 @@ class LoadPoll:
             for h in [h for h in book if h not in live]:  # gone from the pools
                 del book[h]
         self._slow &= live
-        now = time.monotonic()
-        for h in handles:
-            if h not in self._calls:
-                self._calls[h] = h.actor.load.remote()
-                self._since.setdefault(h, now)
+        self._send(handles)
         calls = list(self._calls.items())
         waits = [0.0 if h in self._slow else wait_s for h, _ in calls]
         answers = await asyncio.to_thread(_answers, [ref for _, ref in calls], waits)
         out = Polled()
         now = time.monotonic()
-        # Polls may overlap: each takes what it waited for, and a worker's books change only
-        # while they still hold the call that poll saw.
         for (h, ref), answer, wait in zip(calls, answers, waits):
-            if answer is _PENDING:
-                if wait > 0 and self._calls.get(h) is ref:
-                    self._slow.add(h)
-                continue
-            if self._calls.get(h) is ref:
-                del self._calls[h]  # a new call goes out at the next poll
-                self._slow.discard(h)
-                if isinstance(answer, WorkerLoad):
-                    self._since.pop(h, None)
+            self._take(h, ref, answer, wait > 0, now)
             if isinstance(answer, WorkerLoad):
-                h.answered_at = now  # a stream's own watch need not ask it (HangWatch)
                 out.loads.append(answer)
-            elif not isinstance(answer, UNAVAILABLE):
+            elif answer is not _PENDING and not isinstance(answer, UNAVAILABLE):
                 out.failed.append((h, answer))
         if self.hang_timeout_s > 0:
             for h in handles:
@@ -109,23 +94,39 @@ class LoadPoll:
         sent now, has not come, or came as a failure. Blocks; for a caller with no poll
         running beside it (a stop, once the router's poller has ended)."""
         handles = list(dict.fromkeys(handles))
+        self._send(handles)
+        refs = [self._calls[h] for h in handles]
+        answers = _answers(refs, [wait_s] * len(handles))
+        now = time.monotonic()
+        for h, ref, answer in zip(handles, refs, answers):
+            self._take(h, ref, answer, True, now)
+        return {h.worker_id for h, a in zip(handles, answers) if not isinstance(a, WorkerLoad)}
+
+    def _send(self, handles: Sequence[WorkerHandle]) -> None:
+        """A load call to each of `handles` with none in flight; the clock of one that has
+        given no load starts at the first call it has not answered."""
         now = time.monotonic()
         for h in handles:
             if h not in self._calls:
                 self._calls[h] = h.actor.load.remote()
                 self._since.setdefault(h, now)
-        answers = _answers([self._calls[h] for h in handles], [wait_s] * len(handles))
-        now = time.monotonic()
-        for h, answer in zip(handles, answers):  # the books as a poll keeps them
-            if answer is _PENDING:
+
+    def _take(self, h: WorkerHandle, ref: Any, answer: Any, waited: bool, now: float) -> None:
+        """The books once `answer` (or _PENDING) came of the call `ref` to `h`. Polls may
+        overlap: each takes what it waited for, and a worker's books change only while they
+        still hold the call that poll saw."""
+        mine = self._calls.get(h) is ref
+        if answer is _PENDING:
+            if waited and mine:
                 self._slow.add(h)  # waited for once
-                continue
-            del self._calls[h]  # taken: the next call is a new one
+            return
+        if mine:
+            del self._calls[h]  # a new call goes out at the next poll
             self._slow.discard(h)
             if isinstance(answer, WorkerLoad):
                 self._since.pop(h, None)
-                h.answered_at = now
-        return {h.worker_id for h, a in zip(handles, answers) if not isinstance(a, WorkerLoad)}
+        if isinstance(answer, WorkerLoad):
+            h.answered_at = now  # a stream's own watch need not ask it (HangWatch)
 
 
 _PENDING = object()

@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import math
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from engine.chat_template import chat_token_ids
 from engine.errors import InvalidRequestError
@@ -274,12 +274,19 @@ def _sampling(f: RequestFields, prompt_len: int, limits: ModelLimits) -> Samplin
 
 # Prompts larger than this are tokenized on a thread, so the event loop keeps serving.
 TOKENIZE_INLINE_CHARS = 16 << 10
+T = TypeVar("T")
 
 
 async def check_request_async(
     f: RequestFields, tokenizer: Any, limits: ModelLimits
 ) -> ParsedRequest:
     """check_request, on a thread when the prompt is large enough to hold up the event loop."""
-    if prompt_bytes(f) > TOKENIZE_INLINE_CHARS:
-        return await asyncio.to_thread(check_request, f, tokenizer, limits)
-    return check_request(f, tokenizer, limits)
+    return await off_loop_if_large([f], lambda: check_request(f, tokenizer, limits))
+
+
+async def off_loop_if_large(fields: Sequence[RequestFields], check: Callable[[], T]) -> T:
+    """`check` (of the requests `fields`), on a thread where their prompts together are large
+    enough to hold up the event loop (TOKENIZE_INLINE_CHARS), else at once."""
+    if sum(prompt_bytes(f) for f in fields) > TOKENIZE_INLINE_CHARS:
+        return await asyncio.to_thread(check)
+    return check()

@@ -228,6 +228,7 @@ def test_a_large_batch_is_checked_off_the_event_loop(srv, client, monkeypatch, i
     import threading
 
     import router.http_api
+    import router.request
 
     threads: list[int] = []
     check = router.http_api.check_request
@@ -237,7 +238,7 @@ def test_a_large_batch_is_checked_off_the_event_loop(srv, client, monkeypatch, i
         return check(*args, **kwargs)
 
     monkeypatch.setattr(router.http_api, "check_request", noted)
-    monkeypatch.setattr(router.http_api, "TOKENIZE_INLINE_CHARS", inline_chars)
+    monkeypatch.setattr(router.request, "TOKENIZE_INLINE_CHARS", inline_chars)
     got = client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=2, temperature=0)
     assert len(got.choices) == 2 and len(threads) == 2
     loop = srv._thread.ident
