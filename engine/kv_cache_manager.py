@@ -30,8 +30,9 @@ class KVCacheManager:
         return prefix_hash.extend_block_hashes(req.block_hashes, req.token_ids, self.block_size)
 
     def get_computed_blocks(self, req: Request) -> ComputedBlocks:
-        """Longest cached prefix of a request that holds no blocks yet (capped at len - 1)."""
-        if not self.pool.enable_caching:
+        """Longest cached prefix of a request that holds no blocks yet (capped at len - 1);
+        none for one whose prompt logprobs are due (each position is computed for them)."""
+        if not self.pool.enable_caching or req.prompt_logprobs_due:
             return ComputedBlocks([], 0)
         limit = prefix_hash.max_cacheable_tokens(req.num_tokens, self.block_size) // self.block_size
         blocks = self.pool.lookup(self._hashes(req)[:limit])

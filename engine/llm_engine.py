@@ -42,6 +42,8 @@ class Completion:
     stop_reason: int | str | None
     logprobs: tuple[TokenLogprobs, ...]
     num_cached_tokens: int
+    # With SamplingParams.prompt_logprobs: one per prompt token after the first.
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class LLMEngine:
@@ -242,6 +244,10 @@ class LLMEngine:
         if not so.is_empty:
             stat = self.step_stats.record(so, time.perf_counter() - t0)
             self.scheduler.observe_step(stat.prefill_tokens, stat.decode_seqs, stat.seconds)
+        for rid, lps in result.prompt_logprobs:
+            req = self.scheduler.requests.get(rid)
+            if req is not None:  # else ended (aborted) after it was scheduled
+                req.prompt_logprobs.extend(lps)
         touched = self.scheduler.update_from_output(so, result)
         lp_by_id = dict(zip(result.request_ids, result.logprobs)) if result.logprobs else {}
         outs = []
@@ -311,6 +317,7 @@ class LLMEngine:
                     stop_reason=last.stop_reason,
                     logprobs=tuple(lp for o in outs for lp in o.logprobs),
                     num_cached_tokens=last.num_cached_tokens,
+                    prompt_logprobs=tuple(lp for o in outs for lp in o.prompt_logprobs),
                 )
             )
         return results

@@ -27,8 +27,8 @@ from engine.errors import KVCacheAllocationError
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import model_dtype
 from engine.model import PagedDecoderModel
-from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from engine.sampler import Draws, sample, sample_seed
+from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from engine.sampler import Draws, prompt_logprobs, sample, sample_seed
 from engine.sampling_params import SamplingParams
 from engine.step_inputs import StepBatch, StepInputs
 
@@ -208,10 +208,12 @@ class ModelRunner:
             self.inputs.release(rid)  # recomputed later on new blocks
         if so.is_empty:
             return ModelRunnerOutput((), ())
+        prompt_rows = any(s.prompt_targets for s in so.scheduled)
         pad = None
         if (
             self.graphs is not None
             and on_layer is None
+            and not prompt_rows
             and so.num_batched_tokens == len(so.scheduled)
         ):
             pad = self.graphs.size_for(len(so.scheduled))  # decode-only: a graph may run it
@@ -223,14 +225,27 @@ class ModelRunner:
                 batch = self.inputs.prepare(so, pad)  # capturing overwrote the inputs
         if self.trace is not None:
             self.trace.append(_shape(batch))
+        prompt_lps: tuple[tuple[str, tuple[TokenLogprobs, ...]], ...] = ()
         if batch.padded_to is not None and self.graphs is not None:
             logits = self.graphs.run(batch.padded_to)[: len(batch.samplers)]
+        elif prompt_rows:
+            rows, owners = _prompt_rows(batch)
+            n_samp = len(batch.samplers)
+            extra = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+            logits = self.model.forward(
+                batch.input_ids, batch.positions, batch.md, self.attention,
+                torch.cat([batch.logit_rows, extra]), on_layer,
+            )  # fmt: skip
+            prompt_lps = prompt_logprobs(logits[n_samp:], owners)
+            logits = logits[:n_samp]
         else:
             logits = self.model.forward(
                 batch.input_ids, batch.positions, batch.md, self.attention, batch.logit_rows,
                 on_layer,
             )  # fmt: skip
         samplers = batch.samplers
+        if prompt_lps and not samplers:
+            return ModelRunnerOutput((), (), prompt_logprobs=prompt_lps)
         if not samplers:
             # Nothing is read back, so nothing waits for the device: without this a step that
             # only prefills would return once its kernels are launched, and its time (the
@@ -248,7 +263,23 @@ class ModelRunner:
             request_ids=tuple(s.request_id for s in samplers),
             token_ids=tuple(tokens),
             logprobs=tuple(lps),
+            prompt_logprobs=prompt_lps,
         )
+
+
+def _prompt_rows(batch: StepBatch) -> tuple[list[int], list[tuple[ScheduledRequest, int]]]:
+    """The batch's rows whose logits give prompt logprobs (ScheduledRequest.prompt_targets),
+    and per request that has any, the request and how many rows are its own, in row order."""
+    rows: list[int] = []
+    owners: list[tuple[ScheduledRequest, int]] = []
+    r = 0  # the batch's order: decodes, then chunks, each chunk's tokens in a run of rows
+    for s in batch.order:
+        if s.prompt_targets:
+            first = r + s.prompt_from
+            rows.extend(range(first, first + len(s.prompt_targets)))
+            owners.append((s, len(s.prompt_targets)))
+        r += len(s.token_ids)
+    return rows, owners
 
 
 def settle(device: torch.device) -> None:

@@ -49,6 +49,9 @@ class OutputProcessor:
         new_ids = tuple(req.token_ids[req.num_prompt_tokens + st.num_sent :])
         if new_ids and req.first_token_time is None:
             req.first_token_time = time.monotonic()
+        prompt_lps: tuple[TokenLogprobs, ...] = ()
+        if new_ids and not st.num_sent and req.sampling.prompt_logprobs is not None:
+            prompt_lps = tuple(req.prompt_logprobs)  # with the first token
         st.num_sent += len(new_ids)
         delta, hit = "", None
         if st.text is not None:
@@ -77,4 +80,5 @@ class OutputProcessor:
             num_cached_tokens=req.num_cached_tokens,
             queue_s=req.queue_s,
             prefill_s=req.prefill_s,
+            prompt_logprobs=prompt_lps,
         )

@@ -25,6 +25,10 @@ class ScheduledRequest(NamedTuple):
     # A penalized request's tokens where it samples (else None): a view of a buffer that only
     # grows, read in this step (engine/seen.py).
     seen: Seen | None = None
+    # With prompt logprobs due: the prompt tokens that follow the chunk's positions from
+    # `prompt_from` on (one per position whose logprob is computed this step).
+    prompt_targets: tuple[int, ...] = ()
+    prompt_from: int = 0  # index in token_ids of the first position with a target
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +60,8 @@ class ModelRunnerOutput:
     request_ids: tuple[str, ...]
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprobs | None, ...] = ()
+    # (request id, the prompt logprobs computed this step for its chunk's positions, in order)
+    prompt_logprobs: tuple[tuple[str, tuple[TokenLogprobs, ...]], ...] = ()
 
 
 class RequestOutput(NamedTuple):
@@ -73,3 +79,6 @@ class RequestOutput(NamedTuple):
     num_cached_tokens: int = 0
     queue_s: float = 0.0  # arrival to first scheduled, on this engine
     prefill_s: float = 0.0  # first scheduled to first output token, on this engine
+    # With SamplingParams.prompt_logprobs, on the first output with a token: one per prompt
+    # token after the first (the logprob of token p + 1 given tokens 0..p).
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()

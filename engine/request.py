@@ -18,8 +18,12 @@ import enum
 import time
 from array import array
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.outputs import TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -83,6 +87,9 @@ class Request:
     blocks_wait_since: float | None = None
     # A penalized request's token_ids as int64, extended where it samples (engine/seen.py).
     seen_ids: array[int] | None = None
+    # With sampling.prompt_logprobs: those computed so far, one per prompt position p (the
+    # logprob of prompt token p + 1).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def queue_s(self) -> float:
@@ -100,6 +107,14 @@ class Request:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def prompt_logprobs_due(self) -> bool:
+        """Whether prompt logprobs are asked for and not all computed yet."""
+        return (
+            self.sampling.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,9 +21,13 @@ from engine.penalties import bias_, penalize_
 from engine.sampling_params import SamplingParams
 from engine.seen import Seen
 
+if TYPE_CHECKING:
+    from engine.outputs import ScheduledRequest
+
 FilterKey = tuple[float, int, float, float]  # temperature, top_k, top_p, min_p
 
 _MASK = (1 << 64) - 1
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logprobs are computed at once
 
 
 def sample_seed(seed: int, k: int) -> int:
@@ -141,3 +146,38 @@ def _with_logprobs(
         )
         lps[i] = TokenLogprobs(ids_out[i], packed[n + j], top)
     return ids_out, lps
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, owners: Sequence[tuple[ScheduledRequest, int]]
+) -> tuple[tuple[str, tuple[TokenLogprobs, ...]], ...]:
+    """The prompt logprobs of rows of `logits` (the model's, before penalties and biases),
+    taken in order by `owners` (a request and its count of rows): each row's log-probability
+    of the prompt token that follows it (the request's prompt_targets) and its top
+    sampling.prompt_logprobs alternatives, brought back in one copy. Rows are taken
+    PROMPT_LOGPROB_ROWS at a time, so that a long chunk's float32 copies stay bounded."""
+    targets = [t for s, _ in owners for t in s.prompt_targets]
+    m = len(targets)
+    ids = torch.tensor(targets, dtype=torch.long).to(logits.device, non_blocking=True)
+    n_top = max(s.sampling.prompt_logprobs or 0 for s, _ in owners)
+    chosen, top_ids, top_vals = [], [], []
+    for a in range(0, m, PROMPT_LOGPROB_ROWS):
+        logp = torch.log_softmax(logits[a : a + PROMPT_LOGPROB_ROWS].float(), dim=-1)
+        chosen.append(logp.gather(1, ids[a : a + PROMPT_LOGPROB_ROWS].unsqueeze(1)).squeeze(1))
+        if n_top:
+            vals, tops = torch.topk(logp, n_top, dim=-1)
+            top_ids.append(tops.flatten())
+            top_vals.append(vals.flatten())
+    packed = torch.cat([t.double() for t in (*chosen, *top_ids, *top_vals)]).tolist()
+    out: list[tuple[str, tuple[TokenLogprobs, ...]]] = []
+    row = 0
+    for s, count in owners:
+        k = s.sampling.prompt_logprobs or 0
+        lps = []
+        for j in range(row, row + count):
+            at, vat = m + j * n_top, m + m * n_top + j * n_top
+            top = tuple((int(t), v) for t, v in zip(packed[at : at + k], packed[vat : vat + k]))
+            lps.append(TokenLogprobs(targets[j], packed[j], top))
+        out.append((s.request_id, tuple(lps)))
+        row += count
+    return tuple(out)

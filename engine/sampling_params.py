@@ -72,6 +72,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token, besides the chosen
+    # Each prompt token's logprob given the tokens before it, with this many top alternatives,
+    # given with the first output (the first prompt token has none). The prompt is computed
+    # whole for it: no prefix-cache hit.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -149,8 +153,10 @@ class SamplingParams:
                 f"must be finite and > 0 (1: off), got {self.repetition_penalty!r}",
             )
         self._check_logit_bias()
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise InvalidRequestError("logprobs", f"must be in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= 20:
+                raise InvalidRequestError(name, f"must be in [0, 20], got {v!r}")
         # Whether its sampled rows depend on the tokens it has seen (read every step).
         penalized = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
         object.__setattr__(self, "penalized", bool(penalized))
@@ -159,9 +165,9 @@ class SamplingParams:
         """Each field of its type (a bool is neither an integer nor a number here: True as
         top_k would reach torch.topk), named where it is not; numpy's numbers are taken as
         Python's."""
-        for name in ("max_tokens", "top_k", "drawn", "seed", "logprobs"):
+        for name in ("max_tokens", "top_k", "drawn", "seed", "logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is None and name in ("seed", "logprobs"):
+            if v is None and name in ("seed", "logprobs", "prompt_logprobs"):
                 continue
             if not _is_int(v):
                 raise InvalidRequestError(name, f"must be an integer, got {v!r}")

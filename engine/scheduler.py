@@ -208,6 +208,7 @@ class Scheduler(RequestQueues):
             start = req.num_computed_tokens
             sample = start + n == req.num_tokens
             penalized = sample and req.sampling.penalized
+            targets, first = _prompt_targets(req, start, n)
             scheduled.append(
                 ScheduledRequest(
                     request_id=rid,
@@ -217,6 +218,8 @@ class Scheduler(RequestQueues):
                     sample=sample,
                     sampling=req.sampling,
                     seen=seen(req) if penalized else None,
+                    prompt_targets=targets,
+                    prompt_from=first,
                 )
             )
         finished, self._finished_ids = tuple(self._finished_ids), []
@@ -248,3 +251,16 @@ class Scheduler(RequestQueues):
             need = cdiv(s.start_pos + len(s.token_ids), self.kv.block_size)
             assert len(s.block_ids) >= need, f"{s.request_id}: {len(s.block_ids)} < {need} blocks"
             assert self.requests[s.request_id].status is RequestStatus.RUNNING
+
+
+def _prompt_targets(req: Request, start: int, n: int) -> tuple[tuple[int, ...], int]:
+    """The prompt tokens whose logprobs a chunk of `n` tokens from `start` computes (each
+    position p gives token p + 1's), and the chunk index of the first such position; none
+    where the request asks for no prompt logprobs or has them all."""
+    if not req.prompt_logprobs_due:
+        return (), 0
+    lo = max(start, len(req.prompt_logprobs))
+    hi = min(start + n, req.num_prompt_tokens - 1)
+    if lo >= hi or start > len(req.prompt_logprobs):
+        return (), 0
+    return tuple(req.token_ids[lo + 1 : hi + 1]), lo - start

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10generation.proto\x12\npdserve.v1\"H\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_name\"\xc9\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"*\n\x07SloHint\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x02\x12\x0e\n\x06itl_ms\x18\x02 \x01(\x02\"\xc8\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x08messages\x18\x04 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12 \n\x03slo\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.SloHint\x12\x1e\n\x04path\x18\x07 \x01(\x0e\x32\x10.pdserve.v1.Path\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x08 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\t \x01(\x08\x42\x18\n\x16_add_generation_prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\x94\x01\n\x0ePathPrediction\x12\x1e\n\x04path\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Path\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x02\x12\x0e\n\x06itl_ms\x18\x03 \x01(\x02\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\t\x12\x12\n\nitl_p99_ms\x18\x06 \x01(\x02\"\x84\x03\n\tFinalInfo\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x1e\n\x04path\x18\x05 \x01(\x0e\x32\x10.pdserve.v1.Path\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rdecode_worker\x18\x07 \x01(\t\x12\x0f\n\x07ttft_ms\x18\x08 \x01(\x02\x12/\n\x0bpredictions\x18\t \x03(\x0b\x32\x1a.pdserve.v1.PathPrediction\x12\x17\n\x0f\x64\x65\x63ision_reason\x18\n \x01(\t\x12\x13\n\x0bkv_fallback\x18\x0b \x01(\t\x12\x15\n\rlength_reason\x18\x0c \x01(\t\x12\x0f\n\x07resumed\x18\r \x01(\rB\r\n\x0bstop_reason\"\x99\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12$\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.FinalInfo\"\x99\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12$\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.FinalInfo\"\r\n\x0bInfoRequest\"\x89\x01\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x17\n\x0fprefill_workers\x18\x04 \x03(\t\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x05 \x03(\t\x12\x0e\n\x06policy\x18\x06 \x01(\t*A\n\x04Path\x12\r\n\tPATH_AUTO\x10\x00\x12\x12\n\x0ePATH_COLOCATED\x10\x01\x12\x16\n\x12PATH_DISAGGREGATED\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xd7\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.CompleteResponse\x12\x39\n\x04Info\x12\x17.pdserve.v1.InfoRequest\x1a\x18.pdserve.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10generation.proto\x12\npdserve.v1\"H\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_name\"\xfb\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"*\n\x07SloHint\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x02\x12\x0e\n\x06itl_ms\x18\x02 \x01(\x02\"\xc8\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x08messages\x18\x04 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12 \n\x03slo\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.SloHint\x12\x1e\n\x04path\x18\x07 \x01(\x0e\x32\x10.pdserve.v1.Path\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x08 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\t \x01(\x08\x42\x18\n\x16_add_generation_prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\x94\x01\n\x0ePathPrediction\x12\x1e\n\x04path\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Path\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x02\x12\x0e\n\x06itl_ms\x18\x03 \x01(\x02\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\t\x12\x12\n\nitl_p99_ms\x18\x06 \x01(\x02\"\x84\x03\n\tFinalInfo\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x1e\n\x04path\x18\x05 \x01(\x0e\x32\x10.pdserve.v1.Path\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rdecode_worker\x18\x07 \x01(\t\x12\x0f\n\x07ttft_ms\x18\x08 \x01(\x02\x12/\n\x0bpredictions\x18\t \x03(\x0b\x32\x1a.pdserve.v1.PathPrediction\x12\x17\n\x0f\x64\x65\x63ision_reason\x18\n \x01(\t\x12\x13\n\x0bkv_fallback\x18\x0b \x01(\t\x12\x15\n\rlength_reason\x18\x0c \x01(\t\x12\x0f\n\x07resumed\x18\r \x01(\rB\r\n\x0bstop_reason\"\xcc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12$\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.FinalInfo\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\xcc\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12$\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.FinalInfo\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\r\n\x0bInfoRequest\"\x89\x01\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x17\n\x0fprefill_workers\x18\x04 \x03(\t\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x05 \x03(\t\x12\x0e\n\x06policy\x18\x06 \x01(\t*A\n\x04Path\x12\r\n\tPATH_AUTO\x10\x00\x12\x12\n\x0ePATH_COLOCATED\x10\x01\x12\x16\n\x12PATH_DISAGGREGATED\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xd7\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.CompleteResponse\x12\x39\n\x04Info\x12\x17.pdserve.v1.InfoRequest\x1a\x18.pdserve.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,38 +34,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_PATH']._serialized_start=2304
-  _globals['_PATH']._serialized_end=2369
-  _globals['_FINISHREASON']._serialized_start=2371
-  _globals['_FINISHREASON']._serialized_end=2491
+  _globals['_PATH']._serialized_start=2456
+  _globals['_PATH']._serialized_end=2521
+  _globals['_FINISHREASON']._serialized_start=2523
+  _globals['_FINISHREASON']._serialized_end=2643
   _globals['_CHATMESSAGE']._serialized_start=32
   _globals['_CHATMESSAGE']._serialized_end=104
   _globals['_SAMPLINGPARAMS']._serialized_start=107
-  _globals['_SAMPLINGPARAMS']._serialized_end=692
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=495
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=543
-  _globals['_SLOHINT']._serialized_start=694
-  _globals['_SLOHINT']._serialized_end=736
-  _globals['_GENERATEREQUEST']._serialized_start=739
-  _globals['_GENERATEREQUEST']._serialized_end=1067
-  _globals['_TOPLOGPROB']._serialized_start=1069
-  _globals['_TOPLOGPROB']._serialized_end=1116
-  _globals['_TOKENLOGPROB']._serialized_start=1118
-  _globals['_TOKENLOGPROB']._serialized_end=1204
-  _globals['_USAGE']._serialized_start=1206
-  _globals['_USAGE']._serialized_end=1293
-  _globals['_PATHPREDICTION']._serialized_start=1296
-  _globals['_PATHPREDICTION']._serialized_end=1444
-  _globals['_FINALINFO']._serialized_start=1447
-  _globals['_FINALINFO']._serialized_end=1835
-  _globals['_GENERATERESPONSE']._serialized_start=1838
-  _globals['_GENERATERESPONSE']._serialized_end=1991
-  _globals['_COMPLETERESPONSE']._serialized_start=1994
-  _globals['_COMPLETERESPONSE']._serialized_end=2147
-  _globals['_INFOREQUEST']._serialized_start=2149
-  _globals['_INFOREQUEST']._serialized_end=2162
-  _globals['_INFORESPONSE']._serialized_start=2165
-  _globals['_INFORESPONSE']._serialized_end=2302
-  _globals['_GENERATION']._serialized_start=2494
-  _globals['_GENERATION']._serialized_end=2709
+  _globals['_SAMPLINGPARAMS']._serialized_end=742
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=525
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=573
+  _globals['_SLOHINT']._serialized_start=744
+  _globals['_SLOHINT']._serialized_end=786
+  _globals['_GENERATEREQUEST']._serialized_start=789
+  _globals['_GENERATEREQUEST']._serialized_end=1117
+  _globals['_TOPLOGPROB']._serialized_start=1119
+  _globals['_TOPLOGPROB']._serialized_end=1166
+  _globals['_TOKENLOGPROB']._serialized_start=1168
+  _globals['_TOKENLOGPROB']._serialized_end=1254
+  _globals['_USAGE']._serialized_start=1256
+  _globals['_USAGE']._serialized_end=1343
+  _globals['_PATHPREDICTION']._serialized_start=1346
+  _globals['_PATHPREDICTION']._serialized_end=1494
+  _globals['_FINALINFO']._serialized_start=1497
+  _globals['_FINALINFO']._serialized_end=1885
+  _globals['_GENERATERESPONSE']._serialized_start=1888
+  _globals['_GENERATERESPONSE']._serialized_end=2092
+  _globals['_COMPLETERESPONSE']._serialized_start=2095
+  _globals['_COMPLETERESPONSE']._serialized_end=2299
+  _globals['_INFOREQUEST']._serialized_start=2301
+  _globals['_INFOREQUEST']._serialized_end=2314
+  _globals['_INFORESPONSE']._serialized_start=2317
+  _globals['_INFORESPONSE']._serialized_end=2454
+  _globals['_GENERATION']._serialized_start=2646
+  _globals['_GENERATION']._serialized_end=2861
 # @@protoc_insertion_point(module_scope)

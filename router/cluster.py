@@ -20,6 +20,7 @@ from typing import Any
 import ray
 
 from engine.async_engine import EngineDeadError
+from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from kv_transfer import TransferStats
 from router.cluster_config import ClusterConfig
@@ -200,7 +201,13 @@ class Cluster:
         path. A caller's loop that may raise holds it in contextlib.aclosing: an `async for`
         does not close the generator it leaves by an exception, so the request would run on
         until the generator is collected (a traceback kept holds it). NoWorkers: no decode
-        worker is up (the cluster is shut down, say)."""
+        worker is up (the cluster is shut down, say). InvalidRequestError: prompt logprobs asked
+        of the disaggregated path (they are computed where the prompt is, and a handoff's decode
+        worker has none to give)."""
+        if params.prompt_logprobs is not None and placement.path is RoutePath.DISAGGREGATED:
+            raise InvalidRequestError(
+                "prompt_logprobs", "are computed on the colocated path only, not on a handoff"
+            )
         rid = placement.request_id
         req = WorkRequest(
             rid, tuple(int(t) for t in prompt_token_ids), params, placement.prefill_hold_s

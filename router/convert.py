@@ -58,6 +58,7 @@ def request_fields(req: pb.GenerateRequest) -> RequestFields:
         stop_token_ids=tuple(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,
         logprobs=opt("logprobs"),
+        prompt_logprobs=opt("prompt_logprobs"),
         presence_penalty=opt("presence_penalty"),
         frequency_penalty=opt("frequency_penalty"),
         repetition_penalty=opt("repetition_penalty"),

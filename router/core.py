@@ -145,7 +145,8 @@ class RequestCore(PlacementSteps):
         if not decode:
             self.sink.rejected(RejectReason.NO_WORKERS, req.frontend)
             raise NoWorkers("no decode worker is up; the server cannot take requests now")
-        return shape, self.planner.decide(shape, prefill, decode, req.path)
+        path, why = _path(req, 0)
+        return shape, self.planner.decide(shape, prefill, decode, path, why=why)
 
     @staticmethod
     def _without(
@@ -262,7 +263,8 @@ class RequestCore(PlacementSteps):
         # out of this plan, as silent ones are, unless no other could decode it.
         pools = self._without(*self.members.pools(), self.backend.silent)
         prefill, decode = self._without(*pools, {lost.worker_id})
-        return shape, self.planner.decide(shape, prefill, decode, req.path, admitting=False)
+        path, why = _path(req, len(emitted))
+        return shape, self.planner.decide(shape, prefill, decode, path, admitting=False, why=why)
 
     # -- reading -----------------------------------------------------------------------------
     def prediction_error(self, path: RoutePath | None = None, last: int = 200) -> float | None:
@@ -273,3 +275,11 @@ class RequestCore(PlacementSteps):
             if r.measured_ttft_s and (path is None or r.decision.chosen.path is path)
         ]
         return statistics.median(errs) if errs else None
+
+
+def _path(req: ParsedRequest, emitted: int) -> tuple[RoutePath, str]:
+    """The path a request asks for, and who asks: its prompt logprobs, until its first token
+    (they come with it), are computed where its prompt is, on the colocated path."""
+    if req.sampling.prompt_logprobs is not None and not emitted:
+        return RoutePath.COLOCATED, "prompt_logprobs"
+    return req.path, "override"

@@ -170,6 +170,7 @@ class CoreChunk:
     text: str
     logprobs: tuple[TokenLogprobs, ...] = ()
     final: Summary | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # with sampling.prompt_logprobs, first chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +191,7 @@ class Answer:
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprobs, ...]
     final: Summary
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # with sampling.prompt_logprobs
 
 
 async def collect(chunks: AsyncIterator[CoreChunk]) -> Answer:
@@ -197,10 +199,12 @@ async def collect(chunks: AsyncIterator[CoreChunk]) -> Answer:
     text: list[str] = []
     ids: list[int] = []
     lps: list[TokenLogprobs] = []
+    prompt_lps: list[TokenLogprobs] = []
     async for c in chunks:
         text.append(c.text)
         ids.extend(c.token_ids)
         lps.extend(c.logprobs)
+        prompt_lps.extend(c.prompt_logprobs)
         if c.final is not None:
-            return Answer("".join(text), tuple(ids), tuple(lps), c.final)
+            return Answer("".join(text), tuple(ids), tuple(lps), c.final, tuple(prompt_lps))
     raise RuntimeError("the request's stream ended without its final chunk")

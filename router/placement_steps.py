@@ -96,7 +96,10 @@ class PlacementSteps:
                                        req.sampling.max_tokens, final.length_reason,
                                        final.decode_worker)  # fmt: skip
                     self.planner.demand.ended(books.track.output_tokens, req.sampling.max_tokens)
-                yield CoreChunk(req.request_id, chunk.token_ids, delta, chunk.logprobs, final)
+                yield CoreChunk(
+                    req.request_id, chunk.token_ids, delta, chunk.logprobs, final,
+                    chunk.prompt_logprobs,
+                )  # fmt: skip
                 if final is not None:
                     return  # closing the stream aborts a worker still running it
         raise RuntimeError(f"the stream of {req.request_id} ended before it finished")
@@ -113,7 +116,10 @@ class PlacementSteps:
         params, emitted = req.sampling, books.emitted
         if emitted:  # its samples so far were drawn on the worker it leaves
             params = replace(
-                params, max_tokens=params.max_tokens - len(emitted), drawn=len(emitted)
+                params,
+                max_tokens=params.max_tokens - len(emitted),
+                drawn=len(emitted),
+                prompt_logprobs=None,  # given with its first token already
             )
         placement = Placement(
             path=chosen.path,

@@ -51,6 +51,12 @@ class Policy(enum.Enum):
     THRESHOLD = "threshold"
 
 
+_FIXED_WHY = {
+    "override": "requested by the client",
+    "prompt_logprobs": "prompt logprobs are computed where the prompt is prefilled",
+}
+
+
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
     policy: Policy = Policy.AUTO
@@ -138,7 +144,11 @@ class Planner(Candidates):
         decode: Sequence[WorkerState],
         override: RoutePath = RoutePath.AUTO,
         admitting: bool = True,
+        why: str = "override",
     ) -> Decision:
+        """The placement of a request. `override` (not AUTO) names its path, `why` says who
+        asked: "override" the client, "prompt_logprobs" a request that asks for them (computed
+        where the prompt is, on the colocated path)."""
         cands = self.candidates(req, prefill, decode, admitting)
         best = tuple(
             choose(group, req)
@@ -147,7 +157,7 @@ class Planner(Candidates):
         )
         policy = self.config.policy
         if override is not RoutePath.AUTO:
-            decision = self._fixed(req, override, prefill, decode, cands, best, "override")
+            decision = self._fixed(req, override, prefill, decode, cands, best, why)
         elif policy is Policy.AUTO:
             decision = self._auto(req, cands, best)
         elif policy is Policy.THRESHOLD:
@@ -200,7 +210,7 @@ class Planner(Candidates):
         if path is RoutePath.DISAGGREGATED:
             p = pick_prefill(prefill, d, self.health).worker_id
         chosen = self._find(cands, path, p, d)
-        label = "requested by the client" if why == "override" else f"--policy {path.value}"
+        label = _FIXED_WHY.get(why, f"--policy {path.value}")
         return Decision(chosen, best, f"{path.value}: {label}", why)
 
     def _auto(

@@ -71,6 +71,7 @@ class RequestFields:
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives per token (0: the chosen token's only)
+    prompt_logprobs: int | None = None  # the same for each prompt token (colocated path)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -110,6 +111,12 @@ def check_request(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> Pars
     if f.request_id is not None and not f.request_id.isprintable():
         # It is logged as given: a newline in it would forge a log line.
         raise InvalidRequestError("request_id", "must hold printable characters only")
+    if sampling.prompt_logprobs is not None and f.path is RoutePath.DISAGGREGATED:
+        raise InvalidRequestError(
+            "prompt_logprobs",
+            "are computed where the prompt is prefilled, on the colocated path: not with path "
+            "disaggregated",
+        )
     return ParsedRequest(
         request_id=f.request_id or f"req-{uuid.uuid4().hex[:16]}",
         prompt_token_ids=tuple(ids),
@@ -265,6 +272,7 @@ def _sampling(f: RequestFields, prompt_len: int, limits: ModelLimits) -> Samplin
         stop_token_ids=tuple(f.stop_token_ids),
         ignore_eos=f.ignore_eos,
         logprobs=f.logprobs,
+        prompt_logprobs=f.prompt_logprobs,
         presence_penalty=f.presence_penalty or 0.0,
         frequency_penalty=f.frequency_penalty or 0.0,
         repetition_penalty=1.0 if f.repetition_penalty is None else f.repetition_penalty,

@@ -183,6 +183,7 @@ class GenerationServicer:
                     text=c.text,
                     logprobs=logprobs_to_wire(c.logprobs),
                     final=final_to_wire(c.final) if c.final is not None else None,
+                    prompt_logprobs=logprobs_to_wire(c.prompt_logprobs),
                 )
                 if not opened:  # the headers (not held back by flow control) first
                     await context.send_initial_metadata(())
@@ -220,6 +221,7 @@ class GenerationServicer:
             text=answer.text,
             logprobs=logprobs_to_wire(answer.logprobs),
             final=final_to_wire(answer.final),
+            prompt_logprobs=logprobs_to_wire(answer.prompt_logprobs),
         )
 
 

@@ -77,6 +77,27 @@ def test_a_consumer_failing_in_its_loop_leaves_no_block_held(cluster, path):
     assert_pools_full(cluster)  # at once: the abort was awaited as the loop ended
 
 
+@pytest.mark.timeout(120)
+def test_prompt_logprobs_come_from_the_colocated_path_and_are_refused_on_a_handoff(cluster):
+    """Colocated, the first chunk brings the prompt's logprobs; a handoff (whose decode worker
+    computes no prompt) refuses them before any work, rather than leave them out."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1)
+    prompt = random_prompts([12], seed=61)[0]
+
+    async def first_prompt_logprobs(path):
+        chunks = cluster.generate(prompt, params, Placement(path=path))
+        async with contextlib.aclosing(chunks):
+            return [c.prompt_logprobs async for c in chunks]
+
+    got = asyncio.run(asyncio.wait_for(first_prompt_logprobs(RoutePath.COLOCATED), 60))
+    assert [len(lps) for lps in got if lps] == [len(prompt) - 1]
+    assert [lp.token_id for lp in next(lps for lps in got if lps)] == prompt[1:]
+    with pytest.raises(InvalidRequestError) as caught:
+        asyncio.run(asyncio.wait_for(first_prompt_logprobs(RoutePath.DISAGGREGATED), 60))
+    assert caught.value.field == "prompt_logprobs"
+    assert_pools_full(cluster)
+
+
 def test_placement_takes_a_path_by_its_name():
     assert Placement(path="colocated").path is RoutePath.COLOCATED  # type: ignore[arg-type]
     assert Placement(path="disaggregated").path is RoutePath.DISAGGREGATED  # type: ignore[arg-type]

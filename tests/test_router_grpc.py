@@ -211,6 +211,31 @@ def test_text_prompt_streams_text_and_the_client_override_wins(srv, stub):
     assert_pools_full(srv, within_s=2)
 
 
+def test_prompt_logprobs_come_in_the_first_message_from_the_colocated_path(srv, stub):
+    """Under a policy that hands every prompt off, a request asking for prompt logprobs is
+    prefilled where it decodes; its first message brings one per prompt token after the first,
+    as transformers' logits give them, and no later message brings any."""
+    from tests.test_prompt_logprobs import check_prompt_logprobs
+
+    set_policy(srv, Policy.DISAGGREGATED)
+    (prompt,) = random_prompts([40], seed=97)  # more than one 32-token step
+    req = pb.GenerateRequest(
+        prompt_token_ids=prompt,
+        sampling=pb.SamplingParams(max_tokens=MAX_NEW, temperature=0.0, prompt_logprobs=2),
+    )
+    msgs = list(stub.Generate(req, timeout=60))
+    final = msgs[-1].final
+    assert final.path == pb.PATH_COLOCATED and not final.prefill_worker
+    assert "prompt logprobs" in final.decision_reason, final.decision_reason
+    assert [t for m in msgs for t in m.token_ids] == hf_greedy(MODEL, prompt, MAX_NEW)
+    first = next(i for i, m in enumerate(msgs) if m.token_ids)
+    assert all(not m.prompt_logprobs for i, m in enumerate(msgs) if i != first)
+    check_prompt_logprobs(prompt, msgs[first].prompt_logprobs, k=2)
+    whole = stub.Complete(req, timeout=60)
+    assert list(whole.prompt_logprobs) == list(msgs[first].prompt_logprobs)
+    assert_pools_full(srv, within_s=2)
+
+
 def test_health_serving_and_reflection_lists_the_service(srv):
     with grpc.insecure_channel(srv.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
@@ -251,6 +276,11 @@ BAD_REQUESTS = {
     "repetition_penalty 0": (_bad(sampling={"repetition_penalty": 0.0}), "repetition_penalty"),
     "logit_bias past 100": (_bad(sampling={"logit_bias": {5: 200.0}}), "logit_bias"),
     "logit_bias outside the vocabulary": (_bad(sampling={"logit_bias": {259: 1.0}}), "logit_bias"),
+    "prompt_logprobs 21": (_bad(sampling={"prompt_logprobs": 21}), "prompt_logprobs"),
+    "prompt_logprobs on the disaggregated path": (
+        _bad(sampling={"prompt_logprobs": 1}, path=pb.PATH_DISAGGREGATED),
+        "prompt_logprobs",
+    ),
 }
 
 

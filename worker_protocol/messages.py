@@ -120,6 +120,8 @@ class TokenChunk:
     # host, so a reader there can measure how long the chunk took to reach it.
     emitted_at: float = 0.0
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked for them
+    # With SamplingParams.prompt_logprobs, on the first chunk with a token.
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     queue_s: float = 0.0  # arrival to first scheduled on the worker that streams it
     prefill_s: float = 0.0  # first scheduled to first token there (0 for a handed-off prompt)
@@ -139,6 +141,7 @@ class TokenChunk:
             worker_id=worker_id,
             emitted_at=time.monotonic(),
             logprobs=out.logprobs,
+            prompt_logprobs=out.prompt_logprobs,
             stop_reason=out.stop_reason,
             queue_s=out.queue_s,
             prefill_s=out.prefill_s,

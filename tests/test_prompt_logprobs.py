@@ -1,0 +1,129 @@
+"""Prompt logprobs (SamplingParams.prompt_logprobs): each prompt token's logprob given the tokens
+before it, and the top alternatives, equal to transformers' own logits, given with the first
+output; computed over chunks, beside other requests, after a preemption, and never taken from
+the prefix cache. The tokens generated are greedy's either way."""
+
+import pytest
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+from tests.helpers import assert_pool_free, drain, hf_greedy, loaded, make_engine, random_prompts
+
+MODEL = "tiny-llama"
+NEW = 6
+ASK = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+PLAIN = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+
+
+def _reference(prompt: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' logits at prompt positions 0 .. len - 2."""
+    with torch.no_grad():
+        logits = loaded(MODEL).hf_model(torch.tensor([prompt])).logits[0].float()
+    return torch.log_softmax(logits[:-1], dim=-1)
+
+
+def check_prompt_logprobs(prompt: list[int], lps, k: int = 3) -> None:
+    """`lps` (engine TokenLogprobs or their wire form) are `prompt`'s as transformers gives them:
+    one per token after the first, with its top `k`."""
+    ref = _reference(prompt)
+    assert len(lps) == len(prompt) - 1
+    for p, lp in enumerate(lps):
+        top = [(t.token_id, t.logprob) for t in lp.top] if hasattr(lp, "ListFields") else lp.top
+        assert lp.token_id == prompt[p + 1]
+        assert lp.logprob == pytest.approx(float(ref[p, prompt[p + 1]]), abs=1e-4)
+        assert [t for t, _ in top] == torch.topk(ref[p], k).indices.tolist()
+        assert [v for _, v in top] == pytest.approx(torch.topk(ref[p], k).values.tolist(), abs=1e-4)
+
+
+def test_prompt_logprobs_over_chunks_beside_other_requests_equal_transformers():
+    engine = make_engine(MODEL, budget=16)  # a 45-token prompt takes three steps or more
+    long, short, other = random_prompts([45, 7, 20], seed=31)
+    rids = [
+        engine.add_request(long, ASK),
+        engine.add_request(short, ASK),
+        engine.add_request(other, PLAIN),
+    ]
+    firsts: dict[str, tuple] = {}
+    later: list = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.new_token_ids and out.request_id not in firsts:
+                firsts[out.request_id] = out.prompt_logprobs
+            else:
+                later.append(out.prompt_logprobs)
+    check_prompt_logprobs(long, firsts[rids[0]])
+    check_prompt_logprobs(short, firsts[rids[1]])
+    assert firsts[rids[2]] == ()  # not asked for
+    assert not any(later)  # with the first output only
+    assert_pool_free(engine)
+
+
+def test_the_tokens_are_greedy_s_and_offline_generate_gives_them():
+    (prompt,) = random_prompts([23], seed=32)
+    engine = make_engine(MODEL, budget=8)
+    (res,) = engine.generate([prompt], ASK)
+    assert list(res.token_ids) == hf_greedy(MODEL, prompt, NEW)
+    check_prompt_logprobs(prompt, res.prompt_logprobs)
+    assert_pool_free(engine)
+
+
+def test_a_cached_prompt_is_computed_again_for_its_logprobs():
+    """The second of two equal prompts hits the prefix cache, unless it asks for prompt
+    logprobs: those need every position computed."""
+    (prompt,) = random_prompts([40], seed=33)
+    engine = make_engine(MODEL)
+    engine.generate([prompt], PLAIN)
+    (plain,) = engine.generate([prompt], PLAIN)
+    assert plain.num_cached_tokens > 0  # the cache holds it
+    (asked,) = engine.generate([prompt], ASK)
+    assert asked.num_cached_tokens == 0
+    check_prompt_logprobs(prompt, asked.prompt_logprobs)
+    assert list(asked.token_ids) == list(plain.token_ids)
+    assert_pool_free(engine)
+
+
+def test_preempted_while_prefilling_it_still_gives_each_prompt_logprob_once():
+    """A pool too small for both: one request is preempted and recomputed; its prompt
+    logprobs are each position's once, as transformers gives them."""
+    engine = make_engine(MODEL, block_size=4, num_blocks=24, budget=16)  # 96 tokens
+    a, b = random_prompts([40, 40], seed=34)
+    long_new = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    ra, rb = engine.add_request(a, long_new), engine.add_request(b, long_new)
+    firsts: dict[str, tuple] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.new_token_ids and out.request_id not in firsts:
+                firsts[out.request_id] = out.prompt_logprobs
+    assert engine.scheduler.num_preemptions > 0
+    check_prompt_logprobs(a, firsts[ra])
+    check_prompt_logprobs(b, firsts[rb])
+    assert_pool_free(engine)
+
+
+def test_one_token_prompt_has_no_prompt_logprobs_and_zero_alternatives_works():
+    engine = make_engine(MODEL)
+    one, two = random_prompts([1, 5], seed=35)
+    res = engine.generate(
+        [one, two], [ASK, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=0)]
+    )
+    assert res[0].prompt_logprobs == ()
+    check_prompt_logprobs(two, res[1].prompt_logprobs, k=0)
+    assert_pool_free(engine)
+
+
+@pytest.mark.parametrize("bad", [21, -1, 2.5, True])
+def test_prompt_logprobs_out_of_range_is_refused_naming_it(bad):
+    with pytest.raises(InvalidRequestError) as exc:
+        SamplingParams(prompt_logprobs=bad)
+    assert exc.value.field == "prompt_logprobs"
+
+
+def test_drained_engine_holds_nothing_for_them():
+    engine = make_engine(MODEL, budget=8)
+    (prompt,) = random_prompts([30], seed=36)
+    rid = engine.add_request(prompt, ASK)
+    engine.step()
+    engine.abort(rid)  # mid-prefill
+    drain(engine)
+    assert_pool_free(engine)
