@@ -196,6 +196,7 @@ class HttpApi:
             body.stream,
             bool(body.stream_options and body.stream_options.include_usage),
             int(time.time()),
+            self._echoed(body, batch),
         )
         # Admission and placement happen at the first chunk (of every choice): a refusal is
         # still an HTTP status, so a stream's headers go out with its first tokens. A whole
@@ -220,6 +221,20 @@ class HttpApi:
             return JSONResponse(self.shapes.whole(call, got))
         headers = {"Cache-Control": "no-cache", "X-Request-Id": call.req.request_id}
         return EventStream(self._events(call, choices.merged(got)), choices, release, headers)
+
+    def _echoed(
+        self, body: CompletionRequest | ChatCompletionRequest, batch: list[RequestFields]
+    ) -> tuple[str, ...]:
+        """A completion's `echo`: each prompt's text (token ids' decoded, without special
+        tokens, as their text offsets count them)."""
+        if not isinstance(body, CompletionRequest) or not body.echo:
+            return ()
+        return tuple(
+            f.prompt
+            if f.prompt is not None
+            else self.tokenizer.decode(f.prompt_token_ids or [], skip_special_tokens=True)
+            for f in batch
+        )
 
     async def _check_batch(
         self, batch: list[RequestFields], renames: dict[str, str]
@@ -286,13 +301,16 @@ class HttpApi:
         text is held back (a stop string may begin there) make no event of their own, unless
         they carry logprobs."""
         events = []
+        echo = None  # the choice's first chunk, where the call echoes its prompt: choice i
         if i not in offsets:
             offsets[i] = self.shapes.offsets(call, i)
+            echo = i if call.echoed else None
             if call.chat:
                 delta = {"role": "assistant", "content": ""}
                 opening = {"delta": delta, "logprobs": None, "finish_reason": None}
                 events.append(sse(self.shapes.chunk(call, opening, index=i)))
-        choice = self.shapes.streamed_choice(call, chunk, offsets[i])
-        if chunk.text or chunk.final is not None or choice["logprobs"] is not None:
+        choice = self.shapes.streamed_choice(call, chunk, offsets[i], echo)
+        said = chunk.text or echo is not None or chunk.final is not None
+        if said or choice["logprobs"] is not None:
             events.append(sse(self.shapes.chunk(call, choice, chunk.final, index=i)))
         return events

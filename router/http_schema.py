@@ -5,7 +5,7 @@ format and checks only its shape; router/request.py checks the values, for both 
 Unknown fields are refused (extra="forbid"), never ignored, and so are values of the wrong type
 (strict: "5" is not an integer, 1 not a boolean). A field set to null is taken as not given, as
 OpenAI takes it. OpenAI fields pdserve does not implement are accepted at the value that asks
-for nothing (`echo: false`, `best_of: 1`, `store: false`, ...; NOOP) and refused at any other.
+for nothing (`best_of: 1`, `store: false`, ...; NOOP) and refused at any other.
 Defaults follow OpenAI's: a completion's max_tokens is 16, a chat's is the server's own.
 """
 
@@ -31,7 +31,6 @@ MAX_PROMPTS = 256  # a completion's batch of prompts, each with its n choices
 # that send them at that value (LangChain, LiteLLM, agent SDKs) are served. `user` is only a
 # label for the caller's own monitoring.
 NOOP: dict[str, tuple[Any, ...]] = {
-    "echo": (False,),
     "best_of": (1,),
     "store": (False,),
     "suffix": ("",),
@@ -128,7 +127,12 @@ class CompletionRequest(_Sampling):
         "choices of prompt k at indices k*n to k*n+n-1)"
     )
     logprobs: int | None = Field(None, description="top alternatives per token, 0 to 20")
-    echo: bool = Field(False, description="only false")
+    echo: bool = Field(
+        False,
+        description="the prompt's text before the completion's; with logprobs, the prompt's "
+        "tokens and their logprobs before the completion's (the first token's null), computed "
+        "on the colocated path",
+    )
     best_of: int = Field(1, description="only 1")
     suffix: str = Field("", description='only ""')
 
@@ -220,6 +224,7 @@ def request_fields(
     ids: list[int] | None = None
     messages: list[ChatTurn] | None = None
     logprobs: int | None
+    prompt_logprobs: int | None = None  # echo with logprobs: the prompt's too
     max_tokens = body.max_tokens
     default_max_tokens = DEFAULT_MAX_TOKENS
     chat_options: dict[str, Any] = {}
@@ -230,6 +235,9 @@ def request_fields(
         if ids is not None:
             renames["prompt_token_ids"] = "prompt"
         logprobs = body.logprobs
+        if body.echo:
+            prompt_logprobs = logprobs
+            renames["prompt_logprobs"] = "echo"
         default_max_tokens = COMPLETIONS_MAX_TOKENS
     else:
         messages = [ChatTurn(m.role, _text(m.content), m.name) for m in body.messages]
@@ -263,6 +271,7 @@ def request_fields(
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,

@@ -28,6 +28,8 @@ class Call:
     stream: bool
     include_usage: bool
     created: int
+    # A completion's `echo`: each prompt's text, put before its choices' (empty: no echo).
+    echoed: tuple[str, ...] = ()
 
     @property
     def req(self) -> ParsedRequest:
@@ -65,16 +67,24 @@ class Shapes:
             out["pdserve"] = pdserve(final)
         return out
 
-    def streamed_choice(self, call: Call, chunk: CoreChunk, offsets: TextOffsets) -> dict[str, Any]:
-        """One chunk's choice; `offsets` carries the text offsets over the stream's chunks."""
+    def streamed_choice(
+        self, call: Call, chunk: CoreChunk, offsets: TextOffsets, echo: int | None = None
+    ) -> dict[str, Any]:
+        """One chunk's choice; `offsets` carries the text offsets over the stream's chunks.
+        `echo`: the choice whose first chunk this is, where the call echoes its prompt."""
         why = finish(chunk.final)
-        logprobs = self.logprobs(call, chunk.logprobs, offsets)
+        text = chunk.text
+        prompt = None
+        if echo is not None:
+            text = call.echoed[echo // call.n] + text
+            prompt = (call.prompt(echo).prompt_token_ids, chunk.prompt_logprobs)
+        logprobs = self.logprobs(call, chunk.logprobs, offsets, prompt)
         # A choice's last chunk says what stopped it (a stop string or token; None: none did).
         end = {"stop_reason": chunk.final.stop_reason} if chunk.final is not None else {}
         if call.chat:
             delta = {"content": chunk.text} if chunk.text or chunk.final is None else {}
             return {"delta": delta, "logprobs": logprobs, "finish_reason": why, **end}
-        return {"text": chunk.text, "logprobs": logprobs, "finish_reason": why, **end}
+        return {"text": text, "logprobs": logprobs, "finish_reason": why, **end}
 
     def whole(self, call: Call, answers: list[Answer]) -> dict[str, Any]:
         """The whole answer: a choice per answer, each with what stopped it (stop_reason, as
@@ -82,11 +92,15 @@ class Shapes:
         answer's own `pdserve` says how the first was served."""
         choices = []
         for i, answer in enumerate(answers):
-            logprobs = self.logprobs(call, answer.logprobs, self.offsets(call, i))
+            prompt, text = None, answer.text
+            if call.echoed:
+                prompt = (call.prompt(i).prompt_token_ids, answer.prompt_logprobs)
+                text = call.echoed[i // call.n] + text
+            logprobs = self.logprobs(call, answer.logprobs, self.offsets(call, i), prompt)
             if call.chat:
-                said: dict[str, Any] = {"message": {"role": "assistant", "content": answer.text}}
+                said: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
             else:
-                said = {"text": answer.text}
+                said = {"text": text}
             end = {"finish_reason": finish(answer.final), "stop_reason": answer.final.stop_reason}
             served = {"pdserve": pdserve(answer.final)}
             choices.append({"index": i, **said, "logprobs": logprobs, **end, **served})
@@ -113,12 +127,22 @@ class Shapes:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def offsets(self, call: Call, choice: int = 0) -> TextOffsets:
-        """A new answer's text offsets (completions' logprobs.text_offset), after its prompt."""
+        """A new answer's text offsets (completions' logprobs.text_offset), after its prompt;
+        from the prompt's start where the call echoes it."""
+        if call.echoed:
+            return TextOffsets(self.token_bytes)
         return TextOffsets(self.token_bytes, call.prompt(choice).prompt_token_ids)
 
     def logprobs(
-        self, call: Call, lps: tuple[TokenLogprobs, ...], offsets: TextOffsets
+        self,
+        call: Call,
+        lps: tuple[TokenLogprobs, ...],
+        offsets: TextOffsets,
+        prompt: tuple[tuple[int, ...], tuple[TokenLogprobs, ...]] | None = None,
     ) -> dict[str, Any] | None:
+        """The chunk's or answer's logprobs as the API gives them; `prompt` (an echo's: the
+        prompt's ids and their logprobs, one per token after the first) goes first, its first
+        token's logprob null."""
         if call.req.sampling.logprobs is None:
             return None
         if call.chat:
@@ -137,12 +161,25 @@ class Shapes:
                     for lp in lps
                 ]
             }
-        return {
-            "tokens": [self.token(lp.token_id) for lp in lps],
-            "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [self._top(lp) for lp in lps],
-            "text_offset": offsets.feed(lp.token_id for lp in lps),
+        out: dict[str, list[Any]] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
         }
+        if prompt is not None:
+            ids, given = prompt
+            # None for the first token, and for any the answer lacks (it ended before one).
+            plps = [None, *given][: len(ids)] + [None] * (len(ids) - 1 - len(given))
+            out["tokens"] = [self.token(t) for t in ids]
+            out["token_logprobs"] = [lp and lp.logprob for lp in plps]
+            out["top_logprobs"] = [lp and self._top(lp) for lp in plps]
+            out["text_offset"] = offsets.feed(ids)
+        out["tokens"] += [self.token(lp.token_id) for lp in lps]
+        out["token_logprobs"] += [lp.logprob for lp in lps]
+        out["top_logprobs"] += [self._top(lp) for lp in lps]
+        out["text_offset"] += offsets.feed(lp.token_id for lp in lps)
+        return out
 
     def _top(self, lp: TokenLogprobs) -> dict[str, float]:
         """A completion token's alternatives, and the sampled token among them always (OpenAI's

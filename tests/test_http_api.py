@@ -331,6 +331,56 @@ def test_chat_logprobs_and_completion_logprobs_have_openai_shapes(srv, client):
     assert lp.top_logprobs == [{t: x} for t, x in zip(lp.tokens, lp.token_logprobs)]
 
 
+@pytest.mark.timeout(120)
+def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion_as_lm_eval_reads_them(
+    srv, client
+):
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs 1, max_tokens 1, token ids,
+    a batch): each choice's text is its prompt's then the completion's; its logprobs list the
+    prompt's tokens first (the first one's null, the others transformers' logits' log-softmax)
+    and then the completion's, their text offsets over the whole text. Streamed, the first chunk
+    brings the prompt. Without logprobs, echo only puts the prompt's text first."""
+    from tests.test_prompt_logprobs import reference_logprobs
+
+    tok = srv.server.core.tokenizer
+    texts = ["The capital of France is", "One, two, three, four, five"]
+    prompts = [list(tok(t)["input_ids"]) for t in texts]
+    whole = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=1, temperature=0, logprobs=1, echo=True
+    )
+    streamed = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=1, temperature=0, logprobs=1, echo=True,
+        stream=True,
+    )  # fmt: skip
+    chunks = [c.choices[0] for c in streamed if c.choices]
+    for k, (prompt, c) in enumerate(zip(prompts, whole.choices)):
+        alone = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+        prompt_text = tok.decode(prompt, skip_special_tokens=True)
+        assert c.index == k and c.text == prompt_text + alone.choices[0].text
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == len(prompt) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        ref = reference_logprobs(prompt)
+        for p in range(1, len(prompt)):
+            assert lp.token_logprobs[p] == pytest.approx(float(ref[p - 1, prompt[p]]), abs=1e-4)
+            assert lp.tokens[p] in lp.top_logprobs[p] and len(lp.top_logprobs[p]) <= 2
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+        assert lp.text_offset[-1] == len(prompt_text)  # the completion's token after the prompt
+        mine = [ch for ch in chunks if ch.index == k]
+        assert mine[0].text.startswith(prompt_text) and "".join(ch.text for ch in mine) == c.text
+        got = [t for ch in mine for t in ch.logprobs.token_logprobs]  # batched apart: float noise
+        assert got[0] is None and got[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+        assert [t for ch in mine for t in ch.logprobs.text_offset] == lp.text_offset
+    assert whole.usage.prompt_tokens == sum(map(len, prompts))
+    assert whole.usage.completion_tokens == len(prompts)  # the prompts are not completion
+    plain = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True
+    )
+    alone = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert plain.choices[0].text == PROMPT + alone.choices[0].text
+    assert plain.choices[0].logprobs is None
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("path", ["colocated", "disaggregated"])
@@ -368,7 +418,17 @@ def test_bad_requests_get_a_400_naming_the_parameter_and_the_server_keeps_servin
         ({"model": MODEL, "prompt": "x", "temperature": 2.5}, "temperature"),
         ({"model": MODEL, "prompt": "x", "max_tokens": "ten"}, "max_tokens"),
         ({"model": MODEL, "prompt": 7}, "prompt"),
-        ({"model": MODEL, "prompt": "x", "echo": True}, "echo"),
+        # The prompt's logprobs are computed where it is prefilled: not on a handoff.
+        (
+            {
+                "model": MODEL,
+                "prompt": "x",
+                "echo": True,
+                "logprobs": 0,
+                "pdserve": {"path": "disaggregated"},
+            },
+            "echo",
+        ),
         ({"model": MODEL, "prompt": [300]}, "prompt"),  # a token id outside the vocabulary
         ({"model": MODEL, "prompt": [[5, 6], [300]]}, "prompt[1]"),  # a batch's second prompt
         ({"model": MODEL, "prompt": ["x"] * 257}, "prompt"),  # past MAX_PROMPTS

@@ -439,7 +439,8 @@ def test_nulls_and_openai_fields_at_their_no_op_values_are_served_and_other_valu
                          "repetition_penalty": 1.2, "logit_bias": {"5": -100, "7": 3.5}}),
     ]  # fmt: skip
     refused = [
-        ("completions", {**BODY, "echo": True}, "echo", "only false"),
+        ("completions", {**BODY, "echo": True, "logprobs": 1, "pdserve": {"path": "disaggregated"}},
+         "echo", "colocated path"),
         ("completions", {**BODY, "best_of": 2}, "best_of", "only 1"),
         ("completions", {**BODY, "n": 2, "best_of": 1}, "best_of", "at least n (2)"),
         ("completions", {**BODY, "logit_bias": {"x": 10}}, "logit_bias", "token ids"),

@@ -16,7 +16,7 @@ ASK = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, prompt_lo
 PLAIN = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 
 
-def _reference(prompt: list[int]) -> torch.Tensor:
+def reference_logprobs(prompt: list[int]) -> torch.Tensor:
     """log_softmax of transformers' logits at prompt positions 0 .. len - 2."""
     with torch.no_grad():
         logits = loaded(MODEL).hf_model(torch.tensor([prompt])).logits[0].float()
@@ -26,7 +26,7 @@ def _reference(prompt: list[int]) -> torch.Tensor:
 def check_prompt_logprobs(prompt: list[int], lps, k: int = 3) -> None:
     """`lps` (engine TokenLogprobs or their wire form) are `prompt`'s as transformers gives them:
     one per token after the first, with its top `k`."""
-    ref = _reference(prompt)
+    ref = reference_logprobs(prompt)
     assert len(lps) == len(prompt) - 1
     for p, lp in enumerate(lps):
         top = [(t.token_id, t.logprob) for t in lp.top] if hasattr(lp, "ListFields") else lp.top
