@@ -40,7 +40,7 @@ from router.http_choices import Choices, choice_requests
 from router.http_errors import ApiError, from_core, validation_error
 from router.http_guard import Guard, unauthorized
 from router.http_schema import ChatCompletionRequest, CompletionRequest, request_fields
-from router.http_shapes import Call, Shapes, sse, usage
+from router.http_shapes import Call, Shapes, prompt_only, sse, usage
 from router.http_stream import EventStream, close, until_disconnected
 from router.request import (
     ModelLimits,
@@ -197,6 +197,7 @@ class HttpApi:
             bool(body.stream_options and body.stream_options.include_usage),
             int(time.time()),
             self._echoed(body, batch),
+            isinstance(body, CompletionRequest) and body.echo and body.max_tokens == 0,
         )
         # Admission and placement happen at the first chunk (of every choice): a refusal is
         # still an HTTP status, so a stream's headers go out with its first tokens. A whole
@@ -218,7 +219,7 @@ class HttpApi:
         if got is None:  # the client left: the request was aborted on its workers
             return JSONResponse({}, status_code=499)
         if not call.stream:
-            return JSONResponse(self.shapes.whole(call, got))
+            return JSONResponse(self.shapes.whole(call, [prompt_only(call, a) for a in got]))
         headers = {"Cache-Control": "no-cache", "X-Request-Id": call.req.request_id}
         return EventStream(self._events(call, choices.merged(got)), choices, release, headers)
 
@@ -282,6 +283,7 @@ class HttpApi:
             # Closed here however the reading ends: its tasks end before the streams close.
             async with contextlib.aclosing(chunks):
                 async for i, chunk in chunks:
+                    chunk = prompt_only(call, chunk)
                     for event in self._chunk_events(call, i, chunk, offsets):
                         yield event
                     if chunk.final is not None:

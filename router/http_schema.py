@@ -238,6 +238,8 @@ def request_fields(
         if body.echo:
             prompt_logprobs = logprobs
             renames["prompt_logprobs"] = "echo"
+            if max_tokens == 0:  # the prompt alone (vLLM's reading): one token run, none given
+                max_tokens = 1
         default_max_tokens = COMPLETIONS_MAX_TOKENS
     else:
         messages = [ChatTurn(m.role, _text(m.content), m.name) for m in body.messages]

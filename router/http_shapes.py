@@ -5,14 +5,16 @@ or as stream chunks, with usage (prompt_tokens_details.cached_tokens) and logpro
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 from engine.outputs import TokenLogprobs
 from engine.token_bytes import TextOffsets, TokenBytes
 from router.core_types import Answer, CoreChunk, Summary
 from router.request import ParsedRequest
 from router.vocab import FinishReason
+
+A = TypeVar("A", Answer, CoreChunk)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +32,7 @@ class Call:
     created: int
     # A completion's `echo`: each prompt's text, put before its choices' (empty: no echo).
     echoed: tuple[str, ...] = ()
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone, no completion token
 
     @property
     def req(self) -> ParsedRequest:
@@ -192,6 +195,18 @@ class Shapes:
 
 
 FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+
+
+def prompt_only(call: Call, x: A) -> A:
+    """An answer or chunk of an echo with max_tokens 0 (`call.echo_only`): without the token
+    run for it, its finish `length` (the prompt's KV computed, no token given), as vLLM's."""
+    if not call.echo_only:
+        return x
+    final = x.final
+    if final is not None and final.finish_reason is not FinishReason.ABORT:
+        final = replace(final, completion_tokens=0, finish_reason=FinishReason.LENGTH,
+                        stop_reason=None)  # fmt: skip
+    return replace(x, token_ids=(), text="", logprobs=(), final=final)
 
 
 def finish(final: Summary | None) -> str | None:

@@ -373,6 +373,21 @@ def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion_as_lm_eval_
         assert [t for ch in mine for t in ch.logprobs.text_offset] == lp.text_offset
     assert whole.usage.prompt_tokens == sum(map(len, prompts))
     assert whole.usage.completion_tokens == len(prompts)  # the prompts are not completion
+    # max_tokens 0 with echo: the prompt alone, as OpenAI's scoring requests ask for it.
+    scored = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=0, temperature=0, logprobs=0, echo=True
+    )
+    for prompt, c, full in zip(prompts, scored.choices, whole.choices):
+        assert c.text == tok.decode(prompt, skip_special_tokens=True)
+        assert c.finish_reason == "length" and len(c.logprobs.tokens) == len(prompt)
+        assert c.logprobs.token_logprobs == pytest.approx(full.logprobs.token_logprobs[:-1],
+                                                          abs=1e-4)  # fmt: skip
+    assert scored.usage.completion_tokens == 0
+    (only,) = [c.choices[0] for c in client.completions.create(
+        model=MODEL, prompt=prompts[0], max_tokens=0, temperature=0, echo=True, stream=True
+    ) if c.choices]  # fmt: skip
+    assert only.text == tok.decode(prompts[0], skip_special_tokens=True)
+    assert only.finish_reason == "length"
     plain = client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True
     )
@@ -415,6 +430,7 @@ def test_bad_requests_get_a_400_naming_the_parameter_and_the_server_keeps_servin
         ({"model": MODEL, "prompt": "x", "n": 17}, "n"),
         ({"model": MODEL, "prompt": "x", "n": 0}, "n"),
         ({"model": MODEL, "prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0: only with echo
         ({"model": MODEL, "prompt": "x", "temperature": 2.5}, "temperature"),
         ({"model": MODEL, "prompt": "x", "max_tokens": "ten"}, "max_tokens"),
         ({"model": MODEL, "prompt": 7}, "prompt"),
