@@ -30,11 +30,14 @@ class KVCacheManager:
         return prefix_hash.extend_block_hashes(req.block_hashes, req.token_ids, self.block_size)
 
     def get_computed_blocks(self, req: Request) -> ComputedBlocks:
-        """Longest cached prefix of a request that holds no blocks yet (capped at len - 1);
-        none for one whose prompt logprobs are due (each position is computed for them)."""
-        if not self.pool.enable_caching or req.prompt_logprobs_due:
+        """Longest cached prefix of a request that holds no blocks yet (capped at len - 1); one
+        whose prompt logprobs are due takes no more than the positions it has them for (none
+        at first: each is computed for them; after a preemption, those it had)."""
+        if not self.pool.enable_caching:
             return ComputedBlocks([], 0)
         limit = prefix_hash.max_cacheable_tokens(req.num_tokens, self.block_size) // self.block_size
+        if req.prompt_logprobs_due:
+            limit = min(limit, len(req.prompt_logprobs) // self.block_size)
         blocks = self.pool.lookup(self._hashes(req)[:limit])
         return ComputedBlocks(blocks, len(blocks) * self.block_size)
 

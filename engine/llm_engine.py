@@ -25,7 +25,7 @@ from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, SchedulerOutput, TokenLogprobs
 from engine.request import FinishReason, Request
-from engine.sampling_params import SamplingParams, as_int
+from engine.sampling_params import PROMPT_LOGPROBS_LOCAL, SamplingParams, as_int
 from engine.scheduler import Scheduler
 from engine.step_stats import StepRecorder
 
@@ -178,6 +178,8 @@ class LLMEngine:
         `due_in_s` from now; None if full now, or if reservations would hold more than `share`
         of the slots or blocks (kv_handoff). `prefill_hold_s`: as for add_request, should the
         prompt be prefilled here after all (its KV never came)."""
+        if params is not None and params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs", PROMPT_LOGPROBS_LOCAL)
         req = self._new_request(prompt, params, request_id, arrival_time, prefill_hold_s)
         res = kv_handoff.reserve(self.scheduler, req, share, due_in_s)
         if res is not None:

@@ -112,6 +112,25 @@ class PagedDecoderModel:
         on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run one step over T flattened tokens; return logits [len(logit_rows), vocab]."""
+        x = self.hidden(input_ids, positions, md, attention, on_layer)
+        return self.logits(x[logit_rows])
+
+    @torch.inference_mode()
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits [N, vocab] of N rows of the last layer's output (`hidden`)."""
+        return F.linear(rms_norm(x, self.final_norm, self.eps), self.lm_head)
+
+    @torch.inference_mode()
+    def hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        md: AttentionMetadata,
+        attention: AttentionBackend,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Run one step over T flattened tokens; return the last layer's output [T, hidden]
+        (before the final norm)."""
         T = input_ids.shape[0]
         x = self.embed[input_ids]
         cos, sin = self.rope(positions)
@@ -136,5 +155,4 @@ class PagedDecoderModel:
             h = rms_norm(x, w.post_norm, self.eps)
             gate, up = F.linear(h, w.gate_up_w).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, w.down_w)
-        x = rms_norm(x[logit_rows], self.final_norm, self.eps)
-        return F.linear(x, self.lm_head)
+        return x

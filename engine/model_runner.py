@@ -208,12 +208,11 @@ class ModelRunner:
             self.inputs.release(rid)  # recomputed later on new blocks
         if so.is_empty:
             return ModelRunnerOutput((), ())
-        prompt_rows = any(s.prompt_targets for s in so.scheduled)
         pad = None
         if (
             self.graphs is not None
             and on_layer is None
-            and not prompt_rows
+            and not so.prompt_rows
             and so.num_batched_tokens == len(so.scheduled)
         ):
             pad = self.graphs.size_for(len(so.scheduled))  # decode-only: a graph may run it
@@ -228,16 +227,16 @@ class ModelRunner:
         prompt_lps: tuple[tuple[str, tuple[TokenLogprobs, ...]], ...] = ()
         if batch.padded_to is not None and self.graphs is not None:
             logits = self.graphs.run(batch.padded_to)[: len(batch.samplers)]
-        elif prompt_rows:
+        elif so.prompt_rows:
             rows, owners = _prompt_rows(batch)
-            n_samp = len(batch.samplers)
-            extra = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
-            logits = self.model.forward(
-                batch.input_ids, batch.positions, batch.md, self.attention,
-                torch.cat([batch.logit_rows, extra]), on_layer,
-            )  # fmt: skip
-            prompt_lps = prompt_logprobs(logits[n_samp:], owners)
-            logits = logits[:n_samp]
+            x = self.model.hidden(
+                batch.input_ids, batch.positions, batch.md, self.attention, on_layer
+            )
+            logits = self.model.logits(x[batch.logit_rows])
+            at = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+            # The prompt rows' logits a slice at a time: a long chunk's [rows, vocab] at once
+            # would be the step's largest tensor.
+            prompt_lps = prompt_logprobs(lambda a, b: self.model.logits(x[at[a:b]]), owners)
         else:
             logits = self.model.forward(
                 batch.input_ids, batch.positions, batch.md, self.attention, batch.logit_rows,

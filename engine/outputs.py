@@ -38,6 +38,7 @@ class SchedulerOutput:
     preempted_request_ids: tuple[str, ...] = ()
     # requests that ended since the previous step: the runner drops their per-request state
     finished_request_ids: tuple[str, ...] = ()
+    prompt_rows: bool = False  # some scheduled request has prompt_targets
 
     @property
     def is_empty(self) -> bool:

@@ -10,19 +10,15 @@ worker left) takes up its draws at the next sample's number, at no cost.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from engine.outputs import TokenLogprobs
+from engine.outputs import ScheduledRequest, TokenLogprobs
 from engine.penalties import bias_, penalize_
 from engine.sampling_params import SamplingParams
 from engine.seen import Seen
-
-if TYPE_CHECKING:
-    from engine.outputs import ScheduledRequest
 
 FilterKey = tuple[float, int, float, float]  # temperature, top_k, top_p, min_p
 
@@ -149,21 +145,23 @@ def _with_logprobs(
 
 
 def prompt_logprobs(
-    logits: torch.Tensor, owners: Sequence[tuple[ScheduledRequest, int]]
+    logits_of: Callable[[int, int], torch.Tensor], owners: Sequence[tuple[ScheduledRequest, int]]
 ) -> tuple[tuple[str, tuple[TokenLogprobs, ...]], ...]:
-    """The prompt logprobs of rows of `logits` (the model's, before penalties and biases),
+    """The prompt logprobs of a step's prompt rows (the model's, before penalties and biases),
     taken in order by `owners` (a request and its count of rows): each row's log-probability
     of the prompt token that follows it (the request's prompt_targets) and its top
-    sampling.prompt_logprobs alternatives, brought back in one copy. Rows are taken
-    PROMPT_LOGPROB_ROWS at a time, so that a long chunk's float32 copies stay bounded."""
+    sampling.prompt_logprobs alternatives, brought back in one copy. `logits_of(a, b)` gives
+    rows a..b-1's logits; they are asked for PROMPT_LOGPROB_ROWS at a time, so that a long
+    chunk's logits are never all held at once."""
     targets = [t for s, _ in owners for t in s.prompt_targets]
     m = len(targets)
-    ids = torch.tensor(targets, dtype=torch.long).to(logits.device, non_blocking=True)
     n_top = max(s.sampling.prompt_logprobs or 0 for s, _ in owners)
     chosen, top_ids, top_vals = [], [], []
     for a in range(0, m, PROMPT_LOGPROB_ROWS):
-        logp = torch.log_softmax(logits[a : a + PROMPT_LOGPROB_ROWS].float(), dim=-1)
-        chosen.append(logp.gather(1, ids[a : a + PROMPT_LOGPROB_ROWS].unsqueeze(1)).squeeze(1))
+        b = min(m, a + PROMPT_LOGPROB_ROWS)
+        logp = torch.log_softmax(logits_of(a, b).float(), dim=-1)
+        ids = torch.tensor(targets[a:b], dtype=torch.long).to(logp.device, non_blocking=True)
+        chosen.append(logp.gather(1, ids.unsqueeze(1)).squeeze(1))
         if n_top:
             vals, tops = torch.topk(logp, n_top, dim=-1)
             top_ids.append(tops.flatten())

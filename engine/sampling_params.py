@@ -19,6 +19,12 @@ MAX_LOGIT_BIAS = 300  # tokens one request may bias, as OpenAI's API bounds it
 # Stop strings one request may give (OpenAI's API: 4): each is looked for in the new text at
 # every step, on the engine's thread, beside every other request's step.
 MAX_STOP_STRINGS = 64
+# Why a handoff refuses prompt logprobs (its decode worker computes no prompt); said by the
+# engine's reserve, the Cluster's generate and the router's check, each naming the field.
+PROMPT_LOGPROBS_LOCAL = (
+    "are computed where the prompt is prefilled, on the colocated path: not on a handoff "
+    "(path disaggregated)"
+)
 
 
 def as_int(x: object) -> int | None:

@@ -203,31 +203,34 @@ class Scheduler(RequestQueues):
 
     def _build_output(self, chunks: dict[str, int], preempted: list[str]) -> SchedulerOutput:
         scheduled = []
+        prompt_rows = False
         for rid, n in chunks.items():
             req = self.requests[rid]
             start = req.num_computed_tokens
             sample = start + n == req.num_tokens
             penalized = sample and req.sampling.penalized
-            targets, first = _prompt_targets(req, start, n)
-            scheduled.append(
-                ScheduledRequest(
-                    request_id=rid,
-                    token_ids=tuple(req.token_ids[start : start + n]),
-                    start_pos=start,
-                    block_ids=tuple(req.block_ids),
-                    sample=sample,
-                    sampling=req.sampling,
-                    seen=seen(req) if penalized else None,
-                    prompt_targets=targets,
-                    prompt_from=first,
-                )
+            s = ScheduledRequest(
+                request_id=rid,
+                token_ids=tuple(req.token_ids[start : start + n]),
+                start_pos=start,
+                block_ids=tuple(req.block_ids),
+                sample=sample,
+                sampling=req.sampling,
+                seen=seen(req) if penalized else None,
             )
+            if req.sampling.prompt_logprobs is not None:
+                targets, first = _prompt_targets(req, start, n)
+                if targets:
+                    s = s._replace(prompt_targets=targets, prompt_from=first)
+                    prompt_rows = True
+            scheduled.append(s)
         finished, self._finished_ids = tuple(self._finished_ids), []
         return SchedulerOutput(
             scheduled=tuple(scheduled),
             num_batched_tokens=sum(chunks.values()),
             preempted_request_ids=tuple(preempted),
             finished_request_ids=finished,
+            prompt_rows=prompt_rows,
         )
 
     def _check_invariants(self, out: SchedulerOutput) -> None:
@@ -256,11 +259,11 @@ class Scheduler(RequestQueues):
 def _prompt_targets(req: Request, start: int, n: int) -> tuple[tuple[int, ...], int]:
     """The prompt tokens whose logprobs a chunk of `n` tokens from `start` computes (each
     position p gives token p + 1's), and the chunk index of the first such position; none
-    where the request asks for no prompt logprobs or has them all."""
-    if not req.prompt_logprobs_due:
-        return (), 0
-    lo = max(start, len(req.prompt_logprobs))
+    where the request has them all (or, never here, where the chunk starts past those it has:
+    the prefix cache gives such a request no more than it has logprobs for)."""
+    have = len(req.prompt_logprobs)
+    lo = max(start, have)
     hi = min(start + n, req.num_prompt_tokens - 1)
-    if lo >= hi or start > len(req.prompt_logprobs):
+    if lo >= hi or start > have:
         return (), 0
     return tuple(req.token_ids[lo + 1 : hi + 1]), lo - start

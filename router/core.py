@@ -135,7 +135,7 @@ class RequestCore(PlacementSteps):
         slo_ttft_s = (req.slo_ttft_ms / 1000) if req.slo_ttft_ms else self.config.slo_ttft_s
         shape = RequestShape(
             prompt_len=len(req.prompt_token_ids),
-            hashes=tuple(block_hashes(req.prompt_token_ids, self.block_size)),
+            hashes=self._hashes(req, req.prompt_token_ids, 0),
             max_tokens=req.sampling.max_tokens,
             slo_ttft_s=slo_ttft_s,
             slo_itl_s=(req.slo_itl_ms / 1000) if req.slo_itl_ms else self.config.slo_itl_s,
@@ -147,6 +147,13 @@ class RequestCore(PlacementSteps):
             raise NoWorkers("no decode worker is up; the server cannot take requests now")
         path, why = _path(req, 0)
         return shape, self.planner.decide(shape, prefill, decode, path, why=why)
+
+    def _hashes(self, req: ParsedRequest, ids: tuple[int, ...], emitted: int) -> tuple[bytes, ...]:
+        """The prompt's block hashes, for the prefix caches' hits; none where its prompt
+        logprobs are asked for (computed whole: it takes no hit)."""
+        if req.asks_prompt_logprobs(emitted):
+            return ()
+        return tuple(block_hashes(ids, self.block_size))
 
     @staticmethod
     def _without(
@@ -249,7 +256,7 @@ class RequestCore(PlacementSteps):
         shape = replace(
             shape,
             prompt_len=len(ids),
-            hashes=tuple(block_hashes(ids, self.block_size)),
+            hashes=self._hashes(req, ids, len(emitted)),
             max_tokens=req.sampling.max_tokens - len(emitted),
             # Tokens streamed already: a wait for decodes would be a gap in its stream; else
             # what its first placement took counts against its hold.
@@ -280,6 +287,6 @@ class RequestCore(PlacementSteps):
 def _path(req: ParsedRequest, emitted: int) -> tuple[RoutePath, str]:
     """The path a request asks for, and who asks: its prompt logprobs, until its first token
     (they come with it), are computed where its prompt is, on the colocated path."""
-    if req.sampling.prompt_logprobs is not None and not emitted:
+    if req.asks_prompt_logprobs(emitted):
         return RoutePath.COLOCATED, "prompt_logprobs"
     return req.path, "override"

@@ -226,8 +226,8 @@ class HttpApi:
     def _echoed(
         self, body: CompletionRequest | ChatCompletionRequest, batch: list[RequestFields]
     ) -> tuple[str, ...]:
-        """A completion's `echo`: each prompt's text (token ids' decoded, without special
-        tokens, as their text offsets count them)."""
+        """A completion's `echo`: each prompt's text as given (token ids decoded, without
+        special tokens, which count no text in the offsets)."""
         if not isinstance(body, CompletionRequest) or not body.echo:
             return ()
         return tuple(

@@ -39,7 +39,10 @@ def choice_seed(seed: int, index: int) -> int:
 
 
 def choice_requests(req: ParsedRequest, n: int) -> list[ParsedRequest]:
-    sp, seed = req.sampling, req.sampling.seed
+    """The request's n choices. Prompt logprobs are asked of choice 0 alone (the others
+    get its: Choices.firsts), so that the others may take the prompt from the prefix caches."""
+    seed = req.sampling.seed
+    sp = replace(req.sampling, prompt_logprobs=None)
     return [req] + [
         replace(
             req,
@@ -80,11 +83,18 @@ class Choices:
 
     async def firsts(self) -> list[CoreChunk]:
         """Every choice's first chunk: each admitted and placed (a refusal of any is raised);
-        each prompt's choice 0 first, then its others together (the prompts side by side)."""
+        each prompt's choice 0 first, then its others together (the prompts side by side).
+        A prompt's other choices carry its choice 0's prompt logprobs (choice_requests)."""
         prompts = [self.streams[k : k + self.n] for k in range(0, len(self.streams), self.n)]
         if len(prompts) == 1:
-            return await _prompt_firsts(prompts[0])
-        return [c for got in await together([_prompt_firsts(p) for p in prompts]) for c in got]
+            got = await _prompt_firsts(prompts[0])
+        else:
+            got = [c for cs in await together([_prompt_firsts(p) for p in prompts]) for c in cs]
+        n = self.n
+        return [
+            c if i % n == 0 else replace(c, prompt_logprobs=got[i - i % n].prompt_logprobs)
+            for i, c in enumerate(got)
+        ]
 
     async def answers(self) -> list[Answer]:
         firsts = await self.firsts()

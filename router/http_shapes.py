@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from engine.outputs import TokenLogprobs
 from engine.token_bytes import TextOffsets, TokenBytes
@@ -76,12 +76,9 @@ class Shapes:
         """One chunk's choice; `offsets` carries the text offsets over the stream's chunks.
         `echo`: the choice whose first chunk this is, where the call echoes its prompt."""
         why = finish(chunk.final)
-        text = chunk.text
-        prompt = None
-        if echo is not None:
-            text = call.echoed[echo // call.n] + text
-            prompt = (call.prompt(echo).prompt_token_ids, chunk.prompt_logprobs)
-        logprobs = self.logprobs(call, chunk.logprobs, offsets, prompt)
+        echoed = None if echo is None else echo_of(call, echo, chunk.prompt_logprobs)
+        text = chunk.text if echoed is None else echoed.text + chunk.text
+        logprobs = self.logprobs(call, chunk.logprobs, offsets, echoed)
         # A choice's last chunk says what stopped it (a stop string or token; None: none did).
         end = {"stop_reason": chunk.final.stop_reason} if chunk.final is not None else {}
         if call.chat:
@@ -95,11 +92,9 @@ class Shapes:
         answer's own `pdserve` says how the first was served."""
         choices = []
         for i, answer in enumerate(answers):
-            prompt, text = None, answer.text
-            if call.echoed:
-                prompt = (call.prompt(i).prompt_token_ids, answer.prompt_logprobs)
-                text = call.echoed[i // call.n] + text
-            logprobs = self.logprobs(call, answer.logprobs, self.offsets(call, i), prompt)
+            echoed = echo_of(call, i, answer.prompt_logprobs) if call.echoed else None
+            text = answer.text if echoed is None else echoed.text + answer.text
+            logprobs = self.logprobs(call, answer.logprobs, self.offsets(call, i), echoed)
             if call.chat:
                 said: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
             else:
@@ -141,11 +136,12 @@ class Shapes:
         call: Call,
         lps: tuple[TokenLogprobs, ...],
         offsets: TextOffsets,
-        prompt: tuple[tuple[int, ...], tuple[TokenLogprobs, ...]] | None = None,
+        echoed: Echo | None = None,
     ) -> dict[str, Any] | None:
-        """The chunk's or answer's logprobs as the API gives them; `prompt` (an echo's: the
-        prompt's ids and their logprobs, one per token after the first) goes first, its first
-        token's logprob null."""
+        """The chunk's or answer's logprobs as the API gives them; an echoed prompt's go first,
+        its first token's logprob null, and the completion's text offsets count from the end
+        of the text echoed (the prompt's own are its tokens' bytes', which a tokenizer that
+        writes a word's leading space as a mark may count one more than its text)."""
         if call.req.sampling.logprobs is None:
             return None
         if call.chat:
@@ -170,14 +166,15 @@ class Shapes:
             "top_logprobs": [],
             "text_offset": [],
         }
-        if prompt is not None:
-            ids, given = prompt
+        if echoed is not None:
+            ids, given, end = echoed.ids, echoed.logprobs, len(echoed.text)
             # None for the first token, and for any the answer lacks (it ended before one).
             plps = [None, *given][: len(ids)] + [None] * (len(ids) - 1 - len(given))
             out["tokens"] = [self.token(t) for t in ids]
             out["token_logprobs"] = [lp and lp.logprob for lp in plps]
             out["top_logprobs"] = [lp and self._top(lp) for lp in plps]
-            out["text_offset"] = offsets.feed(ids)
+            out["text_offset"] = [min(o, end) for o in offsets.feed(ids)]
+            offsets.chars = end
         out["tokens"] += [self.token(lp.token_id) for lp in lps]
         out["token_logprobs"] += [lp.logprob for lp in lps]
         out["top_logprobs"] += [self._top(lp) for lp in lps]
@@ -192,6 +189,19 @@ class Shapes:
             top.setdefault(self.token(t), v)
         top[self.token(lp.token_id)] = lp.logprob  # its own, as `token_logprobs` gives it
         return top
+
+
+class Echo(NamedTuple):
+    """A choice's echoed prompt: its text, token ids and logprobs (one per token after the
+    first; none where not asked for)."""
+
+    text: str
+    ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...]
+
+
+def echo_of(call: Call, choice: int, logprobs: tuple[TokenLogprobs, ...]) -> Echo:
+    return Echo(call.echoed[choice // call.n], call.prompt(choice).prompt_token_ids, logprobs)
 
 
 FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}

@@ -119,7 +119,7 @@ class PlacementSteps:
                 params,
                 max_tokens=params.max_tokens - len(emitted),
                 drawn=len(emitted),
-                prompt_logprobs=None,  # given with its first token already
+                prompt_logprobs=None,  # given with its first token (asks_prompt_logprobs)
             )
         placement = Placement(
             path=chosen.path,

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from engine.chat_template import chat_token_ids
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import PROMPT_LOGPROBS_LOCAL, SamplingParams
 from router.vocab import Frontend, RoutePath
 
 MAX_REQUEST_ID = 256  # characters: a client's id goes into logs and every worker's books
@@ -91,6 +91,11 @@ class ParsedRequest:
     slo_itl_ms: float | None
     frontend: Frontend
 
+    def asks_prompt_logprobs(self, emitted: int) -> bool:
+        """Whether a placement of it after `emitted` tokens asks for its prompt's logprobs:
+        they come with its first token, so a resume after one does not."""
+        return self.sampling.prompt_logprobs is not None and not emitted
+
 
 def prompt_bytes(f: RequestFields) -> int:
     """The text a request brings (its prompt or chat turns), in characters: large ones are worth
@@ -112,11 +117,7 @@ def check_request(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> Pars
         # It is logged as given: a newline in it would forge a log line.
         raise InvalidRequestError("request_id", "must hold printable characters only")
     if sampling.prompt_logprobs is not None and f.path is RoutePath.DISAGGREGATED:
-        raise InvalidRequestError(
-            "prompt_logprobs",
-            "are computed where the prompt is prefilled, on the colocated path: not with path "
-            "disaggregated",
-        )
+        raise InvalidRequestError("prompt_logprobs", PROMPT_LOGPROBS_LOCAL)
     return ParsedRequest(
         request_id=f.request_id or f"req-{uuid.uuid4().hex[:16]}",
         prompt_token_ids=tuple(ids),

@@ -388,6 +388,17 @@ def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion_as_lm_eval_
     ) if c.choices]  # fmt: skip
     assert only.text == tok.decode(prompts[0], skip_special_tokens=True)
     assert only.finish_reason == "length"
+    # n choices: choice 0 computes the prompt's logprobs (colocated), the others get them.
+    two = client.completions.create(
+        model=MODEL, prompt=prompts[1], n=2, max_tokens=2, temperature=0.8, seed=3, logprobs=1,
+        echo=True,
+    )  # fmt: skip
+    head = [c.logprobs.token_logprobs[: len(prompts[1])] for c in two.choices]
+    assert head[0] == head[1] and head[0][1:] == pytest.approx(
+        whole.choices[1].logprobs.token_logprobs[1 : len(prompts[1])], abs=1e-4
+    )
+    reasons = [c.model_extra["pdserve"]["decision_reason"] for c in two.choices]
+    assert "prompt logprobs" in reasons[0] and "prompt logprobs" not in reasons[1], reasons
     plain = client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True
     )

@@ -84,20 +84,56 @@ def test_a_cached_prompt_is_computed_again_for_its_logprobs():
 
 
 def test_preempted_while_prefilling_it_still_gives_each_prompt_logprob_once():
-    """A pool too small for both: one request is preempted and recomputed; its prompt
-    logprobs are each position's once, as transformers gives them."""
-    engine = make_engine(MODEL, block_size=4, num_blocks=24, budget=16)  # 96 tokens
-    a, b = random_prompts([40, 40], seed=34)
+    """A pool too small for both: the long prompt is preempted part-way through its prefill
+    (some of its logprobs computed) and computed again, the blocks it has logprobs for from the
+    prefix cache; its prompt logprobs are each position's once, as transformers gives them."""
+    engine = make_engine(MODEL, block_size=4, num_blocks=12, budget=6)  # 48 tokens
+    short, long = random_prompts([8, 36], seed=34)
     long_new = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
-    ra, rb = engine.add_request(a, long_new), engine.add_request(b, long_new)
+    rs, rl = engine.add_request(short, long_new), engine.add_request(long, long_new)
     firsts: dict[str, tuple] = {}
+    mid_prefill = []  # (logprobs held, computed tokens) of each preemption before the first token
+    seen: dict[str, int] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.new_token_ids and out.request_id not in firsts:
                 firsts[out.request_id] = out.prompt_logprobs
-    assert engine.scheduler.num_preemptions > 0
-    check_prompt_logprobs(a, firsts[ra])
-    check_prompt_logprobs(b, firsts[rb])
+        for rid, req in engine.scheduler.requests.items():
+            if req.num_preemptions > seen.get(rid, 0) and rid not in firsts:
+                mid_prefill.append((len(req.prompt_logprobs), req.num_computed_tokens))
+            seen[rid] = req.num_preemptions
+    assert any(held > 0 for held, _ in mid_prefill), mid_prefill
+    check_prompt_logprobs(short, firsts[rs])
+    check_prompt_logprobs(long, firsts[rl])
+    assert_pool_free(engine)
+
+
+def test_one_token_chunks_beside_a_decode_give_their_logprobs():
+    """A budget of two beside a running decode leaves the prompt one token a step: its chunks
+    sit among the decodes' rows."""
+    engine = make_engine(MODEL, budget=2)
+    first, prompt = random_prompts([3, 9], seed=37)
+    engine.add_request(first, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.step()  # it decodes now
+    rid = engine.add_request(prompt, ASK)
+    got = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid and out.new_token_ids and got is None:
+                got = out.prompt_logprobs
+    check_prompt_logprobs(prompt, got)
+    assert_pool_free(engine)
+
+
+def test_a_handoff_s_reservation_refuses_prompt_logprobs_naming_them():
+    """The decode side of a handoff computes no prompt: asked for its logprobs it refuses, rather
+    than receive the KV and give none."""
+    engine = make_engine(MODEL)
+    (prompt,) = random_prompts([12], seed=38)
+    with pytest.raises(InvalidRequestError) as exc:
+        engine.reserve_for_kv(prompt, ASK, "kv")
+    assert exc.value.field == "prompt_logprobs"
     assert_pool_free(engine)
 
 

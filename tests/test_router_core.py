@@ -953,3 +953,28 @@ def test_cached_tokens_are_the_hit_of_the_worker_that_prefilled_the_prompt():
     metrics, chunks = run(_handed_off_and_resumed(resumed, "moved"))
     assert chunks[-1].final.path is RoutePath.COLOCATED
     assert chunks[-1].final.cached_prompt_tokens == 20
+
+
+def test_prompt_logprobs_are_asked_of_the_colocated_path_and_not_again_after_a_resume():
+    """Under a policy that hands every prompt off, a request asking for prompt logprobs is
+    placed colocated (its decision says why), asks the engine for them and predicts no prefix
+    cache hit (the engine takes none for it); resumed after its first tokens, it asks for
+    them no more and is placed as the policy says."""
+    from router.policy import Policy, PolicyConfig
+
+    async def main():
+        backend = FakeBackend(num_prefill=1, num_decode=2, lose_decode_after=3)
+        core = await make_core(backend, policy=PolicyConfig(policy=Policy.DISAGGREGATED))
+        req = request("scored", max_tokens=8)
+        req = replace(req, sampling=replace(req.sampling, prompt_logprobs=2))
+        plan_hashes = core.plan(req)[0].hashes
+        chunks = await consume(core, req)
+        return backend, core, chunks, plan_hashes
+
+    backend, core, chunks, plan_hashes = run(main())
+    assert plan_hashes == ()
+    assert [p.path for p in backend.placements] == [RoutePath.COLOCATED, RoutePath.DISAGGREGATED]
+    assert [sp.prompt_logprobs for sp in backend.sampling] == [2, None]
+    assert core.records[0].decision.reason_code == "prompt_logprobs"
+    assert "prompt logprobs" in core.records[0].decision.reason
+    assert sum(len(c.token_ids) for c in chunks) == 8 and core.resumed == 1
