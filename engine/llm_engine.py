@@ -23,11 +23,12 @@ from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput, SchedulerOutput, TokenLogprobs
+from engine.outputs import RequestOutput, SchedulerOutput
 from engine.request import FinishReason, Request
 from engine.sampling_params import PROMPT_LOGPROBS_LOCAL, SamplingParams, as_int
 from engine.scheduler import Scheduler
 from engine.step_stats import StepRecorder
+from engine.token_logprobs import TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,10 +27,11 @@ from engine.errors import KVCacheAllocationError
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import model_dtype
 from engine.model import PagedDecoderModel
-from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.sampler import Draws, prompt_logprobs, sample, sample_seed
 from engine.sampling_params import SamplingParams
 from engine.step_inputs import StepBatch, StepInputs
+from engine.token_logprobs import TokenLogprobs
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from engine.outputs import RequestOutput, TokenLogprobs
+from engine.outputs import RequestOutput
 from engine.request import FinishReason, Request, RequestStatus
 from engine.scheduler import Scheduler
 from engine.text_stream import TextStream
+from engine.token_logprobs import TokenLogprobs
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ from typing import NamedTuple
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.seen import Seen
+from engine.token_logprobs import TokenLogprobs
 
 
 class ScheduledRequest(NamedTuple):
@@ -43,15 +44,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprobs:
-    """The chosen token's logprob and the top-n alternatives (id, logprob), best first."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,12 +18,9 @@ import enum
 import time
 from array import array
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from engine.outputs import TokenLogprobs
+from engine.token_logprobs import TokenLogprobs
 
 
 class RequestStatus(enum.Enum):

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.outputs import ScheduledRequest, TokenLogprobs
+from engine.outputs import ScheduledRequest
 from engine.penalties import bias_, penalize_
 from engine.sampling_params import SamplingParams
 from engine.seen import Seen
+from engine.token_logprobs import TokenLogprobs
 
 FilterKey = tuple[float, int, float, float]  # temperature, top_k, top_p, min_p
 

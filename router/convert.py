@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import InvalidRequestError
-from engine.outputs import TokenLogprobs
+from engine.token_logprobs import TokenLogprobs
 from pdserve_proto import generation_pb2 as pb
 from router.core_types import Summary
 from router.request import ChatTurn, RequestFields

@@ -7,8 +7,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.token_logprobs import TokenLogprobs
 from router.policy import Decision, PolicyConfig
 from router.vocab import FallbackReason, FinishReason, Placement, RejectReason, RoutePath
 from worker_protocol.messages import (

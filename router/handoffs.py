@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import TypeVar
 
 from engine.errors import InvalidRequestError
-from engine.outputs import TokenLogprobs
+from engine.token_logprobs import TokenLogprobs
 from router.cluster_config import ClusterConfig
 from router.core_types import HandoffListener
 from router.errors import HandoffFailed, WorkerLost

@@ -8,8 +8,8 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, TypeVar
 
-from engine.outputs import TokenLogprobs
 from engine.token_bytes import TextOffsets, TokenBytes
+from engine.token_logprobs import TokenLogprobs
 from router.core_types import Answer, CoreChunk, Summary
 from router.request import ParsedRequest
 from router.vocab import FinishReason

@@ -25,8 +25,9 @@ from dataclasses import replace
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput, TokenLogprobs
+from engine.outputs import RequestOutput
 from engine.request import FinishReason
+from engine.token_logprobs import TokenLogprobs
 from kv_transfer import TransferRequest, TransferStatus
 from kv_transfer.layout import KVLayout
 from kv_transfer.torch_dist import TorchDistConnector

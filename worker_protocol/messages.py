@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.device_rate import DeviceRate
-from engine.outputs import RequestOutput, TokenLogprobs
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.step_stats import StepStat
+from engine.token_logprobs import TokenLogprobs
 from kv_transfer.faults import FaultPlan
 
 
