@@ -52,7 +52,8 @@ class OutputProcessor:
             req.first_token_time = time.monotonic()
         prompt_lps: tuple[TokenLogprobs, ...] = ()
         if new_ids and not st.num_sent and req.sampling.prompt_logprobs is not None:
-            prompt_lps = tuple(req.prompt_logprobs)  # with the first token
+            prompt_lps = tuple(req.prompt_logprobs)  # with the first token, then let go
+            req.prompt_logprobs, req.prompt_logprobs_given = [], True
         st.num_sent += len(new_ids)
         delta, hit = "", None
         if st.text is not None:

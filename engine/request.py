@@ -85,8 +85,10 @@ class Request:
     # A penalized request's token_ids as int64, extended where it samples (engine/seen.py).
     seen_ids: array[int] | None = None
     # With sampling.prompt_logprobs: those computed so far, one per prompt position p (the
-    # logprob of prompt token p + 1).
+    # logprob of prompt token p + 1); emptied once given (with the first output), which
+    # `prompt_logprobs_given` then says.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs_given: bool = False
 
     @property
     def queue_s(self) -> float:
@@ -110,6 +112,7 @@ class Request:
         """Whether prompt logprobs are asked for and not all computed yet."""
         return (
             self.sampling.prompt_logprobs is not None
+            and not self.prompt_logprobs_given
             and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
         )
 

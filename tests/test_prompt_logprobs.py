@@ -50,6 +50,8 @@ def test_prompt_logprobs_over_chunks_beside_other_requests_equal_transformers():
         for out in engine.step():
             if out.new_token_ids and out.request_id not in firsts:
                 firsts[out.request_id] = out.prompt_logprobs
+                held = engine.scheduler.requests[out.request_id].prompt_logprobs
+                assert held == [], "given, they are let go (a long prompt's would be held)"
             else:
                 later.append(out.prompt_logprobs)
     check_prompt_logprobs(long, firsts[rids[0]])
