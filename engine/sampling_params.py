@@ -19,11 +19,10 @@ MAX_LOGIT_BIAS = 300  # tokens one request may bias, as OpenAI's API bounds it
 # Stop strings one request may give (OpenAI's API: 4): each is looked for in the new text at
 # every step, on the engine's thread, beside every other request's step.
 MAX_STOP_STRINGS = 64
-# Why a handoff refuses prompt logprobs (its decode worker computes no prompt); said by the
-# engine's reserve, the Cluster's generate and the router's check, each naming the field.
+# Why a reservation for a prompt's KV computed elsewhere refuses prompt logprobs (the engine
+# computes no prompt there), naming the field.
 PROMPT_LOGPROBS_LOCAL = (
-    "are computed where the prompt is prefilled, on the colocated path: not on a handoff "
-    "(path disaggregated)"
+    "are computed where the prompt is prefilled: not for a prompt whose KV comes from elsewhere"
 )
 
 
@@ -80,7 +79,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return per token, besides the chosen
     # Each prompt token's logprob given the tokens before it, with this many top alternatives,
     # given with the first output (the first prompt token has none). The prompt is computed
-    # whole for it: no prefix-cache hit.
+    # for it: no prefix-cache hit past the positions it has them for (none until a preemption).
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0

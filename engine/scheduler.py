@@ -218,7 +218,7 @@ class Scheduler(RequestQueues):
                 sampling=req.sampling,
                 seen=seen(req) if penalized else None,
             )
-            if req.sampling.prompt_logprobs is not None:
+            if req.sampling.prompt_logprobs is not None and req.prompt_logprobs_due:
                 targets, first = _prompt_targets(req, start, n)
                 if targets:
                     s = s._replace(prompt_targets=targets, prompt_from=first)
@@ -257,10 +257,10 @@ class Scheduler(RequestQueues):
 
 
 def _prompt_targets(req: Request, start: int, n: int) -> tuple[tuple[int, ...], int]:
-    """The prompt tokens whose logprobs a chunk of `n` tokens from `start` computes (each
-    position p gives token p + 1's), and the chunk index of the first such position; none
-    where the request has them all (or, never here, where the chunk starts past those it has:
-    the prefix cache gives such a request no more than it has logprobs for)."""
+    """For a request whose prompt logprobs are due: the prompt tokens whose logprobs a chunk of
+    `n` tokens from `start` computes (each position p gives token p + 1's), and the chunk index
+    of the first such position; none where the chunk holds no position it lacks (or starts past
+    them: the prefix cache gives it no more than the positions it has logprobs for)."""
     have = len(req.prompt_logprobs)
     lo = max(start, have)
     hi = min(start + n, req.num_prompt_tokens - 1)

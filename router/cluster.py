@@ -21,7 +21,7 @@ import ray
 
 from engine.async_engine import EngineDeadError
 from engine.errors import InvalidRequestError
-from engine.sampling_params import PROMPT_LOGPROBS_LOCAL, SamplingParams
+from engine.sampling_params import SamplingParams
 from kv_transfer import TransferStats
 from router.cluster_config import ClusterConfig
 from router.core_types import HandoffListener, NoWorkers, NullListener
@@ -30,6 +30,7 @@ from router.handoffs import Handoffs
 from router.load_poll import LoadPoll
 from router.pools import ENGINES_STOP_S, Pools
 from router.ray_runtime import init_ray
+from router.request import PROMPT_LOGPROBS_COLOCATED
 from router.resize import Resizes
 from router.vocab import FallbackReason, Placement, RoutePath
 from router.worker_calls import (
@@ -205,7 +206,7 @@ class Cluster:
         of the disaggregated path (they are computed where the prompt is, and a handoff's decode
         worker has none to give)."""
         if params.prompt_logprobs is not None and placement.path is RoutePath.DISAGGREGATED:
-            raise InvalidRequestError("prompt_logprobs", PROMPT_LOGPROBS_LOCAL)
+            raise InvalidRequestError("prompt_logprobs", PROMPT_LOGPROBS_COLOCATED)
         rid = placement.request_id
         req = WorkRequest(
             rid, tuple(int(t) for t in prompt_token_ids), params, placement.prefill_hold_s

@@ -197,7 +197,7 @@ class HttpApi:
             bool(body.stream_options and body.stream_options.include_usage),
             int(time.time()),
             self._echoed(body, batch),
-            isinstance(body, CompletionRequest) and body.echo and body.max_tokens == 0,
+            isinstance(body, CompletionRequest) and body.echo_only,
         )
         # Admission and placement happen at the first chunk (of every choice): a refusal is
         # still an HTTP status, so a stream's headers go out with its first tokens. A whole

@@ -130,11 +130,16 @@ class CompletionRequest(_Sampling):
     echo: bool = Field(
         False,
         description="the prompt's text before the completion's; with logprobs, the prompt's "
-        "tokens and their logprobs before the completion's (the first token's null), computed "
-        "on the colocated path",
+        "tokens and their logprobs before the completion's (the first token's null; computed "
+        "on the colocated path); with max_tokens 0, the prompt alone",
     )
     best_of: int = Field(1, description="only 1")
     suffix: str = Field("", description='only ""')
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with max_tokens 0: the prompt alone (vLLM's reading), no completion."""
+        return self.echo and self.max_tokens == 0
 
     @model_validator(mode="after")
     def _best_of_n(self) -> CompletionRequest:
@@ -238,7 +243,7 @@ def request_fields(
         if body.echo:
             prompt_logprobs = logprobs
             renames["prompt_logprobs"] = "echo"
-            if max_tokens == 0:  # the prompt alone (vLLM's reading): one token run, none given
+            if body.echo_only:  # one token run, none given
                 max_tokens = 1
         default_max_tokens = COMPLETIONS_MAX_TOKENS
     else:

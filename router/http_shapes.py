@@ -125,10 +125,8 @@ class Shapes:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def offsets(self, call: Call, choice: int = 0) -> TextOffsets:
-        """A new answer's text offsets (completions' logprobs.text_offset), after its prompt;
-        from the prompt's start where the call echoes it."""
-        if call.echoed:
-            return TextOffsets(self.token_bytes)
+        """A new answer's text offsets (completions' logprobs.text_offset), after its prompt
+        (after the text echoed, where the call echoes it: `logprobs`)."""
         return TextOffsets(self.token_bytes, call.prompt(choice).prompt_token_ids)
 
     def logprobs(
@@ -173,8 +171,9 @@ class Shapes:
             out["tokens"] = [self.token(t) for t in ids]
             out["token_logprobs"] = [lp and lp.logprob for lp in plps]
             out["top_logprobs"] = [lp and self._top(lp) for lp in plps]
-            out["text_offset"] = [min(o, end) for o in offsets.feed(ids)]
-            offsets.chars = end
+            prompt_offsets = TextOffsets(self.token_bytes).feed(ids)
+            out["text_offset"] = [min(o, end) for o in prompt_offsets]
+            offsets.chars += end  # the answer's first token: none fed yet
         out["tokens"] += [self.token(lp.token_id) for lp in lps]
         out["token_logprobs"] += [lp.logprob for lp in lps]
         out["top_logprobs"] += [self._top(lp) for lp in lps]

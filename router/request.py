@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from engine.chat_template import chat_token_ids
 from engine.errors import InvalidRequestError
-from engine.sampling_params import PROMPT_LOGPROBS_LOCAL, SamplingParams
+from engine.sampling_params import SamplingParams
 from router.vocab import Frontend, RoutePath
 
 MAX_REQUEST_ID = 256  # characters: a client's id goes into logs and every worker's books
@@ -97,6 +97,14 @@ class ParsedRequest:
         return self.sampling.prompt_logprobs is not None and not emitted
 
 
+# Why a request asking for prompt logprobs is refused a handoff (the router's check of a path
+# the client names, and Cluster.generate's of a placement).
+PROMPT_LOGPROBS_COLOCATED = (
+    "are computed where the prompt is prefilled, on the colocated path: not on a handoff "
+    "(path disaggregated)"
+)
+
+
 def prompt_bytes(f: RequestFields) -> int:
     """The text a request brings (its prompt or chat turns), in characters: large ones are worth
     tokenizing off the event loop."""
@@ -117,7 +125,7 @@ def check_request(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> Pars
         # It is logged as given: a newline in it would forge a log line.
         raise InvalidRequestError("request_id", "must hold printable characters only")
     if sampling.prompt_logprobs is not None and f.path is RoutePath.DISAGGREGATED:
-        raise InvalidRequestError("prompt_logprobs", PROMPT_LOGPROBS_LOCAL)
+        raise InvalidRequestError("prompt_logprobs", PROMPT_LOGPROBS_COLOCATED)
     return ParsedRequest(
         request_id=f.request_id or f"req-{uuid.uuid4().hex[:16]}",
         prompt_token_ids=tuple(ids),

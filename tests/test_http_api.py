@@ -388,17 +388,23 @@ def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion_as_lm_eval_
     ) if c.choices]  # fmt: skip
     assert only.text == tok.decode(prompts[0], skip_special_tokens=True)
     assert only.finish_reason == "length"
-    # n choices: choice 0 computes the prompt's logprobs (colocated), the others get them.
-    two = client.completions.create(
-        model=MODEL, prompt=prompts[1], n=2, max_tokens=2, temperature=0.8, seed=3, logprobs=1,
-        echo=True,
-    )  # fmt: skip
-    head = [c.logprobs.token_logprobs[: len(prompts[1])] for c in two.choices]
-    assert head[0] == head[1] and head[0][1:] == pytest.approx(
-        whole.choices[1].logprobs.token_logprobs[1 : len(prompts[1])], abs=1e-4
-    )
-    reasons = [c.model_extra["pdserve"]["decision_reason"] for c in two.choices]
-    assert "prompt logprobs" in reasons[0] and "prompt logprobs" not in reasons[1], reasons
+    # n choices of a batch: each prompt's choice 0 computes its logprobs (colocated), its other
+    # choices get them; whole and streamed, each choice's prompt its own.
+    opts = {"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 2, "temperature": 0.8,
+            "seed": 3, "logprobs": 1, "echo": True}  # fmt: skip
+    two = client.completions.create(**opts)
+    two_streamed: dict[int, list] = {}
+    for c in client.completions.create(**opts, stream=True):
+        for ch in c.choices:
+            two_streamed.setdefault(ch.index, []).extend(ch.logprobs.token_logprobs)
+    for c in two.choices:
+        k = c.index // 2
+        head = c.logprobs.token_logprobs[: len(prompts[k])]
+        assert head[1:] == pytest.approx(whole.choices[k].logprobs.token_logprobs[1:-1], abs=1e-4)
+        streamed_head = two_streamed[c.index][: len(prompts[k])]
+        assert streamed_head[0] is None and streamed_head[1:] == pytest.approx(head[1:], abs=1e-4)
+        reason = c.model_extra["pdserve"]["decision_reason"]
+        assert ("prompt logprobs" in reason) == (c.index % 2 == 0), (c.index, reason)
     plain = client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True
     )

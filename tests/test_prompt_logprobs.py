@@ -110,6 +110,40 @@ def test_preempted_while_prefilling_it_still_gives_each_prompt_logprob_once():
     assert_pool_free(engine)
 
 
+def test_preempted_after_its_first_token_it_computes_them_no_more():
+    """Given with its first token, the prompt's logprobs are not computed again when the
+    request is preempted later and its prompt recomputed (no prefix cache to take it from),
+    nor held."""
+    engine = make_engine(MODEL, block_size=4, num_blocks=12, budget=6, caching=False)
+    long, short = random_prompts([30, 8], seed=39)
+    engine.add_request(long, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    new = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    rs = engine.add_request(short, new)
+    given, again, before = None, [], 0
+    orig = engine.runner.execute
+
+    def execute(so, hook=None):
+        if given is not None:
+            again.extend(s for s in so.scheduled if s.request_id == rs and s.prompt_targets)
+        return orig(so, hook)
+
+    engine.runner.execute = execute
+    preempted_after = False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rs and out.new_token_ids and given is None:
+                given = out.prompt_logprobs
+                before = engine.scheduler.requests[rs].num_preemptions
+        req = engine.scheduler.requests.get(rs)
+        if req is not None and given is not None:
+            preempted_after |= req.num_preemptions > before
+            assert req.prompt_logprobs == []
+    assert preempted_after  # the case this is about
+    assert again == []
+    check_prompt_logprobs(short, given, k=1)
+    assert_pool_free(engine)
+
+
 def test_one_token_chunks_beside_a_decode_give_their_logprobs():
     """A budget of two beside a running decode leaves the prompt one token a step: its chunks
     sit among the decodes' rows."""
