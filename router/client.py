@@ -71,6 +71,13 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="each token's logprob and its N likeliest alternatives (0 to 20; shown with --json)",
     )
+    p.add_argument(
+        "--prompt-logprobs",
+        type=integer_in(0, 21),
+        default=None,
+        metavar="N",
+        help="the same for each prompt token after the first (shown with --json)",
+    )
     add_penalty_arguments(p)
 
 
@@ -106,7 +113,7 @@ def add_penalty_arguments(p: argparse.ArgumentParser) -> None:
 
 PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 # add_sampling_arguments' flags that are None unless given (the default is the other side's).
-OPTIONAL_SAMPLING = ("top_p", "top_k", "min_p", "seed", "logprobs", *PENALTIES)
+OPTIONAL_SAMPLING = ("top_p", "top_k", "min_p", "seed", "logprobs", "prompt_logprobs", *PENALTIES)
 
 
 def token_bias(text: str) -> tuple[int, float]:
@@ -160,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
     text: list[str] = []
     ids: list[int] = []
     logprobs: list[Any] = []
+    prompt_logprobs: list[Any] = []
     final = None
     request_id = ""
     try:
@@ -172,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
                 request_id = msg.request_id
                 ids.extend(msg.token_ids)
                 logprobs.extend(msg.logprobs)
+                prompt_logprobs.extend(msg.prompt_logprobs)
                 text.append(msg.text)
                 if msg.HasField("final"):
                     final = msg.final
@@ -210,7 +219,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.json:
         answer = pb.CompleteResponse(
-            request_id=request_id, token_ids=ids, text="".join(text), logprobs=logprobs
+            request_id=request_id,
+            token_ids=ids,
+            text="".join(text),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         if final is not None:
             answer.final.CopyFrom(final)

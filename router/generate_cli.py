@@ -97,10 +97,11 @@ def as_json(prompt: str, c: Completion) -> dict[str, object]:
             "cached_prompt_tokens": c.num_cached_tokens,
         },
     }
-    if c.logprobs:
-        doc["logprobs"] = [
-            {"token_id": lp.token_id, "logprob": lp.logprob,
-             "top": [{"token_id": t, "logprob": x} for t, x in lp.top]}
-            for lp in c.logprobs
-        ]  # fmt: skip
+    for name, lps in (("logprobs", c.logprobs), ("prompt_logprobs", c.prompt_logprobs)):
+        if lps:
+            doc[name] = [
+                {"token_id": lp.token_id, "logprob": lp.logprob,
+                 "top": [{"token_id": t, "logprob": x} for t, x in lp.top]}
+                for lp in lps
+            ]  # fmt: skip
     return doc

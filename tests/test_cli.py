@@ -90,13 +90,15 @@ def test_complete_sends_every_sampling_flag_and_leaves_the_unset_to_the_server()
     p = argparse.ArgumentParser()
     add_arguments(p)
     sampling = build_request(p.parse_args(["hi"])).sampling
-    for name in ("top_p", "top_k", "min_p", "seed", "logprobs", "max_tokens"):
+    for name in ("top_p", "top_k", "min_p", "seed", "logprobs", "prompt_logprobs", "max_tokens"):
         assert not sampling.HasField(name), name
     assert sampling.temperature == 0 and not sampling.ignore_eos
     args = p.parse_args(["--top-p", "0.5", "--top-k", "7", "--min-p", "0.25", "--logprobs", "3",
                          "--stop-token-id", "9", "--stop-token-id", "11", "--ignore-eos",
-                         "--temperature", "0.8", "--seed", "5", "hi"])  # fmt: skip
+                         "--temperature", "0.8", "--seed", "5", "--prompt-logprobs", "0",
+                         "hi"])  # fmt: skip
     sampling = build_request(args).sampling
+    assert sampling.HasField("prompt_logprobs") and sampling.prompt_logprobs == 0
     assert (sampling.top_p, sampling.top_k, sampling.min_p) == (0.5, 7, 0.25)
     assert (sampling.logprobs, sampling.seed, list(sampling.stop_token_ids)) == (3, 5, [9, 11])
     assert sampling.ignore_eos and sampling.temperature == pytest.approx(0.8)
@@ -113,7 +115,8 @@ def test_generate_json_gives_tokens_usage_and_logprobs_per_prompt(capsys):
     from tests.helpers import hf_greedy
 
     argv = ["generate", "--model", "tiny-llama", "--no-chat", "--max-tokens", "6", "--json",
-            "--logprobs", "2", "--min-p", "0.5", "--top-k", "3"]  # fmt: skip
+            "--logprobs", "2", "--min-p", "0.5", "--top-k", "3",
+            "--prompt-logprobs", "1"]  # fmt: skip
     assert run([*argv, "hello there", "a second prompt"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     docs = [json.loads(line) for line in lines]
@@ -126,6 +129,8 @@ def test_generate_json_gives_tokens_usage_and_logprobs_per_prompt(capsys):
         assert d["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 6,
                               "cached_prompt_tokens": 0}  # fmt: skip
         assert [lp["token_id"] for lp in d["logprobs"]] == d["token_ids"]
+        assert [lp["token_id"] for lp in d["prompt_logprobs"]] == ids[1:]
+        assert all(len(lp["top"]) == 1 for lp in d["prompt_logprobs"])
         for lp in d["logprobs"]:
             assert len(lp["top"]) == 2 and lp["top"][0]["token_id"] == lp["token_id"]
             assert lp["logprob"] == pytest.approx(lp["top"][0]["logprob"]) and lp["logprob"] < 0

@@ -67,11 +67,16 @@ def test_serve_answers_complete_and_drains_on_sigterm(tmp_path):
     try:
         done = subprocess.run(
             [sys.executable, "-m", "router.cli", "complete", "--address", address, "--wait",
-             "--timeout", "180", "--max-tokens", "5", "--json", "hello"],
+             "--timeout", "180", "--max-tokens", "5", "--json", "--prompt-logprobs", "1",
+             "hello"],
             capture_output=True, text=True, timeout=200,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
         assert '"completion_tokens": 5' in done.stdout
+        answer = json.loads(done.stdout)
+        prompt_tokens = answer["final"]["usage"]["prompt_tokens"]
+        assert len(answer["prompt_logprobs"]) == prompt_tokens - 1
+        assert all(len(lp["top"]) == 1 for lp in answer["prompt_logprobs"])
         # A long request in flight, then SIGTERM: it must finish, not be cut.
         req = pb.GenerateRequest(
             prompt="drain me",
