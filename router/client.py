@@ -64,20 +64,13 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
         help="stop token (repeatable)",
     )
     p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-text token")
-    p.add_argument(
-        "--logprobs",
-        type=integer_in(0, 21),
-        default=None,
-        metavar="N",
-        help="each token's logprob and its N likeliest alternatives (0 to 20; shown with --json)",
-    )
-    p.add_argument(
-        "--prompt-logprobs",
-        type=integer_in(0, 21),
-        default=None,
-        metavar="N",
-        help="the same for each prompt token after the first (shown with --json)",
-    )
+    for flag, what in (
+        ("--logprobs", "each token's logprob and its N likeliest alternatives (0 to 20)"),
+        ("--prompt-logprobs", "the same for each prompt token after the first"),
+    ):
+        p.add_argument(
+            flag, type=integer_in(0, 21), default=None, metavar="N", help=f"{what}; with --json"
+        )
     add_penalty_arguments(p)
 
 
