@@ -73,6 +73,34 @@ def test_cuda_decode_graphs_replay_the_eager_tokens():
     assert_pool_free(eager)
 
 
+def test_cuda_prompt_logprobs_with_graphs_equal_transformers_in_one_token_chunks():
+    """On a graph-capturing engine, a prompt fed one token a step beside a decode (a step the
+    size of a decode-only one) is never replayed from a graph: its prompt logprobs are
+    transformers'."""
+    from tests.test_prompt_logprobs import check_prompt_logprobs
+
+    cfg = EngineConfig(
+        model=ModelConfig(model="tiny-llama", device="cuda", dtype="float32"),
+        cache=CacheConfig(block_size=16, num_blocks=64),
+        scheduler=SchedulerConfig(2, 8, True),  # two tokens a step: a decode and one of the prompt
+    )
+    engine = LLMEngine(cfg, loaded("tiny-llama"))
+    assert engine.runner.graphs is not None
+    first, prompt = random_prompts([3, 9], seed=37)
+    engine.add_request(first, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.step()
+    ask = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    rid = engine.add_request(prompt, ask)
+    got = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid and out.new_token_ids and got is None:
+                got = out.prompt_logprobs
+    check_prompt_logprobs(prompt, got, k=2)
+    assert_pool_free(engine)
+
+
 class _Cycle:
     """Garbage only a collection frees: it refers to itself."""
 
