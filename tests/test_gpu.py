@@ -77,7 +77,7 @@ def test_cuda_prompt_logprobs_with_graphs_equal_transformers_in_one_token_chunks
     """On a graph-capturing engine, a prompt fed one token a step beside a decode (a step the
     size of a decode-only one) is never replayed from a graph: its prompt logprobs are
     transformers'."""
-    from tests.test_prompt_logprobs import check_prompt_logprobs
+    from tests.test_prompt_logprobs import one_token_chunks_beside_a_decode
 
     cfg = EngineConfig(
         model=ModelConfig(model="tiny-llama", device="cuda", dtype="float32"),
@@ -86,19 +86,8 @@ def test_cuda_prompt_logprobs_with_graphs_equal_transformers_in_one_token_chunks
     )
     engine = LLMEngine(cfg, loaded("tiny-llama"))
     assert engine.runner.graphs is not None
-    first, prompt = random_prompts([3, 9], seed=37)
-    engine.add_request(first, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
-    engine.step()
-    engine.step()
     ask = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
-    rid = engine.add_request(prompt, ask)
-    got = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.request_id == rid and out.new_token_ids and got is None:
-                got = out.prompt_logprobs
-    check_prompt_logprobs(prompt, got, k=2)
-    assert_pool_free(engine)
+    one_token_chunks_beside_a_decode(engine, ask, k=2)
 
 
 class _Cycle:

@@ -147,18 +147,23 @@ def test_preempted_after_its_first_token_it_computes_them_no_more():
 def test_one_token_chunks_beside_a_decode_give_their_logprobs():
     """A budget of two beside a running decode leaves the prompt one token a step: its chunks
     sit among the decodes' rows."""
-    engine = make_engine(MODEL, budget=2)
+    one_token_chunks_beside_a_decode(make_engine(MODEL, budget=2), ASK, k=3)
+
+
+def one_token_chunks_beside_a_decode(engine, ask: SamplingParams, k: int) -> None:
+    """On an engine of two tokens a step, a prompt asking for its logprobs joins a running
+    decode (one prompt token a step): they are transformers'."""
     first, prompt = random_prompts([3, 9], seed=37)
     engine.add_request(first, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     engine.step()
     engine.step()  # it decodes now
-    rid = engine.add_request(prompt, ASK)
+    rid = engine.add_request(prompt, ask)
     got = None
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.request_id == rid and out.new_token_ids and got is None:
                 got = out.prompt_logprobs
-    check_prompt_logprobs(prompt, got)
+    check_prompt_logprobs(prompt, got, k=k)
     assert_pool_free(engine)
 
 
