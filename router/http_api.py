@@ -39,7 +39,13 @@ from router.core_types import CoreChunk, Overloaded, Summary
 from router.http_choices import Choices, choice_requests
 from router.http_errors import ApiError, from_core, validation_error
 from router.http_guard import Guard, unauthorized
-from router.http_schema import ChatCompletionRequest, CompletionRequest, request_fields
+from router.http_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    request_fields,
+)
 from router.http_shapes import Call, Shapes, prompt_only, sse, usage
 from router.http_stream import EventStream, close, until_disconnected
 from router.request import (
@@ -49,6 +55,7 @@ from router.request import (
     check_request,
     check_request_async,
     off_loop_if_large,
+    tokenized,
 )
 from router.security import bearer_matches
 from router.vocab import Frontend
@@ -133,6 +140,33 @@ class HttpApi:
             body: ChatCompletionRequest, request: Request
         ) -> JSONResponse | StreamingResponse:
             return await self._serve(body, request, chat=True)
+
+        @app.post("/tokenize", dependencies=auth)
+        async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+            self._check_model(body.model)
+            fields = body.fields()
+            try:
+                ids = await off_loop_if_large(
+                    [fields], lambda: tokenized(fields, self.tokenizer, self.limits)
+                )
+            except InvalidRequestError as exc:
+                raise from_core(exc) from None
+            return {
+                "count": len(ids),
+                "max_model_len": self.limits.max_model_len,
+                "tokens": ids,
+                "token_strs": None,
+            }
+
+        @app.post("/detokenize", dependencies=auth)
+        async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+            self._check_model(body.model)
+            vocab = self.limits.vocab_size
+            bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                why = f"tokens: token id {bad} is outside [0, {vocab})"
+                raise ApiError(400, why, param="tokens")
+            return {"prompt": await asyncio.to_thread(self.tokenizer.decode, body.tokens)}
 
         return app
 

@@ -218,6 +218,40 @@ class ChatCompletionRequest(_Sampling):
         return self
 
 
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: the token ids a completion of `prompt`, or a chat of `messages`,
+    would get (the same tokenizer and chat template), and their count."""
+
+    model: str | None = None
+    prompt: str | None = Field(None, description="text (or messages)")
+    messages: list[ChatMessage] | None = Field(None, description="a chat (or prompt)")
+    add_generation_prompt: bool | None = Field(
+        None, description="with messages: open the assistant's turn (default: unless continuing)"
+    )
+    continue_final_message: bool = Field(
+        False, description="with messages: leave the last message open to go on with"
+    )
+
+    def fields(self) -> RequestFields:
+        messages = None
+        if self.messages is not None:
+            messages = [ChatTurn(m.role, _text(m.content), m.name) for m in self.messages]
+        return RequestFields(
+            prompt=self.prompt,
+            messages=messages,
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            frontend=Frontend.HTTP,
+        )
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's /detokenize: the text of token ids."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def request_fields(
     body: CompletionRequest | ChatCompletionRequest,
 ) -> tuple[list[RequestFields], dict[str, str]]:

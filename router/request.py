@@ -143,10 +143,8 @@ def _prompt_ids(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> list[i
         raise InvalidRequestError(
             "prompt", "give exactly one of prompt, prompt_token_ids or messages (non-empty)"
         )
-    if f.messages is None and (f.continue_final_message or f.add_generation_prompt is not None):
-        field = "continue_final_message" if f.continue_final_message else "add_generation_prompt"
-        raise InvalidRequestError(field, "only with messages (the chat template's option)")
     if f.prompt_token_ids is not None:
+        _chat_options_need_messages(f)
         if len(f.prompt_token_ids) >= limits.max_model_len:  # before looking at each id
             raise InvalidRequestError(
                 "prompt_token_ids",
@@ -159,11 +157,8 @@ def _prompt_ids(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> list[i
             raise InvalidRequestError(
                 "prompt_token_ids", f"token id {bad} is outside [0, {limits.vocab_size})"
             )
-    elif f.prompt is not None:
-        _check_size("prompt", utf8_len("prompt", f.prompt), limits)
-        ids = encode(tokenizer, f.prompt)
     else:
-        ids = _chat_ids(f, tokenizer, limits)
+        ids = tokenized(f, tokenizer, limits)
     if not ids:
         raise InvalidRequestError("prompt", "must not be empty (at least 1 token)")
     if len(ids) >= limits.max_model_len:
@@ -183,6 +178,24 @@ def _prompt_ids(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> list[i
                 "--kv-cache-gib sizes it on a CPU)",
             )
     return ids
+
+
+def tokenized(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> list[int]:
+    """A text prompt's or chat's token ids as a request of it would get them, with the same
+    checks of its fields and size but none of its length (/tokenize counts the tokens)."""
+    if (f.prompt is None) == (f.messages is None):
+        raise InvalidRequestError("prompt", "give exactly one of prompt or messages")
+    _chat_options_need_messages(f)
+    if f.prompt is not None:
+        _check_size("prompt", utf8_len("prompt", f.prompt), limits)
+        return encode(tokenizer, f.prompt)
+    return _chat_ids(f, tokenizer, limits)
+
+
+def _chat_options_need_messages(f: RequestFields) -> None:
+    if f.messages is None and (f.continue_final_message or f.add_generation_prompt is not None):
+        field = "continue_final_message" if f.continue_final_message else "add_generation_prompt"
+        raise InvalidRequestError(field, "only with messages (the chat template's option)")
 
 
 def _chat_ids(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> list[int]:

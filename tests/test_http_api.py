@@ -499,6 +499,38 @@ def test_bad_requests_get_a_400_naming_the_parameter_and_the_server_keeps_servin
     assert_pools_full(srv, within_s=2.0)
 
 
+def test_tokenize_and_detokenize_give_the_ids_a_request_gets(srv, base, client):
+    """vLLM's /tokenize counts what a completion or a chat of the same text is charged as
+    prompt tokens, a prompt past the context included; /detokenize gives the ids' text."""
+    tok = srv.server.core.tokenizer
+    with httpx.Client(timeout=30) as http:
+        got = http.post(base + "/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()
+        done = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+        assert got["count"] == len(got["tokens"]) == done.usage.prompt_tokens
+        assert got["tokens"] == list(tok(PROMPT)["input_ids"])
+        context = http.get(base + "/v1/models").json()["data"][0]["max_model_len"]
+        assert got["max_model_len"] == context
+        chat = http.post(base + "/tokenize", json={"messages": CHAT}).json()
+        said = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
+        assert chat["count"] == said.usage.prompt_tokens
+        long = http.post(base + "/tokenize", json={"prompt": "ab " * 1200}).json()
+        assert long["count"] > context  # counted, not refused
+        text = http.post(base + "/detokenize", json={"tokens": got["tokens"]}).json()
+        assert text == {"prompt": tok.decode(got["tokens"])} and PROMPT in text["prompt"]
+        for route, body, param in [
+            ("/tokenize", {"prompt": "x", "messages": CHAT}, "prompt"),
+            ("/tokenize", {"prompt": "x", "add_generation_prompt": True}, "add_generation_prompt"),
+            ("/tokenize", {"prompt": "x", "add_special_tokens": False}, "add_special_tokens"),
+            ("/detokenize", {"tokens": [5, 259]}, "tokens"),
+            ("/detokenize", {"tokens": ["5"]}, "tokens"),
+        ]:
+            resp = http.post(base + route, json=body)
+            assert resp.status_code == 400, (route, body, resp.text)
+            assert resp.json()["error"]["param"].startswith(param), resp.json()
+        wrong = http.post(base + "/tokenize", json={"model": "other", "prompt": "x"})
+        assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
+
+
 def test_models_health_and_openapi(base, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     with httpx.Client(timeout=30) as http:

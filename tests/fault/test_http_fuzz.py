@@ -40,6 +40,8 @@ OPERATIONS = [
     ("POST", "/v1/chat/completions"),
     ("GET", "/v1/models"),
     ("GET", "/health"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
 ]
 
 
@@ -106,6 +108,10 @@ def answer_ok(test: str, resp: httpx.Response, what: str) -> None:
             choices = body["choices"]
             assert 1 <= body["usage"]["completion_tokens"] <= MAX_NEW * len(choices), body
             assert all(c["finish_reason"] in ("stop", "length") for c in choices), body
+        elif "count" in body:  # /tokenize
+            assert body["count"] == len(body["tokens"]), body
+        elif "prompt" in body:  # /detokenize
+            assert isinstance(body["prompt"], str) and len(body) == 1, body
         else:  # the model list or the health answer
             assert body.get("object") == "list" or body == {"status": "ok"}, body
 
