@@ -150,7 +150,7 @@ class RequestCore(PlacementSteps):
 
     def _hashes(self, req: ParsedRequest, ids: tuple[int, ...], emitted: int) -> tuple[bytes, ...]:
         """The prompt's block hashes, for the prefix caches' hits; none where its prompt
-        logprobs are asked for (computed whole: it takes no hit)."""
+        logprobs are asked for (their positions are computed: it takes no hit)."""
         if req.asks_prompt_logprobs(emitted):
             return ()
         return tuple(block_hashes(ids, self.block_size))

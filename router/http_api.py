@@ -3,7 +3,8 @@ the same request core as gRPC. Only this module (and convert.py for gRPC) maps t
 vocabulary to and from a wire format.
 
 Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent events ending in
-`data: [DONE]`, or whole), GET /v1/models, GET /health (open, like gRPC's health service), and
+`data: [DONE]`, or whole), GET /v1/models, vLLM's POST /tokenize and /detokenize, GET /health
+(open, like gRPC's health service), and
 the OpenAPI document at /openapi.json (and /docs). The token and the body's size are checked
 before the body is read (router/http_guard.py). The request is read into the core's
 RequestFields and checked by router/request.py, as gRPC's is; admission, the policy,
@@ -54,6 +55,7 @@ from router.request import (
     RequestFields,
     check_request,
     check_request_async,
+    check_token_ids,
     off_loop_if_large,
     tokenized,
 )
@@ -61,6 +63,7 @@ from router.security import bearer_matches
 from router.vocab import Frontend
 
 log = logging.getLogger("pdserve.http")
+MAX_DETOKENIZE = 1 << 20  # ids /detokenize takes at once (about 0.1 s of decoding)
 _BEARER = HTTPBearer(auto_error=False, description="the server's --auth-token-file")
 
 
@@ -144,28 +147,31 @@ class HttpApi:
         @app.post("/tokenize", dependencies=auth)
         async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
             self._check_model(body.model)
-            fields = body.fields()
+            fields, special = body.fields(), body.add_special_tokens is not False
             try:
                 ids = await off_loop_if_large(
-                    [fields], lambda: tokenized(fields, self.tokenizer, self.limits)
+                    [fields], lambda: tokenized(fields, self.tokenizer, self.limits, special)
                 )
             except InvalidRequestError as exc:
                 raise from_core(exc) from None
+            strs = self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
             return {
                 "count": len(ids),
                 "max_model_len": self.limits.max_model_len,
                 "tokens": ids,
-                "token_strs": None,
+                "token_strs": strs,
             }
 
         @app.post("/detokenize", dependencies=auth)
         async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
             self._check_model(body.model)
-            vocab = self.limits.vocab_size
-            bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-            if bad is not None:
-                why = f"tokens: token id {bad} is outside [0, {vocab})"
-                raise ApiError(400, why, param="tokens")
+            try:
+                if len(body.tokens) > MAX_DETOKENIZE:  # decoding holds the interpreter
+                    why = f"has {len(body.tokens)} ids; at most {MAX_DETOKENIZE}"
+                    raise InvalidRequestError("tokens", why)
+                check_token_ids("tokens", body.tokens, self.limits)
+            except InvalidRequestError as exc:
+                raise from_core(exc) from None
             return {"prompt": await asyncio.to_thread(self.tokenizer.decode, body.tokens)}
 
         return app

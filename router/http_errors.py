@@ -113,7 +113,11 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     msg = str(err.get("msg", "invalid"))
     if not param and kind in ("dict_type", "model_attributes_type", "model_type"):
         msg = "must be a JSON object, sent as Content-Type: application/json"
-    elif kind not in ("extra_forbidden", "missing") and param.split("[")[0] == "prompt":
+    elif (
+        kind not in ("extra_forbidden", "missing")
+        and param.split("[")[0] == "prompt"
+        and any(part in _UNION_MEMBERS for part in err.get("loc", ()))
+    ):  # a completion's prompt, of one of its shapes (/tokenize's is text only)
         param, msg = "prompt", _PROMPT_SHAPE
     elif kind == "extra_forbidden":
         msg = "is not supported by pdserve"

@@ -231,6 +231,20 @@ class TokenizeRequest(_Body):
     continue_final_message: bool = Field(
         False, description="with messages: leave the last message open to go on with"
     )
+    add_special_tokens: bool | None = Field(
+        None,
+        description="with prompt: its special tokens (a BOS) as a completion gets them (default "
+        "true); with messages only false (the chat template writes them)",
+    )
+    return_token_strs: bool = Field(False, description="each token's own string too")
+
+    @model_validator(mode="after")
+    def _special_tokens_of_a_chat(self) -> TokenizeRequest:
+        if self.messages is not None and self.add_special_tokens:
+            raise ValueError(
+                "add_special_tokens: only false with messages (the chat template writes them)"
+            )
+        return self
 
     def fields(self) -> RequestFields:
         messages = None

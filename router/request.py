@@ -152,11 +152,7 @@ def _prompt_ids(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> list[i
                 f"(the model's context is {limits.max_model_len})",
             )
         ids = list(f.prompt_token_ids)
-        bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                "prompt_token_ids", f"token id {bad} is outside [0, {limits.vocab_size})"
-            )
+        check_token_ids("prompt_token_ids", ids, limits)
     else:
         ids = tokenized(f, tokenizer, limits)
     if not ids:
@@ -180,16 +176,26 @@ def _prompt_ids(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> list[i
     return ids
 
 
-def tokenized(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> list[int]:
+def tokenized(
+    f: RequestFields, tokenizer: Any, limits: ModelLimits, special_tokens: bool = True
+) -> list[int]:
     """A text prompt's or chat's token ids as a request of it would get them, with the same
-    checks of its fields and size but none of its length (/tokenize counts the tokens)."""
+    checks of its fields and size but none of its length (/tokenize counts the tokens; it may
+    leave a prompt's special tokens out)."""
     if (f.prompt is None) == (f.messages is None):
         raise InvalidRequestError("prompt", "give exactly one of prompt or messages")
     _chat_options_need_messages(f)
     if f.prompt is not None:
         _check_size("prompt", utf8_len("prompt", f.prompt), limits)
-        return encode(tokenizer, f.prompt)
+        return encode(tokenizer, f.prompt, special_tokens)
     return _chat_ids(f, tokenizer, limits)
+
+
+def check_token_ids(field: str, ids: Sequence[int], limits: ModelLimits) -> None:
+    """InvalidRequestError naming `field` where an id is outside the vocabulary."""
+    bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(field, f"token id {bad} is outside [0, {limits.vocab_size})")
 
 
 def _chat_options_need_messages(f: RequestFields) -> None:
@@ -227,13 +233,14 @@ def _chat_ids(f: RequestFields, tokenizer: Any, limits: ModelLimits) -> list[int
     return chat_token_ids(tokenizer, chat, "messages", opening, f.continue_final_message)
 
 
-def encode(tokenizer: Any, text: str) -> list[int]:
+def encode(tokenizer: Any, text: str, special_tokens: bool = True) -> list[int]:
     """`tokenizer.encode(text)`, through the Rust tokenizer directly when there is one: the same
-    ids (special tokens included) without the Python wrapper's per-call cost."""
+    ids (special tokens included, unless `special_tokens` is false) without the Python wrapper's
+    per-call cost."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        return list(backend.encode(text).ids)
-    return list(tokenizer.encode(text))
+        return list(backend.encode(text, add_special_tokens=special_tokens).ids)
+    return list(tokenizer.encode(text, add_special_tokens=special_tokens))
 
 
 def utf8_len(field: str, text: str) -> int:

@@ -515,18 +515,27 @@ def test_tokenize_and_detokenize_give_the_ids_a_request_gets(srv, base, client):
         assert chat["count"] == said.usage.prompt_tokens
         long = http.post(base + "/tokenize", json={"prompt": "ab " * 1200}).json()
         assert long["count"] > context  # counted, not refused
+        strs = http.post(base + "/tokenize", json={"prompt": PROMPT, "return_token_strs": True,
+                                                   "add_special_tokens": False}).json()  # fmt: skip
+        assert strs["token_strs"] == tok.convert_ids_to_tokens(strs["tokens"])
+        assert strs["tokens"] == tok(PROMPT, add_special_tokens=False)["input_ids"]
         text = http.post(base + "/detokenize", json={"tokens": got["tokens"]}).json()
         assert text == {"prompt": tok.decode(got["tokens"])} and PROMPT in text["prompt"]
-        for route, body, param in [
-            ("/tokenize", {"prompt": "x", "messages": CHAT}, "prompt"),
-            ("/tokenize", {"prompt": "x", "add_generation_prompt": True}, "add_generation_prompt"),
-            ("/tokenize", {"prompt": "x", "add_special_tokens": False}, "add_special_tokens"),
-            ("/detokenize", {"tokens": [5, 259]}, "tokens"),
-            ("/detokenize", {"tokens": ["5"]}, "tokens"),
-        ]:
+        for route, body, param, says in [
+            ("/tokenize", {"prompt": "x", "messages": CHAT}, "prompt", "exactly one"),
+            ("/tokenize", {"prompt": 5}, "prompt", "string"),  # text only, not a batch's shapes
+            ("/tokenize", {"prompt": "x", "add_generation_prompt": True}, "add_generation_prompt",
+             "only with messages"),
+            ("/tokenize", {"messages": CHAT, "add_special_tokens": True}, "add_special_tokens",
+             "only false"),
+            ("/detokenize", {"tokens": [5, 259]}, "tokens", "outside"),
+            ("/detokenize", {"tokens": ["5"]}, "tokens", "integer"),
+            ("/detokenize", {"tokens": [5] * ((1 << 20) + 1)}, "tokens", "at most 1048576"),
+        ]:  # fmt: skip
             resp = http.post(base + route, json=body)
             assert resp.status_code == 400, (route, body, resp.text)
-            assert resp.json()["error"]["param"].startswith(param), resp.json()
+            err = resp.json()["error"]
+            assert err["param"].startswith(param) and says in err["message"], err
         wrong = http.post(base + "/tokenize", json={"model": "other", "prompt": "x"})
         assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
 

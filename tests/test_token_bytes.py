@@ -75,3 +75,27 @@ def test_a_logprob_tokens_text_keeps_its_space_and_a_part_of_a_character_is_its_
     bytes share one text (completions' top_logprobs are keyed by it)."""
     shapes = Shapes("m", Pieces())
     assert [shapes.token(t) for t in (0, 1, 2, 3)] == ["<s>", " caf", "bytes:\\xc3", "bytes:\\xa9"]
+
+
+def test_an_echoed_prompt_ending_inside_a_character_keeps_the_answer_s_offsets_in_its_text():
+    """Echo with logprobs: a prompt whose last token holds part of a character ("hi" and é's
+    first byte; echoed as its text, "hi" and U+FFFD), the answer's first token the rest of it:
+    the answer's next tokens' offsets index the echoed text followed by the answer's text."""
+    from engine.sampling_params import SamplingParams
+    from engine.token_logprobs import TokenLogprobs
+    from router.http_shapes import Call, echo_of
+    from router.request import ParsedRequest
+    from router.vocab import Frontend, RoutePath
+
+    tok = loaded("tiny-llama").tokenizer  # byte-level: id b is byte b
+    prompt, answer = (104, 105, 0xC3), (0xA9, 32, 120)  # "hi", é, " x"
+    echoed = tok.decode(list(prompt), skip_special_tokens=True)
+    req = ParsedRequest("r", prompt, SamplingParams(logprobs=0), RoutePath.AUTO, None, None,
+                        Frontend.HTTP)  # fmt: skip
+    call = Call((req,), 1, 0.0, False, False, False, 0, (echoed,))
+    shapes = Shapes("m", tok)
+    lps = tuple(TokenLogprobs(t, -1.0) for t in answer)
+    got = shapes.logprobs(call, lps, shapes.offsets(call), echo_of(call, 0, ()))
+    text = echoed + " x"  # the answer's text: é completes the prompt's character, not its own
+    assert got is not None and got["text_offset"][:3] == [0, 1, 2]
+    assert [text[o] for o in got["text_offset"][4:]] == [" ", "x"]
