@@ -218,6 +218,7 @@ class Scheduler(RequestQueues):
                 sampling=req.sampling,
                 seen=seen(req) if penalized else None,
             )
+            # The field first: a request that asks for none costs one read a step.
             if req.sampling.prompt_logprobs is not None and req.prompt_logprobs_due:
                 targets, first = _prompt_targets(req, start, n)
                 if targets:

@@ -55,12 +55,15 @@ class TokenBytes:
 class TextOffsets:
     """Where each token fed starts in the text, in characters, carried over a stream's chunks:
     the characters the tokens before it complete (a character split over tokens counts from
-    the token that completes it)."""
+    the token that completes it). `start`: the offset of the first token fed (the length of
+    text put before it, an echoed prompt's)."""
 
-    def __init__(self, token_bytes: TokenBytes, prompt_token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self, token_bytes: TokenBytes, prompt_token_ids: Sequence[int] = (), start: int = 0
+    ) -> None:
         self._bytes = token_bytes
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        self.chars = 0
+        self.chars = start
         # A prompt (as token ids) may end inside a character: the output's first character then
         # completes the prompt's, and is not in the output's text.
         tail = [t for t in prompt_token_ids if t not in token_bytes.special][-4:]

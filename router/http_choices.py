@@ -92,7 +92,9 @@ class Choices:
             got = [c for cs in await together([_prompt_firsts(p) for p in prompts]) for c in cs]
         n = self.n
         return [
-            c if i % n == 0 else replace(c, prompt_logprobs=got[i - i % n].prompt_logprobs)
+            replace(c, prompt_logprobs=lps)
+            if i % n and (lps := got[i - i % n].prompt_logprobs)
+            else c
             for i, c in enumerate(got)
         ]
 

@@ -125,9 +125,10 @@ class Shapes:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def offsets(self, call: Call, choice: int = 0) -> TextOffsets:
-        """A new answer's text offsets (completions' logprobs.text_offset), after its prompt
-        (after the text echoed, where the call echoes it: `logprobs`)."""
-        return TextOffsets(self.token_bytes, call.prompt(choice).prompt_token_ids)
+        """A new answer's text offsets (completions' logprobs.text_offset), after its prompt:
+        from the end of the text echoed, where the call echoes it."""
+        start = len(call.echoed[choice // call.n]) if call.echoed else 0
+        return TextOffsets(self.token_bytes, call.prompt(choice).prompt_token_ids, start)
 
     def logprobs(
         self,
@@ -173,7 +174,6 @@ class Shapes:
             out["top_logprobs"] = [lp and self._top(lp) for lp in plps]
             prompt_offsets = TextOffsets(self.token_bytes).feed(ids)
             out["text_offset"] = [min(o, end) for o in prompt_offsets]
-            offsets.chars += end  # the answer's first token: none fed yet
         out["tokens"] += [self.token(lp.token_id) for lp in lps]
         out["token_logprobs"] += [lp.logprob for lp in lps]
         out["top_logprobs"] += [self._top(lp) for lp in lps]
