@@ -286,9 +286,9 @@ class Planner(Candidates):
         margin = self.config.affinity_margin
         d = pick_decode(req, decode, margin)
         uncached = req.prompt_len - d.cached_tokens(req.hashes, req.prompt_len)
-        # A handoff decodes on d, or where d is the one worker that can prefill, on another; the
-        # request stays on d unless the handoff is taken.
-        paired = with_peer(prefill, decode)
+        # A handoff decodes on d, or where d is the one worker that can prefill or could never
+        # reserve the prompt's KV, on another; the request stays on d unless one is taken.
+        paired = [w for w in with_peer(prefill, decode) if reservable(req, w)]
         to = d if d.worker_id in {w.worker_id for w in paired} else None
         if uncached > t and to is None and paired:
             to = pick_decode(req, paired, margin)
@@ -307,6 +307,8 @@ class Planner(Candidates):
         chosen = self._find(cands, RoutePath.COLOCATED, "", d.worker_id)
         if uncached <= t:
             why = f"colocated: {uncached} uncached tokens <= {t}"
+        elif to is None and with_peer(prefill, decode):
+            why = f"colocated: no decode worker can reserve the KV of {req.prompt_len} tokens"
         elif to is None:
             why = "colocated: no worker other than its decode worker can prefill"
         else:

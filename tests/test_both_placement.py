@@ -315,3 +315,25 @@ def test_the_threshold_sends_a_long_prompt_to_the_decode_worker_that_holds_it():
         RoutePath.COLOCATED, "decode-0"
     ), decision.reason  # fmt: skip
     assert decision.reason.endswith("uncached tokens on decode-0 <= 10"), decision.reason
+
+
+def test_the_threshold_hands_no_long_prompt_to_a_worker_that_could_never_reserve_its_kv():
+    """Workers of both kinds let reservations for peers' KV hold at most half their blocks: a
+    prompt over the threshold but over that half is not handed to one (its handoff would only
+    fall back, no_reservation); it goes to a worker that can reserve it, else it is prefilled
+    where it decodes, saying why."""
+    a, b = trained("both-0", "both"), trained("both-1", "both", seed=1)
+    req = shape(2000)
+    blocks = -(-2000 // a.info.block_size)
+    pl = planner(Policy.THRESHOLD, threshold_tokens=10)
+    assert pl.decide(req, [a, b], [a, b]).chosen.path is RoutePath.DISAGGREGATED  # room: handed
+    for w in (a, b):
+        w.info = replace(w.info, num_blocks=blocks + 8, reserve_share=0.5)
+    decision = pl.decide(req, [a, b], [a, b])
+    assert decision.chosen.path is RoutePath.COLOCATED, decision.reason
+    assert decision.reason == "colocated: no decode worker can reserve the KV of 2000 tokens"
+    assert decision.reason_code == "threshold_local"
+    # A dedicated decode worker beside them that can hold it takes the handoff.
+    dec = with_decodes(trained("decode-0", "decode", seed=2), 4, 200, 10.0)
+    chosen = pl.decide(req, [a, b], [a, b, dec]).chosen
+    assert (chosen.path, chosen.decode_worker) == (RoutePath.DISAGGREGATED, "decode-0")
