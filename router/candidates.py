@@ -1,13 +1,14 @@
 """Every placement a request could take, predicted: the colocated path on each decode worker D
-and the disaggregated path over each pair (P, D) of distinct workers (router/placement_costs.py
-prices each one), with what the router has learnt applied to them: the path's TTFT bias (the
-other path's while its own has seen too few first tokens), how far TTFT predictions have erred,
-the step target each decode worker takes once the request is placed there, what the workers'
-node peers run now, the misses that setting a worker decoding causes on its node unless the
-decodes need it at the current rate (router/capacity.py), a pair's failure risk
-(router/handoff_model.py HandoffHealth), whether D can reserve the prompt's KV, and whether
-admission would refuse the placement. The Planner (router/policy.py) chooses among them by its
-policy.
+(and, for a request whose whole answer is its first token, on each worker that only prefills:
+`answering`) and the disaggregated path over each pair (P, D) of distinct workers
+(router/placement_costs.py prices each one), with what the router has learnt applied to them:
+the path's TTFT bias (the other path's while its own has seen too few first tokens), how far
+TTFT predictions have erred, the step target each decode worker takes once the request is
+placed there, what the workers' node peers run now, the misses that setting a worker decoding
+causes on its node unless the decodes need it at the current rate (router/capacity.py), a
+pair's failure risk (router/handoff_model.py HandoffHealth), whether D can reserve the
+prompt's KV, and whether admission would refuse the placement. The Planner (router/policy.py)
+chooses among them by its policy.
 """
 
 from __future__ import annotations
@@ -34,6 +35,20 @@ def reservable(req: RequestShape, d: WorkerState) -> bool:
     i = d.info
     blocks = cdiv(req.prompt_len, i.block_size)
     return within_share(i.reserve_share, i.max_num_seqs, i.num_blocks, 1, blocks)
+
+
+def answering(
+    req: RequestShape, prefill: Sequence[WorkerState], decode: Sequence[WorkerState]
+) -> list[WorkerState]:
+    """The workers `req` may run on whole (the colocated path): those that decode, and where its
+    whole answer is its first token (max_tokens 1: a score, a label, an echoed prompt's
+    logprobs), the workers that only prefill as well, listed first (the balancer takes the
+    first of those tied): it has nothing to decode, so no KV need move, and the decode workers'
+    steps are left to their decodes."""
+    if req.max_tokens > 1:
+        return list(decode)
+    ids = {w.worker_id for w in decode}
+    return [*(w for w in prefill if w.worker_id not in ids), *decode]
 
 
 class Candidates:
@@ -89,18 +104,19 @@ class Candidates:
         # they would lose more to the batch gathering builds (router/capacity.py).
         needed = {d.worker_id for d in self.demand.needed(prefill, decode, req.slo_itl_s)}
         self.decoders_needed = len(needed)
+        whole = answering(req, prefill, decode)
         shared = {
-            d.worker_id: 0.0 if d.worker_id in needed else shared_misses(d, workers) for d in decode
+            d.worker_id: 0.0 if d.worker_id in needed else shared_misses(d, workers) for d in whole
         }
         width = self.ttft_spread.width
         # Each decode worker's step target as it will be once this request is placed there.
         limits = {
             d.worker_id: self.target_for(d, req.slo_itl_s) if self.target_for else None
-            for d in decode
+            for d in whole
         }
         out: list[PathPrediction] = []
         b = self.ttft_bias(RoutePath.COLOCATED)
-        for d in decode:
+        for d in whole:
             with d.model.target_at_most(limits[d.worker_id]):
                 out.append(predict_colocated(req, d, b, shared[d.worker_id], width))
         local = {c.decode_worker: c.ttft_s for c in out}

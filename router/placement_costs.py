@@ -181,7 +181,10 @@ def _lean(d: WorkerState, prefills_there: bool) -> tuple[bool, bool, int]:
     requests right after it. Then, of workers of both kinds, one that gathers decodes while it
     has room (a free sequence slot, KV under GATHER_MAX_LOAD), past which it comes last, the
     fullest last. Its decodes count those running and those to come: the requests it prefills
-    to decode itself."""
+    to decode itself. A worker that only prefills (a request of one token: candidates.answering)
+    comes before a dedicated decode worker: it has no decodes for the prefill to slow."""
+    if d.info.role == WorkerRole.PREFILL:
+        return False, prefills_there, -1
     if d.info.role != WorkerRole.BOTH:
         return False, prefills_there, 0
     n = d.batch + d.local_prefills

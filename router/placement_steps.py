@@ -73,7 +73,7 @@ class PlacementSteps:
         chosen = decision.chosen
         self._log_decision(req.request_id, shape, decision)
         p, d = books.place(shape, chosen)
-        if self.target_calls is not None:
+        if self.target_calls is not None and shape.max_tokens > 1:  # it decodes there
             self.target_calls.tighten(chosen.decode_worker, shape.slo_itl_s)
         handoff = Handoff(
             books.track, books.wid, chosen, p, d, self.transfer, self.health, self.sink

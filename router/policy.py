@@ -22,6 +22,9 @@ worker, decode worker) (router/candidates.py makes them).
     choice misses), then the earliest predicted second token (TTFT + ITL): see router/predictions.py
     choose. The decision's reason code says which of these decided.
   - colocated / disaggregated: always that path, workers from the balancer (router/balancer.py).
+A request whose whole answer is its first token (max_tokens 1) may run colocated on a worker
+that only prefills as well (router/candidates.py answering): under auto where the cost model
+says so, under colocated (or a path asked for) where the balancer finds the least load.
   - threshold (Dynamo's rule): disaggregated iff uncached prompt tokens > T and the prefill
     worker's queue holds fewer than Q requests.
 Every decision carries the best prediction for each path (the chosen one for its own path) and
@@ -36,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from router.balancer import pick_decode, pick_prefill, with_peer
-from router.candidates import Candidates, reservable
+from router.candidates import Candidates, answering, reservable
 from router.capacity import DecodeOverload
 from router.handoff_model import HandoffHealth, TransferTimeModel
 from router.pool_state import WorkerState
@@ -196,6 +199,8 @@ class Planner(Candidates):
         if path is RoutePath.DISAGGREGATED:
             decode = with_peer(prefill, decode) or decode  # not the one worker that prefills
             decode = [d for d in decode if reservable(req, d)] or decode  # one that can hold it
+        else:
+            decode = answering(req, prefill, decode)
         d = pick_decode(req, decode, self.config.affinity_margin).worker_id
         prefill = [p for p in prefill if p.worker_id != d]
         if path is RoutePath.DISAGGREGATED and not prefill:

@@ -84,7 +84,8 @@ class PathPrediction:
     # decode worker (False, False, 0) first, one where a prefill runs (this one's, colocated, or
     # others queued there) after it, then workers of both kinds where no prefill runs, then
     # those where one does; of these, the one with the most decodes running or to come first
-    # (-decodes): decodes gather, the others stay free to prefill.
+    # (-decodes): decodes gather, the others stay free to prefill. A worker that only prefills,
+    # answering a request of one token, comes before a dedicated decode worker (-1).
     decode_lean: tuple[bool, bool, int] = (False, False, 0)
     # Admission would refuse this placement (`shed`): to the goodput, the new request is lost.
     refused: bool = False

@@ -82,10 +82,18 @@ def tiny_server(cluster: ClusterConfig) -> ServerThread:
 def decoding(srv: ServerThread, rid: str) -> str | None:
     """The worker the router's books say is decoding `rid` (read on the server's loop, which
     changes them)."""
+    return _booked(srv, rid, "_decodes")
 
+
+def prefilling(srv: ServerThread, rid: str) -> str | None:
+    """The worker the router's books say is prefilling `rid` (as `decoding`)."""
+    return _booked(srv, rid, "_prefills")
+
+
+def _booked(srv: ServerThread, rid: str, books: str) -> str | None:
     async def find() -> str | None:
         for w, state in srv.server.core.states.items():
-            if any(k.startswith(rid + "#") for k in state._decodes):
+            if any(k.startswith(rid + "#") for k in getattr(state, books)):
                 return w
         return None
 

@@ -12,7 +12,7 @@ import ray
 from pdserve_proto import generation_pb2 as pb
 from pdserve_proto import generation_pb2_grpc as pb_grpc
 from router.cluster import ClusterConfig
-from tests.grpc_server import TINY_ENGINE, decoding, tiny_server
+from tests.grpc_server import TINY_ENGINE, decoding, paced_steps, prefilling, tiny_server
 from tests.helpers import hf_greedy, random_prompts
 from tests.test_router_grpc import assert_pools_full
 
@@ -208,3 +208,41 @@ def test_a_worker_whose_engine_step_fails_is_replaced_and_its_request_resumes(sr
         assert time.monotonic() < deadline, f"{broken} was not replaced within 60 s"
         time.sleep(0.1)
     assert cluster.worker_info(broken).incarnation > old.incarnation
+
+
+@pytest.mark.timeout(120)
+def test_a_one_token_request_on_a_prefill_worker_that_dies_is_answered_by_another(srv):
+    """A request of one token (with its prompt logprobs) runs whole on the prefill worker; that
+    worker is killed while the request is there (its steps paced at 2 s, so none has ended):
+    the request resumes on a decode worker with transformers' token and prompt logprobs, and
+    the prefill worker is replaced."""
+    from tests.test_prompt_logprobs import check_prompt_logprobs
+
+    cluster = srv.server.cluster
+    prompt = random_prompts([70], seed=613)[0]  # three steps of 32 tokens
+    rid = "one-token-victim"
+    req = pb.GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        sampling=pb.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
+    )
+    victim = cluster.actor("prefill-0")
+    old = cluster.worker_info("prefill-0")
+
+    with paced_steps([victim], 2.0), grpc.insecure_channel(srv.address) as channel:
+        call = pb_grpc.GenerationStub(channel).Generate(req, timeout=90)
+        deadline = time.monotonic() + 30
+        while prefilling(srv, rid) != "prefill-0":
+            assert time.monotonic() < deadline, "never placed on prefill-0"
+            time.sleep(0.05)
+        ray.kill(victim, no_restart=True)
+        msgs = list(call)
+    final = msgs[-1].final
+    assert final.resumed == 1 and final.decode_worker.startswith("decode-"), final
+    assert [t for m in msgs for t in m.token_ids] == hf_greedy(MODEL, prompt, 1)
+    check_prompt_logprobs(prompt, next(m for m in msgs if m.token_ids).prompt_logprobs, k=1)
+    deadline = time.monotonic() + 60
+    while "prefill-0" not in cluster.prefill_ids or cluster.worker_info("prefill-0").pid == old.pid:
+        assert time.monotonic() < deadline, "prefill-0 was not replaced within 60 s"
+        time.sleep(0.1)
+    assert cluster.worker_info("prefill-0").incarnation > old.incarnation

@@ -236,6 +236,47 @@ def test_prompt_logprobs_come_in_the_first_message_from_the_colocated_path(srv, 
     assert_pools_full(srv, within_s=2)
 
 
+@pytest.mark.timeout(120)
+def test_a_request_of_one_token_is_answered_by_the_prefill_worker_alone(srv, stub):
+    """Under auto, with the workers idle, a request whose whole answer is its first token runs
+    whole on the prefill worker, by the cost model's choice or, asking for its prompt logprobs (a
+    score), on the colocated path they fix: transformers' token and prompt logprobs, no KV
+    moved, nothing on a decode worker, counted as a local prefill there. One that decodes goes
+    to a decode worker, as before."""
+    from tests.test_prompt_logprobs import check_prompt_logprobs
+
+    set_policy(srv, Policy.AUTO)
+    prompts = random_prompts([9, 33, 61], seed=523)
+    before = received(srv)
+    metric = srv.server.metrics.registry.get_sample_value
+    labels = {"worker": "prefill-0", "role": "prefill", "kind": "local"}
+    local_before = metric("pdserve_worker_prefills_total", labels) or 0.0
+    for i, prompt in enumerate(prompts):
+        sampling = pb.SamplingParams(max_tokens=1, temperature=0.0, logprobs=1)
+        if i != 1:
+            sampling.prompt_logprobs = 2
+        req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling)
+        msgs = list(stub.Generate(req, timeout=60))
+        final = msgs[-1].final
+        assert (final.path, final.prefill_worker, final.decode_worker) == (
+            pb.PATH_COLOCATED, "", "prefill-0"
+        ), final.decision_reason  # fmt: skip
+        assert [t for m in msgs for t in m.token_ids] == hf_greedy(MODEL, prompt, 1)
+        assert final.finish_reason == pb.FINISH_REASON_LENGTH
+        assert final.usage.completion_tokens == 1 and not final.kv_fallback
+        first = next(m for m in msgs if m.token_ids)
+        assert first.logprobs[0].token_id == first.token_ids[0]
+        if i != 1:
+            check_prompt_logprobs(prompt, first.prompt_logprobs, k=2)
+        else:
+            assert "prompt logprobs" not in final.decision_reason, final.decision_reason
+    assert received(srv) == before  # no KV moved
+    assert metric("pdserve_worker_prefills_total", labels) == local_before + len(prompts)
+    toks, final = unary_tokens(stub, greedy(prompts[1]))
+    assert toks == hf_greedy(MODEL, prompts[1], MAX_NEW)
+    assert final.decode_worker in ("decode-0", "decode-1"), final.decision_reason
+
+
 def test_health_serving_and_reflection_lists_the_service(srv):
     with grpc.insecure_channel(srv.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)

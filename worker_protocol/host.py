@@ -2,8 +2,9 @@
 
 It builds the process's one engine (with its torch thread count) and the engine thread that
 drives it, works out where its KV transfer listens (address.py), answers readiness and load
-questions, warms up, and stops. The transfer side of a worker comes from kv_transfer's
-KVEndpoint; a worker class combines the two.
+questions, warms up, runs a request here whole (`generate`: the colocated path), and stops.
+The transfer side of a worker comes from kv_transfer's KVEndpoint; a worker class combines the
+two.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import hashlib
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -27,7 +28,14 @@ from engine.sampling_params import SamplingParams
 from worker_protocol.address import kv_bind_host, node_ip
 from worker_protocol.code_id import code_id, refuse_other_code
 from worker_protocol.ended import EndedRequests
-from worker_protocol.messages import WorkerInfo, WorkerLoad, WorkerRole, WorkerSpec
+from worker_protocol.messages import (
+    TokenChunk,
+    WorkerInfo,
+    WorkerLoad,
+    WorkerRole,
+    WorkerSpec,
+    WorkRequest,
+)
 
 WARMUP_PROMPT_TOKENS = 8
 # Then prompts alone of these sizes (up to the token budget), one step each, so that the
@@ -170,6 +178,16 @@ class EngineHost:
                 return
             self._target_seq = seq  # before the await: the engine takes them in this order
         await self.aeng.call(lambda e: e.scheduler.set_step_target(target_s))
+
+    async def generate(self, req: WorkRequest) -> AsyncIterator[TokenChunk]:
+        """Colocated path: prefill here, then decode; one chunk per step."""
+        if req.request_id in self.ended:
+            yield TokenChunk.aborted(req.request_id, self.worker_id)
+            return
+        async for out in self.aeng.generate(
+            req.prompt_token_ids, req.sampling, req.request_id, prefill_hold_s=req.prefill_hold_s
+        ):
+            yield TokenChunk.from_output(out, self.worker_id)
 
     def open_transfers(self) -> int:
         """KV transfers still tracked for this worker; a transfer side overrides it."""

@@ -1,7 +1,7 @@
 """The receiving side of a worker that decodes (decode workers, and workers that do both).
 
-Colocated request: `generate` streams tokens; the engine prefills it locally in chunks under the
-same token budget as the running decodes.
+Colocated request: `generate` (EngineHost's) streams tokens; the engine prefills it locally in
+chunks under the same token budget as the running decodes.
 Disaggregated request, in order:
   1. `reserve_kv`: blocks for the prompt are allocated here first and the connector starts
      receiving into those past the prefix-cache hit (only they travel); the answer (KVTarget)
@@ -25,8 +25,6 @@ from dataclasses import replace
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.request import FinishReason
 from engine.token_logprobs import TokenLogprobs
 from kv_transfer import TransferRequest, TransferStatus
 from kv_transfer.layout import KVLayout
@@ -47,16 +45,6 @@ class KVReceiverSide:
     # The most of the engine's slots and blocks that reservations may hold (kv_handoff.reserve):
     # all of them on a worker that only decodes.
     reserve_share: float = 1.0
-
-    async def generate(self, req: WorkRequest) -> AsyncIterator[TokenChunk]:
-        """Colocated path: prefill here, then decode; one chunk per step."""
-        if req.request_id in self.ended:
-            yield self._aborted(req.request_id)
-            return
-        async for out in self.aeng.generate(
-            req.prompt_token_ids, req.sampling, req.request_id, prefill_hold_s=req.prefill_hold_s
-        ):
-            yield TokenChunk.from_output(out, self.worker_id)
 
     async def reserve_kv(
         self, req: WorkRequest, peer_id: str, due_in_s: float = 0.0
@@ -114,13 +102,13 @@ class KVReceiverSide:
     ) -> AsyncIterator[TokenChunk]:
         """Join the batch once the KV is in (or recompute if it never came); stream tokens."""
         if request_id in self.ended:  # its abort ended the receive and freed the blocks
-            yield self._aborted(request_id)
+            yield TokenChunk.aborted(request_id, self.worker_id)
             return
         if first_token is None:  # the prefill side failed: nothing more will arrive
             await asyncio.to_thread(self._end_receive, request_id)
         ok = first_token is not None and await self._wait_kv(request_id)
         if request_id in self.ended:  # aborted during the wait: the abort freed everything
-            yield self._aborted(request_id)
+            yield TokenChunk.aborted(request_id, self.worker_id)
             return
         q = self.aeng.open_stream(request_id)
         try:
@@ -142,10 +130,6 @@ class KVReceiverSide:
                 yield chunk
         finally:
             self.aeng.close_stream(request_id)
-
-    def _aborted(self, request_id: str) -> TokenChunk:
-        out = RequestOutput(request_id, (), "", True, finish_reason=FinishReason.ABORT)
-        return TokenChunk.from_output(out, self.worker_id)
 
     async def _wait_kv(self, request_id: str) -> bool:
         # The prefill worker has answered by now: its send has ended, so this wait is short.

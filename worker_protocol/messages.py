@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.device_rate import DeviceRate
 from engine.outputs import RequestOutput
+from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.step_stats import StepStat
 from engine.token_logprobs import TokenLogprobs
@@ -147,6 +148,13 @@ class TokenChunk:
             queue_s=out.queue_s,
             prefill_s=out.prefill_s,
         )
+
+    @classmethod
+    def aborted(cls, request_id: str, worker_id: str) -> TokenChunk:
+        """The one chunk of a request aborted for good on a worker before its call ran there
+        (worker_protocol/ended.py)."""
+        out = RequestOutput(request_id, (), "", True, finish_reason=FinishReason.ABORT)
+        return cls.from_output(out, worker_id)
 
 
 @dataclass(frozen=True, slots=True)
