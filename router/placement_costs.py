@@ -182,9 +182,10 @@ def _lean(d: WorkerState, prefills_there: bool) -> tuple[bool, bool, int]:
     has room (a free sequence slot, KV under GATHER_MAX_LOAD), past which it comes last, the
     fullest last. Its decodes count those running and those to come: the requests it prefills
     to decode itself. A worker that only prefills (a request of one token: candidates.answering)
-    comes before a dedicated decode worker: it has no decodes for the prefill to slow."""
+    comes before a dedicated decode worker whatever it prefills: no decodes run or come there
+    for its prefills to slow."""
     if d.info.role == WorkerRole.PREFILL:
-        return False, prefills_there, -1
+        return False, False, -1
     if d.info.role != WorkerRole.BOTH:
         return False, prefills_there, 0
     n = d.batch + d.local_prefills

@@ -222,6 +222,8 @@ class Planner(Candidates):
         self, req: RequestShape, cands: list[PathPrediction], best: tuple[PathPrediction, ...]
     ) -> Decision:
         usable = [c for c in cands if not c.failing] or cands
+        if req.max_tokens <= 1:  # nothing to decode: a handoff adds a transfer to the prefill
+            usable = [c for c in usable if c.path is RoutePath.COLOCATED] or usable
         chosen = choose(usable, req)
         # The other paths' best that could be taken, against which the reason weighs the
         # choice; a path with none is said as why (the best of those that cannot).
@@ -239,6 +241,13 @@ class Planner(Candidates):
         code = "cost_ttft"
         fewest = min(c.expected_misses(req) for c in usable)
         for o in others:
+            if o not in usable and req.max_tokens <= 1:
+                parts.append(
+                    f"no handoff: one token, nothing to decode (it would add a transfer to the "
+                    f"prefill; the best, {o.prefill_worker}->{o.decode_worker}: TTFT "
+                    f"{_ms(o.ttft_s)})"
+                )
+                continue
             if o.no_room and o not in usable:
                 d_id = o.decode_worker
                 parts.append(

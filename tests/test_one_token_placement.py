@@ -67,3 +67,26 @@ def test_a_fixed_colocated_path_takes_the_least_loaded_worker_able_to_answer():
         assert _where(pl.decide(one, [p], [d])) == (
             RoutePath.DISAGGREGATED, "prefill-0", "decode-0"
         )  # fmt: skip
+
+
+def test_auto_never_hands_off_a_request_of_one_token():
+    """A handoff of a request with nothing to decode only adds a transfer to the same prefill:
+    auto answers it where it is prefilled, though its prompt takes longer than an ITL SLO to
+    prefill (a prefill beside decodes to come, were there any) and the colocated path's first
+    tokens have lately come later than predicted (its bias, not the handoffs')."""
+    p = trained("prefill-0", "prefill", seed=3)
+    d = trained("decode-0", "decode", seed=4)
+    req = shape(1500, max_tokens=1, slo_itl=0.05)
+    pl = planner()
+    assert p.model.prefill_s(1500, 0) > req.slo_itl_s
+    decision = pl.decide(req, [p], [d])
+    assert _where(decision) == (RoutePath.COLOCATED, "", "prefill-0"), decision.reason
+    assert "no handoff: one token, nothing to decode" in decision.reason
+    assert "prefill-0->decode-0" in decision.reason
+    for _ in range(64):  # colocated first tokens twice as late as predicted
+        pl.bias[RoutePath.COLOCATED].observe(1.0, 2.0)
+    decision = pl.decide(req, [p], [d])
+    assert decision.chosen.path is RoutePath.COLOCATED, decision.reason
+    # Two tokens: the handoff stays a candidate auto may take.
+    two = pl.decide(shape(1500, max_tokens=2, slo_itl=0.05), [p], [d])
+    assert two.chosen.path is RoutePath.DISAGGREGATED, two.reason
