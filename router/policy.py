@@ -24,7 +24,8 @@ worker, decode worker) (router/candidates.py makes them).
   - colocated / disaggregated: always that path, workers from the balancer (router/balancer.py).
 A request whose whole answer is its first token (max_tokens 1) may run colocated on a worker
 that only prefills as well (router/candidates.py answering): under auto where the cost model
-says so, under colocated (or a path asked for) where the balancer finds the least load.
+says so (auto hands none off: the handoff would add a transfer to the same prefill), under
+colocated (or a path asked for) where the balancer finds the least load.
   - threshold (Dynamo's rule): disaggregated iff uncached prompt tokens > T and the prefill
     worker's queue holds fewer than Q requests.
 Every decision carries the best prediction for each path (the chosen one for its own path) and
