@@ -112,7 +112,7 @@ class RequestBooks:
             self.wid,
             n_prefill,
             prefill_pairs(n_prefill, hit),
-            local=p is d,
+            local=p is d and shape.max_tokens > 1,  # one token: it decodes nowhere
             itl_slo_s=shape.slo_itl_s,
         )
         self.sink.prefill_placed(p.worker_id, p.info.role.value, for_peer=p is not d)
@@ -154,8 +154,10 @@ class RequestBooks:
         p, d, wid = self.p, self.d, self.wid
         assert d is not None and self.shape is not None
         if p is d and not d.decoding(wid):
-            d.done(wid)  # colocated: prefilled here; decoding from now on
+            d.done(wid)  # colocated: prefilled here; decoding from now on (one token: ended)
             shape = self.shape
+            if shape.max_tokens <= 1:
+                return
             d.add_decode(wid, shape.prompt_len, shape.slo_itl_s, local=True, left=shape.max_tokens)
             if self.late:  # resumed after missing its TTFT SLO
                 d.unprotect(wid)

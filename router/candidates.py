@@ -105,20 +105,30 @@ class Candidates:
         needed = {d.worker_id for d in self.demand.needed(prefill, decode, req.slo_itl_s)}
         self.decoders_needed = len(needed)
         whole = answering(req, prefill, decode)
+        # A request of one token sets no worker decoding, and tightens no step target.
+        decodes = req.max_tokens > 1
         shared = {
-            d.worker_id: 0.0 if d.worker_id in needed else shared_misses(d, workers) for d in whole
+            d.worker_id: shared_misses(d, workers) if decodes and d.worker_id not in needed else 0.0
+            for d in whole
         }
         width = self.ttft_spread.width
         # Each decode worker's step target as it will be once this request is placed there.
         limits = {
-            d.worker_id: self.target_for(d, req.slo_itl_s) if self.target_for else None
+            d.worker_id: self.target_for(d, req.slo_itl_s) if self.target_for and decodes else None
             for d in whole
         }
         out: list[PathPrediction] = []
         b = self.ttft_bias(RoutePath.COLOCATED)
+        # A prefill worker answering a request of one token: its first token comes when its
+        # queue lets it, as a handoff's prefill there does; that path's correction, not the
+        # colocated path's (chunks beside decodes). Such answers train neither
+        # (PlacementSteps._trained).
+        answers = self.ttft_bias(RoutePath.DISAGGREGATED)
+        in_decode = {d.worker_id for d in decode}
         for d in whole:
+            own = b if d.worker_id in in_decode else answers
             with d.model.target_at_most(limits[d.worker_id]):
-                out.append(predict_colocated(req, d, b, shared[d.worker_id], width))
+                out.append(predict_colocated(req, d, own, shared[d.worker_id], width))
         local = {c.decode_worker: c.ttft_s for c in out}
         b = self.ttft_bias(RoutePath.DISAGGREGATED)
         for p in prefill:

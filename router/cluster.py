@@ -1,7 +1,8 @@
 """Cluster: the two paths a request can take through the pools (router/pools.py).
 
 Colocated: decode worker D prefills the prompt in chunks next to its running decodes and
-streams tokens.
+streams tokens (a request of one token may be answered so by a prefill worker too: it
+has nothing to decode).
 Disaggregated: prefill worker P prefills it and streams its KV to D, which streams the tokens
 (router/handoffs.py: the handoff, its fallbacks to D prefilling the prompt, and re-plans).
 Either way, a request leaving early (or failing) is aborted for good on every worker it

@@ -50,7 +50,7 @@ from router.vocab import Frontend, RejectReason, RoutePath
 from worker_protocol.messages import WorkerInfo
 
 log = logging.getLogger("pdserve.router")
-MAX_RESUMES = 2  # a request outliving this many dead decode workers fails
+MAX_RESUMES = 2  # a request outliving this many lost workers (that streamed it) fails
 
 
 class RequestCore(PlacementSteps):
@@ -202,7 +202,8 @@ class RequestCore(PlacementSteps):
         try:
             shape, decision = self.plan(req)
             self._admit(shape, decision, req.frontend)
-            self.planner.demand.arrived(shape.prompt_len, shape.max_tokens)  # taken: it decodes
+            if shape.max_tokens > 1:  # taken, and it decodes (one token: it has no decode)
+                self.planner.demand.arrived(shape.prompt_len, shape.max_tokens)
             text = TextStream(self.tokenizer, req.prompt_token_ids, req.sampling)
             with self._books(req, decision, arrived) as books:  # settled however it ends
                 try:

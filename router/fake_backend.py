@@ -123,6 +123,10 @@ class FakeBackend:
         on_prefill: HandoffListener | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
         rid = placement.request_id
+        worker = placement.decode_worker
+        if worker and worker not in self.decode_ids and params.max_tokens > 1:
+            # as PrefillWorker.generate: a prefill worker answers requests of one token only
+            raise ValueError(f"{worker} answers one token, not {params.max_tokens}")
         self.started.append(rid)
         self.placements.append(placement)
         self.sampling.append(params)

@@ -213,7 +213,7 @@ class MetricFamilies:
         self.prefills = Counter(
             "pdserve_worker_prefills",
             "Prefills placed on a worker: for a peer (its KV handed to another worker's decode), "
-            "or local (it decodes the request itself).",
+            "or local (it answers or decodes the request itself).",
             (*WORKER, "kind"),
             registry=r,
         )

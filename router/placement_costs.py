@@ -9,6 +9,8 @@ PathPrediction (router/predictions.py), which says what it comes to in SLO misse
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from router.cost_model import prefill_pairs
 from router.handoff_model import TransferTimeModel
 from router.interference import (
@@ -52,7 +54,7 @@ def predict_colocated(
     itl = d.model.decode_step_s(d.batch + 1, d.context + req.prompt_len + req.max_tokens // 2)
     # The step the requests to decode here after their local prefill see beside this one.
     coming = coming_chunk_step(d, n, prefill_pairs(n, cached))
-    return PathPrediction(
+    prediction = PathPrediction(
         path=RoutePath.COLOCATED,
         prefill_worker="",
         decode_worker=d.worker_id,
@@ -78,6 +80,7 @@ def predict_colocated(
         prefill_beside=prefills_beside(d, during, coming),
         decode_lean=_lean(d, prefills_there=_prefills_beside_coming(d, n, cached, req)),
     )
+    return _without_gaps(prediction) if req.max_tokens <= 1 else prediction
 
 
 def predict_disaggregated(
@@ -129,7 +132,7 @@ def predict_disaggregated(
         before = decode_step_beside(d, d.batch, d.context)
         caused += caused_misses(d, running, before, coming_step(d, 1, req.prompt_len))
     caused += shared
-    return PathPrediction(
+    prediction = PathPrediction(
         path=RoutePath.DISAGGREGATED,
         prefill_worker=p.worker_id,
         decode_worker=d.worker_id,
@@ -156,6 +159,13 @@ def predict_disaggregated(
         prefill_beside=prefills_beside(p, p_during, p_coming),
         decode_lean=_lean(d, prefills_there=d.queued_prefills > 0),
     )
+    return _without_gaps(prediction) if req.max_tokens <= 1 else prediction
+
+
+def _without_gaps(c: PathPrediction) -> PathPrediction:
+    """The prediction for a request of one token: it has no gaps, so no ITL of its own to
+    predict or miss (the running requests' it slows stay), and nothing to check against one."""
+    return replace(c, itl_s=0.0, itl_floor_s=0.0, itl_beside_s=0.0)
 
 
 def _prefills_beside_coming(d: WorkerState, n: int, cached: int, req: RequestShape) -> bool:

@@ -29,7 +29,7 @@ from router.stats import StatsSink
 from router.target_calls import TargetCalls
 from router.tracker import Tracker
 from router.vocab import FinishReason, Placement, RoutePath
-from worker_protocol.messages import TokenChunk
+from worker_protocol.messages import TokenChunk, WorkerRole
 
 log = logging.getLogger("pdserve.router")
 _CUT_SHORT = Said(log, logging.WARNING)  # answers the KV cache cut short
@@ -81,7 +81,11 @@ class PlacementSteps:
         async with aclosing(self._run(req, shape, chosen, books, handoff)) as stream:
             async for chunk in stream:
                 if books.took(chunk):
-                    self._trained(req.request_id, books.first, books.track, shape.slo_ttft_s)
+                    # A prefill worker's answer (one token) teaches no path's correction.
+                    answer = d.info.role == WorkerRole.PREFILL
+                    self._trained(
+                        req.request_id, books.first, books.track, shape.slo_ttft_s, not answer
+                    )
                 delta = text.feed(chunk.token_ids, chunk.finished)
                 final = None
                 if chunk.finished or text.stop_hit is not None:
@@ -95,7 +99,10 @@ class PlacementSteps:
                                        req.request_id, final.completion_tokens,
                                        req.sampling.max_tokens, final.length_reason,
                                        final.decode_worker)  # fmt: skip
-                    self.planner.demand.ended(books.track.output_tokens, req.sampling.max_tokens)
+                    if req.sampling.max_tokens > 1:  # as it arrived (RequestCore.generate)
+                        self.planner.demand.ended(
+                            books.track.output_tokens, req.sampling.max_tokens
+                        )
                 yield CoreChunk(
                     req.request_id, chunk.token_ids, delta, chunk.logprobs, final,
                     chunk.prompt_logprobs,
@@ -188,11 +195,14 @@ class PlacementSteps:
             c.running_itl_s * 1000,
         )
 
-    def _trained(self, rid: str, decision: Decision, track: Tracker, slo_ttft_s: float) -> None:
+    def _trained(
+        self, rid: str, decision: Decision, track: Tracker, slo_ttft_s: float, bias: bool = True
+    ) -> None:
         """The first token is out: keep the decision with its measured TTFT, and train the
-        path's bias and the spread of TTFT predictions (unless a failed handoff made the decode
-        worker prefill after all, or it was replanned or resumed: its first token then came
-        from another placement than the one predicted)."""
+        path's bias (where `bias`: not a prefill worker's answer, which took another path's:
+        router/candidates.py) and the spread of TTFT predictions (unless a failed handoff made
+        the decode worker prefill after all, or it was replanned or resumed: its first token
+        then came from another placement than the one predicted)."""
         ttft = track.ttft_s or 0.0
         disturbed = bool(track.kv_fallback or track.replanned_to or track.resumed)
         self.records.append(DecisionRecord(rid, decision, ttft, disturbed))
@@ -201,5 +211,6 @@ class PlacementSteps:
         self.sink.first_token(track.first_token())
         chosen = decision.chosen
         if not disturbed and (chosen.path is RoutePath.COLOCATED or track.handed_off):
-            self.planner.bias[chosen.path].observe(chosen.raw_ttft_s, ttft)
+            if bias:
+                self.planner.bias[chosen.path].observe(chosen.raw_ttft_s, ttft)
             self.planner.ttft_spread.observe(chosen.ttft_s, ttft, slo_ttft_s)

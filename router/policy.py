@@ -22,12 +22,12 @@ worker, decode worker) (router/candidates.py makes them).
     choice misses), then the earliest predicted second token (TTFT + ITL): see router/predictions.py
     choose. The decision's reason code says which of these decided.
   - colocated / disaggregated: always that path, workers from the balancer (router/balancer.py).
+  - threshold (Dynamo's rule): disaggregated iff uncached prompt tokens > T and the prefill
+    worker's queue holds fewer than Q requests.
 A request whose whole answer is its first token (max_tokens 1) may run colocated on a worker
 that only prefills as well (router/candidates.py answering): under auto where the cost model
 says so (auto hands none off: the handoff would add a transfer to the same prefill), under
 colocated (or a path asked for) where the balancer finds the least load.
-  - threshold (Dynamo's rule): disaggregated iff uncached prompt tokens > T and the prefill
-    worker's queue holds fewer than Q requests.
 Every decision carries the best prediction for each path (the chosen one for its own path) and
 a reason in words.
 """
@@ -110,6 +110,12 @@ def _tie_broken(
         )
         return "cost_prefill_beside"
     both, prefills, lean = chosen.decode_lean
+    if req.max_tokens <= 1 and chosen.decode_lean < quickest.decode_lean:  # no decode
+        parts.append(
+            f"answered on {chosen.decode_worker}: nothing to decode, and no decodes there to "
+            f"slow, not {quickest.decode_worker} ({where}, TTFT {_ms(quickest.ttft_s)})"
+        )
+        return "cost_one_token"
     # The chosen decode worker runs no prefill beside its decodes; the quickest's would.
     kept_apart = not prefills and quickest.decode_lean[1]
     if kept_apart and not both:
@@ -174,7 +180,7 @@ class Planner(Candidates):
         chosen = decision.chosen
         best = tuple(chosen if b.path is chosen.path else b for b in decision.best)
         overload = None
-        if admitting and self.rate_admission:
+        if admitting and self.rate_admission and req.max_tokens > 1:  # one token: no decode
             # Under auto the decodes keep off one worker of both kinds where no dedicated
             # prefill worker is left (DecodeDemand.decoders); any other policy decodes on all.
             spread = policy is Policy.AUTO and override is RoutePath.AUTO

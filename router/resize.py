@@ -2,8 +2,8 @@
 number asked. One resize at a time; the workers it adds take load once paired and warm
 (Pools.grow), the ones it removes are drained: they take no new request, finish their own until
 the drain deadline, and are then stopped (what still runs on a removed decode worker resumes
-elsewhere, through the request core; a removed prefill worker's handoffs are prefilled on their
-decode workers).
+elsewhere, through the request core, as does a request of one token a removed prefill worker
+was answering; a removed prefill worker's handoffs are prefilled on their decode workers).
 
 A resize whose added workers wait for a node with room (none had it when they started: Ray
 places them once one has) would hold every later resize until they come up or the start

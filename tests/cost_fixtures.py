@@ -15,6 +15,7 @@ from router.host_share import HostShare, PeerWork
 from router.policy import Planner, Policy, PolicyConfig, RequestShape
 from router.pool_state import WorkerState
 from router.spread import MISS_WIDTH, PredictionSpread
+from worker_protocol.messages import WorkerRole
 
 # The "true" step time of the injected workers: 20 ms + 2 ms/token + attention terms.
 TRUE = np.array([0.020, 0.002, 2e-7, 1e-7])
@@ -34,7 +35,7 @@ def trained(
 ) -> WorkerState:
     """A worker whose model has seen 300 steps of mixed shapes timed by TRUE (+-2% noise)."""
     info = replace(
-        fake_info(worker_id, role),
+        fake_info(worker_id, WorkerRole(role)),
         block_size=BLOCK,
         step_target_s=step_target_s,
         prefill_hold_s=prefill_hold_s,

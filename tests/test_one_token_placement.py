@@ -4,9 +4,17 @@ left to their decodes. Placement with injected measurements: no workers, no cloc
 
 from __future__ import annotations
 
+from collections import deque
+from unittest.mock import Mock
+
+import pytest
+
+from router.books import RequestBooks, RequestCounts
 from router.candidates import answering
+from router.cost_model import prefill_pairs
 from router.policy import Policy
-from router.vocab import RoutePath
+from router.tracker import Tracker
+from router.vocab import Frontend, RoutePath
 from tests.cost_fixtures import planner, shape, trained, with_decodes
 
 
@@ -90,3 +98,85 @@ def test_auto_never_hands_off_a_request_of_one_token():
     # Two tokens: the handoff stays a candidate auto may take.
     two = pl.decide(shape(1500, max_tokens=2, slo_itl=0.05), [p], [d])
     assert two.chosen.path is RoutePath.DISAGGREGATED, two.reason
+
+
+def test_a_prefill_worker_that_has_prefilled_for_peers_still_answers_without_an_itl_miss():
+    """A prefill worker's recent prefills for its peers make its steps beside them long, which
+    a decode there would see: a request of one token has no gaps, so no ITL miss of its own is
+    predicted anywhere, and it is answered on the idle prefill worker."""
+    p = trained("prefill-0", "prefill", seed=3)
+    for i in range(6):  # prefilled for peers in the last seconds, idle now
+        p.add_prefill(f"peer-{i}", 1000, prefill_pairs(1000, 0))
+        p.done(f"peer-{i}")
+    d = trained("decode-0", "decode", seed=4)
+    req = shape(300, max_tokens=1, slo_itl=0.05)
+    cands = planner().candidates(req, [p], [d])
+    assert all(c.itl_p99_s == 0.0 and c.new_miss(req) < 0.01 for c in cands)
+    decision = planner().decide(req, [p], [d])
+    assert _where(decision) == (RoutePath.COLOCATED, "", "prefill-0"), decision.reason
+    # A prompt queued there: the decode worker's first token would come a little sooner.
+    p.add_prefill("queued", 100, prefill_pairs(100, 0))
+    decision = planner().decide(req, [p], [d])
+    assert _where(decision) == (RoutePath.COLOCATED, "", "prefill-0"), decision.reason
+    assert decision.reason_code == "cost_one_token", decision.reason
+    assert "answered on prefill-0: nothing to decode" in decision.reason
+    # A request that decodes is priced with those prefills' steps, as before.
+    two = planner().candidates(shape(300, max_tokens=2, slo_itl=0.05), [p], [d])
+    assert all(c.itl_p99_s > 0 for c in two)
+
+
+def test_a_request_of_one_token_is_booked_as_no_decode_to_come():
+    """Booked on the prefill worker that answers it, a request of one token is a prefill there
+    and never a decode (queued or running): a handoff through that worker is priced as if it
+    were not there but for its prefill, and the split keeps a generation off the decode
+    worker's decodes."""
+    p = trained("prefill-0", "prefill", seed=3)
+    d = with_decodes(trained("decode-0", "decode", seed=4), 2, 400, 0.2)
+    gen = shape(600, seed=9, max_tokens=128, slo_itl=0.2)
+    alone = planner().decide(gen, [p], [d])
+    assert _where(alone) == (RoutePath.DISAGGREGATED, "prefill-0", "decode-0"), alone.reason
+    states = {w.worker_id: w for w in (p, d)}
+    for i in range(3):
+        one = shape(16, seed=20 + i, max_tokens=1)
+        chosen = planner().decide(one, [p], [d]).chosen
+        assert chosen.decode_worker == "prefill-0"
+        track = Tracker(f"one-{i}", 0.0, "colocated", Frontend.GRPC, 16, chosen.ttft_s)
+        books = RequestBooks(f"one-{i}", track, Mock(), RequestCounts(), deque(), states, Mock())
+        books.place(one, chosen)
+        assert (p.queued_prefills, p.local_prefills, p.coming_itl_slos()) == (i + 1, 0, [])
+    decision = planner().decide(gen, [p], [d])
+    assert _where(decision) == (RoutePath.DISAGGREGATED, "prefill-0", "decode-0"), decision.reason
+    assert decision.chosen.prefill_beside == 0
+
+
+def test_a_request_of_one_token_is_not_refused_for_the_decodes_rate():
+    """Where taking one more request that decodes would set a rate the decodes cannot hold
+    (the decision carries the overload), a request of one token carries none: it decodes
+    nowhere."""
+    from tests.test_decode_capacity import _arrivals
+
+    p, d = trained("prefill-0", "prefill", seed=1), trained("decode-0", "decode", seed=2)
+    slo = d.model.decode_step_s(15, 15 * 400) / 0.9
+    fast = planner()
+    _arrivals(fast, rate=4.0)
+    for i in range(fast.demand.holds(d, slo, fast.demand.context())):
+        d.add_decode(f"r{i}", 400, slo, local=False)
+    assert fast.decide(shape(16, seed=8, slo_ttft=20.0, slo_itl=slo), [p], [d]).overload
+    one = fast.decide(shape(16, seed=8, max_tokens=1, slo_ttft=20.0, slo_itl=slo), [p], [d])
+    assert one.overload is None and one.chosen.decode_worker == "prefill-0"
+
+
+def test_a_prefill_worker_s_answer_takes_the_handoffs_ttft_correction_not_the_colocated_one():
+    """Colocated first tokens (chunks beside decodes) that came twice as late as predicted say
+    nothing of a prefill worker's queue: its answer to a request of one token is predicted
+    with the handoffs' correction, which prices that queue."""
+    p = trained("prefill-0", "prefill", seed=3)
+    d = trained("decode-0", "decode", seed=4)
+    pl = planner()
+    for i in range(64):  # handoffs as predicted, colocated first tokens twice as late
+        pl.bias[RoutePath.DISAGGREGATED].observe(0.2 + i / 64, 0.2 + i / 64)
+        pl.bias[RoutePath.COLOCATED].observe(0.2 + i / 64, 2 * (0.2 + i / 64))
+    req = shape(300, max_tokens=1)
+    cands = {c.decode_worker: c for c in pl.candidates(req, [p], [d]) if not c.prefill_worker}
+    assert cands["prefill-0"].ttft_s == pytest.approx(cands["prefill-0"].raw_ttft_s, rel=0.05)
+    assert cands["decode-0"].ttft_s == pytest.approx(2 * cands["decode-0"].raw_ttft_s, rel=0.05)

@@ -212,10 +212,10 @@ def test_a_worker_whose_engine_step_fails_is_replaced_and_its_request_resumes(sr
 
 @pytest.mark.timeout(120)
 def test_a_one_token_request_on_a_prefill_worker_that_dies_is_answered_by_another(srv):
-    """A request of one token (with its prompt logprobs) runs whole on the prefill worker; that
-    worker is killed while the request is there (its steps paced at 2 s, so none has ended):
-    the request resumes on a decode worker with transformers' token and prompt logprobs, and
-    the prefill worker is replaced."""
+    """A request of one token (with its prompt logprobs) is placed whole on the prefill worker;
+    that worker is killed once the router's books hold it there (its steps paced at 2 s, so
+    none it started has ended): the request resumes on a decode worker with transformers'
+    token and prompt logprobs, and the prefill worker is replaced."""
     from tests.test_prompt_logprobs import check_prompt_logprobs
 
     cluster = srv.server.cluster
