@@ -229,8 +229,11 @@ class Planner(Candidates):
         self, req: RequestShape, cands: list[PathPrediction], best: tuple[PathPrediction, ...]
     ) -> Decision:
         usable = [c for c in cands if not c.failing] or cands
-        if req.max_tokens <= 1:  # nothing to decode: a handoff adds a transfer to the prefill
-            usable = [c for c in usable if c.path is RoutePath.COLOCATED] or usable
+        # Nothing to decode: a handoff adds a transfer to the prefill (taken only where
+        # admission would refuse every placement answering it where it is prefilled).
+        local = [c for c in usable if c.path is RoutePath.COLOCATED]
+        if req.max_tokens <= 1 and any(not c.refused for c in local):
+            usable = local
         chosen = choose(usable, req)
         # The other paths' best that could be taken, against which the reason weighs the
         # choice; a path with none is said as why (the best of those that cannot).

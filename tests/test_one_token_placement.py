@@ -5,6 +5,7 @@ left to their decodes. Placement with injected measurements: no workers, no cloc
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 from unittest.mock import Mock
 
 import pytest
@@ -180,3 +181,17 @@ def test_a_prefill_worker_s_answer_takes_the_handoffs_ttft_correction_not_the_co
     cands = {c.decode_worker: c for c in pl.candidates(req, [p], [d]) if not c.prefill_worker}
     assert cands["prefill-0"].ttft_s == pytest.approx(cands["prefill-0"].raw_ttft_s, rel=0.05)
     assert cands["decode-0"].ttft_s == pytest.approx(2 * cands["decode-0"].raw_ttft_s, rel=0.05)
+
+
+def test_a_request_of_one_token_is_handed_off_only_where_admission_takes_nothing_else():
+    """Where admission would refuse every placement answering it where it is prefilled (their
+    first tokens predicted past its TTFT SLO) but take a handoff, the handoff serves it."""
+    a, b = trained("both-0", "both", seed=5), trained("both-1", "both", seed=6)
+    pl = planner()
+    req = shape(300, max_tokens=1, slo_ttft=1.0)
+    cands = pl.candidates(req, [a, b], [a, b])
+    local = [c for c in cands if c.path is RoutePath.COLOCATED]
+    handoffs = [c for c in cands if c.path is RoutePath.DISAGGREGATED]
+    refused = [replace(c, refused=True) for c in local]
+    assert pl._auto(req, refused + handoffs, ()).chosen.path is RoutePath.DISAGGREGATED
+    assert pl._auto(req, local + handoffs, ()).chosen.path is RoutePath.COLOCATED
