@@ -100,7 +100,8 @@ class RequestBooks:
     def place(self, shape: RequestShape, chosen: PathPrediction) -> tuple[WorkerState, WorkerState]:
         """Enter a placement: (the worker that prefills it, its decode worker). A disaggregated
         request counts on its decode worker at once (its blocks are reserved there first); a
-        colocated one, once its first token is out."""
+        colocated one, once its first token is out (a request of one token never: it has ended
+        by then)."""
         d = self.states[chosen.decode_worker]
         p = self.states.get(chosen.prefill_worker) or d
         self.shape, self.p, self.d, self.chosen = shape, p, d, chosen
@@ -112,14 +113,13 @@ class RequestBooks:
             self.wid,
             n_prefill,
             prefill_pairs(n_prefill, hit),
-            local=p is d and shape.max_tokens > 1,  # one token: it decodes nowhere
+            local=p is d and shape.decodes,  # one token: it decodes nowhere
             itl_slo_s=shape.slo_itl_s,
         )
         self.sink.prefill_placed(p.worker_id, p.info.role.value, for_peer=p is not d)
-        if p is not d:
-            d.add_decode(
-                self.wid, shape.prompt_len, shape.slo_itl_s, local=False, left=shape.max_tokens
-            )
+        if p is not d:  # its blocks and slot there (one token: it guards no ITL)
+            slo = shape.slo_itl_s if shape.decodes else float("inf")
+            d.add_decode(self.wid, shape.prompt_len, slo, local=False, left=shape.max_tokens)
         p.prefix.insert(shape.hashes)
         d.prefix.insert(shape.hashes)
         if self.late:  # resumed after missing its TTFT SLO
@@ -156,7 +156,7 @@ class RequestBooks:
         if p is d and not d.decoding(wid):
             d.done(wid)  # colocated: prefilled here; decoding from now on (one token: ended)
             shape = self.shape
-            if shape.max_tokens <= 1:
+            if not shape.decodes:
                 return
             d.add_decode(wid, shape.prompt_len, shape.slo_itl_s, local=True, left=shape.max_tokens)
             if self.late:  # resumed after missing its TTFT SLO

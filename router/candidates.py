@@ -2,13 +2,13 @@
 (and, for a request whose whole answer is its first token, on each worker that only prefills:
 `answering`) and the disaggregated path over each pair (P, D) of distinct workers
 (router/placement_costs.py prices each one), with what the router has learnt applied to them:
-the path's TTFT bias (the other path's while its own has seen too few first tokens), how far
-TTFT predictions have erred, the step target each decode worker takes once the request is
-placed there, what the workers' node peers run now, the misses that setting a worker decoding
-causes on its node unless the decodes need it at the current rate (router/capacity.py), a
-pair's failure risk (router/handoff_model.py HandoffHealth), whether D can reserve the
-prompt's KV, and whether admission would refuse the placement. The Planner (router/policy.py)
-chooses among them by its policy.
+the path's TTFT bias (the other path's while its own has seen too few first tokens; a prefill
+worker's answers have their own, `answers_bias`), how far TTFT predictions have erred, the step
+target each decode worker takes once the request is placed there, what the workers' node peers
+run now, the misses that setting a worker decoding causes on its node unless the decodes need
+it at the current rate (router/capacity.py), a pair's failure risk (router/handoff_model.py
+HandoffHealth), whether D can reserve the prompt's KV, and whether admission would refuse the
+placement. The Planner (router/policy.py) chooses among them by its policy.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def answering(
     logprobs), the workers that only prefill as well, listed first (the balancer takes the
     first of those tied): it has nothing to decode, so no KV need move, and the decode workers'
     steps are left to their decodes."""
-    if req.max_tokens > 1:
+    if req.decodes:
         return list(decode)
     ids = {w.worker_id for w in decode}
     return [*(w for w in prefill if w.worker_id not in ids), *decode]
@@ -59,6 +59,9 @@ class Candidates:
         self.transfer = transfer
         self.health = health or HandoffHealth()
         self.bias = {RoutePath.COLOCATED: Bias(), RoutePath.DISAGGREGATED: Bias()}
+        # A prefill worker's answers (one token) have their own: a queue and a prefill there,
+        # neither a colocated prompt's chunks beside decodes nor a handoff's transfer.
+        self.answer_bias = Bias()
         # Admission's factor on predicted TTFT (router/admission.py ttft_margin), set by the core.
         self.ttft_margin = 1.0
         # How far TTFT predictions came from measured first tokens (trained by the core): the
@@ -86,6 +89,16 @@ class Candidates:
         ]
         return other if other.trained else own
 
+    def answers_bias(self) -> Bias:
+        """The TTFT correction a prefill worker's answer takes: its own, or while it has seen
+        too few first tokens, the handoffs' (whose error is mostly that of the prefill
+        worker's queue), then the colocated path's."""
+        return (
+            self.answer_bias
+            if self.answer_bias.trained
+            else self.ttft_bias(RoutePath.DISAGGREGATED)
+        )
+
     def candidates(
         self,
         req: RequestShape,
@@ -106,7 +119,7 @@ class Candidates:
         self.decoders_needed = len(needed)
         whole = answering(req, prefill, decode)
         # A request of one token sets no worker decoding, and tightens no step target.
-        decodes = req.max_tokens > 1
+        decodes = req.decodes
         shared = {
             d.worker_id: shared_misses(d, workers) if decodes and d.worker_id not in needed else 0.0
             for d in whole
@@ -119,16 +132,13 @@ class Candidates:
         }
         out: list[PathPrediction] = []
         b = self.ttft_bias(RoutePath.COLOCATED)
-        # A prefill worker answering a request of one token: its first token comes when its
-        # queue lets it, as a handoff's prefill there does; that path's correction, not the
-        # colocated path's (chunks beside decodes). Such answers train neither
-        # (PlacementSteps._trained).
-        answers = self.ttft_bias(RoutePath.DISAGGREGATED)
         in_decode = {d.worker_id for d in decode}
         for d in whole:
-            own = b if d.worker_id in in_decode else answers
+            answer = d.worker_id not in in_decode  # a prefill worker's (answers_bias)
+            own = self.answers_bias() if answer else b
             with d.model.target_at_most(limits[d.worker_id]):
-                out.append(predict_colocated(req, d, own, shared[d.worker_id], width))
+                c = predict_colocated(req, d, own, shared[d.worker_id], width)
+            out.append(replace(c, answered=True) if answer else c)
         local = {c.decode_worker: c.ttft_s for c in out}
         b = self.ttft_bias(RoutePath.DISAGGREGATED)
         for p in prefill:

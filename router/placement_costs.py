@@ -31,6 +31,8 @@ from worker_protocol.messages import WorkerRole
 
 # Decodes gather on a worker of both kinds while its KV is under this share of its capacity.
 GATHER_MAX_LOAD = 0.8
+# The tie-break's lean of a prefill worker answering a request of one token: before any other.
+ANSWER_LEAN = (False, False, -1)
 
 
 def predict_colocated(
@@ -80,7 +82,7 @@ def predict_colocated(
         prefill_beside=prefills_beside(d, during, coming),
         decode_lean=_lean(d, prefills_there=_prefills_beside_coming(d, n, cached, req)),
     )
-    return _without_gaps(prediction) if req.max_tokens <= 1 else prediction
+    return prediction if req.decodes else _without_gaps(prediction, d)
 
 
 def predict_disaggregated(
@@ -159,13 +161,20 @@ def predict_disaggregated(
         prefill_beside=prefills_beside(p, p_during, p_coming),
         decode_lean=_lean(d, prefills_there=d.queued_prefills > 0),
     )
-    return _without_gaps(prediction) if req.max_tokens <= 1 else prediction
+    return prediction if req.decodes else _without_gaps(prediction, d)
 
 
-def _without_gaps(c: PathPrediction) -> PathPrediction:
-    """The prediction for a request of one token: it has no gaps, so no ITL of its own to
-    predict or miss (the running requests' it slows stay), and nothing to check against one."""
-    return replace(c, itl_s=0.0, itl_floor_s=0.0, itl_beside_s=0.0)
+def _without_gaps(c: PathPrediction, d: WorkerState) -> PathPrediction:
+    """The prediction for a request of one token (RequestShape.decodes): it has no gaps, so no
+    ITL of its own to predict or miss (the running requests' it slows stay), and nothing to
+    check against one; and its lean is its prefill's: where the fewest decodes run or are to
+    come (prefills go where none run), a prefill worker first (ANSWER_LEAN: none ever do)."""
+    if d.info.role == WorkerRole.PREFILL:
+        lean = ANSWER_LEAN
+    else:
+        n = d.batch + d.local_prefills
+        lean = (False, n > 0, n)
+    return replace(c, itl_s=0.0, itl_floor_s=0.0, itl_beside_s=0.0, decode_lean=lean)
 
 
 def _prefills_beside_coming(d: WorkerState, n: int, cached: int, req: RequestShape) -> bool:
@@ -191,11 +200,7 @@ def _lean(d: WorkerState, prefills_there: bool) -> tuple[bool, bool, int]:
     requests right after it. Then, of workers of both kinds, one that gathers decodes while it
     has room (a free sequence slot, KV under GATHER_MAX_LOAD), past which it comes last, the
     fullest last. Its decodes count those running and those to come: the requests it prefills
-    to decode itself. A worker that only prefills (a request of one token: candidates.answering)
-    comes before a dedicated decode worker whatever it prefills: no decodes run or come there
-    for its prefills to slow."""
-    if d.info.role == WorkerRole.PREFILL:
-        return False, False, -1
+    to decode itself. (A request of one token leans otherwise: _without_gaps.)"""
     if d.info.role != WorkerRole.BOTH:
         return False, prefills_there, 0
     n = d.batch + d.local_prefills

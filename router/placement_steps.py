@@ -1,9 +1,10 @@
 """One placement of a request, run for the request core (router/core.py builds RequestCore on
-this): its decision logged, its books placed and its decode worker's step target tightened, the
-backend's stream for it (after a resume, the prompt and the tokens so far), each chunk booked and
-detokenized, the first one kept with its decision and training the path's TTFT bias, the spread
-of TTFT predictions and admission's margin, and the last one summarised (why it finished, what
-cut it short, how many prompt tokens were cached).
+this): its decision logged, its books placed and its decode worker's step target tightened (a
+request that decodes), the backend's stream for it (after a resume, the prompt and the tokens so
+far), each chunk booked and detokenized, the first one kept with its decision and training the
+path's TTFT bias (a prefill worker's answer: the answers' own), the spread of TTFT predictions
+and admission's margin, and the last one summarised (why it finished, what cut it short, how
+many prompt tokens were cached).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from router.stats import StatsSink
 from router.target_calls import TargetCalls
 from router.tracker import Tracker
 from router.vocab import FinishReason, Placement, RoutePath
-from worker_protocol.messages import TokenChunk, WorkerRole
+from worker_protocol.messages import TokenChunk
 
 log = logging.getLogger("pdserve.router")
 _CUT_SHORT = Said(log, logging.WARNING)  # answers the KV cache cut short
@@ -73,7 +74,7 @@ class PlacementSteps:
         chosen = decision.chosen
         self._log_decision(req.request_id, shape, decision)
         p, d = books.place(shape, chosen)
-        if self.target_calls is not None and shape.max_tokens > 1:  # it decodes there
+        if self.target_calls is not None and shape.decodes:
             self.target_calls.tighten(chosen.decode_worker, shape.slo_itl_s)
         handoff = Handoff(
             books.track, books.wid, chosen, p, d, self.transfer, self.health, self.sink
@@ -81,11 +82,7 @@ class PlacementSteps:
         async with aclosing(self._run(req, shape, chosen, books, handoff)) as stream:
             async for chunk in stream:
                 if books.took(chunk):
-                    # A prefill worker's answer (one token) teaches no path's correction.
-                    answer = d.info.role == WorkerRole.PREFILL
-                    self._trained(
-                        req.request_id, books.first, books.track, shape.slo_ttft_s, not answer
-                    )
+                    self._trained(req.request_id, books.first, books.track, shape.slo_ttft_s)
                 delta = text.feed(chunk.token_ids, chunk.finished)
                 final = None
                 if chunk.finished or text.stop_hit is not None:
@@ -99,7 +96,7 @@ class PlacementSteps:
                                        req.request_id, final.completion_tokens,
                                        req.sampling.max_tokens, final.length_reason,
                                        final.decode_worker)  # fmt: skip
-                    if req.sampling.max_tokens > 1:  # as it arrived (RequestCore.generate)
+                    if req.sampling.max_tokens > 1:  # counted as it arrived (RequestCore)
                         self.planner.demand.ended(
                             books.track.output_tokens, req.sampling.max_tokens
                         )
@@ -195,14 +192,12 @@ class PlacementSteps:
             c.running_itl_s * 1000,
         )
 
-    def _trained(
-        self, rid: str, decision: Decision, track: Tracker, slo_ttft_s: float, bias: bool = True
-    ) -> None:
+    def _trained(self, rid: str, decision: Decision, track: Tracker, slo_ttft_s: float) -> None:
         """The first token is out: keep the decision with its measured TTFT, and train the
-        path's bias (where `bias`: not a prefill worker's answer, which took another path's:
-        router/candidates.py) and the spread of TTFT predictions (unless a failed handoff made
-        the decode worker prefill after all, or it was replanned or resumed: its first token
-        then came from another placement than the one predicted)."""
+        path's bias (a prefill worker's answer: the answers' own, Candidates.answer_bias) and
+        the spread of TTFT predictions (unless a failed handoff made the decode worker prefill
+        after all, or it was replanned or resumed: its first token then came from another
+        placement than the one predicted)."""
         ttft = track.ttft_s or 0.0
         disturbed = bool(track.kv_fallback or track.replanned_to or track.resumed)
         self.records.append(DecisionRecord(rid, decision, ttft, disturbed))
@@ -211,6 +206,6 @@ class PlacementSteps:
         self.sink.first_token(track.first_token())
         chosen = decision.chosen
         if not disturbed and (chosen.path is RoutePath.COLOCATED or track.handed_off):
-            if bias:
-                self.planner.bias[chosen.path].observe(chosen.raw_ttft_s, ttft)
+            bias = self.planner.answer_bias if chosen.answered else self.planner.bias[chosen.path]
+            bias.observe(chosen.raw_ttft_s, ttft)
             self.planner.ttft_spread.observe(chosen.ttft_s, ttft, slo_ttft_s)

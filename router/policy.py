@@ -26,8 +26,9 @@ worker, decode worker) (router/candidates.py makes them).
     worker's queue holds fewer than Q requests.
 A request whose whole answer is its first token (max_tokens 1) may run colocated on a worker
 that only prefills as well (router/candidates.py answering): under auto where the cost model
-says so (auto hands none off: the handoff would add a transfer to the same prefill), under
-colocated (or a path asked for) where the balancer finds the least load.
+says so (auto hands it off only where admission would refuse every placement answering it
+where it is prefilled: a handoff adds a transfer to the same prefill), under colocated (or a
+path asked for) where the balancer finds the least load.
 Every decision carries the best prediction for each path (the chosen one for its own path) and
 a reason in words.
 """
@@ -110,10 +111,11 @@ def _tie_broken(
         )
         return "cost_prefill_beside"
     both, prefills, lean = chosen.decode_lean
-    if req.max_tokens <= 1 and chosen.decode_lean < quickest.decode_lean:  # no decode
+    if not req.decodes:  # its prefill's lean (placement_costs.py _without_gaps)
+        on = "a prefill worker" if chosen.answered else f"{lean} decodes running or to come"
         parts.append(
-            f"answered on {chosen.decode_worker}: nothing to decode, and no decodes there to "
-            f"slow, not {quickest.decode_worker} ({where}, TTFT {_ms(quickest.ttft_s)})"
+            f"answered on {chosen.decode_worker} ({on}): one token, nothing to decode; not "
+            f"{quickest.decode_worker} ({where}, TTFT {_ms(quickest.ttft_s)})"
         )
         return "cost_one_token"
     # The chosen decode worker runs no prefill beside its decodes; the quickest's would.
@@ -180,7 +182,7 @@ class Planner(Candidates):
         chosen = decision.chosen
         best = tuple(chosen if b.path is chosen.path else b for b in decision.best)
         overload = None
-        if admitting and self.rate_admission and req.max_tokens > 1:  # one token: no decode
+        if admitting and self.rate_admission and req.decodes:
             # Under auto the decodes keep off one worker of both kinds where no dedicated
             # prefill worker is left (DecodeDemand.decoders); any other policy decodes on all.
             spread = policy is Policy.AUTO and override is RoutePath.AUTO
@@ -232,7 +234,7 @@ class Planner(Candidates):
         # Nothing to decode: a handoff adds a transfer to the prefill (taken only where
         # admission would refuse every placement answering it where it is prefilled).
         local = [c for c in usable if c.path is RoutePath.COLOCATED]
-        if req.max_tokens <= 1 and any(not c.refused for c in local):
+        if not req.decodes and any(not c.refused for c in local):
             usable = local
         chosen = choose(usable, req)
         # The other paths' best that could be taken, against which the reason weighs the
@@ -242,16 +244,24 @@ class Planner(Candidates):
             for path in (RoutePath.COLOCATED, RoutePath.DISAGGREGATED)
             if path is not chosen.path and (group := [c for c in cands if c.path is path])
         ]
-        parts = [
-            f"{chosen.path.value}: {_misses(chosen, req)}, predicted TTFT {_ms(chosen.ttft_s)}, "
+        itl = (
             f"ITL p99 {_ms(chosen.itl_p99_s)} (bias x{chosen.itl_bias:.2f} included; such "
             f"predictions err by x{math.exp(chosen.ttft_width):.2f} and "
             f"x{math.exp(chosen.itl_width):.2f} lately)"
+            if req.decodes
+            else f"one token, no ITL (such TTFT predictions err by "
+            f"x{math.exp(chosen.ttft_width):.2f} lately)"
+        )
+        parts = [
+            f"{chosen.path.value}: {_misses(chosen, req)}, predicted TTFT {_ms(chosen.ttft_s)}, "
+            + itl
         ]
+        if not req.decodes and chosen.path is RoutePath.DISAGGREGATED:
+            parts.append("handed off: admission would refuse every placement answering it")
         code = "cost_ttft"
         fewest = min(c.expected_misses(req) for c in usable)
         for o in others:
-            if o not in usable and req.max_tokens <= 1:
+            if o not in usable and not req.decodes:
                 parts.append(
                     f"no handoff: one token, nothing to decode (it would add a transfer to the "
                     f"prefill; the best, {o.prefill_worker}->{o.decode_worker}: TTFT "

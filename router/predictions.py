@@ -36,6 +36,14 @@ class RequestShape:
     # prefill_hold_s; None: each worker's own hold; 0: never).
     prefill_hold_s: float | None = None
 
+    @property
+    def decodes(self) -> bool:
+        """Whether it decodes at all: a request of one token (max_tokens 1: a score, a label,
+        an echoed prompt's logprobs) is answered by its prefill, which samples its one token;
+        it has no gaps, sets no worker decoding, and may be answered by a prefill worker
+        (router/candidates.py answering)."""
+        return self.max_tokens > 1
+
 
 @dataclass(frozen=True, slots=True)
 class PathPrediction:
@@ -84,11 +92,15 @@ class PathPrediction:
     # decode worker (False, False, 0) first, one where a prefill runs (this one's, colocated, or
     # others queued there) after it, then workers of both kinds where no prefill runs, then
     # those where one does; of these, the one with the most decodes running or to come first
-    # (-decodes): decodes gather, the others stay free to prefill. A worker that only prefills,
-    # answering a request of one token, comes before a dedicated decode worker (-1).
+    # (-decodes): decodes gather, the others stay free to prefill. A request of one token leans
+    # to a prefill worker, then to where the fewest decodes run or come (placement_costs.py
+    # _without_gaps).
     decode_lean: tuple[bool, bool, int] = (False, False, 0)
     # Admission would refuse this placement (`shed`): to the goodput, the new request is lost.
     refused: bool = False
+    # A prefill worker answers the request whole (one token: candidates.answering); its TTFT is
+    # predicted, and its first token trains, a correction of its own (Candidates.answer_bias).
+    answered: bool = False
     # How far TTFT and ITL p99 predictions have come from what was measured (router/spread.py):
     # the widths of this request's miss chances.
     ttft_width: float = MISS_WIDTH

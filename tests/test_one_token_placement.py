@@ -120,7 +120,9 @@ def test_a_prefill_worker_that_has_prefilled_for_peers_still_answers_without_an_
     decision = planner().decide(req, [p], [d])
     assert _where(decision) == (RoutePath.COLOCATED, "", "prefill-0"), decision.reason
     assert decision.reason_code == "cost_one_token", decision.reason
-    assert "answered on prefill-0: nothing to decode" in decision.reason
+    assert (
+        "answered on prefill-0 (a prefill worker): one token, nothing to decode" in decision.reason
+    )
     # A request that decodes is priced with those prefills' steps, as before.
     two = planner().candidates(shape(300, max_tokens=2, slo_itl=0.05), [p], [d])
     assert all(c.itl_p99_s > 0 for c in two)
@@ -195,3 +197,33 @@ def test_a_request_of_one_token_is_handed_off_only_where_admission_takes_nothing
     refused = [replace(c, refused=True) for c in local]
     assert pl._auto(req, refused + handoffs, ()).chosen.path is RoutePath.DISAGGREGATED
     assert pl._auto(req, local + handoffs, ()).chosen.path is RoutePath.COLOCATED
+
+
+def test_over_workers_of_both_kinds_a_request_of_one_token_goes_where_fewest_decodes_run():
+    """It adds a prefill and no decode: of two workers of both kinds, the one running no
+    decodes answers it (not the one its decodes gather on), and the reason says so without
+    naming a prefill worker."""
+    busy = with_decodes(trained("both-0", "both", seed=5), 3, 300, 1.0)
+    idle = trained("both-1", "both", seed=6)
+    for req in (shape(16, max_tokens=1), shape(100, seed=2, max_tokens=1)):
+        decision = planner().decide(req, [busy, idle], [busy, idle])
+        assert _where(decision) == (RoutePath.COLOCATED, "", "both-1"), decision.reason
+        assert "a prefill worker" not in decision.reason
+    # A request that decodes gathers its decodes where they run, as before.
+    gather = planner().decide(shape(16, max_tokens=8), [busy, idle], [busy, idle])
+    assert gather.chosen.decode_worker == "both-0", gather.reason
+
+
+def test_a_one_token_handoff_guards_no_itl_on_its_decode_worker():
+    """Handed off (here by the threshold), a request of one token holds blocks and a slot on
+    its decode worker until its KV lands, but no ITL SLO there: no later placement is charged
+    misses against it, and no step target is tuned for it."""
+    p = trained("prefill-0", "prefill", seed=3)
+    d = trained("decode-0", "decode", seed=4)
+    req = shape(600, max_tokens=1, slo_itl=0.03)
+    chosen = planner(Policy.THRESHOLD, threshold_tokens=10).decide(req, [p], [d]).chosen
+    assert chosen.path is RoutePath.DISAGGREGATED
+    track = Tracker("one", 0.0, "disaggregated", Frontend.GRPC, 600, chosen.ttft_s)
+    states = {w.worker_id: w for w in (p, d)}
+    RequestBooks("one", track, Mock(), RequestCounts(), deque(), states, Mock()).place(req, chosen)
+    assert d.batch == 1 and d.min_itl_slo_s == float("inf")

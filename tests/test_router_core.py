@@ -978,3 +978,37 @@ def test_prompt_logprobs_are_asked_of_the_colocated_path_and_not_again_after_a_r
     assert core.records[0].decision.reason_code == "prompt_logprobs"
     assert "prompt logprobs" in core.records[0].decision.reason
     assert sum(len(c.token_ids) for c in chunks) == 8 and core.resumed == 1
+
+
+def test_requests_of_one_token_are_answered_by_the_prefill_worker_and_book_no_decode():
+    """On one prefill and one decode worker, idle, requests of one token are answered whole by
+    the prefill worker: their first tokens train the answers' own TTFT correction (not the
+    colocated path's), they count in neither the decodes' arrival rate nor their output
+    lengths, no step target is tightened for them, and the worker's books hold nothing after.
+    A request that decodes is counted, as before."""
+
+    async def main():
+        backend = FakeBackend(num_prefill=1, num_decode=1)
+        plain = backend.worker_info
+        backend.worker_info = lambda w: replace(plain(w), step_target_s=10.0)  # loose: tightened
+        core = await make_core(backend, tune_step_target=True)
+        demand = core.planner.demand
+        for i in range(8):
+            chunks = await consume(core, request(f"one{i}", n=16 + 8 * i, max_tokens=1))
+            final = chunks[-1].final
+            assert final is not None and final.completion_tokens == 1
+            assert (final.path, final.decode_worker) == (RoutePath.COLOCATED, "prefill-0")
+        assert [p.decode_worker for p in backend.placements] == ["prefill-0"] * 8
+        assert len(core.planner.answer_bias._obs) == 8
+        assert not core.planner.bias[RoutePath.COLOCATED]._obs
+        assert not demand._arrivals and not demand._outputs
+        assert "prefill-0" not in backend.step_targets
+        p = core.states["prefill-0"]
+        assert (p.queued_prefills, p.batch) == (0, 0)
+        await consume(core, request("decodes", max_tokens=4))
+        assert len(demand._arrivals) == 1 and list(demand._outputs) == [(4, 4)]
+        assert backend.placements[-1].decode_worker == "decode-0"
+        await asyncio.sleep(0.1)  # the tightening call, sent without waiting
+        assert "decode-0" in backend.step_targets  # tightened for the request that decodes
+
+    run(main())
