@@ -39,7 +39,7 @@ def rows(path: Path) -> list[str]:
         ).most_common()
         gaps = [g for r in gen for g in r["itl_s"]]
         out.append(
-            f"{path.name:34s} {policy:13s} {summary['goodput_rps']:7.3f} "
+            f"{path.name:42s} {policy:13s} {summary['goodput_rps']:7.3f} "
             f"{summary['attainment'] * 100:5.0f}% | {len(one):3d}/{sent_one:<3d} "
             f"{_ms([r['ttft_s'] for r in one], 50)} {_ms([r['ttft_s'] for r in one], 90)} "
             f"{' '.join(f'{w} {k}' for w, k in where):32s} | {len(gen):3d} "
@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("files", nargs="+", type=Path)
     args = ap.parse_args()
     print(
-        f"{'file':34s} {'policy':13s} goodput attain | one-token: done TTFT p50 p90 (ms), "
+        f"{'file':42s} {'policy':13s} goodput attain | one-token: done TTFT p50 p90 (ms), "
         "where they ran | others: done TTFT p50 (ms), gap p99 (ms)"
     )
     for f in args.files:
