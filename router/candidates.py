@@ -3,7 +3,7 @@
 `answering`) and the disaggregated path over each pair (P, D) of distinct workers
 (router/placement_costs.py prices each one), with what the router has learnt applied to them:
 the path's TTFT bias (the other path's while its own has seen too few first tokens; a prefill
-worker's answers have their own, `answers_bias`), how far TTFT predictions have erred, the step
+worker's answers have their own, `answer_correction`), how far TTFT predictions have erred, the step
 target each decode worker takes once the request is placed there, what the workers' node peers
 run now, the misses that setting a worker decoding causes on its node unless the decodes need
 it at the current rate (router/capacity.py), a pair's failure risk (router/handoff_model.py
@@ -27,6 +27,7 @@ from router.predictions import PathPrediction, RequestShape
 from router.spread import PredictionSpread
 from router.ttft_bias import Bias
 from router.vocab import RoutePath
+from worker_protocol.messages import WorkerRole
 
 
 def reservable(req: RequestShape, d: WorkerState) -> bool:
@@ -47,8 +48,7 @@ def answering(
     steps are left to their decodes."""
     if req.decodes:
         return list(decode)
-    ids = {w.worker_id for w in decode}
-    return [*(w for w in prefill if w.worker_id not in ids), *decode]
+    return [*(w for w in prefill if w.info.role == WorkerRole.PREFILL), *decode]
 
 
 class Candidates:
@@ -89,15 +89,13 @@ class Candidates:
         ]
         return other if other.trained else own
 
-    def answers_bias(self) -> Bias:
-        """The TTFT correction a prefill worker's answer takes: its own, or while it has seen
-        too few first tokens, the handoffs' (whose error is mostly that of the prefill
-        worker's queue), then the colocated path's."""
-        return (
-            self.answer_bias
-            if self.answer_bias.trained
-            else self.ttft_bias(RoutePath.DISAGGREGATED)
-        )
+    def answer_correction(self) -> Bias:
+        """The TTFT correction a prefill worker's answer takes: the answers' own (`answer_bias`),
+        or while it has seen too few first tokens, the handoffs' (whose error is mostly that of
+        the prefill worker's queue) where trained, else none (not the colocated path's: chunks
+        beside decodes)."""
+        own, handoffs = self.answer_bias, self.bias[RoutePath.DISAGGREGATED]
+        return handoffs if handoffs.trained and not own.trained else own
 
     def candidates(
         self,
@@ -132,13 +130,10 @@ class Candidates:
         }
         out: list[PathPrediction] = []
         b = self.ttft_bias(RoutePath.COLOCATED)
-        in_decode = {d.worker_id for d in decode}
         for d in whole:
-            answer = d.worker_id not in in_decode  # a prefill worker's (answers_bias)
-            own = self.answers_bias() if answer else b
+            own = self.answer_correction() if d.info.role == WorkerRole.PREFILL else b
             with d.model.target_at_most(limits[d.worker_id]):
-                c = predict_colocated(req, d, own, shared[d.worker_id], width)
-            out.append(replace(c, answered=True) if answer else c)
+                out.append(predict_colocated(req, d, own, shared[d.worker_id], width))
         local = {c.decode_worker: c.ttft_s for c in out}
         b = self.ttft_bias(RoutePath.DISAGGREGATED)
         for p in prefill:

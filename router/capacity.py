@@ -92,10 +92,15 @@ class DecodeDemand:
         self._outputs: deque[tuple[int, int]] = deque(maxlen=64)
 
     def arrived(self, prompt_len: int, max_tokens: int, now: float | None = None) -> None:
-        self._arrivals.append((time.monotonic() if now is None else now, prompt_len, max_tokens))
+        """A request taken that asked for `max_tokens`; one of one token decodes nothing and
+        is not counted (RequestShape.decodes), nor when it ends."""
+        if max_tokens > 1:
+            self._arrivals.append(
+                (time.monotonic() if now is None else now, prompt_len, max_tokens)
+            )
 
     def ended(self, output_tokens: int, max_tokens: int) -> None:
-        if output_tokens > 0 and max_tokens > 0:
+        if output_tokens > 0 and max_tokens > 1:
             self._outputs.append((output_tokens, max_tokens))
 
     def _recent(self, now: float) -> deque[tuple[float, int, int]]:

@@ -202,8 +202,7 @@ class RequestCore(PlacementSteps):
         try:
             shape, decision = self.plan(req)
             self._admit(shape, decision, req.frontend)
-            if req.sampling.max_tokens > 1:  # taken, and it decodes (placement_steps: ended)
-                self.planner.demand.arrived(shape.prompt_len, shape.max_tokens)
+            self.planner.demand.arrived(shape.prompt_len, shape.max_tokens)  # taken
             text = TextStream(self.tokenizer, req.prompt_token_ids, req.sampling)
             with self._books(req, decision, arrived) as books:  # settled however it ends
                 try:

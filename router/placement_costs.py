@@ -1,11 +1,12 @@
 """What one placement of a request would cost, from the workers' books and models: for the
-colocated path on a decode worker D, and for the disaggregated path over a pair (P, D), the
-predicted TTFT (queue + prefill + exposed transfer, with the path's bias), the request's own ITL,
-the ITL that the requests already decoding on D (and on P, when P decodes too) see meanwhile,
-the SLO misses it causes among the running requests (on D and P, and on their node's other
-workers, which a worker set decoding slows where they share the node), and where it stands in
-the tie-break (the prefill beside decodes, the decode worker's lean). Each comes out as a
-PathPrediction (router/predictions.py), which says what it comes to in SLO misses."""
+colocated path on a decode worker D (or a prefill worker answering a request of one token), and
+for the disaggregated path over a pair (P, D), the predicted TTFT (queue + prefill + exposed
+transfer, with the path's bias), the request's own ITL, the ITL that the requests already
+decoding on D (and on P, when P decodes too) see meanwhile, the SLO misses it causes among the
+running requests (on D and P, and on their node's other workers, which a worker set decoding
+slows where they share the node), and where it stands in the tie-break (the prefill beside
+decodes, the decode worker's lean). Each comes out as a PathPrediction (router/predictions.py),
+which says what it comes to in SLO misses."""
 
 from __future__ import annotations
 
@@ -80,9 +81,10 @@ def predict_colocated(
         itl_gap_factor=d.measured.gap_factor(),
         itl_bias=d.measured.itl_bias_factor(local=True),
         prefill_beside=prefills_beside(d, during, coming),
-        decode_lean=_lean(d, prefills_there=_prefills_beside_coming(d, n, cached, req)),
+        decode_lean=_lean(d, _prefills_beside_coming(d, n, cached, req), req.decodes),
+        answered=d.info.role == WorkerRole.PREFILL,  # one token (candidates.answering)
     )
-    return prediction if req.decodes else _without_gaps(prediction, d)
+    return prediction if req.decodes else _without_gaps(prediction)
 
 
 def predict_disaggregated(
@@ -159,22 +161,16 @@ def predict_disaggregated(
         itl_gap_factor=d.measured.gap_factor(),
         itl_bias=d.measured.itl_bias_factor(local=False),
         prefill_beside=prefills_beside(p, p_during, p_coming),
-        decode_lean=_lean(d, prefills_there=d.queued_prefills > 0),
+        decode_lean=_lean(d, d.queued_prefills > 0, req.decodes),
     )
-    return prediction if req.decodes else _without_gaps(prediction, d)
+    return prediction if req.decodes else _without_gaps(prediction)
 
 
-def _without_gaps(c: PathPrediction, d: WorkerState) -> PathPrediction:
+def _without_gaps(c: PathPrediction) -> PathPrediction:
     """The prediction for a request of one token (RequestShape.decodes): it has no gaps, so no
     ITL of its own to predict or miss (the running requests' it slows stay), and nothing to
-    check against one; and its lean is its prefill's: where the fewest decodes run or are to
-    come (prefills go where none run), a prefill worker first (ANSWER_LEAN: none ever do)."""
-    if d.info.role == WorkerRole.PREFILL:
-        lean = ANSWER_LEAN
-    else:
-        n = d.batch + d.local_prefills
-        lean = (False, n > 0, n)
-    return replace(c, itl_s=0.0, itl_floor_s=0.0, itl_beside_s=0.0, decode_lean=lean)
+    check against one."""
+    return replace(c, itl_s=0.0, itl_floor_s=0.0, itl_beside_s=0.0)
 
 
 def _prefills_beside_coming(d: WorkerState, n: int, cached: int, req: RequestShape) -> bool:
@@ -189,7 +185,7 @@ def _prefills_beside_coming(d: WorkerState, n: int, cached: int, req: RequestSha
     return d.queued_prefills > 0 or d.model.prefill_s(n, cached) > req.slo_itl_s
 
 
-def _lean(d: WorkerState, prefills_there: bool) -> tuple[bool, bool, int]:
+def _lean(d: WorkerState, prefills_there: bool, decodes: bool = True) -> tuple[bool, bool, int]:
     """See PathPrediction.decode_lean: a dedicated decode worker comes first, then a worker of
     both kinds; of each, one where no prefill runs comes before one where one does
     (`prefills_there`: the request's own, colocated (see _prefills_beside_coming), or others
@@ -200,7 +196,14 @@ def _lean(d: WorkerState, prefills_there: bool) -> tuple[bool, bool, int]:
     requests right after it. Then, of workers of both kinds, one that gathers decodes while it
     has room (a free sequence slot, KV under GATHER_MAX_LOAD), past which it comes last, the
     fullest last. Its decodes count those running and those to come: the requests it prefills
-    to decode itself. (A request of one token leans otherwise: _without_gaps.)"""
+    to decode itself. A request of one token (not `decodes`) adds a prefill and no decode: it
+    leans to a prefill worker (ANSWER_LEAN: no decodes ever run there), then to where the
+    fewest decodes run or are to come (prefills go where none run)."""
+    if not decodes:
+        if d.info.role == WorkerRole.PREFILL:
+            return ANSWER_LEAN
+        n = d.batch + d.local_prefills
+        return False, n > 0, n
     if d.info.role != WorkerRole.BOTH:
         return False, prefills_there, 0
     n = d.batch + d.local_prefills

@@ -96,10 +96,7 @@ class PlacementSteps:
                                        req.request_id, final.completion_tokens,
                                        req.sampling.max_tokens, final.length_reason,
                                        final.decode_worker)  # fmt: skip
-                    if req.sampling.max_tokens > 1:  # counted as it arrived (RequestCore)
-                        self.planner.demand.ended(
-                            books.track.output_tokens, req.sampling.max_tokens
-                        )
+                    self.planner.demand.ended(books.track.output_tokens, req.sampling.max_tokens)
                 yield CoreChunk(
                     req.request_id, chunk.token_ids, delta, chunk.logprobs, final,
                     chunk.prompt_logprobs,

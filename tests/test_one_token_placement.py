@@ -4,6 +4,7 @@ left to their decodes. Placement with injected measurements: no workers, no cloc
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import replace
 from unittest.mock import Mock
@@ -17,6 +18,7 @@ from router.policy import Policy
 from router.tracker import Tracker
 from router.vocab import Frontend, RoutePath
 from tests.cost_fixtures import planner, shape, trained, with_decodes
+from worker_protocol.messages import TokenChunk
 
 
 def _where(decision) -> tuple[RoutePath, str, str]:
@@ -227,3 +229,61 @@ def test_a_one_token_handoff_guards_no_itl_on_its_decode_worker():
     states = {w.worker_id: w for w in (p, d)}
     RequestBooks("one", track, Mock(), RequestCounts(), deque(), states, Mock()).place(req, chosen)
     assert d.batch == 1 and d.min_itl_slo_s == float("inf")
+
+
+def test_a_prefill_worker_s_answers_are_predicted_with_their_own_trained_correction():
+    """Once the answers' own correction has seen enough first tokens (here twice as late as
+    predicted), a prefill worker's answer is predicted with it, whatever the handoffs' says."""
+    p, d = trained("prefill-0", "prefill", seed=3), trained("decode-0", "decode", seed=4)
+    pl = planner()
+    for i in range(64):
+        x = 0.2 + i / 64
+        pl.bias[RoutePath.DISAGGREGATED].observe(x, x)
+        pl.answer_bias.observe(x, 2 * x)
+    c = next(c for c in pl.candidates(shape(300, max_tokens=1), [p], [d]) if c.answered)
+    assert c.decode_worker == "prefill-0"
+    assert c.ttft_s == pytest.approx(2 * c.raw_ttft_s, rel=0.05)
+
+
+def test_a_request_of_one_token_is_priced_with_no_step_target_and_no_node_share():
+    """A step target the placement would set, and the misses that setting a worker decoding
+    causes among its node's peers, price a request that decodes; one of one token sets
+    neither, and is priced as if neither were there."""
+    from tests.cost_fixtures import sharing
+
+    peer = with_decodes(trained("decode-1", "decode", seed=7), 12, 400, 0.06)
+    d = trained("decode-0", "decode", seed=4)
+    sharing(1.6, d, peer)
+    pl = planner()
+    one, two = shape(300, max_tokens=1, slo_itl=0.06), shape(300, max_tokens=2, slo_itl=0.06)
+
+    def on_d(req):
+        return next(c for c in pl.candidates(req, [], [d, peer]) if c.decode_worker == "decode-0")
+
+    plain_one, plain_two = on_d(one), on_d(two)
+    assert plain_two.caused_misses > plain_one.caused_misses == 0.0  # the node share
+
+    def on_peer(req):  # beside its 12 decodes, chunked to its step target
+        return next(c for c in pl.candidates(req, [], [d, peer]) if c.decode_worker == "decode-1")
+
+    peer.model.step_target_s = 1.0
+    before_one, before_two = on_peer(one), on_peer(two)
+    pl.target_for = lambda w, slo: 1e-4  # a target far under every chunk, once placed there
+    assert on_peer(one) == before_one
+    assert on_peer(two).ttft_s > before_two.ttft_s
+
+
+def test_the_first_token_of_a_request_of_one_token_books_no_decode():
+    """Its first (and only) token ends its prefill on the worker that answers it, and books no
+    decode there."""
+    p, d = trained("prefill-0", "prefill", seed=3), trained("decode-0", "decode", seed=4)
+    one = shape(16, max_tokens=1)
+    chosen = planner().decide(one, [p], [d]).chosen
+    assert chosen.decode_worker == "prefill-0"
+    track = Tracker("one", 0.0, "colocated", Frontend.GRPC, 16, chosen.ttft_s)
+    states = {w.worker_id: w for w in (p, d)}
+    books = RequestBooks("one", track, Mock(), RequestCounts(), deque(), states, Mock())
+    books.place(one, chosen)
+    chunk = TokenChunk("one", (7,), True, "length", 16, 0, "prefill-0", time.monotonic())
+    books.took(chunk)
+    assert (p.queued_prefills, p.batch) == (0, 0)
