@@ -46,7 +46,8 @@ class PrefillWorker(KVSenderSide, KVEndpoint, EngineHost):
 
     async def abort(self, request_id: str) -> None:
         """Stop a prefill (the client left): `prefill` then returns without a first token, its
-        send ends FAILED and its blocks are freed; for good (KVSenderSide.abort_prefill)."""
+        send ends FAILED and its blocks are freed; for good (KVSenderSide.abort_prefill). A
+        request answered here (`generate`) ends as aborted, its blocks freed, the same way."""
         await self.abort_prefill(request_id)
 
     def shutdown(self) -> None:

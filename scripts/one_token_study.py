@@ -1,7 +1,7 @@
 """The requests of one token (max_tokens 1: scores) against the others in `pdserve bench` JSON
 files, per policy: where the one-token requests ran, their TTFT, and the others' TTFT and gaps.
 
-    .venv/bin/python scripts/one_token_study.py benchmarks/bench-one-token-*.json
+    .venv/bin/python scripts/one_token_study.py benchmarks/one-token/bench-*.json
 
 Prints one table; each row is one policy of one file (its goodput and attainment as the bench
 computed them).

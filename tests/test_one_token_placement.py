@@ -80,7 +80,7 @@ def test_a_fixed_colocated_path_takes_the_least_loaded_worker_able_to_answer():
         )  # fmt: skip
 
 
-def test_auto_never_hands_off_a_request_of_one_token():
+def test_auto_answers_a_request_of_one_token_where_it_is_prefilled():
     """A handoff of a request with nothing to decode only adds a transfer to the same prefill:
     auto answers it where it is prefilled, though its prompt takes longer than an ITL SLO to
     prefill (a prefill beside decodes to come, were there any) and the colocated path's first
