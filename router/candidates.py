@@ -3,7 +3,7 @@
 `answering`) and the disaggregated path over each pair (P, D) of distinct workers
 (router/placement_costs.py prices each one), with what the router has learnt applied to them:
 the path's TTFT bias (the other path's while its own has seen too few first tokens; a prefill
-worker's answers have their own, `answer_correction`), how far TTFT predictions have erred, the step
+worker's answers have their own, `answer_bias`), how far TTFT predictions have erred, the step
 target each decode worker takes once the request is placed there, what the workers' node peers
 run now, the misses that setting a worker decoding causes on its node unless the decodes need
 it at the current rate (router/capacity.py), a pair's failure risk (router/handoff_model.py
@@ -59,8 +59,10 @@ class Candidates:
         self.transfer = transfer
         self.health = health or HandoffHealth()
         self.bias = {RoutePath.COLOCATED: Bias(), RoutePath.DISAGGREGATED: Bias()}
-        # A prefill worker's answers (one token) have their own: a queue and a prefill there,
-        # neither a colocated prompt's chunks beside decodes nor a handoff's transfer.
+        # A prefill worker's answers (one token) have their own, none until it has seen enough
+        # of them: a queue and a prefill there, neither a colocated prompt's chunks beside
+        # decodes nor a handoff's transfer and hops (on the suite's tiny model, the handoffs'
+        # correction put an idle prefill worker's answer at 3x a decode worker's).
         self.answer_bias = Bias()
         # Admission's factor on predicted TTFT (router/admission.py ttft_margin), set by the core.
         self.ttft_margin = 1.0
@@ -88,14 +90,6 @@ class Candidates:
             RoutePath.DISAGGREGATED if path is RoutePath.COLOCATED else RoutePath.COLOCATED
         ]
         return other if other.trained else own
-
-    def answer_correction(self) -> Bias:
-        """The TTFT correction a prefill worker's answer takes: the answers' own (`answer_bias`),
-        or while it has seen too few first tokens, the handoffs' (whose error is mostly that of
-        the prefill worker's queue) where trained, else none (not the colocated path's: chunks
-        beside decodes)."""
-        own, handoffs = self.answer_bias, self.bias[RoutePath.DISAGGREGATED]
-        return handoffs if handoffs.trained and not own.trained else own
 
     def candidates(
         self,
@@ -131,7 +125,7 @@ class Candidates:
         out: list[PathPrediction] = []
         b = self.ttft_bias(RoutePath.COLOCATED)
         for d in whole:
-            own = self.answer_correction() if d.info.role == WorkerRole.PREFILL else b
+            own = self.answer_bias if d.info.role == WorkerRole.PREFILL else b
             with d.model.target_at_most(limits[d.worker_id]):
                 out.append(predict_colocated(req, d, own, shared[d.worker_id], width))
         local = {c.decode_worker: c.ttft_s for c in out}
