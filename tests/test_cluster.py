@@ -260,3 +260,24 @@ def test_a_worker_running_other_code_refuses_itself_before_its_model_loads(clust
     assert f"pdserve worker code {code_id()} is not the router's (0123456789abcdef)" in error
     assert "LLMEngine" not in error, error  # it struck before the engine was built
     assert refused_at_start(error) == other_code(code_id())
+
+
+def test_a_prefill_worker_answers_a_request_of_one_token_and_refuses_a_longer_one(cluster):
+    """Placed colocated on a prefill worker, a request of one token is answered there (the
+    greedy token transformers gives, its blocks freed); one of two tokens is refused there,
+    naming the worker and its max_tokens, and leaves nothing behind."""
+    import ray
+
+    [prompt] = random_prompts([21], seed=917)
+    at = Placement(path=RoutePath.COLOCATED, request_id="one", decode_worker="prefill-1")
+
+    async def tokens(params: SamplingParams, placement: Placement) -> list[int]:
+        return [t async for c in cluster.generate(prompt, params, placement) for t in c.token_ids]
+
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    assert gather([tokens(one, at)]) == [hf_greedy("tiny-llama", prompt, 1)]
+    two = SamplingParams(max_tokens=2, temperature=0.0)
+    at2 = Placement(path=RoutePath.COLOCATED, request_id="two", decode_worker="prefill-1")
+    with pytest.raises(ray.exceptions.RayTaskError, match="prefill-1 is a prefill worker.*not 2"):
+        gather([tokens(two, at2)])
+    assert_pools_full(cluster)
