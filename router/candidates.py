@@ -111,15 +111,18 @@ class Candidates:
         self.decoders_needed = len(needed)
         whole = answering(req, prefill, decode)
         # A request of one token sets no worker decoding, and tightens no step target.
-        decodes = req.decodes
         shared = {
-            d.worker_id: shared_misses(d, workers) if decodes and d.worker_id not in needed else 0.0
+            d.worker_id: shared_misses(d, workers)
+            if req.decodes and d.worker_id not in needed
+            else 0.0
             for d in whole
         }
         width = self.ttft_spread.width
         # Each decode worker's step target as it will be once this request is placed there.
         limits = {
-            d.worker_id: self.target_for(d, req.slo_itl_s) if self.target_for and decodes else None
+            d.worker_id: self.target_for(d, req.slo_itl_s)
+            if self.target_for and req.decodes
+            else None
             for d in whole
         }
         out: list[PathPrediction] = []

@@ -199,13 +199,10 @@ def _lean(d: WorkerState, prefills_there: bool, decodes: bool = True) -> tuple[b
     to decode itself. A request of one token (not `decodes`) adds a prefill and no decode: it
     leans to a prefill worker (ANSWER_LEAN: no decodes ever run there), then to where the
     fewest decodes run or are to come (prefills go where none run)."""
+    n = d.batch + d.local_prefills
     if not decodes:
-        if d.info.role == WorkerRole.PREFILL:
-            return ANSWER_LEAN
-        n = d.batch + d.local_prefills
-        return False, n > 0, n
+        return ANSWER_LEAN if d.info.role == WorkerRole.PREFILL else (False, n > 0, n)
     if d.info.role != WorkerRole.BOTH:
         return False, prefills_there, 0
-    n = d.batch + d.local_prefills
     room = n + 1 <= d.info.max_num_seqs and d.load_score < GATHER_MAX_LOAD
     return True, prefills_there, -n if room else n

@@ -111,7 +111,7 @@ def _tie_broken(
         )
         return "cost_prefill_beside"
     both, prefills, lean = chosen.decode_lean
-    if not req.decodes:  # its prefill's lean (placement_costs.py _without_gaps)
+    if not req.decodes:  # its prefill's lean (placement_costs.py _lean)
         on = "a prefill worker" if chosen.answered else f"{lean} decodes running or to come"
         parts.append(
             f"answered on {chosen.decode_worker} ({on}): one token, nothing to decode; not "
@@ -233,9 +233,10 @@ class Planner(Candidates):
         usable = [c for c in cands if not c.failing] or cands
         # Nothing to decode: a handoff adds a transfer to the prefill (taken only where
         # admission would refuse every placement answering it where it is prefilled).
-        local = [c for c in usable if c.path is RoutePath.COLOCATED]
-        if not req.decodes and any(not c.refused for c in local):
-            usable = local
+        if not req.decodes:
+            local = [c for c in usable if c.path is RoutePath.COLOCATED]
+            if any(not c.refused for c in local):
+                usable = local
         chosen = choose(usable, req)
         # The other paths' best that could be taken, against which the reason weighs the
         # choice; a path with none is said as why (the best of those that cannot).
